@@ -1,0 +1,90 @@
+"""Token sampling with the Anthropic Messages API's knobs.
+
+Order of the logits processors is HF's (temperature, then top_k, then top_p), so a
+seeded run here and `transformers`' sampling filter the same candidates.
+temperature == 0 means greedy. A seed makes sampling reproducible: the random
+draws come from a private `torch.Generator`, never the global RNG.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCE_CHARS = 256
+
+
+class SamplingError(ValueError):
+    """Sampling parameters out of range; raised before any compute."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_sequences: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 1.0:
+            raise SamplingError(f"temperature must be in [0, 1], got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise SamplingError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if len(self.stop_sequences) > MAX_STOP_SEQUENCES:
+            raise SamplingError(f"at most {MAX_STOP_SEQUENCES} stop_sequences are allowed")
+        for s in self.stop_sequences:
+            if not s or len(s) > MAX_STOP_SEQUENCE_CHARS:
+                raise SamplingError(
+                    f"each stop sequence must have 1 to {MAX_STOP_SEQUENCE_CHARS} characters, got {s!r}"
+                )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    if params.is_greedy:
+        return None
+    g = torch.Generator(device=device)
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick the next token for each row. logits: [B, V] fp32 -> [B] int64."""
+    if params.is_greedy:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p is not None and params.top_p < 1.0:
+        logits = _top_p_filter(logits, params.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    # Exponential-race sampling (argmax of p / Exp(1)) draws exactly from `probs`
+    # without multinomial's cumulative-sum pass.
+    q = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / q).argmax(dim=-1)
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    # Keep the smallest set of tokens whose probability mass reaches top_p (HF's rule:
+    # drop a token when the mass of strictly more likely tokens already exceeds top_p).
+    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cum <= (1.0 - top_p)
+    drop_sorted[..., -1:] = False  # always keep the most likely token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
