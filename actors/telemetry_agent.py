@@ -1,0 +1,213 @@
+"""The per-node telemetry agent, the request actors' allocator report, and Ray helpers.
+
+Ray and torch are imported lazily, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
+
+from actors.telemetry import (
+    ActorMemoryReport,
+    DeviceReading,
+    NodeTelemetry,
+    Source,
+    TelemetryConfig,
+    combine,
+    ewma,
+    largest_inactive_block,
+    open_source,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TelemetryAgent:
+    """Polls one node in a background thread; `ensure_agents` runs it as a Ray actor.
+
+    A plain class so it runs (and is tested) without Ray. `snapshot()` recombines
+    the last reading with the current reports, so a `report` shows at once, and it
+    never waits on the source.
+    """
+
+    def __init__(self, node_id: str, config: TelemetryConfig, source: Source | None = None) -> None:
+        self._node_id = node_id
+        self._config = config
+        self._source = source if source is not None else open_source()
+        self._lock = threading.Lock()  # guards the fields below, written by the poll thread
+        self._readings: tuple[DeviceReading, ...] = ()
+        self._utilization: dict[int, float] = {}  # device index -> EWMA
+        self._sampled_at = 0.0
+        self._reports: dict[str, ActorMemoryReport] = {}
+        self._is_failing = False
+        self._stop_event = threading.Event()
+        self._poll()  # so the first snapshot already has data; a source that cannot read fails here
+        self._thread = threading.Thread(target=self._run, name="zq-telemetry-poll", daemon=True)
+        self._thread.start()
+        log.info("telemetry agent on node %s: %s source, %d device(s), every %.3f s",
+                 node_id, self._source.kind, len(self._readings), config.poll_interval_s)
+
+    def snapshot(self) -> NodeTelemetry:
+        with self._lock:
+            readings, utilization = self._readings, dict(self._utilization)
+            reports, sampled_at = tuple(self._reports.values()), self._sampled_at
+        devices = tuple(
+            combine(self._node_id, r, reports, utilization[r.device_index], sampled_at) for r in readings
+        )
+        return NodeTelemetry(self._node_id, devices, sampled_at)
+
+    def report(self, report: ActorMemoryReport) -> None:
+        if not isinstance(report, ActorMemoryReport):
+            raise TypeError(f"expected an ActorMemoryReport, got {type(report).__name__}")
+        with self._lock:
+            known = {r.device_index for r in self._readings}
+            if report.device_index not in known:
+                raise ValueError(f"{report.actor_name}: node {self._node_id} has no {self._source.kind} "
+                                 f"device {report.device_index} (has {sorted(known)})")
+            self._reports[report.actor_name] = report
+
+    def forget(self, actor_name: str) -> bool:
+        """Drop an actor's report; False if it had none."""
+        with self._lock:
+            return self._reports.pop(actor_name, None) is not None
+
+    def stop(self) -> None:
+        """Stop polling and release the source. Idempotent; snapshots keep the last poll."""
+        if self._stop_event.is_set():
+            return
+        self._stop_event.set()
+        self._thread.join(timeout=self._config.poll_interval_s + 5.0)
+        if self._thread.is_alive():
+            # Stuck inside the source; closing NVML under a live call is unsafe, and
+            # the daemon thread dies with the process.
+            log.warning("telemetry poll thread on %s did not stop within its deadline", self._node_id)
+            return
+        self._source.close()
+
+    def _run(self) -> None:
+        # Fixed-rate schedule: sleeping a full interval after each poll would drift
+        # by the poll's own duration.
+        interval = self._config.poll_interval_s
+        next_poll = time.monotonic() + interval
+        while not self._stop_event.wait(max(0.0, next_poll - time.monotonic())):
+            next_poll = max(next_poll + interval, time.monotonic())
+            try:
+                self._poll()
+            except Exception:
+                # A transient NVML error must not kill the agent; the snapshot's
+                # sampled_at stops advancing, which the registry can see.
+                if not self._is_failing:
+                    log.exception("telemetry poll failed on %s; keeping the last reading", self._node_id)
+                self._is_failing = True
+            else:
+                if self._is_failing:
+                    log.info("telemetry polling recovered on %s", self._node_id)
+                self._is_failing = False
+
+    def _poll(self) -> None:
+        readings = self._source.read()
+        sampled_at = time.time()
+        alpha = self._config.ewma_alpha
+        with self._lock:
+            self._utilization = {
+                r.device_index: ewma(self._utilization.get(r.device_index), r.utilization, alpha) for r in readings
+            }
+            self._readings, self._sampled_at = readings, sampled_at
+
+
+def allocator_report(
+    actor_name: str, device_index: int, accounted_bytes: int, cuda_device: int | None = None
+) -> ActorMemoryReport:
+    """The `ActorMemoryReport` a request actor sends to its node's agent.
+
+    CUDA path iff this process has initialised CUDA (it holds device memory only
+    then): reserved/allocated from `torch.cuda.memory_stats(cuda_device)` and the
+    largest cached block from `torch.cuda.memory_snapshot()`; `cuda_device` is the
+    torch index (default: current), `device_index` the node's NVML index (under Ray
+    a `num_gpus=1` actor reads it from `ray.get_gpu_ids()`). Otherwise the actor's
+    exact accounting is all there is: allocated = reserved = accounted, nothing cached.
+    """
+    import torch
+
+    if accounted_bytes < 0:
+        raise ValueError(f"{actor_name}: accounted_bytes must be >= 0, got {accounted_bytes}")
+    if not torch.cuda.is_initialized():
+        return ActorMemoryReport(actor_name, device_index, accounted_bytes, accounted_bytes, accounted_bytes, 0)
+    device = torch.cuda.current_device() if cuda_device is None else cuda_device
+    stats = torch.cuda.memory_stats(device)
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
+    allocated = min(int(stats.get("allocated_bytes.all.current", 0)), reserved)
+    largest = largest_inactive_block(torch.cuda.memory_snapshot(), device)
+    # The two calls are not atomic; another thread may allocate in between.
+    largest = min(largest, reserved - allocated)
+    return ActorMemoryReport(actor_name, device_index, accounted_bytes, reserved, allocated, largest)
+
+
+# ---------------------------------------------------------------- Ray helpers
+
+
+def agent_name(node_id: str) -> str:
+    return f"zq-telemetry-{node_id[:12]}"
+
+
+@cache
+def _agent_actor_class() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0)(TelemetryAgent)
+
+
+def ensure_agents(config: TelemetryConfig, namespace: str | None = None) -> dict[str, Any]:
+    """One named detached agent per alive node, created if absent; node id -> actor handle.
+
+    Idempotent: an existing agent is returned as is (with the config it was started with).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    agent_class = _agent_actor_class()
+    handles = {}
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        node_id = node["NodeID"]
+        handles[node_id] = agent_class.options(
+            name=agent_name(node_id),
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(node_id, config)
+    return handles
+
+
+def cluster_snapshot(handles: Mapping[str, Any], timeout_s: float) -> list[NodeTelemetry]:
+    """Every agent's snapshot that arrives within `timeout_s`, in `handles` order.
+
+    A dead or slow agent is skipped with a warning: a stale view of one node must
+    not stall the ingress.
+    """
+    import ray
+
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if not handles:
+        return []
+    refs = {node_id: handle.snapshot.remote() for node_id, handle in handles.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    is_ready = set(ready)
+    snapshots: list[NodeTelemetry] = []
+    for node_id, ref in refs.items():
+        if ref not in is_ready:
+            log.warning("telemetry agent on node %s did not answer within %.2f s; skipped", node_id, timeout_s)
+            continue
+        try:
+            snapshots.append(ray.get(ref, timeout=0))
+        except ray.exceptions.RayError as error:
+            log.warning("telemetry agent on node %s failed; skipped: %s", node_id, error)
+    return snapshots
