@@ -72,7 +72,7 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Parse an HF config.json dict, refusing what the runtime cannot run exactly."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))

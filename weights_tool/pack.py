@@ -1,0 +1,490 @@
+"""HF safetensors checkpoint directory <-> `.zqs` shard file.
+
+`pack` reads tensor bytes straight from the safetensors files by their header offsets
+(memory-mapped, so bf16 stays bit-exact and nothing is converted), groups them by layer,
+compresses each group's frames on a thread pool and writes the file atomically (tmp +
+rename). `unpack` writes the same safetensors layout back: same file names, tensor
+order, dtypes, shapes, bytes and `__metadata__`, plus config.json and the tokenizer files.
+
+Codec choice, per tensor then per frame: a float tensor is byte-grouped when a sample
+of it compresses at least 3% smaller that way; a frame whose compression saves under 2%
+is stored raw (decoding it would only cost).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zstandard
+from tqdm import tqdm
+
+from weights_tool.architecture import CheckpointError, ModelConfig
+from weights_tool.format import (
+    CODEC_BYTEGROUP,
+    CODEC_RAW,
+    CODEC_ZSTD,
+    DEFAULT_BLOCK_BYTES,
+    DTYPE_SIZES,
+    FLOAT_DTYPES,
+    FRAME_ALIGN,
+    PREAMBLE,
+    FrameEntry,
+    GroupEntry,
+    Header,
+    SourceFile,
+    TensorEntry,
+    byte_group,
+    crc32,
+    encode_header,
+    encode_preamble,
+    group_names,
+    group_of,
+)
+from weights_tool.reader import ShardReader
+
+log = logging.getLogger(__name__)
+
+# Measured on normal(0, 0.02) bf16 weights (docs/zqs-format.md): level 1 byte-grouped
+# compresses better (1.46x) than level 3 (1.40x) and twice as fast; zstd's LZ search
+# finds nothing in mantissas, so higher levels only cost.
+DEFAULT_LEVEL = 1
+DEFAULT_MAX_FRAME_BYTES = 64 << 20
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+    "chat_template.jinja", "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt",
+)
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
+_SAMPLE_BYTES = DEFAULT_BLOCK_BYTES  # one transposed block, as the frame will see it
+_BYTEGROUP_MIN_GAIN = 0.97
+_RAW_IF_SAVING_BELOW = 0.02
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: int  # index into the checkpoint's files
+    start: int  # absolute offset in that file
+    size: int
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    config: dict[str, Any]
+    tokenizer_files: dict[str, str]
+    files: list[Path]
+    source_files: tuple[SourceFile, ...]
+    index_metadata: dict[str, Any] | None
+    tensors: dict[str, _Tensor]
+
+
+@dataclass(frozen=True)
+class _FramePlan:
+    codec: str  # CODEC_RAW, CODEC_ZSTD or CODEC_BYTEGROUP (may fall back to raw after compressing)
+    element_size: int
+    tensors: tuple[_Tensor, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(t.size for t in self.tensors)
+
+
+# ---- pack --------------------------------------------------------------------------
+
+
+def pack(
+    hf_dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    level: int = DEFAULT_LEVEL,
+    threads: int = 2,
+    byte_group: bool | str = True,
+    codec: str = CODEC_ZSTD,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    progress: bool = False,
+) -> Path:
+    """Pack an HF safetensors checkpoint directory into `out_path`; returns `out_path`.
+
+    `level=0` or `codec="raw"` stores every frame raw. `byte_group`: True groups float
+    tensors where a sample shows it pays, "always" wherever the dtype allows, False never.
+    """
+    if codec not in (CODEC_ZSTD, CODEC_RAW):
+        raise ValueError(f"codec must be {CODEC_ZSTD!r} or {CODEC_RAW!r}, got {codec!r}")
+    if byte_group not in (True, False, "always"):
+        raise ValueError(f"byte_group must be True, False or 'always', got {byte_group!r}")
+    if not -7 <= level <= zstandard.MAX_COMPRESSION_LEVEL:
+        raise ValueError(f"level {level} outside -7..{zstandard.MAX_COMPRESSION_LEVEL}")
+    if threads < 1 or max_frame_bytes < 1:
+        raise ValueError("threads and max_frame_bytes must be positive")
+    codec = CODEC_RAW if level == 0 else codec
+    out = Path(out_path)
+    ckpt = read_checkpoint(hf_dir)
+    model = ModelConfig.from_hf(ckpt.config)
+    model.check_tensors({n: t.shape for n, t in ckpt.tensors.items()})
+    maps = [np.memmap(f, dtype=np.uint8, mode="r") for f in ckpt.files]
+    views = {n: maps[t.file][t.start : t.start + t.size] for n, t in ckpt.tensors.items()}
+
+    plans = _plan_frames(ckpt, model, views, codec, byte_group, level, max_frame_bytes)
+    packer = {"tool": "zeroqueue weights_tool", "level": level, "codec": codec, "byte_group": byte_group}
+    reserve = len(_worst_case_header(ckpt, model.num_layers, plans, packer))
+    data_start = _align(PREAMBLE.size + reserve)
+    total = sum(p.size for frames in plans.values() for p in frames)
+    log.info("packing %s: %d tensors, %.1f MiB, codec %s level %d", hf_dir, len(views), total / 2**20, codec, level)
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f, ThreadPoolExecutor(threads) as pool, tqdm(
+            total=total, unit="B", unit_scale=True, desc="pack", disable=None if progress else True
+        ) as bar:
+            pos, groups = data_start, []
+            for name, frame_plans in plans.items():
+                frames, tensors = [], []
+                encoded = pool.map(lambda p: _encode(p, views, level), frame_plans)
+                for k, (plan, (frame_codec, chunks)) in enumerate(zip(frame_plans, encoded, strict=True)):
+                    pos = _align(pos)
+                    f.seek(pos)
+                    stored, crc = 0, 0
+                    for chunk in chunks:
+                        f.write(chunk)
+                        stored += memoryview(chunk).nbytes
+                        crc = crc32(chunk, crc)
+                    is_grouped = frame_codec == CODEC_BYTEGROUP
+                    frames.append(FrameEntry(pos, stored, plan.size, frame_codec, crc,
+                                             plan.element_size if is_grouped else 0,
+                                             DEFAULT_BLOCK_BYTES if is_grouped else 0))
+                    offset = 0
+                    for t in plan.tensors:
+                        tensors.append(TensorEntry(t.name, t.dtype, t.shape, name, k, offset, t.size))
+                        offset += t.size
+                    pos += stored
+                    bar.update(plan.size)
+                groups.append(GroupEntry(name, tuple(frames), tuple(tensors)))
+            header = Header(model.num_layers, ckpt.config, ckpt.tokenizer_files, ckpt.source_files,
+                            ckpt.index_metadata, tuple(groups), packer)
+            raw_header = encode_header(header)
+            if PREAMBLE.size + len(raw_header) > data_start:
+                raise AssertionError("header outgrew its reserved space")  # _worst_case_header is wrong
+            f.seek(0)
+            f.write(encode_preamble(raw_header))
+            f.write(raw_header)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("wrote %s (%.1f MiB)", out, out.stat().st_size / 2**20)
+    return out
+
+
+def _plan_frames(
+    ckpt: _Checkpoint, model: ModelConfig, views: dict[str, np.ndarray], codec: str, byte_group: bool | str,
+    level: int, max_frame_bytes: int,
+) -> dict[str, list[_FramePlan]]:
+    """Per group, in load order: frames of tensors that share a codec, each at most max_frame_bytes
+    (a bigger tensor gets a frame of its own)."""
+    expected = list(model.tensor_shapes())
+    order = expected + sorted(set(ckpt.tensors) - set(expected))
+    members: dict[str, list[_Tensor]] = {g: [] for g in group_names(model.num_layers)}
+    for name in order:
+        if name in ckpt.tensors:  # a tied model's lm_head may be absent
+            members[group_of(name)].append(ckpt.tensors[name])
+    plans: dict[str, list[_FramePlan]] = {}
+    for g, tensors in members.items():
+        buckets: dict[tuple[str, int], list[_Tensor]] = {}
+        widths = _byte_grouped_widths(tensors, views, codec, byte_group, level)
+        for t in tensors:
+            width = DTYPE_SIZES[t.dtype]
+            key = (CODEC_BYTEGROUP, width) if t.dtype in FLOAT_DTYPES and width in widths else (codec, 0)
+            buckets.setdefault(key, []).append(t)
+        plans[g] = [p for (c, width), ts in buckets.items() for p in _split_frames(c, width, ts, max_frame_bytes)]
+    return plans
+
+
+def _byte_grouped_widths(
+    tensors: list[_Tensor], views: dict[str, np.ndarray], codec: str, byte_group: bool | str, level: int
+) -> set[int]:
+    """Element widths whose float tensors in this group get byte-grouped.
+
+    Decided per width on the group's largest tensor of that width: Huffman coding ignores
+    byte order, so grouping only pays once a plane fills whole zstd blocks (128 KiB), which
+    small tensors never do alone; in a frame they share blocks with the big ones.
+    """
+    if codec != CODEC_ZSTD or not byte_group:
+        return set()
+    largest: dict[int, _Tensor] = {}
+    for t in tensors:
+        width = DTYPE_SIZES[t.dtype]
+        if t.dtype in FLOAT_DTYPES and (width not in largest or t.size > largest[width].size):
+            largest[width] = t
+    if byte_group == "always":
+        return set(largest)
+    return {w for w, t in largest.items() if _byte_grouping_pays(views[t.name], w, level)}
+
+
+def _split_frames(codec: str, width: int, tensors: list[_Tensor], max_frame_bytes: int) -> list[_FramePlan]:
+    frames: list[_FramePlan] = []
+    current: list[_Tensor] = []
+    current_bytes = 0
+    for t in tensors:
+        if current and current_bytes + t.size > max_frame_bytes:
+            frames.append(_FramePlan(codec, width, tuple(current)))
+            current, current_bytes = [], 0
+        current.append(t)
+        current_bytes += t.size
+    frames.append(_FramePlan(codec, width, tuple(current)))
+    return frames
+
+
+def _byte_grouping_pays(view: np.ndarray, width: int, level: int) -> bool:
+    n = min(len(view), _SAMPLE_BYTES) // width * width
+    if n == 0:
+        return False
+    start = (len(view) - n) // 2 // width * width
+    sample = np.ascontiguousarray(view[start : start + n])
+    cctx = zstandard.ZstdCompressor(level=level)
+    plain = len(cctx.compress(sample))
+    grouped = len(cctx.compress(byte_group(sample, width, DEFAULT_BLOCK_BYTES)))
+    return grouped < plain * _BYTEGROUP_MIN_GAIN
+
+
+def _encode(plan: _FramePlan, views: dict[str, np.ndarray], level: int) -> tuple[str, list[Any]]:
+    """(codec, stored chunks) for one frame; falls back to raw when compression does not pay."""
+    raw = [views[t.name] for t in plan.tensors]
+    if plan.codec == CODEC_RAW:
+        return CODEC_RAW, raw
+    cobj = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compressobj(
+        size=plan.size
+    )
+    if plan.codec == CODEC_BYTEGROUP:
+        pieces: Iterator[Any] = (
+            byte_group(b, plan.element_size, DEFAULT_BLOCK_BYTES) for b in _blocks(raw, DEFAULT_BLOCK_BYTES)
+        )
+    else:
+        pieces = iter(raw)
+    chunks = [cobj.compress(p) for p in pieces]
+    chunks.append(cobj.flush())
+    if sum(len(c) for c in chunks) > plan.size * (1 - _RAW_IF_SAVING_BELOW):
+        return CODEC_RAW, raw
+    return plan.codec, chunks
+
+
+def _blocks(views: list[np.ndarray], block: int) -> Iterator[np.ndarray]:
+    """The concatenation of `views` in pieces of exactly `block` bytes (the last may be short)."""
+    pending: list[np.ndarray] = []
+    num_pending = 0
+    for v in views:
+        pos = 0
+        while pos < len(v):
+            if not pending and len(v) - pos >= block:
+                yield v[pos : pos + block]
+                pos += block
+                continue
+            take = min(block - num_pending, len(v) - pos)
+            pending.append(v[pos : pos + take])
+            num_pending += take
+            pos += take
+            if num_pending == block:
+                yield np.concatenate(pending)
+                pending, num_pending = [], 0
+    if pending:
+        yield np.concatenate(pending)
+
+
+def _worst_case_header(
+    ckpt: _Checkpoint, num_layers: int, plans: dict[str, list[_FramePlan]], packer: dict[str, Any]
+) -> bytes:
+    """The header with every number at its widest, to reserve its space before the frames are written."""
+    big, crc = 2**63 - 1, 2**32 - 1
+    groups = []
+    for name, frame_plans in plans.items():
+        frames = tuple(FrameEntry(big, big, big, p.codec, crc, p.element_size, big) for p in frame_plans)
+        tensors = tuple(TensorEntry(t.name, t.dtype, t.shape, name, big, big, big)
+                        for p in frame_plans for t in p.tensors)
+        groups.append(GroupEntry(name, frames, tensors))
+    return encode_header(Header(num_layers, ckpt.config, ckpt.tokenizer_files, ckpt.source_files,
+                                ckpt.index_metadata, tuple(groups), packer))
+
+
+def _align(n: int) -> int:
+    return -(-n // FRAME_ALIGN) * FRAME_ALIGN
+
+
+# ---- reading a checkpoint directory ---------------------------------------------------
+
+
+def read_checkpoint(hf_dir: str | os.PathLike[str]) -> _Checkpoint:
+    """config.json, tokenizer files and every tensor's place in an HF safetensors directory."""
+    root = Path(hf_dir)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path} not found: a checkpoint directory needs a config.json")
+    config = _read_json(config_path)
+    tokenizer_files = {}
+    for name in TOKENIZER_FILES:
+        if (root / name).is_file():
+            try:
+                tokenizer_files[name] = (root / name).read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                raise CheckpointError(f"{root / name} is not UTF-8 text") from None
+    if (root / "tokenizer.model").is_file():
+        log.warning("%s: tokenizer.model (sentencepiece, binary) is not embedded; tokenizer.json is", root)
+
+    index_metadata = None
+    if (root / INDEX_FILE).is_file():
+        index = _read_json(root / INDEX_FILE)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{root / INDEX_FILE} has no weight_map")
+        index_metadata = index.get("metadata") or {}
+        names = list(dict.fromkeys(weight_map.values()))
+    elif (root / SINGLE_FILE).is_file():
+        weight_map, names = None, [SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+    files, source_files, tensors = [], [], {}
+    for k, name in enumerate(names):
+        path = root / name
+        if not path.is_file() or Path(name).name != name:
+            raise CheckpointError(f"weight file {name!r} listed in {INDEX_FILE} is missing or not a plain name")
+        entries, metadata = _read_safetensors_header(path, k)
+        for t in entries:
+            if t.name in tensors:
+                raise CheckpointError(f"tensor {t.name} is stored twice ({names[tensors[t.name].file]} and {name})")
+            if weight_map is not None and weight_map.get(t.name) != name:
+                raise CheckpointError(f"{name} holds tensor {t.name}, which {INDEX_FILE} places in {weight_map.get(t.name)!r}")
+            tensors[t.name] = t
+        files.append(path)
+        source_files.append(SourceFile(name, metadata, tuple(t.name for t in entries)))
+    if weight_map is not None:
+        absent = [n for n in weight_map if n not in tensors]
+        if absent:
+            raise CheckpointError(f"{INDEX_FILE} lists tensor {absent[0]}, which no weight file holds")
+    return _Checkpoint(config, tokenizer_files, files, tuple(source_files), index_metadata, tensors)
+
+
+def _read_safetensors_header(path: Path, file_index: int) -> tuple[list[_Tensor], dict[str, str] | None]:
+    """The tensors of one safetensors file in data order, every offset checked against the file."""
+    file_size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is too short to be a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_SAFETENSORS_HEADER or 8 + n > file_size:
+            raise CheckpointError(f"{path}: safetensors header size {n} is out of bounds")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    data_start, data_size = 8 + n, file_size - 8 - n
+    tensors = []
+    for name, e in header.items():
+        try:
+            dtype, shape, (begin, end) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for {name}") from None
+        if dtype not in DTYPE_SIZES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size
+                and end - begin == numel * DTYPE_SIZES[dtype]):
+            raise CheckpointError(f"{path}: tensor {name} has data_offsets {[begin, end]} inconsistent with "
+                                  f"{dtype} x {list(shape)} in {data_size} data bytes")
+        tensors.append(_Tensor(name, dtype, shape, file_index, data_start + begin, end - begin))
+    tensors.sort(key=lambda t: t.start)
+    return tensors, metadata
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+# ---- unpack ------------------------------------------------------------------------
+
+
+def unpack(zqs_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, progress: bool = False) -> Path:
+    """Write the checkpoint a `.zqs` file was packed from: safetensors files, index, config, tokenizer."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with ShardReader(zqs_path) as reader:
+        h = reader.header
+        dests: dict[str, np.ndarray] = {}
+        written: list[tuple[Path, Path, np.memmap | None]] = []
+        try:
+            for sf in h.source_files:
+                tmp, final = out / f".{sf.name}.tmp", out / sf.name
+                data_size, raw_header = _safetensors_header(sf, reader)
+                with open(tmp, "wb") as f:
+                    f.write(struct.pack("<Q", len(raw_header)) + raw_header)
+                    f.truncate(8 + len(raw_header) + data_size)
+                data = None
+                if data_size:  # the tensors decode straight into the mapped file
+                    data = np.memmap(tmp, dtype=np.uint8, mode="r+", offset=8 + len(raw_header), shape=(data_size,))
+                    pos = 0
+                    for name in sf.tensors:
+                        dests[name] = data[pos : pos + reader.tensors[name].size]
+                        pos += reader.tensors[name].size
+                written.append((tmp, final, data))
+            total = sum(g.size for g in h.groups)
+            with tqdm(total=total, unit="B", unit_scale=True, desc="unpack", disable=None if progress else True) as bar:
+                for g in h.groups:
+                    reader.read_group(g.name, into=dests)
+                    bar.update(g.size)
+            dests.clear()
+            for tmp, final, data in written:
+                if data is not None:
+                    data.flush()
+                os.replace(tmp, final)
+        finally:
+            dests.clear()
+            for tmp, _, _ in written:
+                tmp.unlink(missing_ok=True)
+        _write_text(out / "config.json", json.dumps(h.config, indent=2) + "\n")
+        for name, text in h.tokenizer_files.items():
+            _write_text(out / name, text)
+        if h.index_metadata is not None:
+            weight_map = {t: sf.name for sf in h.source_files for t in sf.tensors}
+            index = {"metadata": h.index_metadata, "weight_map": dict(sorted(weight_map.items()))}
+            _write_text(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+    return out
+
+
+def _safetensors_header(sf: SourceFile, reader: ShardReader) -> tuple[int, bytes]:
+    header: dict[str, Any] = {} if sf.metadata is None else {"__metadata__": sf.metadata}
+    pos = 0
+    for name in sf.tensors:
+        t = reader.tensors[name]
+        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.size]}
+        pos += t.size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return pos, raw + b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes with spaces
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(text.encode("utf-8"))
+    os.replace(tmp, path)
