@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_STOP_SEQUENCES = 16
-MAX_STOP_SEQUENCE_CHARS = 256
+from actors.stop_sequences import MAX_STOP_SEQUENCE_CHARS, MAX_STOP_SEQUENCES
 
 
 class SamplingError(ValueError):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# The API refuses more, so no request ever reaches the runtime with them.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCE_CHARS = 256
+
 
 class StopSequenceFilter:
     """Releases streamed text, holding back any tail that could still become a stop sequence.
