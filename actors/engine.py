@@ -43,6 +43,7 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class TokenEvent:
+    token_id: int
     text: str  # text released by this token; "" while held back (split UTF-8, stop-sequence prefix)
     num_output_tokens: int
     time: float  # epoch seconds when the token was sampled
@@ -68,33 +69,20 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self.device = next(model.parameters()).device
 
-    def count_tokens(self, messages: tuple[Message, ...], system: str | None = None) -> int:
-        return len(self.tokenizer.encode_chat(_as_dicts(messages), system=system))
-
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize and validate; raises before any compute. Returns the prompt token ids."""
-        if not request.messages:
-            raise ValueError("messages must not be empty")
-        prompt = self.tokenizer.encode_chat(_as_dicts(request.messages), system=request.system)
-        need = len(prompt) + request.sampling.max_tokens
-        if need > self.max_context:
-            raise ContextWindowError(
-                f"prompt is {len(prompt)} tokens and max_tokens is {request.sampling.max_tokens}: "
-                f"{need} exceeds the context window of {self.max_context} tokens"
-            )
-        return prompt
+        return build_prompt(self.tokenizer, request, self.max_context)
 
     @torch.inference_mode()
     def generate(
         self,
-        request: GenerationRequest,
+        prompt: list[int],
+        params: SamplingParams,
         *,
-        prompt_ids: list[int] | None = None,
         cancel: Callable[[], bool] | None = None,
         wait_layer: Callable[[int], None] | None = None,
     ) -> Iterator[TokenEvent | FinishEvent]:
-        prompt = prompt_ids if prompt_ids is not None else self.prepare(request)
-        params = request.sampling
+        """Stream one completion of `prompt` (token ids from `prepare`)."""
         model = self.model
         model.setup_cache(max_seq_len=len(prompt) + params.max_tokens)
         generator = make_generator(params, self.device)
@@ -114,26 +102,23 @@ class Engine:
                 num_out += 1
                 last_time = time.time()
                 first_time = first_time or last_time
-                if token_id in self.eos_token_ids:
-                    stop_reason = "end_turn"
-                    tail, _ = stops.push(decoder.flush())
-                    tail += stops.flush()
-                    if tail:
-                        yield TokenEvent(tail, num_out, last_time)
-                    break
-                text, matched = stops.push(decoder.push(token_id))
-                yield TokenEvent(text, num_out, last_time)
+                is_eos = token_id in self.eos_token_ids
+                is_last = is_eos or num_out >= params.max_tokens
+                # Exactly one event per sampled token; the last one also flushes held-back text.
+                piece = decoder.flush() if is_eos else decoder.push(token_id)
+                if is_last and not is_eos:
+                    piece += decoder.flush()
+                text, matched = stops.push(piece)
+                if matched is None and is_last:
+                    text += stops.flush()
+                yield TokenEvent(token_id, text, num_out, last_time)
                 if matched is not None:
                     stop_reason, stop_sequence = "stop_sequence", matched
                     break
-                if num_out >= params.max_tokens:
-                    tail, matched = stops.push(decoder.flush())
-                    if matched is not None:
-                        stop_reason, stop_sequence = "stop_sequence", matched
-                    else:
-                        tail += stops.flush()
-                    if tail:
-                        yield TokenEvent(tail, num_out, last_time)
+                if is_eos:
+                    stop_reason = "end_turn"
+                    break
+                if is_last:
                     break
                 if cancel is not None and cancel():
                     stop_reason = "cancelled"
@@ -152,6 +137,24 @@ class Engine:
             first_token_time=first_time,
             last_token_time=last_time,
         )
+
+
+def build_prompt(tokenizer: Tokenizer, request: GenerationRequest, max_context: int) -> list[int]:
+    """The prompt token ids for `request`, refused before any compute when it cannot fit.
+
+    Needs only the tokenizer and the context window, so the ingress can run it
+    before choosing an actor.
+    """
+    if not request.messages:
+        raise ValueError("messages must not be empty")
+    prompt = tokenizer.encode_chat(_as_dicts(request.messages), system=request.system)
+    need = len(prompt) + request.sampling.max_tokens
+    if need > max_context:
+        raise ContextWindowError(
+            f"prompt is {len(prompt)} tokens and max_tokens is {request.sampling.max_tokens}: "
+            f"{need} exceeds the context window of {max_context} tokens"
+        )
+    return prompt
 
 
 def _as_dicts(messages: tuple[Message, ...]) -> list[dict[str, str]]:

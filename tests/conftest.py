@@ -29,3 +29,33 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A random-weight `tiny` Llama checkpoint in HF layout (fp32)."""
+    from weights_tool.synth import synthesize
+
+    return synthesize("tiny", tmp_path_factory.mktemp("tiny-hf"), dtype="float32", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_zqs(tiny_checkpoint, tmp_path_factory):
+    """The `tiny` checkpoint packed into a `.zqs` shard file."""
+    from weights_tool.pack import pack
+
+    return pack(tiny_checkpoint, tmp_path_factory.mktemp("tiny-zqs") / "tiny.zqs")
+
+
+@pytest.fixture(scope="session")
+def layered_zqs(tmp_path_factory):
+    """A model whose load takes long enough (tens of ms) that overlap with prefill is observable."""
+    from weights_tool.pack import pack
+    from weights_tool.synth import preset_config, synthesize
+
+    cfg = preset_config("tiny") | {
+        "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4,
+    }
+    hf = synthesize(cfg, tmp_path_factory.mktemp("layered-hf"), dtype="float32", seed=5)
+    return pack(hf, tmp_path_factory.mktemp("layered-zqs") / "layered.zqs", level=1)

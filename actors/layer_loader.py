@@ -1,0 +1,111 @@
+"""Building a runnable model from a `.zqs` shard file alone, its layers streamed in place.
+
+The model is allocated empty (`Transformer.empty`) in the file's dtype and a
+`LayerStream` decompresses every group straight into the parameters' storage: on the
+CPU into the tensors themselves, on CUDA through pinned staging buffers and a side
+stream. Nothing is cast or copied a second time, so the stored dtype is the model's.
+`wait_layer(i)` — the runtime's hook — then blocks compute on group i only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actors.model import Transformer
+from actors.tokenizer import Tokenizer
+from weights_tool.architecture import ModelConfig
+from weights_tool.layer_stream import CudaLayerStream, LayerStream
+from weights_tool.reader import ShardReader
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StreamedModel:
+    """A model whose weights are still arriving; `stream.wait(i)` guards group i."""
+
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    stream: LayerStream
+    reader: ShardReader
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        for i in range(-1, self.config.num_layers + 1):
+            self.stream.wait(i, timeout)
+
+    def close(self) -> None:
+        self.stream.close()
+        self.reader.close()
+
+
+def open_zqs(path: str | Path) -> tuple[ShardReader, ModelConfig, Tokenizer]:
+    """Read and validate the header only: config, tokenizer and tensor table. No frame is touched."""
+    reader = ShardReader(path)
+    try:
+        config = ModelConfig.from_hf(reader.config)
+        config.check_tensors({t.name: tuple(t.shape) for t in reader.tensors.values()})
+        tokenizer = Tokenizer.from_files(
+            reader.tokenizer_files, eos_token_ids=config.eos_token_ids, source=str(path)
+        )
+    except BaseException:
+        reader.close()
+        raise
+    return reader, config, tokenizer
+
+
+def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2) -> StreamedModel:
+    """Start loading `path` into a fresh model on `device`; returns at once, loading goes on."""
+    reader, config, tokenizer = open_zqs(path)
+    try:
+        device = torch.device(device)
+        model = Transformer.empty(config, TORCH_DTYPES[_stored_dtype(reader, config)], device)
+        params = {}
+        for group in range(-1, config.num_layers + 1):
+            params.update(model.group_parameters(group))
+        if config.tie_word_embeddings:
+            params.pop("lm_head.weight", None)
+        dests = {name: p.data for name, p in params.items()}
+        # Tensors the model does not use (a tied checkpoint's stored lm_head, rotary
+        # inv_freq) still arrive with their group; they land in a throwaway buffer.
+        for name, size in ((t.name, t.size) for t in reader.tensors.values() if t.name not in dests):
+            dests[name] = torch.empty(size, dtype=torch.uint8, device=device)
+        if device.type == "cuda":
+            stream: LayerStream = CudaLayerStream(reader, dests, num_threads=num_threads)
+        else:
+            # Flat byte views of the parameters: the stream writes the weights where they live.
+            views = {name: t.reshape(-1).view(torch.uint8).numpy() for name, t in dests.items()}
+            stream = LayerStream(reader, views, num_threads=num_threads)
+    except BaseException:
+        reader.close()
+        raise
+    return StreamedModel(config, model, tokenizer, stream, reader)
+
+
+def load_zqs(
+    path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2
+) -> tuple[Transformer, Tokenizer]:
+    """Load every layer, then return the model and its tokenizer."""
+    streamed = stream_zqs(path, device=device, num_threads=num_threads)
+    try:
+        streamed.wait_all()
+        if streamed.model.device.type == "cuda":
+            torch.cuda.synchronize(streamed.model.device)
+    finally:
+        streamed.close()
+    return streamed.model, streamed.tokenizer
+
+
+def _stored_dtype(reader: ShardReader, config: ModelConfig) -> str:
+    """The one floating dtype the file stores its weights in (the model is built in it)."""
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    stored = {t.dtype for t in reader.tensors.values()}
+    if len(stored) != 1 or next(iter(stored)) not in names:
+        raise ValueError(f"{reader.path}: weights must share one of F32/BF16/F16, found {sorted(stored)}")
+    return names[stored.pop()]

@@ -1,0 +1,149 @@
+"""Per-request actors on a real local Ray cluster: parity, exit, hot reuse, cancel, kill, overlap."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from actors.engine import Engine, GenerationRequest, Message, build_prompt
+from actors.layer_loader import load_zqs, open_zqs
+from actors.request_actor import (
+    ActorConfig,
+    ActorRequest,
+    Completion,
+    Phase,
+    Started,
+    TextChunk,
+    new_actor_name,
+    spawn,
+)
+from actors.sampling import SamplingParams
+
+CONFIG = ActorConfig(namespace="zeroqueue-tests", num_cpus=1, load_threads=1, compute_threads=1)
+
+
+def _request(zqs, max_tokens=16, seed=7, keep_hot=False, temperature=1.0) -> ActorRequest:
+    """Tokenized from the shard file's header alone, as the ingress does."""
+    reader, config, tokenizer = open_zqs(zqs)
+    reader.close()
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    req = GenerationRequest((Message("user", "Why do queues hurt tail latency?"),), sampling)
+    prompt = build_prompt(tokenizer, req, config.max_position_embeddings)
+    return ActorRequest(f"req-{seed}-{time.time_ns()}", tuple(prompt), sampling, keep_hot)
+
+
+def _in_process_tokens(zqs, request: ActorRequest) -> list[int]:
+    model, tokenizer = load_zqs(zqs)
+    events = Engine(model, tokenizer).generate(list(request.prompt_ids), request.sampling)
+    return [e.token_id for e in events if hasattr(e, "token_id")]
+
+
+def _consume(ray, gen) -> tuple[list[TextChunk], Completion]:
+    items = [ray.get(ref) for ref in gen]
+    assert isinstance(items[0], Started) and isinstance(items[-1], Completion)
+    assert all(isinstance(i, TextChunk) for i in items[1:-1])
+    return items[1:-1], items[-1]
+
+
+def _wait_gone(ray, name: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=CONFIG.namespace)
+        except ValueError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor {name} still in Ray's actor table after {timeout}s")
+
+
+def _wait_cpus(ray, expected: float, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU", 0) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.available_resources().get("CPU", 0) >= expected
+
+
+def test_actor_generates_what_the_in_process_runtime_generates_then_exits(ray_cluster, tiny_zqs):
+    ray = ray_cluster
+    free_before = ray.available_resources()["CPU"]
+    request = _request(tiny_zqs)
+    name = new_actor_name("tiny")
+    actor = spawn(str(tiny_zqs), CONFIG, name)
+    chunks, done = _consume(ray, actor.generate.remote(request))
+    assert [c.token_id for c in chunks] == _in_process_tokens(tiny_zqs, request)
+    assert done.output_tokens == len(chunks) == 16 and done.stop_reason == "max_tokens"
+    assert done.is_cold and 0 <= done.first_layers <= 2
+    t = done.timings
+    assert t.actor_start <= t.compute_start <= t.first_token <= t.last_token
+    _wait_gone(ray, name)
+    _wait_cpus(ray, free_before)
+
+
+def test_hot_actor_serves_a_second_request_as_a_fresh_actor_would(ray_cluster, tiny_zqs):
+    ray = ray_cluster
+    first, second = _request(tiny_zqs, seed=1, keep_hot=True), _request(tiny_zqs, seed=2, keep_hot=True)
+    name = new_actor_name("tiny")
+    actor = spawn(str(tiny_zqs), CONFIG, name)
+    _consume(ray, actor.generate.remote(first))
+    status = ray.get(actor.status.remote())
+    assert status.phase == Phase.IDLE and status.num_layers_resident == status.num_layers
+    assert status.num_requests_served == 1
+    hot_chunks, hot_done = _consume(ray, actor.generate.remote(second))
+    assert not hot_done.is_cold
+    fresh_name = new_actor_name("tiny")
+    fresh = spawn(str(tiny_zqs), CONFIG, fresh_name)
+    fresh_chunks, _ = _consume(ray, fresh.generate.remote(ActorRequest("fresh", second.prompt_ids, second.sampling)))
+    assert [c.token_id for c in hot_chunks] == [c.token_id for c in fresh_chunks]
+    phases = [p for p, _ in ray.get(actor.status.remote()).transitions]
+    assert phases == ["STARTING", "LOADING", "PREFILL", "DECODE", "IDLE", "PREFILL", "DECODE", "IDLE"]
+    ray.get(actor.release.remote())
+    _wait_gone(ray, name)
+    _wait_gone(ray, fresh_name)
+
+
+def test_cancel_mid_decode_stops_the_actor_within_a_step(ray_cluster, tiny_zqs):
+    ray = ray_cluster
+    request = _request(tiny_zqs, max_tokens=1500, temperature=0.0, keep_hot=True)
+    name = new_actor_name("tiny")
+    actor = spawn(str(tiny_zqs), CONFIG, name)
+    gen = actor.generate.remote(request)
+    received = 0
+    for ref in gen:
+        ray.get(ref)
+        received += 1
+        if received == 4:  # Started and three tokens
+            ray.cancel(gen)
+            break
+    # A cancelled request does not leave its actor hot: the actor exits.
+    _wait_gone(ray, name)
+
+
+def test_killing_an_actor_mid_load_or_mid_decode_surfaces_an_error(ray_cluster, layered_zqs, tiny_zqs):
+    ray = ray_cluster
+    from ray.exceptions import ActorDiedError, RayActorError
+
+    for zqs, kill_after in ((layered_zqs, 0), (tiny_zqs, 2)):
+        name = new_actor_name("kill")
+        actor = spawn(str(zqs), CONFIG, name)
+        gen = actor.generate.remote(_request(zqs, max_tokens=1500, temperature=0.0))
+        with pytest.raises((ActorDiedError, RayActorError)):
+            for k, ref in enumerate(gen):
+                if k == kill_after:
+                    ray.kill(actor)
+                ray.get(ref)
+        _wait_gone(ray, name)
+
+
+def test_prefill_overlaps_loading(ray_cluster, layered_zqs):
+    ray = ray_cluster
+    config = ActorConfig(namespace=CONFIG.namespace, num_cpus=1, load_threads=1, compute_threads=1, first_layers=1)
+    request = _request(layered_zqs, max_tokens=4)
+    name = new_actor_name("layered")
+    actor = spawn(str(layered_zqs), config, name)
+    _, done = _consume(ray, actor.generate.remote(request))
+    t = done.timings
+    assert done.first_layers == 1
+    assert t.first_layer_resident is not None and t.all_layers_resident is not None
+    assert t.first_layer_compute_start < t.all_layers_resident, t
+    _wait_gone(ray, name)
