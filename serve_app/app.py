@@ -1,0 +1,381 @@
+"""The zero-queue ingress: validate, decide, and either start the request on an actor or refuse it.
+
+Per request (`POST /v1/messages`):
+  1. validate the body (400/404/413 before any work), tokenize with the model's chat
+     template and check the context window;
+  2. `registry.admit(features)`: the pure `decide()` and the reservation it implies, in
+     one atomic call on the shared registry actor (no replica can over-commit a slot);
+  3. act: call the idle hot actor, or create a detached actor on the reserved slot — or
+     answer 503 `overloaded_error` with `retry-after` at once;
+  4. relay the actor's stream as JSON or SSE, then tell the registry how it ended.
+
+Nothing here waits for capacity: every await is on work already placed, and has a deadline.
+`build_app(args)` is the app builder `configs/serve.yaml` names by `import_path`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray import serve
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from actors.engine import ContextWindowError, GenerationRequest, Message, build_prompt
+from actors.layer_loader import open_zqs
+from actors.request_actor import ActorRequest, Completion, RequestActor, Started, TextChunk, new_actor_name
+from actors.sampling import SamplingError, SamplingParams
+from actors.tokenizer import Tokenizer
+from serve_app import api, errors, sse
+from serve_app.config import AppArgs, IngressConfig, ingress_config, resolve_model_path
+from serve_app.errors import ApiError
+from serve_app.metrics import IngressMetrics
+from serve_app.policy import Dispatch, ModelNumbers, Reject, Spawn, request_features
+from serve_app.registry_actor import RegistryConfig, get_registry
+from serve_app.slots import discover_slots
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    id: str
+    display_name: str
+    zqs_path: str
+    tokenizer: Tokenizer
+    numbers: ModelNumbers
+    max_context: int
+    created_at: float
+
+
+@dataclass
+class Admitted:
+    """A request that holds a reservation and an actor stream."""
+
+    request_id: str
+    model: LoadedModel
+    actor_name: str
+    keep_hot: bool
+    is_cold: bool
+    input_tokens: int
+    stream: Any  # ray ObjectRefGenerator
+    started: Started
+    arrival: float
+    dispatch_time: float
+
+
+def _timing(t: float) -> str:
+    return f"{t:.6f}"
+
+
+@serve.deployment(
+    name="zeroqueue",
+    # The ingress only decides and relays; it never waits for capacity, so it takes every
+    # request it is handed. Serve's own queue is cut to the minimum it allows (1): past
+    # max_ongoing_requests Serve answers 503 itself instead of parking requests.
+    max_ongoing_requests=512,
+    max_queued_requests=1,
+    ray_actor_options={"num_cpus": 0},
+    health_check_period_s=5,
+)
+class Ingress:
+    def __init__(self, config: IngressConfig) -> None:
+        self.config = config
+        self.metrics = IngressMetrics()
+        self.models = {m.id: self._load_model(m) for m in config.models}
+        self.registry = get_registry(
+            RegistryConfig(namespace=config.actor.namespace, actor_namespace=config.actor.namespace),
+            config.policy,
+        )
+        slots = discover_slots(config.slots, config.actor)
+        self.slot_nodes = {s.slot_id: s.node_id for s in slots}
+        ray.get(self.registry.register_slots.remote(slots), timeout=30)
+        self._handles: dict[str, Any] = {}
+        log.info("zeroqueue ingress: models %s, %d slots", list(self.models), len(slots))
+
+    @staticmethod
+    def _load_model(spec) -> LoadedModel:
+        path = resolve_model_path(spec)
+        reader, config, tokenizer = open_zqs(path)  # header only: config + tokenizer
+        reader.close()
+        window = config.max_position_embeddings
+        return LoadedModel(
+            id=spec.id, display_name=spec.display_name, zqs_path=str(path), tokenizer=tokenizer,
+            numbers=ModelNumbers.from_config(config),
+            max_context=min(window, spec.max_context) if spec.max_context else window,
+            created_at=path.stat().st_mtime,
+        )
+
+    # ---- HTTP ------------------------------------------------------------------------
+
+    async def __call__(self, request: Request) -> Response:
+        request_id = api.new_request_id()
+        try:
+            self._authenticate(request)
+            route = (request.method, request.url.path.rstrip("/") or "/")
+            if route == ("POST", "/v1/messages"):
+                response = await self._messages(request, request_id)
+            elif route == ("POST", "/v1/messages/count_tokens"):
+                response = await self._count_tokens(request)
+            elif route == ("GET", "/v1/models"):
+                infos = [self._model_info(m) for m in self.models.values()]
+                response = JSONResponse(api.models_response(infos, api.parse_models_query(request.query_params)))
+            elif route[0] == "GET" and route[1].startswith("/v1/models/"):
+                model = self._model(route[1].removeprefix("/v1/models/"))
+                response = JSONResponse(self._model_info(model))
+            elif route == ("GET", "/health"):
+                response = JSONResponse(await self._health())
+            else:
+                raise errors.not_found(f"{request.method} {request.url.path} is not a route of this API")
+        except ApiError as e:
+            self.metrics.errors.inc(tags={"type": e.type})
+            response = JSONResponse(errors.error_body(e, request_id), status_code=e.status, headers=e.headers)
+        except Exception:
+            log.exception("request %s failed", request_id)
+            e = errors.api_error("internal error")
+            response = JSONResponse(errors.error_body(e, request_id), status_code=500)
+        response.headers["request-id"] = request_id
+        return response
+
+    def _authenticate(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("x-api-key")
+        if given is None:
+            auth = request.headers.get("authorization", "")
+            given = auth[7:] if auth[:7].lower() == "bearer " else ""
+        # Constant-time: the comparison takes as long for a near miss as for a wild guess.
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise errors.authentication("invalid x-api-key")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit():
+            api.check_body_size(int(declared), limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            api.check_body_size(len(body), limit)
+        return bytes(body)
+
+    def _model(self, model_id: str) -> LoadedModel:
+        model = self.models.get(model_id)
+        if model is None:
+            raise errors.not_found(f"model: {model_id!r} is not served here; see GET /v1/models")
+        return model
+
+    def _model_info(self, m: LoadedModel) -> dict:
+        from datetime import datetime, timezone
+
+        return api.model_info(m.id, m.display_name, datetime.fromtimestamp(m.created_at, timezone.utc),
+                              max_input_tokens=m.max_context)
+
+    async def _count_tokens(self, request: Request) -> Response:
+        req = api.parse_count_tokens_request(await self._read_body(request))
+        model = self._model(req.model)
+        messages = [{"role": r, "content": t} for r, t in req.flat_messages()]
+        n = len(model.tokenizer.encode_chat(messages, system=req.system_text()))
+        return JSONResponse(api.count_tokens_response(n))
+
+    async def _health(self) -> dict:
+        snap = await asyncio.wait_for(_await(self.registry.snapshot.remote()), timeout=2.0)
+        by_state: dict[str, int] = {}
+        for a in snap.actors:
+            by_state[a.state] = by_state.get(a.state, 0) + 1
+        free_slots = sum(1 for s in snap.slots if s.num_actors == 0)
+        for state in ("starting", "busy", "idle"):
+            self.metrics.actors.set(by_state.get(state, 0), tags={"state": state})
+        self.metrics.free_slots.set(free_slots)
+        return {
+            "status": "ok",
+            "dispatch_latency_us": self.metrics.dispatch_jitter_us(),
+            "actors": by_state,
+            "slots": {"total": len(snap.slots), "free": free_slots,
+                      "free_bytes": sum(s.free_bytes for s in snap.slots)},
+            "models": list(self.models),
+        }
+
+    # ---- /v1/messages ----------------------------------------------------------------
+
+    async def _messages(self, request: Request, request_id: str) -> Response:
+        arrival = time.time()
+        req = api.parse_messages_request(await self._read_body(request))
+        admitted = await self.admit(req, request_id, arrival)
+        headers = {
+            "X-Request-Dispatch-Time": _timing(admitted.dispatch_time),
+            "X-Request-Start-Time": _timing(admitted.started.time),
+        }
+        if req.stream:
+            return StreamingResponse(self._sse(admitted), media_type="text/event-stream",
+                                     headers=headers | {"cache-control": "no-cache"})
+        text, done = await self._collect(admitted)
+        body = api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
+                                    done.input_tokens, done.output_tokens)
+        return JSONResponse(body, headers=headers)
+
+    async def admit(self, req: api.MessagesRequest, request_id: str, arrival: float) -> Admitted:
+        """Validate, decide, act. Returns once the actor has started computing, or raises ApiError."""
+        model = self._model(req.model)
+        if req.is_prefill:
+            raise errors.invalid_request("messages: a final assistant message (prefill) is not supported")
+        try:
+            sampling = SamplingParams(
+                max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                seed=req.seed, stop_sequences=tuple(req.stop_sequences),
+            )
+            messages = tuple(Message(r, t) for r, t in req.flat_messages())
+            prompt = build_prompt(model.tokenizer, GenerationRequest(messages, sampling, req.system_text()),
+                                  model.max_context)
+        except (SamplingError, ContextWindowError) as e:
+            raise errors.invalid_request(str(e)) from None
+        features = request_features(model.id, model.numbers, len(prompt), req.max_tokens, self.config.policy)
+        spawn_name = new_actor_name(model.id)
+        decision = await _await(self.registry.admit.remote(features, spawn_name))
+        kind = type(decision).__name__.lower()
+        self.metrics.decisions.inc(tags={"model": model.id, "kind": kind})
+        if isinstance(decision, Reject):
+            self.metrics.rejections.inc(tags={"reason": decision.reason})
+            self.metrics.observe_dispatch(model.id, time.time() - arrival)
+            if decision.http_status == 400:
+                raise errors.invalid_request(decision.message)
+            raise errors.overloaded(decision.message, decision.retry_after_s or 1.0)
+        actor_request = ActorRequest(request_id, tuple(prompt), sampling, keep_hot=decision.keep_hot)
+        if isinstance(decision, Spawn):
+            name, handle = spawn_name, self._spawn(spawn_name, model, decision)
+        else:
+            assert isinstance(decision, Dispatch)
+            name, handle = decision.actor_name, self._handle(decision.actor_name)
+        stream = handle.generate.remote(actor_request)
+        dispatch_time = time.time()
+        self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
+        self.metrics.queue_wait.observe(dispatch_time - arrival, tags={"model": model.id})
+        admitted = Admitted(request_id, model, name, decision.keep_hot, isinstance(decision, Spawn), len(prompt),
+                            stream, started=None, arrival=arrival, dispatch_time=dispatch_time)
+        try:
+            first = await self._next(admitted, self.config.start_timeout_s)
+            if not isinstance(first, Started):
+                raise RuntimeError(f"actor {name} sent {type(first).__name__} before Started")
+        except BaseException as e:
+            self._ended(admitted, ok=False)
+            raise _as_api_error(e, name) from None
+        admitted.started = first
+        return admitted
+
+    def _spawn(self, name: str, model: LoadedModel, decision: Spawn):
+        options = self.config.actor.actor_options(name)
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.slot_nodes[decision.slot_id], soft=False)
+        handle = ray.remote(RequestActor).options(**options).remote(model.zqs_path, self.config.actor)
+        if decision.keep_hot:
+            self._handles[name] = handle
+        return handle
+
+    def _handle(self, name: str):
+        handle = self._handles.get(name)
+        if handle is None:  # started by another replica
+            handle = self._handles[name] = ray.get_actor(name, namespace=self.config.actor.namespace)
+        return handle
+
+    async def _next(self, admitted: Admitted, timeout: float):
+        return await asyncio.wait_for(_await(await asyncio.wait_for(admitted.stream.__anext__(), timeout)), timeout)
+
+    async def _collect(self, admitted: Admitted) -> tuple[str, Completion]:
+        parts: list[str] = []
+        ok = False
+        try:
+            while True:
+                item = await self._next(admitted, self.config.token_timeout_s)
+                if isinstance(item, TextChunk):
+                    parts.append(item.text)
+                elif isinstance(item, Completion):
+                    ok = True
+                    self._observe(admitted, item)
+                    return "".join(parts), item
+        except BaseException as e:
+            raise _as_api_error(e, admitted.actor_name) from None
+        finally:
+            self._ended(admitted, ok)
+
+    async def _sse(self, admitted: Admitted) -> AsyncIterator[bytes]:
+        out = sse.SseStream(api.new_message_id(), admitted.model.id, admitted.input_tokens)
+        ok = False
+        pending = None
+        try:
+            yield out.start()
+            pending = asyncio.ensure_future(self._next(admitted, self.config.token_timeout_s))
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=self.config.ping_interval_s)
+                if not done:
+                    yield out.ping()
+                    continue
+                item = pending.result()
+                if isinstance(item, TextChunk):
+                    chunk = out.text(item.text)
+                    if chunk:
+                        yield chunk
+                    pending = asyncio.ensure_future(self._next(admitted, self.config.token_timeout_s))
+                elif isinstance(item, Completion):
+                    ok = True
+                    self._observe(admitted, item)
+                    yield out.finish(item.stop_reason, item.stop_sequence, item.output_tokens)
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # the client went away: `_ended` cancels the actor's stream
+        except BaseException as e:
+            yield out.error(_as_api_error(e, admitted.actor_name), admitted.request_id)
+        finally:
+            if pending is not None:
+                pending.cancel()
+            self._ended(admitted, ok)
+
+    def _observe(self, admitted: Admitted, done: Completion) -> None:
+        t, model = done.timings, admitted.model.id
+        if t.first_token is not None:
+            self.metrics.ttft.observe(t.first_token - admitted.arrival,
+                                      tags={"model": model, "kind": "cold" if admitted.is_cold else "hot"})
+            if admitted.is_cold:
+                self.metrics.cold_start.observe(t.first_token - t.actor_start, tags={"model": model})
+        if t.last_token is not None and done.output_tokens > 1:
+            self.metrics.tpot.observe((t.last_token - t.first_token) / (done.output_tokens - 1), tags={"model": model})
+
+    def _ended(self, admitted: Admitted, ok: bool) -> None:
+        """Exactly once per admitted request: release its reservation (the actor may stay hot)."""
+        stays_hot = ok and admitted.keep_hot
+        if not ok:
+            ray.cancel(admitted.stream)  # a cancelled or failed request's actor exits
+            self._handles.pop(admitted.actor_name, None)
+        self.registry.finish.remote(admitted.actor_name, stays_hot)
+
+
+async def _await(ref):
+    return await ref
+
+
+def _as_api_error(e: BaseException, actor_name: str) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, asyncio.TimeoutError):
+        return errors.timeout(f"actor {actor_name} did not answer in time")
+    if isinstance(e, ray.exceptions.RayActorError):
+        return errors.api_error(f"actor {actor_name} died while serving the request")
+    if isinstance(e, ray.exceptions.RayTaskError):
+        return errors.api_error(f"actor {actor_name} failed: {e.cause!r}")
+    return errors.api_error(f"request failed on actor {actor_name}: {e!r}")
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The app builder named in configs/serve.yaml: validate args, bind the ingress."""
+    parsed = AppArgs.model_validate(args)
+    config = ingress_config(parsed)
+    return Ingress.options(
+        num_replicas=parsed.num_replicas, max_ongoing_requests=parsed.max_ongoing_requests
+    ).bind(config)

@@ -1,0 +1,136 @@
+"""The app builder's arguments (pydantic, from `configs/serve.yaml`) and the frozen config they become.
+
+`serve run configs/serve.yaml` hands the YAML's `args:` to `build_app`, which validates
+them here once; every component then receives its own frozen dataclass
+(`PolicyConfig`, `ActorConfig`, `IngressConfig`) at `bind()` time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.request_actor import ActorConfig
+from serve_app.policy import PolicyConfig
+
+GiB = 1 << 30
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelArgs(_Strict):
+    """One served model: a `.zqs` file, or a synthetic demo model made (once) from a preset."""
+
+    id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._\-]+$")
+    zqs_path: str | None = None
+    demo_preset: str | None = None
+    demo_dir: str = ".cache/demo"
+    display_name: str | None = None
+    max_context: int | None = Field(default=None, ge=2)  # caps the model's own window
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelArgs:
+        if (self.zqs_path is None) == (self.demo_preset is None):
+            raise ValueError(f"model {self.id!r}: give exactly one of zqs_path or demo_preset")
+        return self
+
+
+class SlotArgs(_Strict):
+    """Where request actors may run. `auto`: one slot per GPU where the cluster has GPUs, else CPU slots."""
+
+    kind: Literal["auto", "gpu", "cpu"] = "auto"
+    num_cpu_slots: int = Field(default=2, ge=1)
+    cpu_slot_bytes: int = Field(default=4 * GiB, ge=1)
+    # Memory a GPU slot offers when telemetry cannot read it (it normally can, through NVML).
+    gpu_slot_bytes: int | None = Field(default=None, ge=1)
+
+
+class AppArgs(_Strict):
+    models: list[ModelArgs] = Field(min_length=1)
+    slots: SlotArgs = SlotArgs()
+    policy: dict[str, Any] = Field(default_factory=dict)  # PolicyConfig fields
+    actor: dict[str, Any] = Field(default_factory=dict)  # ActorConfig fields
+    # The *name* of an environment variable holding the API key; the key never sits in YAML.
+    api_key_env: str | None = None
+    max_body_bytes: int = Field(default=32 << 20, ge=1024)
+    namespace: str = "zeroqueue"
+    # Every wait has a deadline: for the actor to start computing, and between tokens.
+    start_timeout_s: float = Field(default=300.0, gt=0)
+    token_timeout_s: float = Field(default=60.0, gt=0)
+    ping_interval_s: float = Field(default=5.0, gt=0)
+    num_replicas: int = Field(default=1, ge=1)
+    max_ongoing_requests: int = Field(default=512, ge=1)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> AppArgs:
+        ids = [m.id for m in self.models]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"model ids must be unique, got {ids}")
+        return self
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str
+    zqs_path: str | None
+    demo_preset: str | None
+    demo_dir: str
+    display_name: str
+    max_context: int | None
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    models: tuple[ModelSpec, ...]
+    slots: SlotArgs
+    policy: PolicyConfig
+    actor: ActorConfig
+    api_key: str | None
+    max_body_bytes: int
+    start_timeout_s: float
+    token_timeout_s: float
+    ping_interval_s: float
+
+
+def ingress_config(args: AppArgs) -> IngressConfig:
+    """Turn validated args into the frozen config; resolves the API key from its variable."""
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise ValueError(f"api_key_env names {args.api_key_env!r}, which is unset or empty")
+    actor_fields = dict(args.actor)
+    if "resources" in actor_fields:  # YAML gives a mapping; the frozen config keeps pairs
+        actor_fields["resources"] = tuple(sorted(dict(actor_fields["resources"]).items()))
+    return IngressConfig(
+        models=tuple(
+            ModelSpec(m.id, m.zqs_path, m.demo_preset, m.demo_dir, m.display_name or m.id, m.max_context)
+            for m in args.models
+        ),
+        slots=args.slots,
+        policy=PolicyConfig(**args.policy),
+        actor=ActorConfig(namespace=args.namespace, **actor_fields),
+        api_key=api_key,
+        max_body_bytes=args.max_body_bytes,
+        start_timeout_s=args.start_timeout_s,
+        token_timeout_s=args.token_timeout_s,
+        ping_interval_s=args.ping_interval_s,
+    )
+
+
+def resolve_model_path(spec: ModelSpec) -> Path:
+    """The model's `.zqs` file; a demo model is synthesised and packed on first use."""
+    if spec.zqs_path is not None:
+        path = Path(spec.zqs_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"model {spec.id!r}: no .zqs file at {path}")
+        return path
+    from actors.cli import demo_model
+
+    return demo_model(spec.demo_dir, spec.demo_preset).resolve()

@@ -1,0 +1,54 @@
+"""The ingress's metrics, through Ray's metrics system (exported for Prometheus by every Ray node).
+
+Names are prefixed `zq_`; Ray exports them as `ray_zq_*`. `configs/grafana.json` charts them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ray.util import metrics
+
+_LATENCY_BOUNDARIES = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
+_SECONDS_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
+
+
+class IngressMetrics:
+    def __init__(self, window: int = 1024) -> None:
+        self.dispatch_latency = metrics.Histogram(
+            "zq_dispatch_latency_seconds", "Arrival to decision acted on (actor called or request refused).",
+            boundaries=_LATENCY_BOUNDARIES, tag_keys=("model",))
+        self.queue_wait = metrics.Histogram(
+            "zq_queue_wait_seconds", "Arrival to dispatch of admitted requests; with no queue it is decision time only.",
+            boundaries=_LATENCY_BOUNDARIES, tag_keys=("model",))
+        self.decisions = metrics.Counter("zq_decisions_total", "Decisions by kind.", tag_keys=("model", "kind"))
+        self.rejections = metrics.Counter("zq_rejections_total", "Refused requests by reason.", tag_keys=("reason",))
+        self.errors = metrics.Counter("zq_errors_total", "Responses by error type.", tag_keys=("type",))
+        self.cold_start = metrics.Histogram(
+            "zq_cold_start_seconds", "Actor creation to first token for cold requests.",
+            boundaries=_SECONDS_BOUNDARIES, tag_keys=("model",))
+        self.ttft = metrics.Histogram(
+            "zq_ttft_seconds", "Arrival to first token.", boundaries=_SECONDS_BOUNDARIES, tag_keys=("model", "kind"))
+        self.tpot = metrics.Histogram(
+            "zq_time_per_output_token_seconds", "Decode time per output token after the first.",
+            boundaries=_LATENCY_BOUNDARIES, tag_keys=("model",))
+        self.actors = metrics.Gauge("zq_actors", "Request actors by state (registry view).", tag_keys=("state",))
+        self.free_slots = metrics.Gauge("zq_free_slots", "Slots with no actor.")
+        # Recent dispatch latencies (µs) for /health's jitter figures.
+        self._recent_dispatch_us: deque[float] = deque(maxlen=window)
+
+    def observe_dispatch(self, model: str, seconds: float) -> None:
+        self.dispatch_latency.observe(seconds, tags={"model": model})
+        self._recent_dispatch_us.append(seconds * 1e6)
+
+    def dispatch_jitter_us(self) -> dict[str, float | int]:
+        """p50/p99/max and the spread (p99 - p50) of recent dispatch latencies, in µs."""
+        xs = sorted(self._recent_dispatch_us)
+        if not xs:
+            return {"count": 0}
+
+        def q(p: float) -> float:
+            return round(xs[min(len(xs) - 1, int(p * len(xs)))], 1)
+
+        return {"count": len(xs), "p50": q(0.5), "p99": q(0.99), "max": round(xs[-1], 1),
+                "jitter": round(q(0.99) - q(0.5), 1)}
