@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -66,6 +67,11 @@ class ActorConfig:
     # Load rate assumed before the stream has finished its first layer.
     initial_load_bytes_per_s: float = 1.0e9
     load_timeout_s: float = 300.0
+    # On CPU slots the actors' compute shares cores with the proxy, ingress and registry;
+    # a lower priority keeps admission and refusals fast however busy the slots are.
+    cpu_nice: int = 10
+    # At most one chunk per interval is sent; 0 sends every token on its own.
+    stream_interval_s: float = 0.005
 
     def actor_options(self, name: str) -> dict:
         return {
@@ -116,10 +122,12 @@ class Started:
 
 @dataclass(frozen=True)
 class TextChunk:
-    token_id: int
+    """One or more tokens' text; tokens sampled while the previous chunk was in flight ride together."""
+
+    token_ids: tuple[int, ...]
     text: str
-    num_output_tokens: int
-    time: float
+    num_output_tokens: int  # so far, this chunk included
+    time: float  # when its last token was sampled
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,8 @@ class RequestActor:
         torch.set_num_threads(config.compute_threads)
         if device is None:
             device = "cuda" if config.num_gpus > 0 and torch.cuda.is_available() else "cpu"
+        if device == "cpu" and config.cpu_nice:
+            os.nice(config.cpu_nice)
         # LayerStream reports ready times relative to its own start (perf_counter); this
         # pair maps them to epoch seconds.
         self._epoch_at_stream_start = time.time()
@@ -223,14 +233,23 @@ class RequestActor:
         )
         worker.start()
         completion = None
+        interval = self.config.stream_interval_s
         try:
             while True:
-                item = await events.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, Completion):
-                    completion = item
+                items = [await events.get()]
+                if interval:
+                    # Chunks sent faster than this only cost the relay (a Ray object each),
+                    # so tokens sampled meanwhile travel together.
+                    await asyncio.sleep(interval)
+                while not events.empty():
+                    items.append(events.get_nowait())
+                for item in _coalesce(items):
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if isinstance(item, Completion):
+                        completion = item
+                if completion is not None:
                     break
         finally:
             cancel.set()
@@ -276,7 +295,7 @@ class RequestActor:
                 if isinstance(event, TokenEvent):
                     if event.num_output_tokens == 1:
                         self._state.enter(Phase.DECODE)
-                    emit(TextChunk(event.token_id, event.text, event.num_output_tokens, event.time))
+                    emit(TextChunk((event.token_id,), event.text, event.num_output_tokens, event.time))
                 elif isinstance(event, FinishEvent):
                     emit(self._completion(request, arrival, event, is_cold, first_layers, marks))
         except BaseException as e:  # surfaced to the caller through the stream
@@ -344,6 +363,19 @@ class RequestActor:
         self._state.enter(Phase.EXITED)
         self._streamed.close()
         ray.get_runtime_context().current_actor.shutdown.remote()
+
+
+def _coalesce(items: list) -> list:
+    """Merge runs of consecutive TextChunks into one; every other item keeps its place."""
+    out: list = []
+    for item in items:
+        prev = out[-1] if out else None
+        if isinstance(item, TextChunk) and isinstance(prev, TextChunk):
+            out[-1] = TextChunk(prev.token_ids + item.token_ids, prev.text + item.text,
+                                item.num_output_tokens, item.time)
+        else:
+            out.append(item)
+    return out
 
 
 def new_actor_name(model: str) -> str:

@@ -271,6 +271,24 @@ class Ingress:
         admitted.started = first
         return admitted
 
+    # ---- Python handles (serve.get_app_handle("zeroqueue")) ---------------------------
+
+    async def create(self, request: api.MessagesRequest | dict) -> dict:
+        """The `Message` JSON for a request, as `POST /v1/messages` returns it; raises ApiError."""
+        req = request if isinstance(request, api.MessagesRequest) else api.parse_messages_request(request)
+        admitted = await self.admit(req, api.new_request_id(), time.time())
+        text, done = await self._collect(admitted)
+        return api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
+                                    done.input_tokens, done.output_tokens)
+
+    async def stream(self, request: api.MessagesRequest | dict) -> AsyncIterator[dict]:
+        """The SSE events as dicts (call with `handle.options(stream=True).stream.remote(...)`)."""
+        req = request if isinstance(request, api.MessagesRequest) else api.parse_messages_request(request)
+        admitted = await self.admit(req, api.new_request_id(), time.time())
+        async for chunk in self._sse(admitted):
+            for event in sse.decode_events(chunk):
+                yield event
+
     def _spawn(self, name: str, model: LoadedModel, decision: Spawn):
         options = self.config.actor.actor_options(name)
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.slot_nodes[decision.slot_id], soft=False)

@@ -16,6 +16,7 @@ order so the ingress cannot emit a stream the SDK would choke on.
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 from serve_app.api import check_stop, check_token_count, json_bytes, message_stub
@@ -148,3 +149,17 @@ class SseStream:
             )
         self._phase = next_phase
         self._last_event = event
+
+
+def decode_events(data: bytes) -> list[dict[str, Any]]:
+    """The events in `data` (whole events, as this module encodes them) as their JSON objects.
+
+    Python handle callers get the same events an HTTP client parses, from the one
+    code path that orders them.
+    """
+    events = []
+    for block in data.decode("utf-8").split("\n\n"):
+        for line in block.split("\n"):
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+    return events

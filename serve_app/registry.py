@@ -1,0 +1,332 @@
+"""The registry of slots, request actors and the memory reserved on each slot (pure: no Ray).
+
+One `RegistryState` lives in one place (the `RegistryActor`, registry_actor.py); every
+ingress replica reads `snapshot()`s of it and commits decisions through its
+compare-and-set operations, each of which re-checks its condition and mutates in one
+call. The wrapper runs each call under one lock, so two replicas can never both commit
+the last free bytes of a slot: the second `try_spawn` sees the first one's reservation.
+`admit` does decide-and-commit in one call (no stale snapshot, no retry).
+
+Reservations. An actor holds `resident_bytes` (weights + per-process overhead) for its
+whole life, plus `request_bytes` (KV cache + workspace) while a request runs. A slot's
+`reserved_bytes` is always the sum over its actors (`check_invariants`). Lifecycle:
+
+    try_spawn     -> "starting"  (resident + request reserved)
+    actor_started -> "busy"
+    try_dispatch  -> "busy"      (an "idle" actor; its request bytes reserved again)
+    finish(stays_hot=True)  -> "idle"  (request bytes released)
+    finish(stays_hot=False) / remove   -> forgotten (everything released)
+
+An actor that exits after its request is forgotten at `finish`, before its process has
+quite gone: a new actor on that slot takes seconds to start before it allocates, so the
+overlap is harmless, and waiting for Ray to confirm the exit would idle the slot.
+
+Crashes. `reconcile(alive, now)` compares the registry with the request actors Ray
+lists as alive:
+  - ghosts: registered, not alive, and spawned more than `spawn_grace_s` ago (an actor
+    is committed here before it is created, so a young one may not be listed yet) —
+    forgotten with their reservations (the actor died, or its replica crashed before
+    creating it);
+  - expired: "starting"/"busy" past their `busy_deadline` — the replica that ran the
+    request crashed or the actor hung. Forgotten, and reported for the caller to kill:
+    releasing only the reservation would leave a live actor holding uncounted memory;
+  - retired: idle for more than `max_idle_s` (None: never) — reported to be killed, so
+    idle hot actors of one model do not hold slots forever from another;
+  - orphans: alive request actors the registry does not know (a registry restart, a
+    replica that created an actor after its reservation was reclaimed, an actor still
+    exiting after `finish`) — reported to be killed: nothing reserves their memory.
+
+Time. `now` and `busy_deadline` are epoch seconds from the registry's own clock (the
+wrapper adds a timeout to its own `time.time()`), so replicas' clocks never mix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from serve_app.policy import (
+    ActorState,
+    ActorView,
+    ClusterSnapshot,
+    Decision,
+    Dispatch,
+    Lane,
+    PolicyConfig,
+    RequestFeatures,
+    SlotView,
+    Spawn,
+    decide,
+)
+from serve_app.scorer import RULE_SCORER, Scorer
+
+# `actors.request_actor.new_actor_name` makes "zq-{model}-{12 hex}"; the telemetry agents
+# ("zq-telemetry-{12 hex}") and the registry ("zq-registry...") share the prefix and are
+# excluded by name.
+REQUEST_ACTOR_PATTERN = r"^zq-(?!telemetry-|registry).+-[0-9a-f]{12}$"
+
+
+def is_request_actor_name(name: str, pattern: str = REQUEST_ACTOR_PATTERN) -> bool:
+    return re.match(pattern, name) is not None
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """One accelerator slot (one GPU, or one CPU slot) as the ingress discovers it."""
+
+    slot_id: str
+    node_id: str
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    ghosts: tuple[str, ...] = ()
+    expired: tuple[str, ...] = ()
+    retired: tuple[str, ...] = ()
+    orphans: tuple[str, ...] = ()
+    released_bytes: int = 0
+
+    @property
+    def to_kill(self) -> tuple[str, ...]:
+        return self.expired + self.retired + self.orphans
+
+
+@dataclass
+class _Slot:
+    slot_id: str
+    node_id: str
+    total_bytes: int
+    reserved_bytes: int = 0
+    num_actors: int = 0
+    fragmentation: float = 0.0
+    utilization: float = 0.0
+
+    def view(self) -> SlotView:
+        return SlotView(self.slot_id, self.node_id, self.total_bytes, self.reserved_bytes,
+                        self.num_actors, self.fragmentation, self.utilization)
+
+
+@dataclass
+class _Actor:
+    name: str
+    model: str
+    slot_id: str
+    lane: Lane
+    state: ActorState
+    is_hot: bool
+    resident_bytes: int
+    request_bytes: int
+    spawned_at: float
+    busy_deadline: float | None  # None while idle
+    idle_since: float | None = None
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.resident_bytes + self.request_bytes
+
+    def view(self) -> ActorView:
+        return ActorView(self.name, self.model, self.slot_id, self.state, self.lane, self.is_hot,
+                         self.reserved_bytes)
+
+
+class RegistryState:
+    def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
+                 max_idle_s: float | None = None) -> None:
+        if max_actors_per_slot < 1:
+            raise ValueError(f"max_actors_per_slot must be >= 1, got {max_actors_per_slot}")
+        if spawn_grace_s < 0 or (max_idle_s is not None and max_idle_s < 0):
+            raise ValueError(f"spawn_grace_s and max_idle_s must be >= 0, got {spawn_grace_s}, {max_idle_s}")
+        self.max_actors_per_slot = max_actors_per_slot
+        self.spawn_grace_s = spawn_grace_s
+        self.max_idle_s = max_idle_s
+        self._slots: dict[str, _Slot] = {}  # ordered by slot_id: the first-fit order
+        self._actors: dict[str, _Actor] = {}
+        # Views are rebuilt only for what changed, so a snapshot of 1,000 slots stays cheap.
+        self._slot_views: dict[str, SlotView] = {}
+        self._actor_views: dict[str, ActorView] = {}
+        self._version = 0
+        self._snapshot: ClusterSnapshot | None = None
+
+    # ---- slots -----------------------------------------------------------------------
+
+    def register_slots(self, slots: Iterable[SlotSpec]) -> None:
+        """Add slots, or update the node and total of known ones (never below what is reserved)."""
+        for spec in slots:
+            if spec.total_bytes < 0:
+                raise ValueError(f"slot {spec.slot_id}: total_bytes must be >= 0, got {spec.total_bytes}")
+            slot = self._slots.get(spec.slot_id)
+            if slot is None:
+                slot = self._slots[spec.slot_id] = _Slot(spec.slot_id, spec.node_id, spec.total_bytes)
+            elif spec.total_bytes < slot.reserved_bytes:
+                raise ValueError(f"slot {spec.slot_id}: total_bytes {spec.total_bytes} is below the "
+                                 f"{slot.reserved_bytes} bytes already reserved on it")
+            slot.node_id, slot.total_bytes = spec.node_id, spec.total_bytes
+            self._touch_slot(slot)
+        self._slots = dict(sorted(self._slots.items()))
+        self._slot_views = {k: self._slot_views[k] for k in self._slots}
+
+    def update_slot_stats(self, slot_id: str, fragmentation: float, utilization: float) -> None:
+        slot = self._slots.get(slot_id)
+        if slot is None:
+            raise KeyError(f"unknown slot {slot_id!r}")
+        slot.fragmentation, slot.utilization = fragmentation, utilization
+        self._touch_slot(slot)
+
+    # ---- reads -----------------------------------------------------------------------
+
+    def snapshot(self) -> ClusterSnapshot:
+        if self._snapshot is None:
+            self._snapshot = ClusterSnapshot(
+                tuple(self._slot_views.values()), tuple(self._actor_views.values()), self._version
+            )
+        return self._snapshot
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every slot's books match its actors exactly."""
+        reserved = dict.fromkeys(self._slots, 0)
+        counts = dict.fromkeys(self._slots, 0)
+        for a in self._actors.values():
+            assert a.slot_id in self._slots, f"actor {a.name} is on unknown slot {a.slot_id}"
+            assert a.resident_bytes >= 0 and a.request_bytes >= 0, f"actor {a.name} has negative bytes"
+            assert a.state != "idle" or a.request_bytes == 0, f"idle actor {a.name} holds request bytes"
+            reserved[a.slot_id] += a.reserved_bytes
+            counts[a.slot_id] += 1
+        for s in self._slots.values():
+            assert s.reserved_bytes == reserved[s.slot_id], (
+                f"slot {s.slot_id}: reserved {s.reserved_bytes} != sum over its actors {reserved[s.slot_id]}")
+            assert s.reserved_bytes <= s.total_bytes, f"slot {s.slot_id} over-committed"
+            assert s.num_actors == counts[s.slot_id] <= self.max_actors_per_slot, (
+                f"slot {s.slot_id}: {s.num_actors} actors recorded, {counts[s.slot_id]} registered")
+        assert self.snapshot() == ClusterSnapshot(
+            tuple(s.view() for s in self._slots.values()), tuple(a.view() for a in self._actors.values()),
+            self._version), "the cached snapshot is stale"
+
+    # ---- compare-and-set -------------------------------------------------------------
+
+    def try_spawn(self, decision: Spawn, actor_name: str, model: str, now: float, busy_deadline: float) -> bool:
+        """Reserve `decision.reserve_bytes` on its slot for a new actor, if it still fits."""
+        if actor_name in self._actors:
+            raise ValueError(f"actor {actor_name} is already registered")
+        slot = self._slots.get(decision.slot_id)
+        if (slot is None or slot.total_bytes - slot.reserved_bytes < decision.reserve_bytes
+                or slot.num_actors >= self.max_actors_per_slot):
+            return False
+        actor = _Actor(actor_name, model, slot.slot_id, decision.lane, "starting", decision.keep_hot,
+                       decision.resident_bytes, decision.reserve_bytes - decision.resident_bytes, now, busy_deadline)
+        self._actors[actor_name] = actor
+        slot.reserved_bytes += decision.reserve_bytes
+        slot.num_actors += 1
+        self._touch_slot(slot)
+        self._touch_actor(actor)
+        return True
+
+    def try_dispatch(self, decision: Dispatch, now: float, busy_deadline: float) -> bool:
+        """Mark an idle actor busy and reserve the request's bytes, if it is still idle and they fit."""
+        actor = self._actors.get(decision.actor_name)
+        if actor is None or actor.state != "idle" or actor.slot_id != decision.slot_id:
+            return False
+        slot = self._slots[actor.slot_id]
+        if slot.total_bytes - slot.reserved_bytes < decision.reserve_bytes:
+            return False
+        actor.state, actor.is_hot = "busy", decision.keep_hot
+        actor.request_bytes, actor.busy_deadline, actor.idle_since = decision.reserve_bytes, busy_deadline, None
+        slot.reserved_bytes += decision.reserve_bytes
+        self._touch_slot(slot)
+        self._touch_actor(actor)
+        return True
+
+    def admit(self, features: RequestFeatures, policy: PolicyConfig, spawn_name: str, now: float,
+              scorer: Scorer = RULE_SCORER) -> Decision:
+        """`decide` on the current state and commit it in the same call; a Spawn is named `spawn_name`."""
+        if policy.max_actors_per_slot != self.max_actors_per_slot:
+            raise ValueError(f"policy.max_actors_per_slot={policy.max_actors_per_slot} but the registry "
+                             f"enforces {self.max_actors_per_slot}")
+        decision = decide(features, self.snapshot(), policy, scorer)
+        if isinstance(decision, Spawn):
+            deadline = now + policy.busy_timeout_s(features, is_cold=True)
+            is_committed = self.try_spawn(decision, spawn_name, features.model, now, deadline)
+        elif isinstance(decision, Dispatch):
+            is_committed = self.try_dispatch(decision, now, now + policy.busy_timeout_s(features, is_cold=False))
+        else:
+            return decision
+        if not is_committed:
+            raise RuntimeError(f"{decision} was decided on the current state but failed to commit")
+        return decision
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def actor_started(self, actor_name: str) -> bool:
+        actor = self._actors.get(actor_name)
+        if actor is None or actor.state != "starting":
+            return False
+        actor.state = "busy"
+        self._touch_actor(actor)
+        return True
+
+    def finish(self, actor_name: str, stays_hot: bool, now: float) -> bool:
+        """The actor's request ended. False (and nothing changes) unless it was starting or busy."""
+        actor = self._actors.get(actor_name)
+        if actor is None or actor.state == "idle":
+            return False
+        if not stays_hot:
+            self._forget(actor)
+            return True
+        slot = self._slots[actor.slot_id]
+        slot.reserved_bytes -= actor.request_bytes
+        actor.state, actor.is_hot, actor.request_bytes = "idle", True, 0
+        actor.busy_deadline, actor.idle_since = None, now
+        self._touch_slot(slot)
+        self._touch_actor(actor)
+        return True
+
+    def remove(self, actor_name: str) -> bool:
+        actor = self._actors.get(actor_name)
+        if actor is None:
+            return False
+        self._forget(actor)
+        return True
+
+    def reconcile(self, alive: set[str], now: float) -> ReconcileReport:
+        """Match the registry to Ray's alive request actors, listed at `now` (see the module doc)."""
+        orphans = tuple(sorted(name for name in alive if name not in self._actors))
+        ghosts, expired, retired = [], [], []
+        released = 0
+        for actor in list(self._actors.values()):
+            if actor.name not in alive:
+                if now - actor.spawned_at < self.spawn_grace_s:
+                    continue
+                ghosts.append(actor.name)
+            elif actor.busy_deadline is not None and now > actor.busy_deadline:
+                expired.append(actor.name)
+            elif (self.max_idle_s is not None and actor.idle_since is not None
+                  and now - actor.idle_since > self.max_idle_s):
+                retired.append(actor.name)
+            else:
+                continue
+            released += actor.reserved_bytes
+            self._forget(actor)
+        return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released)
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _forget(self, actor: _Actor) -> None:
+        slot = self._slots[actor.slot_id]
+        slot.reserved_bytes -= actor.reserved_bytes
+        slot.num_actors -= 1
+        del self._actors[actor.name]
+        del self._actor_views[actor.name]
+        self._touch_slot(slot)
+
+    def _touch_slot(self, slot: _Slot) -> None:
+        self._slot_views[slot.slot_id] = slot.view()
+        self._changed()
+
+    def _touch_actor(self, actor: _Actor) -> None:
+        self._actor_views[actor.name] = actor.view()
+        self._changed()
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._snapshot = None

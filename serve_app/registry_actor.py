@@ -1,0 +1,181 @@
+"""The one registry every ingress replica shares: a named, detached Ray actor around `RegistryState`.
+
+Atomicity. Every method that reads or changes the state does so inside one critical
+section under `self._lock`. Ray runs the actor's calls one at a time
+(`max_concurrency=1`), and the only other thread — the reconcile loop — takes the same
+lock, so each compare-and-set (`try_spawn`, `try_dispatch`, `admit`, `finish`, ...) is
+linearizable: of two replicas racing for the last free bytes of a slot, the second one's
+re-check sees the first one's reservation. Replicas keep no state of their own.
+
+Reconciling. A daemon thread runs `reconcile_now` every `reconcile_interval_s`: it lists
+the alive request actors with `ray.util.list_named_actors(all_namespaces=True)` (the
+state API needs the dashboard, which is not always running), reconciles under the lock,
+and then — outside the lock, so that admissions are not held up — kills the actors the
+report names (expired, retired and orphaned; see registry.py). The ingress may also call
+`reconcile_now` itself.
+
+Restarts. The actor restarts if it dies (`max_restarts=-1`) but its state is in memory
+only: a restarted registry has no slots (the ingress re-registers them when a snapshot
+shows none) and kills every running request actor as an orphan at its first pass, since
+nothing reserves their memory any more. Calls are not retried (`max_task_retries=0`): a
+commit is not idempotent, so a call that fails is answered as an error.
+
+Time. Callers pass durations (`busy_timeout_s`); the deadline is this actor's
+`time.time()` plus the duration, so replicas' clocks never meet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import ray
+
+from serve_app.policy import ClusterSnapshot, Decision, Dispatch, PolicyConfig, RequestFeatures, Spawn
+from serve_app.registry import (
+    REQUEST_ACTOR_PATTERN,
+    ReconcileReport,
+    RegistryState,
+    SlotSpec,
+    is_request_actor_name,
+)
+from serve_app.scorer import RULE_SCORER, Scorer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    name: str = "zq-registry"
+    namespace: str = "zeroqueue"  # where the registry lives
+    actor_namespace: str = "zeroqueue"  # where request actors live (ActorConfig.namespace)
+    actor_name_pattern: str = REQUEST_ACTOR_PATTERN
+    reconcile_interval_s: float = 1.0
+    # An actor is committed before it is created; creation shows in Ray's table within
+    # milliseconds, so this only has to outlast a slow ingress between commit and spawn.
+    spawn_grace_s: float = 10.0
+    max_idle_s: float | None = None  # idle hot actors older than this are killed; None: never
+
+    def __post_init__(self) -> None:
+        if not self.reconcile_interval_s > 0:
+            raise ValueError(f"reconcile_interval_s must be > 0, got {self.reconcile_interval_s}")
+
+
+class RegistryActor:
+    def __init__(self, config: RegistryConfig, policy: PolicyConfig, scorer: Scorer | None = None) -> None:
+        self._config = config
+        self._policy = policy
+        self._scorer = scorer or RULE_SCORER
+        self._state = RegistryState(policy.max_actors_per_slot, config.spawn_grace_s, config.max_idle_s)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="zq-registry-reconcile", daemon=True)
+        self._thread.start()
+
+    # ---- slots and reads ---------------------------------------------------------------
+
+    def register_slots(self, slots: Iterable[SlotSpec]) -> None:
+        with self._lock:
+            self._state.register_slots(slots)
+
+    def update_slot_stats(self, stats: dict[str, tuple[float, float]]) -> None:
+        """slot_id -> (fragmentation, utilization), from telemetry."""
+        with self._lock:
+            for slot_id, (fragmentation, utilization) in stats.items():
+                self._state.update_slot_stats(slot_id, fragmentation, utilization)
+
+    def snapshot(self) -> ClusterSnapshot:
+        with self._lock:
+            return self._state.snapshot()
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            self._state.check_invariants()
+
+    # ---- commits ---------------------------------------------------------------------
+
+    def admit(self, features: RequestFeatures, spawn_name: str) -> Decision:
+        """Decide with this registry's policy and scorer, and commit, in one call."""
+        with self._lock:
+            return self._state.admit(features, self._policy, spawn_name, time.time(), self._scorer)
+
+    def try_spawn(self, decision: Spawn, actor_name: str, model: str, busy_timeout_s: float) -> bool:
+        with self._lock:
+            now = time.time()
+            return self._state.try_spawn(decision, actor_name, model, now, now + busy_timeout_s)
+
+    def try_dispatch(self, decision: Dispatch, busy_timeout_s: float) -> bool:
+        with self._lock:
+            now = time.time()
+            return self._state.try_dispatch(decision, now, now + busy_timeout_s)
+
+    def actor_started(self, actor_name: str) -> bool:
+        with self._lock:
+            return self._state.actor_started(actor_name)
+
+    def finish(self, actor_name: str, stays_hot: bool) -> bool:
+        with self._lock:
+            return self._state.finish(actor_name, stays_hot, time.time())
+
+    def remove(self, actor_name: str) -> bool:
+        with self._lock:
+            return self._state.remove(actor_name)
+
+    # ---- reconciling -----------------------------------------------------------------
+
+    def reconcile_now(self) -> ReconcileReport:
+        listed_at = time.time()
+        alive = self._alive_request_actors()
+        with self._lock:
+            report = self._state.reconcile(alive, listed_at)
+        for name in report.to_kill:
+            self._kill(name)
+        if report.ghosts or report.to_kill:
+            log.info("reconcile: ghosts %s, expired %s, retired %s, orphans %s, released %d bytes",
+                     report.ghosts, report.expired, report.retired, report.orphans, report.released_bytes)
+        return report
+
+    def stop(self) -> None:
+        """Stop the reconcile loop (tests; the actor itself is ended with ray.kill)."""
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._config.reconcile_interval_s):
+            try:
+                self.reconcile_now()
+            except Exception:  # a GCS hiccup must not end the loop
+                log.exception("reconcile pass failed")
+
+    def _alive_request_actors(self) -> set[str]:
+        c = self._config
+        return {
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == c.actor_namespace and is_request_actor_name(a["name"], c.actor_name_pattern)
+        }
+
+    def _kill(self, name: str) -> None:
+        try:
+            ray.kill(ray.get_actor(name, namespace=self._config.actor_namespace), no_restart=True)
+        except ValueError:  # already gone
+            pass
+
+
+def get_registry(config: RegistryConfig, policy: PolicyConfig, scorer: Scorer | None = None) -> ray.actor.ActorHandle:
+    """The registry named `config.name` in `config.namespace`, created if it does not exist yet.
+
+    An existing registry keeps the config it was created with.
+    """
+    return ray.remote(RegistryActor).options(
+        name=config.name,
+        namespace=config.namespace,
+        lifetime="detached",
+        get_if_exists=True,
+        max_concurrency=1,
+        num_cpus=0,
+        max_restarts=-1,
+        max_task_retries=0,
+    ).remote(config, policy, scorer)

@@ -1,0 +1,286 @@
+"""The zeroqueue app on real Ray Serve and real HTTP: API, errors, auth, no hidden queue, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+KEY = "zq-test-key-5d1c"
+NAMESPACE = "zq-serve-tests"
+MODEL = "zq-tiny"
+# Every refusal in the burst test must come back within this bound (2-core machine,
+# two actors computing beside the ingress).
+REJECT_BOUND_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def zq(ray_cluster, tiny_zqs):
+    ray = ray_cluster
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    os.environ["ZQ_TEST_API_KEY"] = KEY
+    port = 8765
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({
+        "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}],
+        "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},
+        "policy": {"short_max_input_tokens": 512, "short_max_output_tokens": 256,
+                   "max_hot_short_actors": 1, "max_hot_long_actors": 0},
+        "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
+        "api_key_env": "ZQ_TEST_API_KEY",
+        "max_body_bytes": 64 * 1024,
+        "namespace": NAMESPACE,
+        "ping_interval_s": 0.2,
+    })
+    serve.run(app, name="zeroqueue", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    yield base
+    serve.delete("zeroqueue")
+    serve.shutdown()
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == NAMESPACE:
+            ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE))
+
+
+def _actors(ray) -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(f"zq-{MODEL}-")}
+
+
+def _body(max_tokens=8, stream=False, text="Why do queues hurt tail latency?", **extra) -> dict:
+    return {"model": MODEL, "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": text}], **extra}
+
+
+def _post(base, body, headers=None, **kw) -> httpx.Response:
+    return httpx.post(f"{base}/v1/messages", json=body, headers={"x-api-key": KEY, **(headers or {})},
+                      timeout=60, **kw)
+
+
+def _wait_for(predicate, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sdk_create_and_stream_work_unmodified(zq):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=zq, api_key=KEY, max_retries=0)
+    msg = client.messages.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "hi"}],
+                                 extra_body={"seed": 3, "temperature": 0.7})
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 12 and msg.usage.input_tokens > 0
+    again = client.messages.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "hi"}],
+                                   extra_body={"seed": 3, "temperature": 0.7})
+    assert again.content[0].text == msg.content[0].text  # same seed, same output (cold, then hot)
+    with client.messages.stream(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "hi"}],
+                                extra_body={"seed": 3, "temperature": 0.7}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.usage.output_tokens == 10 and final.stop_reason == "max_tokens"
+    assert text == final.content[0].text and msg.content[0].text.startswith(text[:5])
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
+
+
+def test_timing_and_request_id_headers(zq):
+    r = _post(zq, _body())
+    assert r.status_code == 200, r.text
+    dispatch = float(r.headers["X-Request-Dispatch-Time"])
+    start = float(r.headers["X-Request-Start-Time"])
+    assert r.headers["request-id"].startswith("req_")
+    assert len(r.headers["X-Request-Dispatch-Time"].split(".")[1]) == 6
+    assert dispatch - 0.05 <= start <= dispatch + 60  # the actor starts after the decision
+    with httpx.stream("POST", f"{zq}/v1/messages", json=_body(stream=True), headers={"x-api-key": KEY},
+                      timeout=60) as s:
+        events = [line.removeprefix("event: ") for line in s.iter_lines() if line.startswith("event: ")]
+        assert "X-Request-Start-Time" in s.headers
+    events = [e for e in events if e != "ping"]
+    assert events[:2] == ["message_start", "content_block_start"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(events[2:-3]) == {"content_block_delta"}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "etype"),
+    [
+        ({"model": MODEL, "max_tokens": "12", "messages": [{"role": "user", "content": "x"}]}, 400,
+         "invalid_request_error"),
+        ({"model": MODEL, "max_tokens": 5, "messages": []}, 400, "invalid_request_error"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error"),
+        ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "assistant", "content": "x"}]}, 400,
+         "invalid_request_error"),
+        (_body(temperature=1.5), 400, "invalid_request_error"),
+        (_body(top_p=0), 400, "invalid_request_error"),
+        (_body(top_k=0), 400, "invalid_request_error"),
+        (_body(max_tokens=5000), 400, "invalid_request_error"),  # beyond the 2048-token window
+        ({**_body(), "model": "nope"}, 404, "not_found_error"),
+        (_body(text="x" * 70_000), 413, "request_too_large"),
+    ],
+)
+def test_bad_requests_are_refused_before_any_work(zq, ray_cluster, body, status, etype):
+    before = _actors(ray_cluster)
+    r = _post(zq, body)
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == etype and err["error"]["message"]
+    assert err["request_id"] == r.headers["request-id"]
+    assert _actors(ray_cluster) <= before  # nothing was started for it
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/v1/messages"), ("POST", "/v1/messages/"), ("POST", "/v1/messages/count_tokens"),
+     ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL}"), ("GET", "/health"), ("GET", "/nope"),
+     ("POST", "/v1//messages"), ("GET", "/V1/models")],
+)
+def test_every_route_and_path_variant_needs_the_key(zq, method, path):
+    for headers in ({}, {"x-api-key": "wrong"}, {"x-api-key": KEY[:-1]}, {"authorization": "Bearer nope"}):
+        r = httpx.request(method, f"{zq}{path}", json=_body(), headers=headers, timeout=30)
+        assert r.status_code == 401, (path, headers, r.text)
+        assert r.json()["error"]["type"] == "authentication_error" and "request-id" in r.headers
+    ok = httpx.request(method, f"{zq}{path}", json=_body(max_tokens=2), headers={"authorization": f"Bearer {KEY}"},
+                       timeout=60)
+    assert ok.status_code != 401
+
+
+def test_unknown_route_is_not_found_in_the_api_shape(zq):
+    r = httpx.get(f"{zq}/v2/whatever", headers={"x-api-key": KEY})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_health_reports_jitter_actors_and_slots(zq):
+    _post(zq, _body(max_tokens=2))
+    h = httpx.get(f"{zq}/health", headers={"x-api-key": KEY}).json()
+    assert h["status"] == "ok" and h["slots"]["total"] == 2
+    assert h["dispatch_latency_us"]["count"] >= 1 and h["dispatch_latency_us"]["p50"] > 0
+
+
+def _long_stream(base, stop: threading.Event, started: threading.Event, max_tokens=1900):
+    with httpx.stream("POST", f"{base}/v1/messages", json=_body(max_tokens=max_tokens, stream=True, temperature=0),
+                      headers={"x-api-key": KEY}, timeout=120) as s:
+        for line in s.iter_lines():
+            if line.startswith("event: content_block_delta"):
+                started.set()
+            if stop.is_set():
+                break
+
+
+def test_no_hidden_queue_a_burst_over_capacity_is_refused_at_once(zq, ray_cluster):
+    # Long requests get dedicated actors; fill both slots' worth of long capacity.
+    stop = threading.Event()
+    holders = []
+    for _ in range(2):
+        started = threading.Event()
+        t = threading.Thread(target=_long_stream, args=(zq, stop, started), daemon=True)
+        t.start()
+        holders.append((t, started))
+    try:
+        for _, started in holders:
+            started.wait(30)
+        busy = sum(started.is_set() for _, started in holders)
+        assert busy >= 1
+        before = _actors(ray_cluster)
+
+        def one(_):
+            t0 = time.perf_counter()
+            r = _post(zq, _body(max_tokens=1000))
+            return r, time.perf_counter() - t0
+
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(one, range(16)))
+        print("refusal ms:", sorted(round(e * 1000) for _, e in results))
+        for r, elapsed in results:
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["type"] == "overloaded_error", (r.headers, r.text)
+            assert int(r.headers["retry-after"]) >= 1
+            assert elapsed < REJECT_BOUND_S, f"a refusal took {elapsed * 1000:.0f} ms"
+        assert _actors(ray_cluster) == before  # nothing was created for the refused requests
+    finally:
+        stop.set()
+        for t, _ in holders:
+            t.join(60)
+
+
+def test_actor_killed_mid_stream_ends_the_stream_with_an_error_event(zq, ray_cluster):
+    ray = ray_cluster
+    before = _actors(ray)
+    events = []
+    with httpx.stream("POST", f"{zq}/v1/messages", json=_body(max_tokens=1900, stream=True, temperature=0),
+                      headers={"x-api-key": KEY}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("event: "):
+                events.append(line.removeprefix("event: "))
+            if events.count("content_block_delta") == 2:
+                for name in _actors(ray) - before:
+                    ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    assert events[-1] == "error", events[-5:]
+    assert "message_stop" not in events
+
+
+def test_client_disconnect_frees_the_actor_and_its_reservation(zq, ray_cluster):
+    ray = ray_cluster
+    before = _actors(ray)
+    with httpx.stream("POST", f"{zq}/v1/messages", json=_body(max_tokens=1900, stream=True, temperature=0),
+                      headers={"x-api-key": KEY}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("event: content_block_delta"):
+                break
+        new = _actors(ray) - before
+    assert new
+    _wait_for(lambda: not (_actors(ray) & new), what="the cancelled request's actor to exit")
+
+    def nothing_busy():
+        h = httpx.get(f"{zq}/health", headers={"x-api-key": KEY}).json()
+        return h["actors"].get("busy", 0) == 0 and h["actors"].get("starting", 0) == 0
+
+    _wait_for(nothing_busy, what="the reservation to be released")
+
+
+def test_registry_forgets_a_crashed_hot_actor(zq, ray_cluster):
+    ray = ray_cluster
+    assert _post(zq, _body(max_tokens=2)).status_code == 200  # leaves a hot idle actor
+    for name in _actors(ray):
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+
+    def registry_empty():
+        h = httpx.get(f"{zq}/health", headers={"x-api-key": KEY}).json()
+        return not h["actors"] and h["slots"]["free"] == 2
+
+    _wait_for(registry_empty, what="reconcile to drop the dead actor")
+    assert _post(zq, _body(max_tokens=2)).status_code == 200
+
+
+def test_python_handle_from_another_driver(zq, ray_cluster, tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import json, ray\n"
+        "from ray import serve\n"
+        "from serve_app.api import MessagesRequest\n"
+        "ray.init(address='auto', logging_level='ERROR')\n"
+        "h = serve.get_app_handle('zeroqueue')\n"
+        f"req = MessagesRequest(model='{MODEL}', max_tokens=6, messages=[{{'role': 'user', 'content': 'hi'}}])\n"
+        "msg = h.create.remote(req).result(timeout_s=60)\n"
+        "events = [e['type'] for e in h.options(stream=True).stream.remote(req)]\n"
+        "print(json.dumps({'usage': msg['usage'], 'events': events}))\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["usage"]["output_tokens"] == 6
+    assert result["events"][0] == "message_start" and result["events"][-1] == "message_stop"

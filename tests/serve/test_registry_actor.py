@@ -1,0 +1,167 @@
+"""The shared registry on a real Ray cluster: racing replicas, and reconcile against Ray's actor table."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from serve_app.policy import PolicyConfig, Reject, RequestFeatures, Spawn, decide
+from serve_app.registry import SlotSpec
+from serve_app.registry_actor import RegistryConfig, get_registry
+
+NAMESPACE = "zeroqueue-tests"
+POLICY = PolicyConfig(actor_overhead_bytes=0, max_actors_per_slot=1)
+NUM_ROUNDS = 20
+
+
+class _Dummy:
+    def ping(self) -> str:
+        return "pong"
+
+
+@pytest.fixture
+def make_registry(ray_cluster):
+    ray = ray_cluster
+    created = []
+
+    def make(policy: PolicyConfig = POLICY, **kw):
+        config = RegistryConfig(name=f"zq-registry-test-{uuid.uuid4().hex[:8]}", namespace=NAMESPACE,
+                                actor_namespace=NAMESPACE, **{"reconcile_interval_s": 3600.0, **kw})
+        handle = get_registry(config, policy)
+        created.append(handle)
+        return handle
+
+    yield make
+    for handle in created:
+        ray.kill(handle, no_restart=True)
+
+
+@pytest.fixture
+def dummies(ray_cluster):
+    """Detached actors named like request actors; whatever a test leaves alive is killed after it."""
+    ray = ray_cluster
+    names = []
+
+    def make(is_started: bool = True) -> str:
+        name = f"zq-dummy-{uuid.uuid4().hex[:12]}"
+        handle = ray.remote(_Dummy).options(name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0).remote()
+        names.append(name)
+        assert _is_alive(ray, name)  # a name is in the table from creation on
+        if is_started:
+            assert ray.get(handle.ping.remote()) == "pong"
+        return name
+
+    yield make
+    for name in names:
+        if _is_alive(ray, name):
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+
+
+def _is_alive(ray, name: str) -> bool:
+    return {"name": name, "namespace": NAMESPACE} in ray.util.list_named_actors(all_namespaces=True)
+
+
+def _wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def _slot(ray, registry, slot_id):
+    return next(s for s in ray.get(registry.snapshot.remote()).slots if s.slot_id == slot_id)
+
+
+def test_two_replicas_racing_for_a_slot_with_room_for_one_never_both_win(ray_cluster, make_registry):
+    """Both replicas decide on a snapshot taken before either commits (both see the slot free),
+    then commit at the same moment: exactly one wins. Two actors may share a slot here, so
+    only the re-check of the free bytes stops the second."""
+    ray = ray_cluster
+    policy = PolicyConfig(actor_overhead_bytes=0, max_actors_per_slot=2)
+    registry = make_registry(policy)
+    features = RequestFeatures("m", 10, 10, 980, 1, 0)  # exactly 1000 bytes
+
+    @ray.remote(num_cpus=0)
+    def replica(registry, snapshot, commit_at: float, name: str):
+        decision = decide(features, snapshot, policy)
+        time.sleep(max(0.0, commit_at - time.time()))
+        return decision, ray.get(registry.try_spawn.remote(decision, name, "m", 60.0))
+
+    for i in range(NUM_ROUNDS):
+        slot_id = f"race-{i:03d}"
+        ray.get(registry.register_slots.remote([SlotSpec(slot_id, "node", 1000)]))
+        snapshot = ray.get(registry.snapshot.remote())
+        commit_at = time.time() + 0.05
+        (d0, won0), (d1, won1) = ray.get(
+            [replica.remote(registry, snapshot, commit_at, f"r{i}-{k}") for k in range(2)])
+        assert d0 == d1 and isinstance(d0, Spawn) and d0.slot_id == slot_id, (d0, d1)
+        assert sorted([won0, won1]) == [False, True], f"round {i}: {won0}, {won1}"
+        assert _slot(ray, registry, slot_id).reserved_bytes == 1000
+    ray.get(registry.check_invariants.remote())
+
+
+def test_concurrent_admits_place_one_request_per_free_slot(ray_cluster, make_registry):
+    ray = ray_cluster
+    registry = make_registry()
+    features = RequestFeatures("m", 10, 10, 980, 1, 0)  # exactly 1000 bytes: one per slot
+    for i in range(NUM_ROUNDS):
+        ray.get(registry.register_slots.remote([SlotSpec(f"admit-{i:03d}", "node", 1000)]))
+        barrier, results = threading.Barrier(2), [None, None]
+
+        def client(k: int, i=i, barrier=barrier, results=results) -> None:
+            barrier.wait()
+            results[k] = ray.get(registry.admit.remote(features, f"a{i}-{k}"))
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        spawns = [d for d in results if isinstance(d, Spawn)]
+        assert len(spawns) == 1 and spawns[0].slot_id == f"admit-{i:03d}", results
+        assert any(isinstance(d, Reject) and d.reason == "no_capacity" for d in results)
+    ray.get(registry.check_invariants.remote())
+
+
+def test_reconcile_forgets_a_dead_actor_and_its_reservation(ray_cluster, make_registry, dummies):
+    ray = ray_cluster
+    registry = make_registry(spawn_grace_s=0.2)
+    ray.get(registry.register_slots.remote([SlotSpec("slot", "node", 1000)]))
+    name = dummies()
+    assert ray.get(registry.try_spawn.remote(Spawn("slot", "short", True, 600, 500), name, "dummy", 60.0))
+    time.sleep(0.3)  # past the grace
+    report = ray.get(registry.reconcile_now.remote())
+    assert name not in report.ghosts and name not in report.orphans  # alive and known
+
+    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    _wait_until(lambda: not _is_alive(ray, name))
+    report = ray.get(registry.reconcile_now.remote())
+    assert report.ghosts == (name,) and report.released_bytes == 600
+    assert ray.get(registry.snapshot.remote()).actors == ()
+    assert _slot(ray, registry, "slot").reserved_bytes == 0
+    ray.get(registry.check_invariants.remote())
+
+
+def test_reconcile_kills_an_unknown_request_actor_as_an_orphan(ray_cluster, make_registry, dummies):
+    ray = ray_cluster
+    registry = make_registry()
+    orphan = dummies()
+    report = ray.get(registry.reconcile_now.remote())
+    assert orphan in report.orphans
+    _wait_until(lambda: not _is_alive(ray, orphan))
+    assert not any(n.startswith("zq-registry-test-") for n in report.orphans)  # itself excluded
+
+
+def test_the_background_loop_reconciles_without_being_asked(ray_cluster, make_registry, dummies):
+    ray = ray_cluster
+    registry = make_registry(reconcile_interval_s=0.2, spawn_grace_s=0.2)
+    ray.get(registry.register_slots.remote([SlotSpec("slot", "node", 1000)]))
+    assert ray.get(registry.try_spawn.remote(Spawn("slot", "short", True, 600, 500), "zq-never-0123456789ab",
+                                             "m", 60.0))
+    orphan = dummies(is_started=False)  # the loop may kill it before it has started
+    _wait_until(lambda: not _is_alive(ray, orphan))
+    _wait_until(lambda: ray.get(registry.snapshot.remote()).actors == ())  # the ghost is forgotten
+    assert _slot(ray, registry, "slot").reserved_bytes == 0
