@@ -1,5 +1,5 @@
 # The two commands a newcomer needs:
-#   make demo   set up, then serve / generate with the synthetic demo model
+#   make serve  set up, then serve the synthetic demo model on http://127.0.0.1:8000
 #   make test   set up, then run the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= .cache/demo
 
-.PHONY: setup test demo lint
+.PHONY: setup test serve generate lint
 
 setup: $(VENV)/.installed
 
@@ -24,5 +24,9 @@ test: setup
 lint: setup
 	$(PY) -m ruff check .
 
-demo: setup
+serve: setup
+	$(VENV)/bin/serve run configs/serve.yaml
+
+# One generation in-process, no Ray: the runtime alone.
+generate: setup
 	$(PY) -m actors.cli --demo "$(DEMO_DIR)" --prompt "Tell me about queues." --max-tokens 48

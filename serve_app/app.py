@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -95,11 +96,26 @@ class Ingress:
             RegistryConfig(namespace=config.actor.namespace, actor_namespace=config.actor.namespace),
             config.policy,
         )
-        slots = discover_slots(config.slots, config.actor)
+        self.slot_nodes: dict[str, str] = {}
+        self._register_slots()
+        self._handles: dict[str, Any] = {}
+        # Slots are re-registered periodically: GPU workers may join after the ingress
+        # starts, and a restarted registry comes back empty.
+        threading.Thread(target=self._refresh_slots, name="zq-slot-refresh", daemon=True).start()
+        log.info("zeroqueue ingress: models %s, %d slots", list(self.models), len(self.slot_nodes))
+
+    def _register_slots(self) -> None:
+        slots = discover_slots(self.config.slots, self.config.actor)
         self.slot_nodes = {s.slot_id: s.node_id for s in slots}
         ray.get(self.registry.register_slots.remote(slots), timeout=30)
-        self._handles: dict[str, Any] = {}
-        log.info("zeroqueue ingress: models %s, %d slots", list(self.models), len(slots))
+
+    def _refresh_slots(self) -> None:
+        while True:
+            time.sleep(self.config.slot_refresh_s)
+            try:
+                self._register_slots()
+            except Exception:  # a transient GCS or registry error: try again next period
+                log.exception("slot refresh failed")
 
     @staticmethod
     def _load_model(spec) -> LoadedModel:
@@ -251,7 +267,11 @@ class Ingress:
             raise errors.overloaded(decision.message, decision.retry_after_s or 1.0)
         actor_request = ActorRequest(request_id, tuple(prompt), sampling, keep_hot=decision.keep_hot)
         if isinstance(decision, Spawn):
-            name, handle = spawn_name, self._spawn(spawn_name, model, decision)
+            try:
+                name, handle = spawn_name, self._spawn(spawn_name, model, decision)
+            except Exception:
+                self.registry.remove.remote(spawn_name)  # nothing was started: give the slot back
+                raise
         else:
             assert isinstance(decision, Dispatch)
             name, handle = decision.actor_name, self._handle(decision.actor_name)

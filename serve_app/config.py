@@ -64,6 +64,7 @@ class AppArgs(_Strict):
     start_timeout_s: float = Field(default=300.0, gt=0)
     token_timeout_s: float = Field(default=60.0, gt=0)
     ping_interval_s: float = Field(default=5.0, gt=0)
+    slot_refresh_s: float = Field(default=10.0, gt=0)
     num_replicas: int = Field(default=1, ge=1)
     max_ongoing_requests: int = Field(default=512, ge=1)
 
@@ -96,6 +97,7 @@ class IngressConfig:
     start_timeout_s: float
     token_timeout_s: float
     ping_interval_s: float
+    slot_refresh_s: float
 
 
 def ingress_config(args: AppArgs) -> IngressConfig:
@@ -121,6 +123,7 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         start_timeout_s=args.start_timeout_s,
         token_timeout_s=args.token_timeout_s,
         ping_interval_s=args.ping_interval_s,
+        slot_refresh_s=args.slot_refresh_s,
     )
 
 
