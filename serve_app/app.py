@@ -80,10 +80,13 @@ def _timing(t: float) -> str:
 @serve.deployment(
     name="zeroqueue",
     # The ingress only decides and relays; it never waits for capacity, so it takes every
-    # request it is handed. Serve's own queue is cut to the minimum it allows (1): past
-    # max_ongoing_requests Serve answers 503 itself instead of parking requests.
+    # request it is handed (up to max_ongoing_requests). Serve's router holds a request
+    # only while it picks a replica — microseconds, since replicas never fill up. Its
+    # queue is bounded all the same: past it Serve answers 503 at once instead of parking
+    # requests. (A bound of 1 is not usable: concurrent arrivals meet each other there
+    # during replica assignment and are refused with capacity to spare.)
     max_ongoing_requests=512,
-    max_queued_requests=1,
+    max_queued_requests=64,
     ray_actor_options={"num_cpus": 0},
     health_check_period_s=5,
 )
@@ -289,6 +292,8 @@ class Ingress:
             self._ended(admitted, ok=False)
             raise _as_api_error(e, name) from None
         admitted.started = first
+        if admitted.is_cold:
+            self.registry.actor_started.remote(name)  # starting -> busy in the registry's view
         return admitted
 
     # ---- Python handles (serve.get_app_handle("zeroqueue")) ---------------------------

@@ -17,13 +17,14 @@ import pytest
 KEY = "zq-test-key-5d1c"
 NAMESPACE = "zq-serve-tests"
 MODEL = "zq-tiny"
+SLOW_MODEL = "zq-layered"
 # Every refusal in the burst test must come back within this bound (2-core machine,
 # two actors computing beside the ingress).
 REJECT_BOUND_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def zq(ray_cluster, tiny_zqs):
+def zq(ray_cluster, tiny_zqs, layered_zqs):
     ray = ray_cluster
     from ray import serve
 
@@ -33,7 +34,8 @@ def zq(ray_cluster, tiny_zqs):
     port = 8765
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({
-        "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}],
+        # The layered model decodes slowly enough here to hold a slot for seconds.
+        "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}, {"id": SLOW_MODEL, "zqs_path": str(layered_zqs)}],
         "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},
         "policy": {"short_max_input_tokens": 512, "short_max_output_tokens": 256,
                    "max_hot_short_actors": 1, "max_hot_long_actors": 0},
@@ -54,8 +56,10 @@ def zq(ray_cluster, tiny_zqs):
 
 
 def _actors(ray) -> set[str]:
+    from serve_app.registry import is_request_actor_name
+
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(f"zq-{MODEL}-")}
+            if a["namespace"] == NAMESPACE and is_request_actor_name(a["name"])}
 
 
 def _body(max_tokens=8, stream=False, text="Why do queues hurt tail latency?", **extra) -> dict:
@@ -170,9 +174,9 @@ def test_health_reports_jitter_actors_and_slots(zq):
     assert h["dispatch_latency_us"]["count"] >= 1 and h["dispatch_latency_us"]["p50"] > 0
 
 
-def _long_stream(base, stop: threading.Event, started: threading.Event, max_tokens=1900):
-    with httpx.stream("POST", f"{base}/v1/messages", json=_body(max_tokens=max_tokens, stream=True, temperature=0),
-                      headers={"x-api-key": KEY}, timeout=120) as s:
+def _long_stream(base, stop: threading.Event, started: threading.Event):
+    body = {**_body(max_tokens=1500, stream=True, temperature=0), "model": SLOW_MODEL}
+    with httpx.stream("POST", f"{base}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=120) as s:
         for line in s.iter_lines():
             if line.startswith("event: content_block_delta"):
                 started.set()
@@ -180,8 +184,15 @@ def _long_stream(base, stop: threading.Event, started: threading.Event, max_toke
                 break
 
 
+def _health(base) -> dict:
+    return httpx.get(f"{base}/health", headers={"x-api-key": KEY}, timeout=10).json()
+
+
 def test_no_hidden_queue_a_burst_over_capacity_is_refused_at_once(zq, ray_cluster):
-    # Long requests get dedicated actors; fill both slots' worth of long capacity.
+    # Empty the slots of hot actors left by earlier tests, then fill both with long requests.
+    for name in _actors(ray_cluster):
+        ray_cluster.kill(ray_cluster.get_actor(name, namespace=NAMESPACE))
+    _wait_for(lambda: _health(zq)["slots"]["free"] == 2, what="both slots free")
     stop = threading.Event()
     holders = []
     for _ in range(2):
@@ -191,22 +202,24 @@ def test_no_hidden_queue_a_burst_over_capacity_is_refused_at_once(zq, ray_cluste
         holders.append((t, started))
     try:
         for _, started in holders:
-            started.wait(30)
-        busy = sum(started.is_set() for _, started in holders)
-        assert busy >= 1
+            assert started.wait(60)
+        assert _health(zq)["actors"].get("busy") == 2
         before = _actors(ray_cluster)
+        client = httpx.Client(headers={"x-api-key": KEY}, timeout=30)
 
-        def one(_):
+        def one(model):
             t0 = time.perf_counter()
-            r = _post(zq, _body(max_tokens=1000))
+            r = client.post(f"{zq}/v1/messages", json={**_body(max_tokens=4), "model": model})
             return r, time.perf_counter() - t0
 
-        with ThreadPoolExecutor(16) as pool:
-            results = list(pool.map(one, range(16)))
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, [MODEL, SLOW_MODEL] * 8))
+        assert _health(zq)["actors"].get("busy") == 2  # the holders were busy throughout
         print("refusal ms:", sorted(round(e * 1000) for _, e in results))
         for r, elapsed in results:
             assert r.status_code == 503, r.text
-            assert r.json()["error"]["type"] == "overloaded_error", (r.headers, r.text)
+            assert r.headers.get("content-type") == "application/json", (r.headers, r.text)
+            assert r.json()["error"]["type"] == "overloaded_error"
             assert int(r.headers["retry-after"]) >= 1
             assert elapsed < REJECT_BOUND_S, f"a refusal took {elapsed * 1000:.0f} ms"
         assert _actors(ray_cluster) == before  # nothing was created for the refused requests
