@@ -97,7 +97,7 @@ def test_sdk_create_and_stream_work_unmodified(zq):
         final = stream.get_final_message()
     assert final.usage.output_tokens == 10 and final.stop_reason == "max_tokens"
     assert text == final.content[0].text and msg.content[0].text.startswith(text[:5])
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL, SLOW_MODEL]
     assert client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
 
 
@@ -229,8 +229,14 @@ def test_no_hidden_queue_a_burst_over_capacity_is_refused_at_once(zq, ray_cluste
             t.join(60)
 
 
+def _wait_free_slot(base) -> None:
+    """Earlier tests' actors release their slots asynchronously after their streams end."""
+    _wait_for(lambda: _health(base)["slots"]["free"] >= 1, what="a free slot")
+
+
 def test_actor_killed_mid_stream_ends_the_stream_with_an_error_event(zq, ray_cluster):
     ray = ray_cluster
+    _wait_free_slot(zq)
     before = _actors(ray)
     events = []
     with httpx.stream("POST", f"{zq}/v1/messages", json=_body(max_tokens=1900, stream=True, temperature=0),
@@ -247,6 +253,7 @@ def test_actor_killed_mid_stream_ends_the_stream_with_an_error_event(zq, ray_clu
 
 def test_client_disconnect_frees_the_actor_and_its_reservation(zq, ray_cluster):
     ray = ray_cluster
+    _wait_free_slot(zq)
     before = _actors(ray)
     with httpx.stream("POST", f"{zq}/v1/messages", json=_body(max_tokens=1900, stream=True, temperature=0),
                       headers={"x-api-key": KEY}, timeout=60) as s:
