@@ -38,8 +38,9 @@ from actors.tokenizer import Tokenizer
 from serve_app import api, errors, sse
 from serve_app.config import AppArgs, IngressConfig, ingress_config, resolve_model_path
 from serve_app.errors import ApiError
+from serve_app.memory import ModelNumbers, request_features
 from serve_app.metrics import IngressMetrics
-from serve_app.policy import Dispatch, ModelNumbers, Reject, Spawn, request_features
+from serve_app.policy import Dispatch, Reject, Spawn
 from serve_app.registry_actor import RegistryConfig, get_registry
 from serve_app.slots import discover_slots
 

@@ -32,7 +32,7 @@ Memory (design invariant 3). A fresh actor needs
 
 `actor_overhead_bytes` (CUDA context, cuBLAS workspace, allocator slack) is per process,
 so a hot actor already holds it; `workspace_bytes` is the request's prefill activations,
-derived in `workspace_bytes()` from the model's sizes.
+derived in `serve_app.memory.workspace_bytes()` from the model's sizes.
 """
 
 from __future__ import annotations
@@ -111,88 +111,6 @@ class PolicyConfig:
         return (self.max_load_s if is_cold else 0.0) + tokens * self.max_seconds_per_token + self.busy_margin_s
 
 
-# ---------------------------------------------------------------- memory
-
-
-@dataclass(frozen=True)
-class ModelNumbers:
-    """The sizes of a model the accounting needs; `from_config` takes a `ModelConfig`."""
-
-    weight_bytes: int
-    kv_bytes_per_token: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    dtype_bytes: int
-
-    @classmethod
-    def from_config(cls, config: Any) -> ModelNumbers:
-        """From a `weights_tool.architecture.ModelConfig` (duck-typed: policy imports no model code)."""
-        kv_per_token = config.kv_bytes_per_token()
-        return cls(
-            weight_bytes=config.weight_bytes(),
-            kv_bytes_per_token=kv_per_token,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            vocab_size=config.vocab_size,
-            # kv per token = 2 * layers * kv_heads * head_dim * dtype bytes.
-            dtype_bytes=kv_per_token // (2 * config.num_layers * config.num_kv_heads * config.head_dim),
-        )
-
-
-def workspace_bytes(m: ModelNumbers, input_tokens: int) -> int:
-    """Peak transient memory of prefilling `input_tokens` at batch 1 (actors/model.py's forward).
-
-    With S = input_tokens, b = dtype bytes, and one layer's activations alive at a time:
-      attention: x, normed x [S, h]; q, k, v, their RoPE'd copies and the SDPA output and
-                 its reshaped copy [S, H*D] / [S, H_kv*D]; o_proj output [S, h]
-                 -> b * S * (3h + 4*H*D + 3*H_kv*D)
-      MLP:       x, h, normed h, down output [S, h]; silu(gate), up, their product [S, I]
-                 -> b * S * (4h + 3I)
-      mask:      [S, S] bool -> S^2
-      RoPE:      cos, sin [S, D] in the model dtype, built from fp32 [S, D] -> S * D * (2b + 8)
-      sampling:  last-position logits [V] in the model dtype, fp32 copy, softmax, sort values
-                 and int64 indices, cumsum -> V * (b + 32)
-    The [H, S, S] score matrix is not counted: CUDA's memory-efficient SDPA kernel (the
-    one chosen with a boolean mask) computes attention in tiles. Decode is prefill with S=1.
-    """
-    s, b, h = input_tokens, m.dtype_bytes, m.hidden_size
-    attention = b * s * (3 * h + 4 * m.num_heads * m.head_dim + 3 * m.num_kv_heads * m.head_dim)
-    mlp = b * s * (4 * h + 3 * m.intermediate_size)
-    return max(attention, mlp) + s * s + s * m.head_dim * (2 * b + 8) + m.vocab_size * (b + 32)
-
-
-def request_features(
-    model: str,
-    numbers: ModelNumbers,
-    input_tokens: int,
-    max_tokens: int,
-    policy: PolicyConfig,
-    ttft_target_s: float | None = None,
-    total_target_s: float | None = None,
-) -> RequestFeatures:
-    """The features of one request, with its memory need derived from the model's sizes."""
-    if input_tokens < 1 or max_tokens < 1:
-        raise ValueError(f"input_tokens and max_tokens must be >= 1, got {input_tokens} and {max_tokens}")
-    return RequestFeatures(
-        model=model,
-        input_tokens=input_tokens,
-        max_tokens=max_tokens,
-        weight_bytes=numbers.weight_bytes,
-        kv_bytes_per_token=numbers.kv_bytes_per_token,
-        workspace_bytes=workspace_bytes(numbers, input_tokens),
-        actor_overhead_bytes=policy.actor_overhead_bytes,
-        ttft_target_s=ttft_target_s,
-        total_target_s=total_target_s,
-    )
-
-
 # ---------------------------------------------------------------- messages
 
 
@@ -203,7 +121,7 @@ class RequestFeatures:
     max_tokens: int
     weight_bytes: int
     kv_bytes_per_token: int
-    workspace_bytes: int  # this request's transient activations (see `workspace_bytes()`)
+    workspace_bytes: int  # this request's transient activations (see `memory.workspace_bytes()`)
     actor_overhead_bytes: int = 0  # per actor process, resident while it lives
     ttft_target_s: float | None = None  # None: no target
     total_target_s: float | None = None

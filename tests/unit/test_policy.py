@@ -11,19 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from serve_app.memory import ModelNumbers, request_features, workspace_bytes
 from serve_app.policy import (
     ActorView,
     ClusterSnapshot,
     Dispatch,
-    ModelNumbers,
     PolicyConfig,
     Reject,
     RequestFeatures,
     SlotView,
     Spawn,
     decide,
-    request_features,
-    workspace_bytes,
 )
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction, RuleScorer
 
