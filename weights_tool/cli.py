@@ -142,7 +142,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _unpack(args: argparse.Namespace) -> int:
-    from weights_tool.pack import unpack
+    from weights_tool.unpack import unpack
 
     out = unpack(args.file, args.output, progress=True)
     print(f"unpacked {args.file} to {out}")

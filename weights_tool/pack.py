@@ -1,10 +1,9 @@
-"""HF safetensors checkpoint directory <-> `.zqs` shard file.
+"""HF safetensors checkpoint directory -> `.zqs` shard file (the way back is `weights_tool.unpack`).
 
 `pack` reads tensor bytes straight from the safetensors files by their header offsets
 (memory-mapped, so bf16 stays bit-exact and nothing is converted), groups them by layer,
 compresses each group's frames on a thread pool and writes the file atomically (tmp +
-rename). `unpack` writes the same safetensors layout back: same file names, tensor
-order, dtypes, shapes, bytes and `__metadata__`, plus config.json and the tokenizer files.
+rename).
 
 Codec choice, per tensor then per frame: a float tensor is byte-grouped when a sample
 of it compresses at least 3% smaller that way; a frame whose compression saves under 2%
@@ -49,7 +48,6 @@ from weights_tool.format import (
     group_names,
     group_of,
 )
-from weights_tool.reader import ShardReader
 
 log = logging.getLogger(__name__)
 
@@ -421,70 +419,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
     return data
-
-
-# ---- unpack ------------------------------------------------------------------------
-
-
-def unpack(zqs_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, progress: bool = False) -> Path:
-    """Write the checkpoint a `.zqs` file was packed from: safetensors files, index, config, tokenizer."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with ShardReader(zqs_path) as reader:
-        h = reader.header
-        dests: dict[str, np.ndarray] = {}
-        written: list[tuple[Path, Path, np.memmap | None]] = []
-        try:
-            for sf in h.source_files:
-                tmp, final = out / f".{sf.name}.tmp", out / sf.name
-                data_size, raw_header = _safetensors_header(sf, reader)
-                with open(tmp, "wb") as f:
-                    f.write(struct.pack("<Q", len(raw_header)) + raw_header)
-                    f.truncate(8 + len(raw_header) + data_size)
-                data = None
-                if data_size:  # the tensors decode straight into the mapped file
-                    data = np.memmap(tmp, dtype=np.uint8, mode="r+", offset=8 + len(raw_header), shape=(data_size,))
-                    pos = 0
-                    for name in sf.tensors:
-                        dests[name] = data[pos : pos + reader.tensors[name].size]
-                        pos += reader.tensors[name].size
-                written.append((tmp, final, data))
-            total = sum(g.size for g in h.groups)
-            with tqdm(total=total, unit="B", unit_scale=True, desc="unpack", disable=None if progress else True) as bar:
-                for g in h.groups:
-                    reader.read_group(g.name, into=dests)
-                    bar.update(g.size)
-            dests.clear()
-            for tmp, final, data in written:
-                if data is not None:
-                    data.flush()
-                os.replace(tmp, final)
-        finally:
-            dests.clear()
-            for tmp, _, _ in written:
-                tmp.unlink(missing_ok=True)
-        _write_text(out / "config.json", json.dumps(h.config, indent=2) + "\n")
-        for name, text in h.tokenizer_files.items():
-            _write_text(out / name, text)
-        if h.index_metadata is not None:
-            weight_map = {t: sf.name for sf in h.source_files for t in sf.tensors}
-            index = {"metadata": h.index_metadata, "weight_map": dict(sorted(weight_map.items()))}
-            _write_text(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
-    return out
-
-
-def _safetensors_header(sf: SourceFile, reader: ShardReader) -> tuple[int, bytes]:
-    header: dict[str, Any] = {} if sf.metadata is None else {"__metadata__": sf.metadata}
-    pos = 0
-    for name in sf.tensors:
-        t = reader.tensors[name]
-        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.size]}
-        pos += t.size
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    return pos, raw + b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes with spaces
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(text.encode("utf-8"))
-    os.replace(tmp, path)

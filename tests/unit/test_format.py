@@ -25,8 +25,9 @@ from weights_tool.format import (
     byte_ungroup,
     group_name,
 )
-from weights_tool.pack import pack, unpack
+from weights_tool.pack import pack
 from weights_tool.reader import GroupStream, ShardReader
+from weights_tool.unpack import unpack
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = {

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from actors.stop_sequences import StopSequenceFilter
 from actors.sampling import SamplingError, SamplingParams, make_generator, sample
+from actors.stop_sequences import StopSequenceFilter
 
 
 def _logits(v: int = 50, seed: int = 0) -> torch.Tensor:
