@@ -304,3 +304,19 @@ def test_python_handle_from_another_driver(zq, ray_cluster, tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["usage"]["output_tokens"] == 6
     assert result["events"][0] == "message_start" and result["events"][-1] == "message_stop"
+
+
+def test_metrics_are_exported_for_prometheus(zq, ray_cluster):
+    assert _post(zq, _body(max_tokens=2)).status_code == 200
+    port = ray_cluster._private.worker.global_worker.node.metrics_export_port
+    wanted = ("ray_zq_decisions_total", "ray_zq_rejections_total", "ray_zq_dispatch_latency_seconds_bucket",
+              "ray_zq_queue_wait_seconds_bucket", "ray_zq_ttft_seconds_bucket",
+              "ray_zq_time_per_output_token_seconds_bucket", "ray_zq_cold_start_seconds_bucket")
+    seen: set[str] = set()
+
+    def exported() -> bool:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        seen.update(line.split("{")[0] for line in text.splitlines() if line.startswith("ray_zq_"))
+        return all(name in seen for name in wanted)
+
+    _wait_for(exported, timeout=30, what=f"metrics {sorted(set(wanted) - seen)}")
