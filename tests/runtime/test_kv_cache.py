@@ -121,6 +121,14 @@ def test_moving_the_model_keeps_rope_in_fp32() -> None:
     torch.testing.assert_close(moved(tokens, torch.arange(12)), built(tokens, torch.arange(12)))
 
 
+def test_cpu_parameters_are_separate_page_aligned_views_of_one_arena() -> None:
+    model = Transformer.empty(CONFIGS["qk_norm"])
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.nbytes) for p in model.parameters())
+    assert all(start % 4096 == 0 for start, _ in spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:], strict=False))
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+
+
 def test_kv_cache_update_writes_at_positions() -> None:
     cache = KVCache(batch_size=1, max_seq_len=8, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
     k = torch.randn(1, 2, 3, 4)
