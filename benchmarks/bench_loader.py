@@ -471,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--xz-repeats", type=int, default=1, help="tar.xz repeats (~90 s each for the 1.1B shape)")
     p.add_argument("--out", type=Path, default=None, help=f"report path (default {RESULTS}; --quick: under {CACHE})")
     p.add_argument("--report-only", type=Path, metavar="RUN_JSON", help="rewrite the report from a saved run")
+    p.add_argument("--resume", type=Path, metavar="RUN_JSON", help="finish an interrupted run's schedule")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     out = args.out or (CACHE / "loader-quick.md" if args.quick else RESULTS)
@@ -478,28 +479,37 @@ def main(argv: list[str] | None = None) -> int:
         write_report(out, json.loads(args.report_only.read_text()), CACHE)
         log.info("wrote %s from %s", out, args.report_only)
         return 0
-    shapes = ["small"] if args.quick else list(SHAPES)
-    repeats = {"small": 1 if args.quick else args.repeats, "tinyllama-1.1b": args.large_repeats}
-    xz_repeats = 1 if args.quick else args.xz_repeats
 
-    t_start, load_start = time.perf_counter(), os.getloadavg()
-    started = time.strftime("%Y-%m-%d %H:%M %Z")
-    built = {s: build_artefacts(s, CACHE) for s in shapes}
-    limits = machine_limits(artefact_paths(shapes[-1], CACHE))
-    log.info("machine limits: %s", json.dumps({k: round(v, 2) for k, v in limits.items()}))
+    t_start = time.perf_counter()
+    if args.resume:
+        saved = args.resume
+        run = json.loads(saved.read_text())
+        run.setdefault("resumed", []).append(time.strftime("%Y-%m-%d %H:%M %Z"))
+        elapsed_before, load_start = run["elapsed_s"], run["load"][0]
+    else:
+        shapes = ["small"] if args.quick else list(SHAPES)
+        repeats = {"small": 1 if args.quick else args.repeats, "tinyllama-1.1b": args.large_repeats}
+        repeats = {s: repeats[s] for s in shapes}
+        elapsed_before, load_start = 0.0, os.getloadavg()
+        run = {
+            "command": "python -m benchmarks.bench_loader " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "started": time.strftime("%Y-%m-%d %H:%M %Z"), "shapes": shapes, "repeats": repeats,
+            "xz_repeats": 1 if args.quick else args.xz_repeats,
+            "built": {s: build_artefacts(s, CACHE) for s in shapes},
+            "limits": machine_limits(artefact_paths(shapes[-1], CACHE)), "results": [],
+        }
+        log.info("machine limits: %s", json.dumps({k: round(v, 2) for k, v in run["limits"].items()}))
+        saved = CACHE / f"run-{time.strftime('%Y%m%d-%H%M%S')}.json"
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "safetensors.torch", "zstandard", "numpy", "weights_tool.layer_stream"])
-    runs = schedule(shapes, repeats, xz_repeats)
-    run: dict[str, Any] = {
-        "command": "python -m benchmarks.bench_loader " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "started": started, "shapes": shapes, "repeats": {s: repeats[s] for s in shapes}, "xz_repeats": xz_repeats,
-        "built": built, "limits": limits, "results": [],
-    }
-    saved = CACHE / f"run-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    runs = schedule(run["shapes"], run["repeats"], run["xz_repeats"])
+    done = {(r["shape"], r["regime"], r["method"], r["dest"], r["repeat"]) for r in run["results"]}
     for k, spec in enumerate(runs):
+        if (spec.shape, spec.regime, spec.method, spec.dest, spec.repeat) in done:
+            continue
         run["results"].append(run_in_child(ctx, spec))
-        run.update(elapsed_s=time.perf_counter() - t_start, load=[load_start, os.getloadavg()])
-        saved.write_text(json.dumps(run, indent=1))  # after every run, so an interrupted run still reports
+        run.update(elapsed_s=elapsed_before + time.perf_counter() - t_start, load=[load_start, os.getloadavg()])
+        saved.write_text(json.dumps(run, indent=1))  # after every run, so an interrupted run can be resumed
         log.info("[%d/%d] %s %-18s %-14s %-10s r%d  %.3f s", k + 1, len(runs), spec.shape, spec.regime,
                  spec.method, spec.dest, spec.repeat, run["results"][-1]["seconds"])
     print(write_report(out, run, CACHE))

@@ -141,7 +141,10 @@ def write_report(out: Path, run: dict[str, Any], cache: Path) -> str:
         *_shapes(infos, cache),
         "## Command", "",
         f"    .venv/bin/{run['command']}", "",
-        f"Run {run['started']}, {run['elapsed_s'] / 60:.1f} minutes in all; repeats per cell: "
+        f"Run {run['started']}"
+        + (f" (interrupted, and resumed with `--resume` at {', '.join(run['resumed'])}: the runs already done were "
+           "kept, the rest of the same schedule run)" if run.get("resumed") else "")
+        + f", {run['elapsed_s'] / 60:.1f} minutes of measuring in all; repeats per cell: "
         + ", ".join(f"{s} {n}" for s, n in run["repeats"].items()) + f" (tar.xz: {run['xz_repeats']}). "
         + ("Built in this run: " + "; ".join(built) + "." if built else "Every artefact was cached from an "
            "earlier run (the tar.xz of the 1.1B shape takes about 5 minutes to build here)."), "",
