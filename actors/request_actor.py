@@ -184,9 +184,6 @@ class RequestActor:
             device = "cuda" if config.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         if device == "cpu" and config.cpu_nice:
             os.nice(config.cpu_nice)
-        # LayerStream reports ready times relative to its own start (perf_counter); this
-        # pair maps them to epoch seconds.
-        self._epoch_at_stream_start = time.time()
         self._streamed = stream_zqs(zqs_path, device=device, num_threads=config.load_threads)
         self._model = self._streamed.model
         self._engine = Engine(self._model, self._streamed.tokenizer)
@@ -344,7 +341,9 @@ class RequestActor:
         return all(stream.is_ready(i) for i in range(-1, self._num_layers + 1))
 
     def _stream_started_at(self) -> float:
-        return self._epoch_at_stream_start
+        # LayerStream's ready times count from its own start, which follows header
+        # parsing and model allocation; `started_at` is that instant in epoch seconds.
+        return self._streamed.stream.started_at
 
     def _after_request(self, stay_hot: bool) -> None:
         self._state.num_served += 1

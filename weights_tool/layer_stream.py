@@ -61,6 +61,7 @@ class LayerStream:
         self._errors: dict[int, BaseException] = {}
         self._ready_at: dict[int, float] = {}
         self._start = time.perf_counter()
+        self.started_at = time.time()  # epoch seconds of the same instant, for callers' timelines
         self._threads = [
             threading.Thread(target=self._work, name=f"{THREAD_NAME}-{k}", daemon=True) for k in range(num_threads)
         ]
