@@ -11,11 +11,11 @@ number N of layers resident before prefill starts differs:
 
 Each actor then serves the same prompt again, hot (its prefill time, and hot TTFT), and
 the driver runs it once more in-process on the same threads (hot TTFT's reference).
-Before any actor, the driver measures load and prefill in-process to size the prompts:
-short (16 tokens, load-bound), balanced (prefill takes as long as the load), and
-compute-bound (twice the balanced length).
+First the driver times the load in-process and one calibration actor times prefill hot,
+to size the prompts: short (16 tokens, load-bound), balanced (prefill takes as long as
+the load), and compute-bound (twice the balanced length).
 
-    .venv/bin/python -m benchmarks.bench_cold_start          # ~10 min; writes benchmarks/results/cold_start.md
+    .venv/bin/python -m benchmarks.bench_cold_start          # ~12 min (100 actors); writes benchmarks/results/cold_start.md
     .venv/bin/python -m benchmarks.bench_cold_start --quick  # bf16 only, 2 repeats, for development
 """
 
@@ -117,83 +117,6 @@ def balanced_tokens(prompt_tokens: int, prefill_s: float, load_s: float, max_tok
     return int(min(max(64, round(target / 16) * 16), max_tokens))
 
 
-# ---- in-process calibration -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Calibration:
-    model: str
-    dtype: str
-    num_layers: int
-    num_params: int
-    weight_bytes: int
-    file_bytes: int
-    load_s: float  # stream_zqs called -> every group resident, load_threads threads
-    init_s: float  # of which: header, tokenizer, allocation, threads started
-    load_bytes_per_s: float  # LayerStream.throughput(): weight bytes / streaming seconds
-    prompts: dict[str, int]  # label -> tokens
-    prefill_s: dict[str, float]  # label -> in-process prefill seconds
-    prefill_flops_per_s: float
-    expected_n: dict[str, int]  # label -> choose_first_layers with the rates above
-
-
-def _in_process_ttft(engine: Engine, prompt: tuple[int, ...]) -> tuple[float, float]:
-    """(generate() call -> first token, prefill seconds) for one greedy token."""
-    t0 = time.time()
-    finish = [e for e in engine.generate(list(prompt), GREEDY_ONE) if isinstance(e, FinishEvent)][0]
-    return finish.first_token_time - t0, finish.first_token_time - finish.compute_start
-
-
-def calibrate(label: str, dtype: str, zqs: Path, args: argparse.Namespace) -> tuple[Calibration, Engine]:
-    loads, inits, rates = [], [], []
-    for _ in range(args.calibration_repeats):
-        t0 = time.perf_counter()
-        streamed = stream_zqs(zqs, num_threads=args.load_threads)
-        t1 = time.perf_counter()
-        streamed.wait_all()
-        loads.append(time.perf_counter() - t0)
-        inits.append(t1 - t0)
-        rates.append(streamed.stream.throughput())
-        streamed.close()
-    model, config = streamed.model, streamed.config
-    engine = Engine(model, streamed.tokenizer)
-
-    def prefill(tokens: int) -> float:
-        prompt = prompt_of_length(streamed.tokenizer, engine.max_context, tokens)
-        _in_process_ttft(engine, prompt)  # warm-up: allocator, kernels
-        return statistics.median(_in_process_ttft(engine, prompt)[1] for _ in range(args.calibration_repeats))
-
-    load_s = statistics.median(loads)
-    max_tokens = min(args.max_prompt_tokens, engine.max_context - 8) // 2
-    tokens, seconds = 512, prefill(512)
-    for _ in range(2):  # prefill is nearly linear in the prompt at these lengths: two steps suffice
-        tokens = balanced_tokens(tokens, seconds, load_s, max_tokens)
-        seconds = prefill(tokens)
-    prompts = {"short": SHORT_TOKENS, "balanced": tokens, "compute-bound": 2 * tokens}
-    prompts = {k: v for k, v in prompts.items() if k in args.prompts}
-    prefill_s = {k: seconds if k == "balanced" else prefill(v) for k, v in prompts.items()}
-
-    layer = model.group_parameters(0).values()
-    params_per_layer = sum(p.numel() for p in layer)
-    layer_bytes = sum(p.numel() * p.element_size() for p in layer)
-    flops_per_s = prefill_flops(config.num_layers, params_per_layer, config.num_heads, config.head_dim,
-                                tokens) / seconds
-    rate = statistics.median(rates)
-    expected_n = {
-        k: choose_first_layers(config.num_layers, layer_bytes / rate, estimate_prefill_layer_seconds(
-            params_per_layer, config.num_heads, config.head_dim, v, flops_per_s))
-        for k, v in prompts.items()
-    }
-    cal = Calibration(
-        model=label, dtype=dtype, num_layers=config.num_layers, num_params=config.num_params(),
-        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()), file_bytes=zqs.stat().st_size,
-        load_s=load_s, init_s=statistics.median(inits), load_bytes_per_s=rate, prompts=prompts,
-        prefill_s=prefill_s, prefill_flops_per_s=flops_per_s, expected_n=expected_n,
-    )
-    log.info("calibrated %s: %s", label, cal)
-    return cal, engine
-
-
 # ---- one cold actor -----------------------------------------------------------------
 
 
@@ -221,6 +144,7 @@ class InProcess:
     model: str
     prompt: str
     ttft: float  # generate() called -> first token
+    prefill: float  # compute start -> first token
 
 
 def _consume(ray: Any, gen: Any) -> tuple[Completion, float]:
@@ -248,6 +172,13 @@ def _wait_gone(ray: Any, name: str, timeout: float = 30.0) -> None:
     raise TimeoutError(f"actor {name} still alive {timeout} s after its release")
 
 
+def _kill(ray: Any, actor: Any) -> None:
+    try:
+        ray.kill(actor)
+    except Exception:  # already gone: the normal case
+        pass
+
+
 def run_actor(ray: Any, zqs: Path, config: ActorConfig, model: str, prompt: str, prompt_ids: tuple[int, ...],
               mode: str, storage: str) -> Run:
     """One fresh actor: the request sent right after the spawn (cold), then again (hot), then released."""
@@ -265,10 +196,7 @@ def run_actor(ray: Any, zqs: Path, config: ActorConfig, model: str, prompt: str,
         ray.get(actor.release.remote())
         _wait_gone(ray, name)
     finally:
-        try:
-            ray.kill(actor)
-        except Exception:  # already gone: the normal case
-            pass
+        _kill(ray, actor)
     return Run(model, prompt, len(prompt_ids), mode, storage, cold.first_layers, spawned, loading_at, cold_first,
                cold.timings, hot_call, hot_first, hot.timings)
 
@@ -289,6 +217,119 @@ def schedule(prompts: list[str], repeats: int, evicted_repeats: int) -> list[tup
         pair = (DERIVED, BASELINE)
         blocks += [("balanced", EVICTED, pair[rep % 2:] + pair[:rep % 2]) for rep in range(evicted_repeats)]
     return blocks
+
+
+# ---- calibration --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What sizes the prompts and feeds the derived N: the load in-process, prefill on a hot actor."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_params: int
+    weight_bytes: int
+    file_bytes: int
+    load_s: float  # in-process: stream_zqs called -> every group resident, load_threads threads
+    init_s: float  # of which: header, tokenizer, allocation, threads started
+    load_bytes_per_s: float  # LayerStream.throughput(): weight bytes / streaming seconds
+    prompts: dict[str, int]  # label -> tokens
+    prefill_s: dict[str, float]  # label -> prefill seconds on the hot calibration actor
+    prefill_flops_per_s: float
+    expected_n: dict[str, int]  # label -> choose_first_layers with the rates above
+
+
+@dataclass(frozen=True)
+class LoadProbe:
+    engine: Engine  # the last loaded model, kept for the in-process hot TTFT
+    load_s: float
+    init_s: float
+    load_bytes_per_s: float
+
+
+def _in_process_ttft(engine: Engine, prompt: tuple[int, ...]) -> tuple[float, float]:
+    """(generate() called -> first token, compute start -> first token) for one greedy token."""
+    t0 = time.time()
+    finish = [e for e in engine.generate(list(prompt), GREEDY_ONE) if isinstance(e, FinishEvent)][0]
+    return finish.first_token_time - t0, finish.first_token_time - finish.compute_start
+
+
+def probe_load(zqs: Path, args: argparse.Namespace) -> LoadProbe:
+    """The load in-process, on the actors' loader threads, before Ray starts its processes."""
+    loads, inits, rates = [], [], []
+    for _ in range(args.calibration_repeats):
+        t0 = time.perf_counter()
+        streamed = stream_zqs(zqs, num_threads=args.load_threads)
+        t1 = time.perf_counter()
+        streamed.wait_all()
+        loads.append(time.perf_counter() - t0)
+        inits.append(t1 - t0)
+        rates.append(streamed.stream.throughput())
+        streamed.close()
+    engine = Engine(streamed.model, streamed.tokenizer)
+    return LoadProbe(engine, statistics.median(loads), statistics.median(inits), statistics.median(rates))
+
+
+def calibrate(ray: Any, zqs: Path, preset: str, dtype: str, probe: LoadProbe, args: argparse.Namespace) -> Calibration:
+    """Prefill timed on a hot actor (the actors' own process and memory), prompts sized to the load.
+
+    The driver's own prefill can run at another speed than an actor's (its model's memory
+    has another history), so only the actors' is trusted for sizing. This actor is also
+    the run's warm-up: Ray's worker pool, the page cache.
+    """
+    engine, config = probe.engine, probe.engine.model.config
+    actor_cfg = ActorConfig(namespace=NAMESPACE, num_cpus=1, load_threads=args.load_threads,
+                            compute_threads=args.compute_threads, first_layers=config.num_layers,
+                            cpu_nice=args.cpu_nice)
+    name = new_actor_name(f"{preset}-calibration")
+    actor = spawn(str(zqs), actor_cfg, name)
+
+    def prefill(tokens: int, repeats: int) -> float:
+        prompt = prompt_of_length(engine.tokenizer, engine.max_context, tokens)
+        seconds = []
+        for k in range(repeats):
+            request = ActorRequest(f"{name}-{tokens}-{k}", prompt, GREEDY_ONE, keep_hot=True)
+            t = _consume(ray, actor.generate.remote(request))[0].timings
+            seconds.append(t.first_token - t.compute_start)
+        return statistics.median(seconds)
+
+    try:
+        prefill(SHORT_TOKENS, 1)  # the cold request: it waits for the load
+        max_tokens = min(args.max_prompt_tokens, engine.max_context - 8) // 2
+        tokens, seconds = 512, prefill(512, args.calibration_repeats)
+        for _ in range(2):  # prefill is nearly linear in the prompt at these lengths: two steps suffice
+            tokens = balanced_tokens(tokens, seconds, probe.load_s, max_tokens)
+            seconds = prefill(tokens, args.calibration_repeats)
+        prompts = {"short": SHORT_TOKENS, "balanced": tokens, "compute-bound": 2 * tokens}
+        prompts = {k: v for k, v in prompts.items() if k in args.prompts}
+        prefill_s = {k: seconds if k == "balanced" else prefill(v, args.calibration_repeats)
+                     for k, v in prompts.items()}
+        ray.get(actor.release.remote())
+        _wait_gone(ray, name)
+    finally:
+        _kill(ray, actor)
+
+    layer = engine.model.group_parameters(0).values()
+    params_per_layer = sum(p.numel() for p in layer)
+    layer_bytes = sum(p.numel() * p.element_size() for p in layer)
+    flops_per_s = prefill_flops(config.num_layers, params_per_layer, config.num_heads, config.head_dim,
+                                tokens) / seconds
+    expected_n = {
+        k: choose_first_layers(config.num_layers, layer_bytes / probe.load_bytes_per_s, estimate_prefill_layer_seconds(
+            params_per_layer, config.num_heads, config.head_dim, v, flops_per_s))
+        for k, v in prompts.items()
+    }
+    cal = Calibration(
+        model=preset, dtype=dtype, num_layers=config.num_layers, num_params=config.num_params(),
+        weight_bytes=sum(p.numel() * p.element_size() for p in engine.model.parameters()),
+        file_bytes=zqs.stat().st_size, load_s=probe.load_s, init_s=probe.init_s,
+        load_bytes_per_s=probe.load_bytes_per_s, prompts=prompts, prefill_s=prefill_s,
+        prefill_flops_per_s=flops_per_s, expected_n=expected_n,
+    )
+    log.info("calibrated %s %s: %s", preset, dtype, cal)
+    return cal
 
 
 # ---- arithmetic ---------------------------------------------------------------------
@@ -350,6 +391,7 @@ def metrics(run: Run, shift: float) -> dict[str, float]:
         "cold_prefill": c.first_token - c.first_layer_compute_start,
         "client_ttft": run.client_first_chunk - run.spawn,
         "hot_prefill": h.first_token - h.compute_start,
+        "hot_before_compute": h.compute_start - h.request_arrival,
         "hot_actor": h.first_token - h.request_arrival,
         "hot_client": run.hot_client_first_chunk - run.hot_call,
     }
@@ -422,8 +464,8 @@ def _busy_warning(meta: dict[str, Any]) -> str:
 
 def _verdict(value: float, goal: float) -> str:
     if value <= goal:
-        return f"**met** ({value:.2f} ≤ {goal})"
-    return f"**missed** by {value / goal - 1:.0%} ({value:.2f} > {goal})"
+        return f"**met** ({value:.3f} ≤ {goal})"
+    return f"**missed** by {value / goal - 1:.1%} ({value:.3f} > {goal})"
 
 
 def _why_overlap_missed(row: Row) -> str:
@@ -462,7 +504,7 @@ def report(data: dict[str, Any]) -> str:
         f"{meta['cpu_nice']}",
         f"- Ray: one local cluster (`ray.init(num_cpus=4)`), one fresh detached `RequestActor` per run "
         f"(num_cpus=1), sent its request right after the spawn call, as the ingress does; {meta['repeats']} "
-        f"runs per mode and prompt, the modes' order rotated each repeat; one discarded warm-up actor per model",
+        f"runs per mode and prompt, the modes' order rotated each repeat, after one calibration actor per model",
         "- requests: a chat prompt of repeated English text, greedy, max_tokens=1; then the same request again on "
         "the now hot actor (keep_hot); and, once per prompt and repeat, in the driver on its own `Engine` "
         "(same threads, after a warm-up)",
@@ -478,11 +520,14 @@ def report(data: dict[str, Any]) -> str:
                      f"{c.weight_bytes / 1e6:.0f} MB | {c.file_bytes / 1e6:.0f} MB |")
     lines += [
         "",
-        "## In-process calibration (the driver, same threads, before any actor)",
+        "## Calibration (before the measured actors, same threads)",
         "",
-        "Load: `stream_zqs` called → every group resident (init: header, tokenizer, allocation). Prefill: "
-        "`Engine.generate` on the loaded model, compute start → first token. N: `choose_first_layers` with "
-        "these rates, which are also the actors' `initial_load_bytes_per_s` and `prefill_flops_per_s`.",
+        "Load: in the driver before Ray starts, `stream_zqs` called → every group resident (init: header, "
+        "tokenizer, allocation). Prefill: on one hot calibration actor (load-then-compute, also the run's "
+        "warm-up), compute start → first token, so that prompts are sized by the actors' own speed. The "
+        "balanced prompt is the length whose prefill takes as long as the load. N: `choose_first_layers` "
+        "with these rates, which are also the measured actors' `initial_load_bytes_per_s` and "
+        "`prefill_flops_per_s`.",
         "",
         "| model | load s | of which init s | stream GB/s | prefill GFLOP/s | prompt | tokens | prefill s | regime | N |",
         "|---|--:|--:|--:|--:|---|--:|--:|---|--:|",
@@ -535,14 +580,14 @@ def report(data: dict[str, Any]) -> str:
         "first token, after a warm-up, once per prompt and repeat (after that repeat's actors). The ratio is "
         "of the medians.",
         "",
-        "| model | prompt (tokens) | actor: arrival → first token | client: call → first token | "
-        "in-process | actor ÷ in-process |",
-        "|---|---|--:|--:|--:|--:|",
+        "| model | prompt (tokens) | actor: arrival → first token | of which arrival → compute start | "
+        "client: call → first token | in-process: call → first token | actor ÷ in-process |",
+        "|---|---|--:|--:|--:|--:|--:|",
     ]
     hot = hot_rows(runs, [InProcess(**p) for p in data["in_process"]])
     for h in hot:
-        lines.append(f"| {h.model} | {h.prompt} ({h.prompt_tokens}) | {h.actor} | {h.client} | {h.in_process} | "
-                     f"**{h.ratio:.3f}** |")
+        lines.append(f"| {h.model} | {h.prompt} ({h.prompt_tokens}) | {h.actor} | {h.actor_before_compute} | "
+                     f"{h.client} | {h.in_process} | **{h.ratio:.3f}** |")
     lines += ["", *_goals(table, hot), "", *_accelerator(cals), "", "## Notes", ""]
     if offset > MAX_CLOCK_SKEW_S:
         mean_shift = statistics.mean(shifts.values())
@@ -557,6 +602,13 @@ def report(data: dict[str, Any]) -> str:
         lines.append(f"- Clock check: in the load-then-compute runs layer 0's compute started a median "
                      f"{offset * 1e3:.1f} ms after the last layer was resident: the actor's resident times and its "
                      "compute times share one clock; no correction applied.")
+    same = [(d, o) for d in table for o in table if d.mode == DERIVED and o.mode == FIRST_ONE
+            and (d.model, d.prompt, d.storage) == (o.model, o.prompt, o.storage) and d.first_layers == (1,)]
+    if same:
+        lines.append("- Where the derived N came out 1, 'streamed, derived N' and 'streamed, N=1' ran the same "
+                     "configuration, so the gap between their cold TTFTs is run-to-run noise: " + "; ".join(
+                         f"{d.model} {d.prompt} {d.stats['ttft'].median:.3f} vs {o.stats['ttft'].median:.3f} s"
+                         for d, o in same) + ".")
     lines += [
         "- The derived N is chosen by the actor per request from its stream's throughput so far and the "
         "calibrated prefill rate; the table lists every N the runs used.",
@@ -573,8 +625,11 @@ class HotRow:
     prompt: str
     prompt_tokens: int
     actor: Stat  # the hot actor: request arrival -> first token
+    actor_before_compute: Stat  # request arrival -> compute start
+    actor_prefill: Stat  # compute start -> first token
     client: Stat  # the driver: generate.remote() -> first token received
     in_process: Stat
+    in_process_prefill: Stat
 
     @property
     def ratio(self) -> float:
@@ -585,10 +640,11 @@ def hot_rows(runs: list[Run], in_process: list[InProcess]) -> list[HotRow]:
     out = []
     for model, prompt in dict.fromkeys((r.model, r.prompt) for r in runs if r.storage == PAGE_CACHE):
         ms = [metrics(r, 0.0) for r in runs if (r.model, r.prompt, r.storage) == (model, prompt, PAGE_CACHE)]
-        ref = [p.ttft for p in in_process if (p.model, p.prompt) == (model, prompt)]
+        ref = [p for p in in_process if (p.model, p.prompt) == (model, prompt)]
         tokens = next(r.prompt_tokens for r in runs if (r.model, r.prompt) == (model, prompt))
-        out.append(HotRow(model, prompt, tokens, summarize(m["hot_actor"] for m in ms),
-                          summarize(m["hot_client"] for m in ms), summarize(ref)))
+        out.append(HotRow(model, prompt, tokens, *(summarize(m[k] for m in ms) for k in (
+            "hot_actor", "hot_before_compute", "hot_prefill", "hot_client")),
+            summarize(p.ttft for p in ref), summarize(p.prefill for p in ref)))
     return out
 
 
@@ -614,10 +670,15 @@ def _goals(table: list[Row], hot: list[HotRow]) -> list[str]:
     lines += ["", f"**Hot TTFT within {GOAL_HOT - 1:.0%} of the in-process runtime** (actor side):", ""]
     for h in hot:
         extra = (h.actor.median - h.in_process.median) * 1e3
+        slower = (h.actor_prefill.median - h.in_process_prefill.median) * 1e3
         lines.append(f"- {h.model}, {h.prompt} ({h.prompt_tokens} tokens): {_verdict(h.ratio, GOAL_HOT)}; the actor "
-                     f"{'adds' if extra >= 0 else 'is faster by'} {abs(extra):.1f} ms (its side: a worker thread, the "
-                     f"embeddings check, the `Started` event); the client sees {h.client.median * 1e3:.1f} ms, Ray's "
-                     "round trip and the relay's stream interval included")
+                     f"{'adds' if extra >= 0 else 'is faster by'} {abs(extra):.1f} ms: "
+                     f"{h.actor_before_compute.median * 1e3:.1f} ms from arrival to compute start (a worker thread, "
+                     f"the embeddings check, the `Started` event) and a prefill {abs(slower):.1f} ms "
+                     f"{'slower' if slower >= 0 else 'faster'} than in-process ({h.actor_prefill.median * 1e3:.1f} "
+                     f"against {h.in_process_prefill.median * 1e3:.1f} ms; the actor's compute thread shares the "
+                     f"cores with Ray's threads); the client sees {h.client.median * 1e3:.1f} ms, Ray's round trip "
+                     "and the relay's stream interval included")
     return lines
 
 
@@ -685,20 +746,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     started, t0, load_before = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter(), _load_avg()
     torch.set_num_threads(args.compute_threads)
     models = []
-    for spec in args.models.split(","):  # calibrated before Ray starts its processes
+    for spec in args.models.split(","):
         preset, dtype = spec.split(":")
         zqs = prepare_model(preset, dtype, Path(args.cache_dir))
-        cal, engine = calibrate(preset, dtype, zqs, args)
-        models.append((zqs, cal, engine))
+        models.append((preset, dtype, zqs, probe_load(zqs, args)))  # before Ray starts its processes
     runs: list[Run] = []
     in_process: list[InProcess] = []
+    calibrations: list[Calibration] = []
     ray.init(num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        for zqs, cal, engine in models:
-            label = f"{cal.model} {cal.dtype}"
+        for preset, dtype, zqs, probe in models:
+            cal = calibrate(ray, zqs, preset, dtype, probe, args)
+            calibrations.append(cal)
+            label, engine = f"{preset} {dtype}", probe.engine
             prompts = {k: prompt_of_length(engine.tokenizer, engine.max_context, n) for k, n in cal.prompts.items()}
-            short = next(iter(prompts))  # warm-up: Ray's worker pool, the page cache
-            run_actor(ray, zqs, actor_config(args, cal, BASELINE), label, short, prompts[short], BASELINE, PAGE_CACHE)
             blocks = schedule(list(prompts), args.repeats, args.evicted_repeats)
             for k, (prompt, storage, modes) in enumerate(blocks):
                 for mode in modes:
@@ -709,14 +770,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                              storage, mode, run.first_layers, run.cold.first_token - run.cold.actor_start)
                 if storage == PAGE_CACHE:
                     _in_process_ttft(engine, prompts[prompt])  # warm-up: the driver's model sat idle
-                    in_process.append(InProcess(label, prompt, _in_process_ttft(engine, prompts[prompt])[0]))
+                    in_process.append(InProcess(label, prompt, *_in_process_ttft(engine, prompts[prompt])))
     finally:
         ray.shutdown()
     meta = {"command": args.command, "started": started, "elapsed_s": time.perf_counter() - t0,
             "load_before": load_before, "load_after": _load_avg(), "load_threads": args.load_threads,
             "compute_threads": args.compute_threads, "cpu_nice": args.cpu_nice, "repeats": args.repeats,
             **_machine()}
-    return {"meta": meta, "calibrations": [asdict(cal) for _, cal, _ in models], "runs": [asdict(r) for r in runs],
+    return {"meta": meta, "calibrations": [asdict(c) for c in calibrations], "runs": [asdict(r) for r in runs],
             "in_process": [asdict(p) for p in in_process]}
 
 

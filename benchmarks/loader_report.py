@@ -22,16 +22,9 @@ import torch
 import zstandard
 
 from benchmarks import bench_loader as bench
+from benchmarks.loader_goals import MB, ZQS, goals, seed_comparison
 
-MB = 1e6
-GOAL_RATIO = 1.4
-GOAL_THROTTLED = 0.8
-GOAL_WARM_SPEEDUP = 1.3
-GOAL_FIRST_LAYER_S = 0.060
-GOAL_EXTRA_LAYERS = 2
-ZQS = ("zqs-bytegroup", "zqs-zstd", "zqs-raw", "zqs-raw-nocrc")
 ORDER = ("tar.xz", "zst-whole", *ZQS, "st-pread", "st-pread-emul", "st-mmap-copy", "st-mmap-touch")
-READER_1CORE = "{} reader, 1 core (layer 0 into prefaulted, crc on)"
 
 DESCRIPTIONS = {
     "tar.xz": f"the seed's first baseline: a tar.xz (preset {bench.XZ_PRESET}) of model.safetensors, streamed "
@@ -156,7 +149,8 @@ def write_report(out: Path, run: dict[str, Any], cache: Path) -> str:
     plot = out.with_suffix(".png")
     if _plot(plot, infos[shapes[-1]], cells):
         lines += [f"![median seconds per method and regime, {shapes[-1]}]({plot.name})", ""]
-    lines += _goals(infos, cells, limits)
+    lines += seed_comparison(infos[shapes[-1]], cells)
+    lines += goals(infos, cells, limits)
     lines += _method_notes(results, infos, cells, limits)
     text = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -281,150 +275,6 @@ def _plot(path: Path, info: ShapeInfo, cells: Cells) -> bool:
     return True
 
 
-# ---- goals ------------------------------------------------------------------------------
-
-
-def _goals(infos: dict[str, ShapeInfo], cells: Cells, limits: dict[str, float]) -> list[str]:
-    big = infos.get("tinyllama-1.1b") or next(iter(infos.values()))
-
-    def get(regime: str, method: str, dest: str) -> Cell | None:
-        return cells.get((big.name, regime, method, dest))
-
-    def verdict(ok: bool) -> str:
-        return "**met**" if ok else "**missed**"
-
-    lines = ["## Goals", "", f"Judged on the {big.name} shape unless a line says otherwise, on the medians; "
-             "each line also gives the best runs' figure (fastest of each cell), which other jobs on the machine "
-             "disturbed least.", ""]
-
-    def also(ok_median: bool, ok_best: bool, figure: str) -> str:
-        differs = "" if ok_median == ok_best else f" — {'met' if ok_best else 'missed'} on the best runs"
-        return f" Best runs: {figure}{differs}."
-
-    # 1. compression ratio
-    parts = []
-    for i in infos.values():
-        r = i.ratio("zqs-bytegroup")
-        margin = f"{r - GOAL_RATIO:+.3f}"
-        parts.append(f"{i.name} {r:.3f} ({margin}; plain zstd {i.ratio('zqs-zstd'):.3f}, whole-file zstd "
-                     f"{i.ratio('zst'):.3f}, xz {i.ratio('tar.xz'):.3f})")
-    ok = all(i.ratio("zqs-bytegroup") >= GOAL_RATIO for i in infos.values())
-    lines.append(f"1. **Byte-grouped bf16 ratio ≥ {GOAL_RATIO}**: {verdict(ok)}: " + "; ".join(parts) + ". On "
-                 "random normal weights the exponent bytes hold a few bits and the mantissa bytes are noise; "
-                 "ZipNN reports 1.51 on real BF16 models.")
-
-    # 2. throttled storage
-    decode = get("warm", "zqs-bytegroup", "fresh")
-    for regime, rate in bench.RATES.items():
-        ours, theirs = get(regime, "zqs-bytegroup", "fresh"), get(regime, "st-pread-emul", "own")
-        if ours is None or theirs is None:
-            continue
-        r = ours.seconds / theirs.seconds
-        link = big.files["zqs-bytegroup"] / rate
-        text = (f"2. **{regime}: byte-grouped .zqs ≤ {GOAL_THROTTLED} × uncompressed safetensors**: "
-                f"{verdict(r <= GOAL_THROTTLED)}: {ours.seconds:.2f} s against {theirs.seconds:.2f} s = {r:.2f}× "
-                f"(budget {GOAL_THROTTLED * theirs.seconds:.2f} s).")
-        rb = ours.best / theirs.best
-        text += also(r <= GOAL_THROTTLED, rb <= GOAL_THROTTLED, f"{ours.best:.2f} s against {theirs.best:.2f} s = "
-                     f"{rb:.2f}×") + " "
-        if decode is not None:
-            bound = "decoding" if decode.seconds > link else "the link"
-            text += (f"The file alone crosses the link in {link:.2f} s; decoding alone (the same load from a warm "
-                     f"cache, fresh destinations) takes {decode.seconds:.2f} s; {bound} is the bound, and the "
-                     f"measured time is {ours.seconds / max(link, decode.seconds):.2f}× that bound.")
-            if ours.seconds > 1.15 * max(link, decode.seconds):
-                text += (" The reader's preads are synchronous: each thread waits for its 4 MiB to cross the link "
-                         "and then decodes it, so per thread the two add up instead of overlapping; a read kept "
-                         "in flight while decoding would bring the load to the bound.")
-            if r > GOAL_THROTTLED and decode.seconds > link:
-                text += (f" To meet the goal the two threads would have to decode at "
-                         f"{big.model_bytes / (GOAL_THROTTLED * theirs.seconds) / 1e9:.2f} GB/s of weights; "
-                         f"they manage {big.model_bytes / decode.seconds / 1e9:.2f} GB/s here (one core: "
-                         f"{limits.get(READER_1CORE.format('zqs-bytegroup'), float('nan')):.2f} GB/s into "
-                         "prefaulted memory).")
-        lines.append(text)
-
-    # 3. warm cache into private memory
-    base = get("warm", "st-pread", "own")
-    options = {(m, d): c for m in ZQS for d in ("fresh", "prefaulted") if (c := get("warm", m, d)) is not None}
-    if base is not None and options:
-        speed = {k: base.seconds / c.seconds for k, c in options.items()}
-        best_speed = {k: base.best / c.best for k, c in options.items()}
-        best = max(speed, key=speed.get)
-        listing = "; ".join(f"{m} into {d}: {s:.2f}×" for (m, d), s in speed.items())
-        lines.append(
-            f"3. **Warm cache into private memory ≥ {GOAL_WARM_SPEEDUP}× faster than safetensors' pread backend** "
-            f"(st-pread: {base.seconds:.3f} s): {verdict(speed[best] >= GOAL_WARM_SPEEDUP)}: the fastest .zqs "
-            f"configuration, {best[0]} into {best[1]} tensors, reached {speed[best]:.2f}×; the default byte-grouped "
-            "file: "
-            f"{speed.get(('zqs-bytegroup', 'fresh'), float('nan')):.2f}× into fresh and "
-            f"{speed.get(('zqs-bytegroup', 'prefaulted'), float('nan')):.2f}× into prefaulted tensors, "
-            f"short of {GOAL_WARM_SPEEDUP}× by "
-            f"{1 - speed.get(('zqs-bytegroup', 'prefaulted'), 0) / GOAL_WARM_SPEEDUP:.0%}. All: {listing}."
-            + also(speed[best] >= GOAL_WARM_SPEEDUP, max(best_speed.values()) >= GOAL_WARM_SPEEDUP,
-                   f"st-pread {base.best:.3f} s; " + "; ".join(f"{m} into {d}: {v:.2f}×"
-                                                            for (m, d), v in best_speed.items()))
-            + " " + _warm_why(big, base, options, limits))
-
-    # 4. time to first layer
-    firsts = {(m, d): c.first_layer_s for m in ZQS for d in ("fresh", "prefaulted")
-              if (c := get("warm", m, d)) is not None and c.first_layer_s is not None}
-    best_firsts = {(m, d): c.best_first_layer_s for m in ZQS for d in ("fresh", "prefaulted")
-                   if (c := get("warm", m, d)) is not None and c.best_first_layer_s is not None}
-    if firsts:
-        best = min(firsts, key=firsts.get)
-        default = firsts.get(("zqs-bytegroup", "fresh"), float("nan"))
-        one_core = limits.get(READER_1CORE.format("zqs-bytegroup"), float("nan"))
-        miss = "" if firsts[best] <= GOAL_FIRST_LAYER_S else f", {firsts[best] * 1e3 - GOAL_FIRST_LAYER_S * 1e3:.0f} ms over"
-        lines.append(
-            f"4. **Time to layer 0 ≤ {GOAL_FIRST_LAYER_S * 1e3:.0f} ms** ({big.name}, warm): "
-            f"{verdict(firsts[best] <= GOAL_FIRST_LAYER_S)}: the fastest configuration, {best[0]} into {best[1]} "
-            f"tensors, {firsts[best] * 1e3:.0f} ms{miss}; the default byte-grouped file into fresh tensors {default * 1e3:.0f} ms."
-            + also(firsts[best] <= GOAL_FIRST_LAYER_S, min(best_firsts.values()) <= GOAL_FIRST_LAYER_S,
-                   f"{min(best_firsts.values()) * 1e3:.0f} ms ({min(best_firsts, key=best_firsts.get)[0]})")
-            + " "
-            f"Layer 0 cannot run before the embeddings are in, so it waits for {big.embed_bytes / MB:.0f} MB of "
-            f"embeddings plus its own {big.layer_bytes / MB:.0f} MB, on two threads at once. One core decodes "
-            f"byte-grouped frames at {one_core:.2f} GB/s here, so the embedding table alone takes "
-            f"{big.embed_bytes / one_core / 1e6:.0f} ms on its thread; {GOAL_FIRST_LAYER_S * 1e3:.0f} ms would "
-            f"need {big.embed_bytes / GOAL_FIRST_LAYER_S / 1e9:.1f} GB/s on one core. Prefill needs only the "
-            "prompt's rows of that table: splitting the embeddings into row blocks, or reading the prompt's rows "
-            "first, is where the rest of this goal lies (a format/loader change, not measured here).")
-
-    # 5. extra resident memory
-    extras = {(r, m, d): c.extra for (s, r, m, d), c in cells.items() if s == big.name and m in ZQS}
-    if extras:
-        worst = max(extras, key=extras.get)
-        allowed = GOAL_EXTRA_LAYERS * big.layer_bytes
-        archive = max((c.extra for (s, _, m, _), c in cells.items() if s == big.name and m == "zst-whole"), default=0)
-        lines.append(
-            f"5. **Extra resident memory during a streaming load ≤ {GOAL_EXTRA_LAYERS} layers** "
-            f"({allowed / MB:.0f} MB): {verdict(extras[worst] <= allowed)}: the most any .zqs load held beyond its "
-            f"destinations was {extras[worst] / MB:.0f} MB ({worst[1]} into {worst[2]} tensors, {worst[0]}), "
-            f"against {archive / MB:,.0f} MB for the whole-file zstd baseline. Each reader thread holds one 4 MiB "
-            "read, a 1 MiB block and zstd's window, never a whole group.")
-    return lines + [""]
-
-
-def _warm_why(big: ShapeInfo, base: Cell, options: dict[tuple[str, str], Cell], limits: dict[str, float]) -> str:
-    def limit(prefix: str) -> float:
-        return next((v for k, v in limits.items() if k.startswith(prefix)), float("nan"))
-
-    text = (f"Why: st-pread is one kernel copy from the page cache into fresh memory ({big.model_bytes / base.seconds / 1e9:.2f} "
-            f"GB/s here; memcpy runs at {limit('memcpy into fresh'):.2f} GB/s into fresh and "
-            f"{limit('memcpy into prefaulted'):.2f} GB/s into prefaulted memory). The compressed files are bound by "
-            f"decoding: one core decodes byte-grouped frames at {limit(READER_1CORE.format('zqs-bytegroup')):.2f} "
-            f"GB/s and plain zstd at {limit(READER_1CORE.format('zqs-zstd')):.2f} GB/s, so two cores cannot reach "
-            f"the {GOAL_WARM_SPEEDUP * big.model_bytes / base.seconds / 1e9:.2f} GB/s the goal needs. ")
-    fresh, pre = options.get(("zqs-raw-nocrc", "fresh")), options.get(("zqs-raw-nocrc", "prefaulted"))
-    if fresh and pre:
-        text += (f"Uncompressed, the copy itself is cheap and first-touch page faults decide: the same raw read "
-                 f"takes {fresh.seconds:.3f} s into fresh and {pre.seconds:.3f} s into prefaulted tensors, "
-                 f"and the crc32 ({limit('zlib.crc32'):.2f} GB/s on one core) costs what remains. ")
-    return text + ("The issue's prototype (2.2 GB in 0.93 s) implies 2.4 GB/s of decoding; the decoder measured "
-                   "here does not get there on these two cores.")
-
-
 # ---- how it was measured ------------------------------------------------------------------
 
 
@@ -433,6 +283,7 @@ def _method_notes(results: list[dict[str, Any]], infos: dict[str, ShapeInfo], ce
     cold = [r for r in results if r["regime"] == "cold"]
     warm = [r for r in results if r["regime"] != "cold"]
     warm_full = sum(r["resident_pages_at_start"] == r["file_pages"] for r in warm)
+    least_resident = min((r["resident_pages_at_start"] / r["file_pages"] for r in warm), default=float("nan"))
     throttled = [r for r in results if r["throttled_bytes"] is not None]
     through = min((r["throttled_bytes"] / r["bytes_to_read"] for r in throttled), default=float("nan"))
     emul = []
@@ -465,7 +316,8 @@ def _method_notes(results: list[dict[str, Any]], infos: dict[str, ShapeInfo], ce
         "the middle tensor whole; untimed).",
         "",
         f"- **warm**: the method's file is read once before the load; {warm_full} of {len(warm)} warm and "
-        "throttled runs started with every page of it resident (mincore).",
+        f"throttled runs started with every page of it resident (mincore), and none with less than "
+        f"{least_resident:.2%} of its pages.",
         f"- **cold**: `fsync` + `posix_fadvise(POSIX_FADV_DONTNEED)` on the method's file, after which mincore "
         f"counted 0 resident pages in all {len(cold)} cold runs (a run with any page left fails). The disk is a "
         f"virtio block device; cold reads ran at {cold_read:.2f} GB/s on one thread, so *cold* here means a "

@@ -125,8 +125,10 @@ def test_report_renders_from_saved_json_with_goals_and_the_clock_note() -> None:
             "load_threads": 1, "compute_threads": 1, "cpu_nice": 0, "repeats": 3, "cores": 2, "cpu": "cpu",
             "mem_gib": 1.0, "python": "3", "torch": "2", "ray": "2"}
     data = json.loads(json.dumps({"meta": meta, "calibrations": [asdict(cal)], "runs": [asdict(r) for r in runs],
-                                  "in_process": [asdict(bench.InProcess("m bf16", "balanced", 1.0))] * 3}))
+                                  "in_process": [asdict(bench.InProcess("m bf16", "balanced", 1.0, 0.999))] * 3}))
     text = bench.report(data)
-    assert "streamed, derived N: **met** (0.55 ≤ 0.6)" in text
-    assert "streamed, N=1: **missed** by 33% (1.60 > 1.2)" in text
+    assert "streamed, derived N: **met** (0.550 ≤ 0.6)" in text
+    assert "streamed, N=1: **missed** by 33.3% (1.600 > 1.2)" in text
     assert "**Clock correction.**" in text
+    assert ("balanced (512 tokens): **met** (1.001 ≤ 1.1); the actor adds 1.0 ms: "
+            "1.0 ms from arrival to compute start") in text
