@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from benchmarks import bench_loader as bench
+from benchmarks.loader_methods import METHODS, RATES, load_st_pread_emulated
 from benchmarks.loader_storage import Throttle, evict, read_all, resident_pages, throttled_reader, warm
 from weights_tool import reader as reader_module
 from weights_tool.layer_stream import LayerStream
@@ -94,17 +95,17 @@ def test_evict_leaves_the_file_non_resident(tmp_path: Path) -> None:
 def test_every_method_loads_the_checkpoints_bytes(tmp_path: Path) -> None:
     """run_one checks each tensor against model.safetensors; here on the `tiny` preset, every method and regime."""
     bench.build_artefacts("tiny", tmp_path)
-    regimes = ["warm", *bench.RATES] + ([] if _filesystem(tmp_path) == "tmpfs" else ["cold"])
+    regimes = ["warm", *RATES] + ([] if _filesystem(tmp_path) == "tmpfs" else ["cold"])
     num_threads = torch.get_num_threads()  # run_one expects a process of its own and sets it to 1
     try:
-        for m in bench.METHODS:
+        for m in METHODS:
             for regime in set(regimes) & set(m.regimes):
                 result = bench.run_one(bench.RunSpec("tiny", regime, m.name, m.dests[-1], 0, str(tmp_path)))
                 assert result["seconds"] > 0
                 assert (result["first_layer_s"] is not None) == m.name.startswith("zqs")
                 if regime == "cold":
                     assert result["resident_pages_at_start"] == 0
-                if regime in bench.RATES:
+                if regime in RATES:
                     assert result["throttled_bytes"] >= result["bytes_to_read"]
     finally:
         torch.set_num_threads(num_threads)
@@ -114,7 +115,7 @@ def test_the_byte_check_catches_a_wrong_tensor(tmp_path: Path) -> None:
     bench.build_artefacts("tiny", tmp_path)
     st = bench.artefact_paths("tiny", tmp_path)["safetensors"]
     specs = bench.safetensors_specs(st)
-    tensors, _ = bench.load_st_pread_emulated({"safetensors": st}, specs, None, None)
+    tensors, _ = load_st_pread_emulated({"safetensors": st}, specs, None, None)
     bench._check_bytes(tensors, specs, st)
     last = tensors[specs[-1].name].reshape(-1).view(torch.uint8)
     last[-1] ^= 1
