@@ -21,15 +21,6 @@ from actors.checkpoint import load_hf_checkpoint  # noqa: E402
 from actors.model import Transformer  # noqa: E402
 from weights_tool.architecture import ModelConfig, RopeScaling  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP barriers stall."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 VOCAB = 300
 _COMMON = dict(
     hidden_size=64,
