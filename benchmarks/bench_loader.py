@@ -280,7 +280,7 @@ def machine_limits(paths: dict[str, Path], repeats: int = 3) -> dict[str, float]
     for key in ("zqs-bytegroup", "zqs-zstd", "zqs-raw"):
         warm(paths[key])
         with ShardReader(paths[key]) as r:
-            limits[f"{key} reader, 1 core (layer 0 into prefaulted, crc on)"] = (
+            limits[f"{key} reader, 1 core (layer 0 into prefaulted, verified)"] = (
                 sum(s.size for s in layer0) / _best(lambda r=r: r.read_layer(0, into=into), repeats))
     return {k: v / 1e9 for k, v in limits.items()}
 

@@ -32,7 +32,8 @@ DESCRIPTIONS = {
     "zst-whole": f"the seed's second: model.safetensors zstd-compressed whole (level {bench.ZST_LEVEL}), read "
                  "whole, decompressed to memory, then `safetensors.torch.load`",
     "zqs-bytegroup": f"this project (the seed's third): `.zqs` packed with the defaults (byte-grouped zstd level "
-                     f"1), `LayerStream` on {bench.NUM_THREADS} threads, checksums on, into caller tensors",
+                     f"1), `LayerStream` on {bench.NUM_THREADS} threads, verification on (each zstd frame's XXH64 content "
+                     "checksum, checked by libzstd as it decodes), one 4 MiB read ahead per thread, into caller tensors",
     "zqs-zstd": "as zqs-bytegroup, packed with `byte_group=False` (plain zstd level 1)",
     "zqs-raw": "as zqs-bytegroup, packed with `codec=\"raw\"` (stored uncompressed; the crc32 is still checked)",
     "zqs-raw-nocrc": "zqs-raw read with `verify=False`, as a trusted local copy may be (bounds and sizes are "
@@ -326,10 +327,11 @@ def _method_notes(results: list[dict[str, Any]], infos: dict[str, ShapeInfo], ce
         "- **throttled**: the page cache is warm underneath and every read goes through one `Throttle` per load: "
         "a link of 1e9 or 0.5e9 bytes/s shared by all of the load's threads, each read returning no sooner than "
         "its bytes could have crossed the link after the previous read's; no credit accrues while the link is "
-        "idle (no read-ahead), so only another thread's reads overlap a thread's decoding. The archives are read "
-        "through it in 4 MiB reads, st-pread-emul header and tensors alike, and the `.zqs` reader by swapping "
-        "`weights_tool.reader`'s `os` for one whose `pread`/`preadv` go through the throttle (no change to the "
-        "reader). Every throttled run checked that everything it had to read crossed the link (the whole file; "
+        "idle, so a reader overlaps storage with decoding only by keeping a read in flight itself (the `.zqs` "
+        "reader keeps one 4 MiB read ahead per decoding thread; the other methods read and then decode). The "
+        "archives are read through it in 4 MiB reads, st-pread-emul header and tensors alike, and the `.zqs` "
+        "reader by swapping the `os` of `weights_tool.reader` and `weights_tool.frames` for one whose "
+        "`pread`/`preadv` go through the throttle (no change to the reader). Every throttled run checked that everything it had to read crossed the link (the whole file; "
         f"for .zqs, every frame): at least {through:.2f}× that did. safetensors' own backends cannot be throttled "
         "from outside (Rust preads, mmap page faults), so st-pread-emul stands for the uncompressed file there; "
         "warm, it took " + ("; ".join(emul) if emul else "—") + " for st-pread.",

@@ -23,6 +23,7 @@ from unittest import mock
 
 import numpy as np
 
+from weights_tool import frames as frames_module
 from weights_tool import reader as reader_module
 
 CHUNK_BYTES = 4 << 20  # every method reads in pieces of this size (as the .zqs reader does)
@@ -72,7 +73,7 @@ def _sleep_until(due: float) -> None:
 
 
 class _ThrottledOs:
-    """Stands in for the `os` module inside weights_tool.reader: its preads go through a Throttle."""
+    """Stands in for the `os` module inside weights_tool.reader and .frames: their preads go through a Throttle."""
 
     def __init__(self, throttle: Throttle) -> None:
         self.pread, self.preadv = throttle.pread, throttle.preadv
@@ -82,15 +83,17 @@ class _ThrottledOs:
 
 
 def throttled_reader(throttle: Throttle | None) -> contextlib.AbstractContextManager[Any]:
-    """While active, every pread of `weights_tool.reader` (ShardReader, LayerStream) goes through `throttle`.
+    """While active, every pread of `weights_tool.reader` and `.frames` (ShardReader, LayerStream) goes through `throttle`.
 
-    The reader calls `os.pread` / `os.preadv` by module attribute, so swapping its `os` is
-    the whole hook; callers check `throttle.num_bytes` afterwards, so a reader that stops
+    They call `os.pread` / `os.preadv` by module attribute, so swapping their `os` is the
+    whole hook; callers check `throttle.num_bytes` afterwards, so a reader that stops
     reading that way fails the benchmark instead of going silently unthrottled.
     """
-    if throttle is None:
-        return contextlib.nullcontext()
-    return mock.patch.object(reader_module, "os", _ThrottledOs(throttle))
+    stack = contextlib.ExitStack()
+    if throttle is not None:
+        for module in (reader_module, frames_module):
+            stack.enter_context(mock.patch.object(module, "os", _ThrottledOs(throttle)))
+    return stack
 
 
 def read_exact(fd: int, view: memoryview | np.ndarray, offset: int, throttle: Throttle | None = None) -> None:

@@ -230,36 +230,36 @@ class CudaLayerStream(LayerStream):
         import torch
 
         group = self._groups[index]
-        stream = GroupStream(self.reader, group, verify=self._verify)
-        tensors, ti, t_pos = group.tensors, 0, 0
-        left = group.size
-        while left:
-            host, host_np, event = self._take_slot()
-            try:
-                n = min(left, len(host_np))
-                filled = 0
-                while filled < n:
-                    if self._stop.is_set():
-                        raise ReadCancelled(f"loading group {group.name} was cancelled")
-                    k = stream.readinto(host_np[filled:n])
-                    if k == 0:
-                        raise ShardFormatError(f"group {group.name}: frames end {left - filled} bytes early")
-                    filled += k
-                with torch.cuda.stream(self._copy_stream):
-                    s = 0
-                    while s < n:  # the slot holds the tail of one tensor, whole tensors, the head of another
-                        t = tensors[ti]
-                        k = min(t.size - t_pos, n - s)
-                        if k:
-                            self._dests_cuda[t.name][t_pos : t_pos + k].copy_(host[s : s + k], non_blocking=True)
-                        s, t_pos = s + k, t_pos + k
-                        if t_pos == t.size:
-                            ti, t_pos = ti + 1, 0
-                    event.record(self._copy_stream)
-            finally:
-                self._slots.put((host, host_np, event))
-            left -= n
-        stream.finish()
+        with GroupStream(self.reader, group, verify=self._verify) as stream:
+            tensors, ti, t_pos = group.tensors, 0, 0
+            left = group.size
+            while left:
+                host, host_np, event = self._take_slot()
+                try:
+                    n = min(left, len(host_np))
+                    filled = 0
+                    while filled < n:
+                        if self._stop.is_set():
+                            raise ReadCancelled(f"loading group {group.name} was cancelled")
+                        k = stream.readinto(host_np[filled:n])
+                        if k == 0:
+                            raise ShardFormatError(f"group {group.name}: frames end {left - filled} bytes early")
+                        filled += k
+                    with torch.cuda.stream(self._copy_stream):
+                        s = 0
+                        while s < n:  # the slot holds the tail of one tensor, whole tensors, the head of another
+                            t = tensors[ti]
+                            k = min(t.size - t_pos, n - s)
+                            if k:
+                                self._dests_cuda[t.name][t_pos : t_pos + k].copy_(host[s : s + k], non_blocking=True)
+                            s, t_pos = s + k, t_pos + k
+                            if t_pos == t.size:
+                                ti, t_pos = ti + 1, 0
+                        event.record(self._copy_stream)
+                finally:
+                    self._slots.put((host, host_np, event))
+                left -= n
+            stream.finish()
         done = torch.cuda.Event()
         done.record(self._copy_stream)
         self._events[index] = done

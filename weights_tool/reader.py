@@ -4,10 +4,12 @@
 `read_group` / `read_layer` decode one group straight into caller-owned buffers: raw
 frames are read with `os.preadv` into the destination, zstd frames stream through
 `stream_reader.readinto` into it, byte-grouped frames decode one block (1 MiB by default)
-at a time and interleave into it. Memory beyond the destinations is a few blocks.
+at a time and interleave into it (weights_tool/frames.py). Memory beyond the destinations
+is a few blocks and, per reading thread, one compressed chunk read ahead.
 
 All reads are `pread`s on one file descriptor, so any number of threads may read
-different groups at once (zstd, zlib.crc32 and numpy copies release the GIL).
+different groups at once (zstd, zlib.crc32 and numpy copies release the GIL). The
+read-ahead runs on a small thread pool the reader owns; `close()` waits for it.
 """
 
 from __future__ import annotations
@@ -20,28 +22,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zstandard
 
 from weights_tool.format import (
-    CODEC_BYTEGROUP,
-    CODEC_RAW,
     PREAMBLE,
-    FrameEntry,
     GroupEntry,
     Header,
     ShardFormatError,
     TensorEntry,
-    byte_ungroup,
-    crc32,
     decode_preamble,
     group_name,
     parse_header,
 )
+from weights_tool.frames import (
+    CHECK_ALL,
+    CHECK_LOAD,
+    CHECK_NONE,
+    READ_CHUNK_BYTES,
+    FrameReader,
+    ReadAhead,
+    frame_label,
+    open_frame,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_WINDOW_BYTES = 1 << 27  # zstd's own default decoder limit, made explicit: bounds decoder memory
-READ_CHUNK_BYTES = 4 << 20  # compressed bytes per pread; also how often a read checks for cancel
+# Reads in flight ahead of the decoding threads; each only waits on storage, so a few
+# more threads than cores cost nothing.
+MAX_READ_AHEAD_THREADS = 8
 
 
 class ReadCancelled(Exception):
@@ -65,6 +72,8 @@ class ShardReader:
             raise
         self._groups = {g.name: g for g in self.header.groups}
         self.tensors: dict[str, TensorEntry] = {t.name: t for g in self.header.groups for t in g.tensors}
+        self._read_ahead: ReadAhead | None = None
+        self._read_ahead_lock = threading.Lock()
 
     # ---- header ---------------------------------------------------------------------
 
@@ -124,7 +133,12 @@ class ShardReader:
         """
         group = self.group(name)
         dests = self.destinations(group, into)
-        stream = GroupStream(self, group, verify=verify)
+        with GroupStream(self, group, verify=verify) as stream:
+            self._read_into(stream, dests, cancel)
+        return dests
+
+    def _read_into(self, stream: GroupStream, dests: dict[str, np.ndarray], cancel: threading.Event | None) -> None:
+        group, name = stream.group, stream.group.name
         for t in group.tensors:
             view = dests[t.name]
             pos = 0
@@ -136,7 +150,6 @@ class ShardReader:
                     raise ShardFormatError(f"group {name}: frames end inside tensor {t.name}")
                 pos += n
         stream.finish()
-        return dests
 
     def destinations(self, group: GroupEntry, into: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
         """Flat uint8 views of the caller's buffers for `group`, checked before any byte is read."""
@@ -153,8 +166,10 @@ class ShardReader:
         problems: list[str] = []
         for g in self.groups:
             for k, frame in enumerate(g.frames):
+                reader: FrameReader | None = None
                 try:
-                    reader = open_frame(self._fd, frame, frame_label(g, k), verify=True)
+                    reader = open_frame(self._fd, frame, frame_label(g, k), check=CHECK_ALL,
+                                        read_ahead=self.read_ahead())
                     left = frame.size
                     while left:
                         n = reader.readinto(scratch[: min(left, len(scratch))])
@@ -162,12 +177,29 @@ class ShardReader:
                     reader.finish()
                 except ShardFormatError as e:
                     problems.append(str(e))
+                finally:
+                    if reader is not None:
+                        reader.close()
                 if progress is not None:
                     progress(frame.stored_size)
         if problems:
             raise ShardFormatError(f"{self.path}: {len(problems)} bad frame(s): " + "; ".join(problems))
 
+    def read_ahead(self) -> ReadAhead:
+        """The threads and buffers that read compressed chunks ahead of the decoders, started on first use."""
+        with self._read_ahead_lock:
+            if self._fd < 0:
+                raise ValueError(f"{self.path}: reader is closed")
+            if self._read_ahead is None:
+                self._read_ahead = ReadAhead(MAX_READ_AHEAD_THREADS)
+            return self._read_ahead
+
     def close(self) -> None:
+        """Close the file once reads in flight have finished (so no pread meets a reused fd)."""
+        with self._read_ahead_lock:
+            pool, self._read_ahead = self._read_ahead, None
+        if pool is not None:
+            pool.shutdown()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -186,16 +218,18 @@ class ShardReader:
 class GroupStream:
     """A group's tensor bytes, back to back in table order, read front to back with `readinto`.
 
-    Each frame is checked (declared size, no extra output, crc32) the moment its last
-    byte is delivered, so a bad frame raises before the group can be called complete.
+    Each frame is checked (declared size, no extra output, its checksum: see frames.py)
+    the moment its last byte is delivered, so a bad frame raises before the group can be
+    called complete. `verify=False` skips the CRC-32s, never the sizes.
     """
 
     def __init__(self, reader: ShardReader, group: GroupEntry, *, verify: bool = True) -> None:
         self.group = group
         self._fd = reader.fd
-        self._verify = verify
+        self._check = CHECK_LOAD if verify else CHECK_NONE
+        self._read_ahead = reader.read_ahead()
         self._next_frame = 0
-        self._frame: _FrameReader | None = None
+        self._frame: FrameReader | None = None
         self._left = 0  # bytes left in the current frame
 
     @property
@@ -221,186 +255,29 @@ class GroupStream:
         if self._left or self._open_next():
             raise ShardFormatError(f"group {self.group.name}: finished with {self._left} bytes of a frame unread")
 
+    def close(self) -> None:
+        """Drop the current frame's read-ahead, if the group was abandoned part way."""
+        if self._frame is not None:
+            self._frame.close()
+
+    def __enter__(self) -> GroupStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _open_next(self) -> bool:
         while self._next_frame < len(self.group.frames):
             k = self._next_frame
             self._next_frame += 1
             frame = self.group.frames[k]
-            self._frame = open_frame(self._fd, frame, frame_label(self.group, k), verify=self._verify)
+            self._frame = open_frame(self._fd, frame, frame_label(self.group, k), check=self._check,
+                                     read_ahead=self._read_ahead)
             self._left = frame.size
             if self._left:
                 return True
             self._frame.finish()
         return False
-
-
-# ---- frames ------------------------------------------------------------------------
-
-
-def frame_label(group: GroupEntry, k: int) -> str:
-    names = [t.name for t in group.tensors if t.frame == k]
-    held = f"{names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") if names else "no tensors"
-    return f"group {group.name} frame {k} ({held})"
-
-
-def open_frame(fd: int, frame: FrameEntry, label: str, *, verify: bool) -> _FrameReader:
-    if frame.codec == CODEC_RAW:
-        return _RawFrame(fd, frame, label, verify)
-    if frame.codec == CODEC_BYTEGROUP:
-        return _ByteGroupFrame(fd, frame, label, verify)
-    return _ZstdFrame(fd, frame, label, verify)
-
-
-class _FrameReader:
-    """A frame's decompressed bytes in order. `readinto` never returns more than asked or declared."""
-
-    def __init__(self, fd: int, frame: FrameEntry, label: str, verify: bool) -> None:
-        self.fd, self.frame, self.label, self.verify = fd, frame, label, verify
-        self.pos = 0
-
-    def readinto(self, out: np.ndarray) -> int:
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        raise NotImplementedError
-
-    def error(self, what: str) -> ShardFormatError:
-        return ShardFormatError(f"{self.label}: {what}")
-
-
-class _RawFrame(_FrameReader):
-    def __init__(self, fd: int, frame: FrameEntry, label: str, verify: bool) -> None:
-        super().__init__(fd, frame, label, verify)
-        self._crc = 0
-
-    def readinto(self, out: np.ndarray) -> int:
-        n = min(len(out), self.frame.size - self.pos)
-        view = memoryview(out)[:n]
-        got = 0
-        while got < n:  # a short read means the file shrank under us
-            k = os.preadv(self.fd, [view[got:]], self.frame.offset + self.pos + got)
-            if k == 0:
-                raise self.error(f"file ends inside the frame (at byte {self.pos + got} of {self.frame.size}): truncated")
-            got += k
-        if self.verify:
-            self._crc = crc32(view, self._crc)
-        self.pos += n
-        return n
-
-    def finish(self) -> None:
-        if self.pos != self.frame.size:
-            raise self.error(f"read {self.pos} of {self.frame.size} bytes")
-        if self.verify and self._crc != self.frame.crc32:
-            raise self.error(f"checksum mismatch (stored {self.frame.crc32:#010x}, computed {self._crc:#010x})")
-
-
-class _StoredBytes:
-    """The stored bytes of one frame as a file-like source for zstd, crc32 computed on the way."""
-
-    def __init__(self, fd: int, frame: FrameEntry, label: str, verify: bool) -> None:
-        self.fd, self.frame, self.label, self.verify = fd, frame, label, verify
-        self.pos = 0
-        self.crc = 0
-
-    def read(self, n: int = -1) -> bytes:
-        left = self.frame.stored_size - self.pos
-        n = left if n < 0 else min(n, left)
-        data = os.pread(self.fd, n, self.frame.offset + self.pos) if n else b""
-        if len(data) < n:
-            raise ShardFormatError(f"{self.label}: file ends inside the frame's stored bytes: truncated")
-        self.pos += len(data)
-        if self.verify:
-            self.crc = crc32(data, self.crc)
-        return data
-
-
-class _ZstdFrame(_FrameReader):
-    def __init__(self, fd: int, frame: FrameEntry, label: str, verify: bool) -> None:
-        super().__init__(fd, frame, label, verify)
-        self._source = _StoredBytes(fd, frame, label, verify)
-        self._check_declared_size()
-        # read_across_frames: a second zstd frame hidden behind the first must count
-        # towards the declared size (it is how a crafted frame would smuggle in more bytes).
-        self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES).stream_reader(
-            self._source, read_size=READ_CHUNK_BYTES, read_across_frames=True, closefd=False
-        )
-
-    def _check_declared_size(self) -> None:
-        head = os.pread(self.fd, min(18, self.frame.stored_size), self.frame.offset)  # max zstd frame header
-        try:
-            content_size = zstandard.frame_content_size(head)
-        except zstandard.ZstdError:
-            return  # not decodable as a header; the decoder will say so with context
-        if content_size >= 0 and content_size != self.frame.size:
-            raise self.error(f"zstd frame declares {content_size} bytes of content; the header declares {self.frame.size}")
-
-    def readinto(self, out: np.ndarray) -> int:
-        n = min(len(out), self.frame.size - self.pos)
-        view = memoryview(out)[:n]
-        got = 0
-        while got < n:
-            k = self._decode(view[got:])
-            if k == 0:
-                raise self.error(f"decompresses to {self.pos + got} bytes, fewer than the declared {self.frame.size}")
-            got += k
-        self.pos += n
-        return n
-
-    def finish(self) -> None:
-        if self.pos != self.frame.size:
-            raise self.error(f"read {self.pos} of {self.frame.size} bytes")
-        # One byte more than declared is a bomb (or a corrupt frame); asking for one is bounded.
-        if self._decode(memoryview(bytearray(1))):
-            raise self.error(f"decompresses to more than the declared {self.frame.size} bytes")
-        if self._source.pos != self.frame.stored_size:
-            raise self.error(f"zstd stopped after {self._source.pos} of {self.frame.stored_size} stored bytes")
-        if self.verify and self._source.crc != self.frame.crc32:
-            raise self.error(f"checksum mismatch (stored {self.frame.crc32:#010x}, computed {self._source.crc:#010x})")
-
-    def _decode(self, view: memoryview) -> int:
-        try:
-            return self._zstd.readinto(view)
-        except zstandard.ZstdError as e:
-            raise self.error(f"corrupt zstd data ({e})") from None
-
-
-class _ByteGroupFrame(_FrameReader):
-    """zstd over blocks whose bytes are grouped by position in the element; see format.byte_group."""
-
-    def __init__(self, fd: int, frame: FrameEntry, label: str, verify: bool) -> None:
-        super().__init__(fd, frame, label, verify)
-        self._planes = _ZstdFrame(fd, frame, label, verify)
-        self._scratch = np.empty(min(frame.block_size, frame.size), dtype=np.uint8)
-        self._block = np.empty(0, dtype=np.uint8)  # the decoded block `out` did not fully take
-        self._block_pos = 0
-
-    def readinto(self, out: np.ndarray) -> int:
-        n = min(len(out), self.frame.size - self.pos)
-        written = 0
-        while written < n:
-            if self._block_pos < len(self._block):
-                k = min(n - written, len(self._block) - self._block_pos)
-                out[written : written + k] = self._block[self._block_pos : self._block_pos + k]
-                self._block_pos += k
-                written += k
-                continue
-            block_len = min(self.frame.block_size, self.frame.size - (self.pos + written))
-            planes = self._scratch[:block_len]
-            self._planes.readinto(planes)
-            if n - written >= block_len:  # the whole block fits: interleave straight into `out`
-                byte_ungroup(planes, out[written : written + block_len], self.frame.element_size)
-                written += block_len
-            else:
-                self._block = np.empty(block_len, dtype=np.uint8) if len(self._block) != block_len else self._block
-                byte_ungroup(planes, self._block, self.frame.element_size)
-                self._block_pos = 0
-        self.pos += n
-        return n
-
-    def finish(self) -> None:
-        if self.pos != self.frame.size:
-            raise self.error(f"read {self.pos} of {self.frame.size} bytes")
-        self._planes.finish()
 
 
 # ---- buffers -----------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from benchmarks import bench_loader as bench
 from benchmarks.loader_methods import METHODS, RATES, load_st_pread_emulated
 from benchmarks.loader_storage import Throttle, evict, read_all, resident_pages, throttled_reader, warm
+from weights_tool import frames as frames_module
 from weights_tool import reader as reader_module
 from weights_tool.layer_stream import LayerStream
 from weights_tool.reader import ShardReader
@@ -79,7 +80,7 @@ def test_throttled_reader_routes_every_shard_read(tiny_zqs: Path) -> None:
             stream.wait(i)
     assert all(np.array_equal(dests[n], want[n]) for n in want)
     assert throttle.num_bytes >= stored
-    assert reader_module.os is os  # the patch is gone
+    assert reader_module.os is os and frames_module.os is os  # the patch is gone
 
 
 def test_evict_leaves_the_file_non_resident(tmp_path: Path) -> None:

@@ -198,6 +198,43 @@ def test_flipped_byte_in_a_frame(tmp_path: Path, codec: str) -> None:
         r.read_layer(2)
 
 
+def _unchecksummed_frame(tmp_path: Path, *, content_checksum: bool) -> tuple[Path, int]:
+    """layer.2's frame re-encoded as incompressible zstd (stored raw blocks); returns the file and a byte to flip."""
+    zqs = packed_checkpoint(tmp_path, "bfloat16", byte_group=False)
+    with ShardReader(zqs) as r:
+        group = r.group("layer.2")
+        assert len(group.frames) == 1
+        content = b"".join(bytes(v) for v in r.read_layer(2).values())
+    frame = zstandard.ZstdCompressor(level=1, write_checksum=content_checksum).compress(content)
+    end = zqs.stat().st_size
+    with open(zqs, "ab") as f:
+        f.write(frame)
+    rewrite_header(zqs, lambda d: frame_of(d, "layer.2").update(offset=end, stored_size=len(frame), crc32=crc32(frame)))
+    with ShardReader(zqs) as r:
+        r.verify()  # a valid file so far
+    return zqs, end + len(frame) // 2
+
+
+def test_zstd_frame_without_content_checksum_is_checked_by_crc_on_load(tmp_path: Path) -> None:
+    zqs, where = _unchecksummed_frame(tmp_path, content_checksum=False)
+    flip_byte(zqs, where)  # inside a stored (raw) zstd block: still decodes, to wrong bytes
+    with ShardReader(zqs) as r:
+        with pytest.raises(ShardFormatError, match=r"group layer\.2 frame 0 .*checksum mismatch"):
+            r.read_layer(2)
+        r.read_layer(2, verify=False)  # trusted: nothing left to notice, as documented
+
+
+def test_zstd_content_checksum_is_checked_even_unverified(tmp_path: Path) -> None:
+    zqs, where = _unchecksummed_frame(tmp_path, content_checksum=True)
+    flip_byte(zqs, where)
+    with ShardReader(zqs) as r:
+        for verify in (True, False):
+            with pytest.raises(ShardFormatError, match=r"group layer\.2 frame 0 .*corrupt zstd data"):
+                r.read_layer(2, verify=verify)
+        with pytest.raises(ShardFormatError, match=r"group layer\.2 frame 0 .*(checksum|corrupt)"):
+            r.verify()
+
+
 def _bomb_file(tmp_path: Path, content_bytes: int, *, declare_size: bool, second_frame: bool = False) -> Path:
     """layer.0's first frame replaced by a valid zstd frame whose content exceeds the declared size."""
     zqs = packed_checkpoint(tmp_path, "bfloat16", byte_group=False)
