@@ -13,7 +13,8 @@ that stream order, so a group decodes front to back into its tensors.
 
 Everything in a header is untrusted: `parse_header` checks every type, length and offset
 against the file before a reader uses it, and raises `ShardFormatError` naming the group,
-frame or tensor at fault. Only json, struct, zlib and numpy are used here.
+frame or tensor at fault. Only json, struct and zlib are used here; the bytegroup
+transform itself is in `weights_tool.byte_group`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ from __future__ import annotations
 import json
 import re
 import struct
-import sys
 import zlib
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 MAGIC = b"\x89ZQS\r\n\x1a\n"  # PNG-style: a high byte, then line endings that text-mode copies mangle
 VERSION = 1
@@ -53,8 +51,6 @@ DTYPE_SIZES = {
     "I64": 8, "U64": 8, "F64": 8,
 }
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-
-_IS_LITTLE_ENDIAN = sys.byteorder == "little"
 
 EMBED = "embed"
 FINAL = "final"
@@ -204,35 +200,6 @@ def decode_preamble(raw: bytes, file_size: int) -> tuple[int, int]:
             f"header ({header_size} bytes) runs past the end of the file ({file_size} bytes): truncated"
         )
     return header_size, header_crc
-
-
-def byte_group(src: np.ndarray, element_size: int, block_size: int) -> np.ndarray:
-    """Transpose each block of `src` (uint8) into element_size planes: byte k of every element, then k+1.
-
-    Within a block of n bytes, plane k holds byte k of each of the n/element_size elements
-    (little-endian, so the last plane holds the sign and exponent bits of a float).
-    """
-    out = np.empty_like(src)
-    for start in range(0, len(src), block_size):
-        block = src[start : start + block_size]
-        num_elements = len(block) // element_size
-        for k in range(element_size):
-            out[start + k * num_elements : start + (k + 1) * num_elements] = block[k::element_size]
-    return out
-
-
-def byte_ungroup(planes: np.ndarray, out: np.ndarray, element_size: int) -> None:
-    """Inverse of `byte_group` for ONE block: interleave the planes of `planes` into `out` (both uint8)."""
-    num_elements = len(planes) // element_size
-    if element_size == 2 and _IS_LITTLE_ENDIAN and out.ctypes.data % 2 == 0:
-        # 16-bit words as (high << 8) | low: two contiguous SIMD passes, 1.3x faster here
-        # than two strided byte stores (out[k::2] = plane).
-        words = out.view(np.uint16)
-        np.left_shift(planes[num_elements:], 8, out=words, dtype=np.uint16)
-        np.bitwise_or(words, planes[:num_elements], out=words)
-        return
-    for k in range(element_size):
-        out[k::element_size] = planes[k * num_elements : (k + 1) * num_elements]
 
 
 # ---- parsing ----------------------------------------------------------------------

@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from weights_tool.byte_group import byte_ungroup
 from weights_tool.format import (
     CODEC_BYTEGROUP,
     CODEC_RAW,
     FrameEntry,
     GroupEntry,
     ShardFormatError,
-    byte_ungroup,
     crc32,
 )
 
@@ -270,7 +270,7 @@ class ZstdFrame(FrameReader):
 
 
 class ByteGroupFrame(FrameReader):
-    """zstd over blocks whose bytes are grouped by position in the element; see format.byte_group."""
+    """zstd over blocks whose bytes are grouped by position in the element; see weights_tool.byte_group."""
 
     def __init__(self, fd: int, frame: FrameEntry, label: str, check: str, read_ahead: ReadAhead | None) -> None:
         super().__init__(fd, frame, label)

@@ -27,6 +27,7 @@ import zstandard
 from tqdm import tqdm
 
 from weights_tool.architecture import CheckpointError, ModelConfig
+from weights_tool.byte_group import byte_group
 from weights_tool.format import (
     CODEC_BYTEGROUP,
     CODEC_RAW,
@@ -41,7 +42,6 @@ from weights_tool.format import (
     Header,
     SourceFile,
     TensorEntry,
-    byte_group,
     crc32,
     encode_header,
     encode_preamble,

@@ -12,6 +12,7 @@ from actors.layer_loader import open_zqs
 from actors.request_actor import Timings
 from benchmarks import bench_cold_start as bench
 from benchmarks.bench_cold_start import BASELINE, DERIVED, EVICTED, FIRST_ONE, MODES, PAGE_CACHE, Run
+from benchmarks.cold_start_report import clock_shifts, overlap_efficiency, regime, report, rows
 
 
 def _run(mode: str, *, load: float, ttft: float, compute_start: float, hot_prefill: float, init: float = 0.1,
@@ -42,16 +43,16 @@ def _balanced_group(clock_offset: float = 0.0) -> list[Run]:
 
 
 def test_overlap_efficiency_is_ttft_over_the_slower_of_load_and_prefill() -> None:
-    assert bench.overlap_efficiency(1.2, 1.0, 0.5) == pytest.approx(1.2)
-    assert bench.overlap_efficiency(3.0, 1.0, 2.0) == pytest.approx(1.5)
+    assert overlap_efficiency(1.2, 1.0, 0.5) == pytest.approx(1.2)
+    assert overlap_efficiency(3.0, 1.0, 2.0) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="must take some time"):
-        bench.overlap_efficiency(1.0, 0.0, 0.0)
+        overlap_efficiency(1.0, 0.0, 0.0)
 
 
 def test_regime_names_the_slower_side_unless_within_the_factor() -> None:
-    assert bench.regime(1.0, 0.1) == "load-bound"
-    assert bench.regime(0.1, 1.0) == "compute-bound"
-    assert bench.regime(1.0, 1.4) == bench.regime(1.4, 1.0) == "balanced"
+    assert regime(1.0, 0.1) == "load-bound"
+    assert regime(0.1, 1.0) == "compute-bound"
+    assert regime(1.0, 1.4) == regime(1.4, 1.0) == "balanced"
 
 
 def test_balanced_tokens_scales_linearly_in_multiples_of_16_within_bounds() -> None:
@@ -81,17 +82,17 @@ def test_schedule_runs_every_mode_once_per_block_rotating_the_first() -> None:
 
 
 def test_clock_check_shifts_resident_times_only_when_they_lag_compute() -> None:
-    offset, shifts = bench.clock_shifts(_balanced_group(clock_offset=0.1))
+    offset, shifts = clock_shifts(_balanced_group(clock_offset=0.1))
     assert offset == pytest.approx(0.1)
     assert all(s == pytest.approx(0.1) for s in shifts.values())  # each run's init, LOADING - actor_start
-    offset, shifts = bench.clock_shifts(_balanced_group())
+    offset, shifts = clock_shifts(_balanced_group())
     assert offset == pytest.approx(0.0, abs=1e-9) and set(shifts.values()) == {0.0}
 
 
 @pytest.mark.parametrize("clock_offset", [0.0, 0.1])
 def test_rows_compare_each_mode_with_load_then_compute_of_the_same_group(clock_offset: float) -> None:
     runs = _balanced_group(clock_offset)
-    table = bench.rows(runs, bench.clock_shifts(runs)[1])
+    table = rows(runs, clock_shifts(runs)[1])
     by_mode = {r.mode: r for r in table}
     assert set(by_mode) == {DERIVED, BASELINE}  # no N=1 runs: no row
     derived = by_mode[DERIVED]
@@ -126,7 +127,7 @@ def test_report_renders_from_saved_json_with_goals_and_the_clock_note() -> None:
             "mem_gib": 1.0, "python": "3", "torch": "2", "ray": "2"}
     data = json.loads(json.dumps({"meta": meta, "calibrations": [asdict(cal)], "runs": [asdict(r) for r in runs],
                                   "in_process": [asdict(bench.InProcess("m bf16", "balanced", 1.0, 0.999))] * 3}))
-    text = bench.report(data)
+    text = report(data)
     assert "streamed, derived N: **met** (0.550 ≤ 0.6)" in text
     assert "streamed, N=1: **missed** by 33.3% (1.600 > 1.2)" in text
     assert "**Clock correction.**" in text

@@ -17,12 +17,11 @@ from safetensors.torch import save_file
 
 from weights_tool import reader as reader_module
 from weights_tool.architecture import CheckpointError, ModelConfig
+from weights_tool.byte_group import byte_group, byte_ungroup
 from weights_tool.format import (
     CODEC_BYTEGROUP,
     CODEC_RAW,
     ShardFormatError,
-    byte_group,
-    byte_ungroup,
     group_name,
 )
 from weights_tool.pack import pack
