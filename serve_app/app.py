@@ -10,6 +10,8 @@ Per request (`POST /v1/messages`):
   4. relay the actor's stream as JSON or SSE, then tell the registry how it ended.
 
 Nothing here waits for capacity: every await is on work already placed, and has a deadline.
+The registry decides with the XGBoost scorer when `scorer_path` names a usable model (else
+the rule); with traces on, every request leaves one JSON line (serve_app/traces.py).
 `build_app(args)` is the app builder `configs/serve.yaml` names by `import_path`.
 """
 
@@ -20,7 +22,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +37,16 @@ from actors.layer_loader import open_zqs
 from actors.request_actor import ActorRequest, Completion, RequestActor, Started, TextChunk, new_actor_name
 from actors.sampling import SamplingError, SamplingParams
 from actors.tokenizer import Tokenizer
-from serve_app import api, errors, sse
+from serve_app import api, errors, sse, traces
 from serve_app.config import AppArgs, IngressConfig, ingress_config, resolve_model_path
 from serve_app.errors import ApiError
+from serve_app.latency_targets import request_targets
 from serve_app.memory import ModelNumbers, request_features
 from serve_app.metrics import IngressMetrics
-from serve_app.policy import Dispatch, Reject, Spawn
+from serve_app.policy import Decision, Dispatch, Reject, RequestFeatures, Spawn
 from serve_app.registry_actor import RegistryConfig, get_registry
 from serve_app.slots import discover_slots
+from serve_app.xgb_scorer import load_scorer
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,8 @@ class LoadedModel:
     numbers: ModelNumbers
     max_context: int
     created_at: float
+    ttft_target_s: float | None = None
+    total_target_s: float | None = None
 
 
 @dataclass
@@ -72,6 +78,9 @@ class Admitted:
     started: Started
     arrival: float
     dispatch_time: float
+    features: RequestFeatures | None = None
+    decision: Decision | None = None
+    completion: Completion | None = None
 
 
 def _timing(t: float) -> str:
@@ -96,10 +105,12 @@ class Ingress:
         self.config = config
         self.metrics = IngressMetrics()
         self.models = {m.id: self._load_model(m) for m in config.models}
+        # Loaded (and validated) here; a missing or invalid model means the rule, with a warning.
         self.registry = get_registry(
             RegistryConfig(namespace=config.actor.namespace, actor_namespace=config.actor.namespace),
-            config.policy,
+            config.policy, load_scorer(config.scorer_path),
         )
+        self.traces = traces.TraceWriter(config.traces) if config.traces is not None else None
         self.slot_nodes: dict[str, str] = {}
         self._register_slots()
         self._handles: dict[str, Any] = {}
@@ -131,7 +142,7 @@ class Ingress:
             id=spec.id, display_name=spec.display_name, zqs_path=str(path), tokenizer=tokenizer,
             numbers=ModelNumbers.from_config(config),
             max_context=min(window, spec.max_context) if spec.max_context else window,
-            created_at=path.stat().st_mtime,
+            created_at=path.stat().st_mtime, ttft_target_s=spec.ttft_target_s, total_target_s=spec.total_target_s,
         )
 
     # ---- HTTP ------------------------------------------------------------------------
@@ -230,7 +241,7 @@ class Ingress:
     async def _messages(self, request: Request, request_id: str) -> Response:
         arrival = time.time()
         req = api.parse_messages_request(await self._read_body(request))
-        admitted = await self.admit(req, request_id, arrival)
+        admitted = await self.admit(req, request_id, arrival, request.headers)
         headers = {
             "X-Request-Dispatch-Time": _timing(admitted.dispatch_time),
             "X-Request-Start-Time": _timing(admitted.started.time),
@@ -243,9 +254,11 @@ class Ingress:
                                     done.input_tokens, done.output_tokens)
         return JSONResponse(body, headers=headers)
 
-    async def admit(self, req: api.MessagesRequest, request_id: str, arrival: float) -> Admitted:
+    async def admit(self, req: api.MessagesRequest, request_id: str, arrival: float,
+                    headers: Mapping[str, str] | None = None) -> Admitted:
         """Validate, decide, act. Returns once the actor has started computing, or raises ApiError."""
         model = self._model(req.model)
+        ttft_target_s, total_target_s = request_targets(headers or {}, model.ttft_target_s, model.total_target_s)
         if req.is_prefill:
             raise errors.invalid_request("messages: a final assistant message (prefill) is not supported")
         try:
@@ -258,7 +271,8 @@ class Ingress:
                                   model.max_context)
         except (SamplingError, ContextWindowError) as e:
             raise errors.invalid_request(str(e)) from None
-        features = request_features(model.id, model.numbers, len(prompt), req.max_tokens, self.config.policy)
+        features = request_features(model.id, model.numbers, len(prompt), req.max_tokens, self.config.policy,
+                                    ttft_target_s, total_target_s, req.temperature, req.top_k, req.top_p)
         spawn_name = new_actor_name(model.id)
         decision = await _await(self.registry.admit.remote(features, spawn_name))
         kind = type(decision).__name__.lower()
@@ -266,6 +280,7 @@ class Ingress:
         if isinstance(decision, Reject):
             self.metrics.rejections.inc(tags={"reason": decision.reason})
             self.metrics.observe_dispatch(model.id, time.time() - arrival)
+            self._trace(request_id, model.id, arrival, features, decision, None)
             if decision.http_status == 400:
                 raise errors.invalid_request(decision.message)
             raise errors.overloaded(decision.message, decision.retry_after_s or 1.0)
@@ -284,7 +299,8 @@ class Ingress:
         self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
         self.metrics.queue_wait.observe(dispatch_time - arrival, tags={"model": model.id})
         admitted = Admitted(request_id, model, name, decision.keep_hot, isinstance(decision, Spawn), len(prompt),
-                            stream, started=None, arrival=arrival, dispatch_time=dispatch_time)
+                            stream, started=None, arrival=arrival, dispatch_time=dispatch_time,
+                            features=features, decision=decision)
         try:
             first = await self._next(admitted, self.config.start_timeout_s)
             if not isinstance(first, Started):
@@ -382,6 +398,7 @@ class Ingress:
             self._ended(admitted, ok)
 
     def _observe(self, admitted: Admitted, done: Completion) -> None:
+        admitted.completion = done
         t, model = done.timings, admitted.model.id
         if t.first_token is not None:
             self.metrics.ttft.observe(t.first_token - admitted.arrival,
@@ -398,6 +415,19 @@ class Ingress:
             ray.cancel(admitted.stream)  # a cancelled or failed request's actor exits
             self._handles.pop(admitted.actor_name, None)
         self.registry.finish.remote(admitted.actor_name, stays_hot)
+        if self.traces is not None and admitted.decision is not None:
+            outcome = traces.outcome_record(admitted.arrival, admitted.dispatch_time, admitted.decision.reserve_bytes,
+                                            admitted.completion if ok else None, None if ok else "incomplete")
+            self._trace(admitted.request_id, admitted.model.id, admitted.arrival, admitted.features,
+                        admitted.decision, outcome)
+
+    def _trace(self, request_id: str, model: str, arrival: float, features, decision, outcome) -> None:
+        if self.traces is None:
+            return
+        try:  # a trace is never worth a request
+            self.traces.write(traces.trace_record(request_id, model, arrival, features, decision, outcome))
+        except Exception:
+            log.exception("trace of request %s not recorded", request_id)
 
 
 async def _await(ref):

@@ -2,7 +2,12 @@
 
 `serve run configs/serve.yaml` hands the YAML's `args:` to `build_app`, which validates
 them here once; every component then receives its own frozen dataclass
-(`PolicyConfig`, `ActorConfig`, `IngressConfig`) at `bind()` time.
+(`PolicyConfig`, `ActorConfig`, `TraceConfig`, `IngressConfig`) at `bind()` time.
+
+Latency targets. A model may set default `ttft_target_s` / `total_target_s` (seconds from
+the request's arrival); a request may override them with the `x-zq-ttft-target-s` /
+`x-zq-total-target-s` headers (`latency_targets.py`). A request no placement is predicted
+to serve within its targets is refused at once (503 overloaded_error, retry-after).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.request_actor import ActorConfig
+from serve_app.latency_targets import MAX_TARGET_S
 from serve_app.policy import PolicyConfig
+from serve_app.traces import TraceConfig
 
 GiB = 1 << 30
 
@@ -33,6 +40,9 @@ class ModelArgs(_Strict):
     demo_dir: str = ".cache/demo"
     display_name: str | None = None
     max_context: int | None = Field(default=None, ge=2)  # caps the model's own window
+    # Default latency targets for this model's requests (None: none); headers override them.
+    ttft_target_s: float | None = Field(default=None, gt=0, le=MAX_TARGET_S)
+    total_target_s: float | None = Field(default=None, gt=0, le=MAX_TARGET_S)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelArgs:
@@ -51,6 +61,14 @@ class SlotArgs(_Strict):
     gpu_slot_bytes: int | None = Field(default=None, ge=1)
 
 
+class TraceArgs(_Strict):
+    """Request traces for training the scorer (serve_app/traces.py); off by default."""
+
+    enabled: bool = False
+    path: str = ".cache/traces/zeroqueue.jsonl"  # relative to the working directory, like demo_dir
+    max_bytes: int = Field(default=64 << 20, ge=1024)  # then the file moves to <path>.1
+
+
 class AppArgs(_Strict):
     models: list[ModelArgs] = Field(min_length=1)
     slots: SlotArgs = SlotArgs()
@@ -67,6 +85,9 @@ class AppArgs(_Strict):
     slot_refresh_s: float = Field(default=10.0, gt=0)
     num_replicas: int = Field(default=1, ge=1)
     max_ongoing_requests: int = Field(default=512, ge=1)
+    # The XGBoost scorer (serve_app/xgb_scorer.py); None, or a missing or invalid file: the rule.
+    scorer_path: str | None = None
+    traces: TraceArgs = TraceArgs()
 
     @model_validator(mode="after")
     def _unique_ids(self) -> AppArgs:
@@ -84,6 +105,8 @@ class ModelSpec:
     demo_dir: str
     display_name: str
     max_context: int | None
+    ttft_target_s: float | None = None
+    total_target_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +121,8 @@ class IngressConfig:
     token_timeout_s: float
     ping_interval_s: float
     slot_refresh_s: float
+    scorer_path: str | None = None
+    traces: TraceConfig | None = None  # None: off
 
 
 def ingress_config(args: AppArgs) -> IngressConfig:
@@ -112,7 +137,8 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         actor_fields["resources"] = tuple(sorted(dict(actor_fields["resources"]).items()))
     return IngressConfig(
         models=tuple(
-            ModelSpec(m.id, m.zqs_path, m.demo_preset, m.demo_dir, m.display_name or m.id, m.max_context)
+            ModelSpec(m.id, m.zqs_path, m.demo_preset, m.demo_dir, m.display_name or m.id, m.max_context,
+                      m.ttft_target_s, m.total_target_s)
             for m in args.models
         ),
         slots=args.slots,
@@ -124,6 +150,8 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         token_timeout_s=args.token_timeout_s,
         ping_interval_s=args.ping_interval_s,
         slot_refresh_s=args.slot_refresh_s,
+        scorer_path=args.scorer_path,
+        traces=TraceConfig(args.traces.path, args.traces.max_bytes) if args.traces.enabled else None,
     )
 
 

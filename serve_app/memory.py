@@ -74,6 +74,9 @@ def request_features(
     policy: PolicyConfig,
     ttft_target_s: float | None = None,
     total_target_s: float | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> RequestFeatures:
     """The features of one request, with its memory need derived from the model's sizes."""
     if input_tokens < 1 or max_tokens < 1:
@@ -88,4 +91,7 @@ def request_features(
         actor_overhead_bytes=policy.actor_overhead_bytes,
         ttft_target_s=ttft_target_s,
         total_target_s=total_target_s,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
     )

@@ -17,7 +17,8 @@ registry and the simulator all call the same code.
    - cold: the first `max_candidates` slots, in snapshot order, with `spawn_bytes` free
      and fewer than `max_actors_per_slot` actors.
 3. The scorer predicts TTFT and total time per candidate; the fastest (TTFT, then total,
-   then candidate order) that meets the request's latency targets wins. Predictions
+   then candidate order) that meets the request's latency targets wins, and the decision
+   carries the chosen candidate and its prediction (for traces; not compared). Predictions
    that are malformed (wrong count, NaN, negative, ttft > total) or a scorer that raises
    fall back to the rule scorer for this decision: a scorer only ranks what is feasible.
 4. No candidate: `too_large` when `spawn_bytes` exceeds every slot's total (it can never
@@ -40,7 +41,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any, Literal
 
@@ -125,6 +126,10 @@ class RequestFeatures:
     actor_overhead_bytes: int = 0  # per actor process, resident while it lives
     ttft_target_s: float | None = None  # None: no target
     total_target_s: float | None = None
+    # Sampling settings: features for the scorer only (top_k/top_p cost a sort per token).
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
 
     @property
     def kv_bytes(self) -> int:
@@ -192,6 +197,10 @@ class ClusterSnapshot:
     def hot_count(self, model: str, lane: Lane) -> int:
         return self._hot_counts.get((model, lane), 0)
 
+    def num_busy_on_node(self, node_id: str) -> int:
+        """Actors starting or busy on a node: they share its host (and, on CPU slots, its cores)."""
+        return self._busy_by_node.get(node_id, 0)
+
     @cached_property
     def max_total_bytes(self) -> int:
         return max((s.total_bytes for s in self.slots), default=0)
@@ -216,6 +225,15 @@ class ClusterSnapshot:
                 counts[(a.model, a.lane)] = counts.get((a.model, a.lane), 0) + 1
         return counts
 
+    @cached_property
+    def _busy_by_node(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for a in self.actors:
+            slot = self._slots_by_id.get(a.slot_id) if a.state != "idle" else None
+            if slot is not None:
+                counts[slot.node_id] = counts.get(slot.node_id, 0) + 1
+        return counts
+
     def __getstate__(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -230,6 +248,8 @@ class Dispatch:
     lane: Lane  # the request's lane; the actor keeps its own
     keep_hot: bool  # the actor stays idle after this request
     reserve_bytes: int  # added to the slot while the request runs (= dispatch_bytes)
+    candidate: Candidate | None = field(default=None, compare=False)
+    prediction: Prediction | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -239,6 +259,8 @@ class Spawn:
     keep_hot: bool
     reserve_bytes: int  # reserved on the slot from now on (= spawn_bytes)
     resident_bytes: int  # the part that stays reserved while the actor idles hot
+    candidate: Candidate | None = field(default=None, compare=False)
+    prediction: Prediction | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.resident_bytes <= self.reserve_bytes:
@@ -285,14 +307,14 @@ def decide(
         fastest = min(p.ttft_s for p in predictions)
         return Reject("latency_target", policy.retry_after_s,
                       f"no placement meets the latency target (fastest predicted TTFT {fastest:.3f}s)")
-    chosen, model = candidates[best], features.model
+    chosen, predicted, model = candidates[best], predictions[best], features.model
     if best < len(hot):
         actor_lane = hot_lanes[best]
         # The idle actor is already counted among the hot ones: keep it unless over the limit.
         keep_hot = snapshot.hot_count(model, actor_lane) <= policy.max_hot(model, actor_lane)
-        return Dispatch(chosen.actor_name, chosen.slot_id, lane, keep_hot, features.dispatch_bytes)
+        return Dispatch(chosen.actor_name, chosen.slot_id, lane, keep_hot, features.dispatch_bytes, chosen, predicted)
     keep_hot = snapshot.hot_count(model, lane) < policy.max_hot(model, lane)
-    return Spawn(chosen.slot_id, lane, keep_hot, features.spawn_bytes, features.resident_bytes)
+    return Spawn(chosen.slot_id, lane, keep_hot, features.spawn_bytes, features.resident_bytes, chosen, predicted)
 
 
 def _hot_lanes(lane: Lane) -> tuple[Lane, ...]:
@@ -312,7 +334,8 @@ def _hot_candidates(
             if slot is None or slot.free_bytes < need:
                 continue
             candidates.append(Candidate("hot", slot.slot_id, actor.name, slot.free_bytes, slot.num_actors,
-                                        slot.fragmentation, slot.utilization))
+                                        slot.fragmentation, slot.utilization,
+                                        snapshot.num_busy_on_node(slot.node_id)))
             lanes.append(actor_lane)
             if len(candidates) == limit:
                 return candidates, lanes
@@ -326,7 +349,7 @@ def _cold_candidates(features: RequestFeatures, snapshot: ClusterSnapshot, polic
     for slot in snapshot.slots:
         if slot.total_bytes - slot.reserved_bytes >= need and slot.num_actors < max_actors:
             out.append(Candidate("cold", slot.slot_id, None, slot.free_bytes, slot.num_actors,
-                                 slot.fragmentation, slot.utilization))
+                                 slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id)))
             if len(out) == limit:
                 break
     return out

@@ -7,8 +7,9 @@ candidate, the time to first token and the total time. The scorer ranks; it neve
 decides feasibility, so no prediction, however wrong, can place a request where it does
 not fit.
 
-`RuleScorer` is the documented rule used until the XGBoost scorer (trained on measured
-timings) replaces it:
+`RuleScorer` is the documented rule, used when no XGBoost model is configured or the
+configured one cannot be used (`xgb_scorer.load_scorer`), and for any decision whose
+model predictions are malformed:
 
     prefill_s = input_tokens / prefill_tokens_per_s
     hot:  ttft_s = prefill_s
@@ -45,12 +46,13 @@ class Candidate:
     slot_num_actors: int
     slot_fragmentation: float  # 0..1, from telemetry
     slot_utilization: float  # 0..1 EWMA, from telemetry
+    node_num_busy: int = 0  # actors starting or busy on the slot's node: they share its host
 
 
 @dataclass(frozen=True)
 class Prediction:
-    ttft_s: float  # arrival at the actor to first token
-    total_s: float  # arrival at the actor to last token
+    ttft_s: float  # the request's arrival at the ingress to its first token
+    total_s: float  # the request's arrival at the ingress to its last token
 
 
 class Scorer(Protocol):

@@ -33,6 +33,8 @@ GPU_OVERRIDES: dict[tuple[str | int, ...], Any] = {
     ("args", "policy", "actor_overhead_bytes"): 512 * MiB,  # a CUDA context, not a CPU process
     # On the volume every pod mounts: the ingress makes the file, actors on other nodes open it.
     ("args", "models", 0, "demo_dir"): "/models/demo",
+    # The shipped scorer learned CPU-slot latencies; on GPUs the rule decides until GPU traces train one.
+    ("args", "scorer_path"): None,
 }
 
 

@@ -1,0 +1,194 @@
+"""Request traces: one JSON line per request, the data the XGBoost scorer is trained on.
+
+Each line holds the request's features at decision time, the decision (the chosen
+candidate and what the scorer predicted for it, or the refusal), and, for admitted
+requests, the measured outcome. Off unless the app config switches it on
+(`traces: {enabled: true}`).
+
+A line (schema "zq-trace/1"; times are seconds, measured from the request's arrival at
+the ingress; `null` where a value does not apply):
+
+    {"schema": "zq-trace/1", "time": <arrival, epoch s>, "request_id": "req_…", "model": "zq-demo",
+     "features": {"input_tokens", "max_tokens", "temperature", "top_k", "top_p", "weight_bytes",
+                  "kv_bytes_per_token", "workspace_bytes", "actor_overhead_bytes",
+                  "ttft_target_s", "total_target_s"},
+     "decision": {"kind": "dispatch" | "spawn" | "reject", "reason", "slot_id", "lane", "keep_hot",
+                  "reserve_bytes", "candidate": {Candidate's fields}, "predicted": {"ttft_s", "total_s"}},
+     "outcome": null for refusals, else {"ok", "error", "dispatch_s", "load_s", "ttft_s", "total_s",
+                "output_tokens", "stop_reason", "is_cold", "first_layers", "reserved_bytes", "peak_bytes"}}
+
+`load_s` is actor start to all layers resident (cold requests only). `peak_bytes` is what
+the actor reports, when it reports it (it does not yet); `reserved_bytes` is what the
+registry reserved for the request, which the ingress knows exactly.
+
+Writing never blocks the caller: `TraceWriter.write` puts the record on a bounded queue
+(a full queue drops it, with a warning) and one thread serialises and appends. The file is
+bounded: a line that would take it past `max_bytes` first moves it to `<path>.1` (replacing
+an older one), so traces take at most twice `max_bytes` on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "zq-trace/1"
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    path: str
+    max_bytes: int = 64 << 20
+    max_pending: int = 4096  # records queued for the writer thread; more are dropped
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1024 or self.max_pending < 1:
+            raise ValueError(f"TraceConfig needs max_bytes >= 1024 and max_pending >= 1, got {self}")
+
+
+class TraceWriter:
+    def __init__(self, config: TraceConfig) -> None:
+        self.config = config
+        self.path = Path(config.path)
+        self.num_written = 0
+        self.num_dropped = 0
+        self._queue: queue.Queue = queue.Queue(config.max_pending)
+        self._fd: int | None = None
+        self._size = 0
+        self._thread = threading.Thread(target=self._run, name="zq-trace-writer", daemon=True)
+        self._thread.start()
+
+    def write(self, record: dict[str, Any]) -> bool:
+        """Queue one record; False (and a warning now and then) when the queue is full."""
+        try:
+            self._queue.put_nowait(record)
+            return True
+        except queue.Full:
+            self.num_dropped += 1
+            if self.num_dropped in (1, 10, 100) or self.num_dropped % 1000 == 0:
+                log.warning("trace writer is behind: %d records dropped", self.num_dropped)
+            return False
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued record is on disk (tests, the trace generator)."""
+        done = threading.Event()
+        self._queue.put(done, timeout=timeout_s)
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._queue.put(None, timeout=timeout_s)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                line = (json.dumps(item, separators=(",", ":"), allow_nan=False) + "\n").encode()
+                self._append(line)
+                self.num_written += 1
+            except Exception:  # a bad record or a full disk costs that line, never the writer
+                log.exception("trace record not written")
+        if self._fd is not None:
+            os.close(self._fd)
+
+    def _append(self, line: bytes) -> None:
+        if len(line) > self.config.max_bytes:
+            raise ValueError(f"a {len(line)}-byte trace line exceeds max_bytes")
+        if self._fd is None or self._is_moved():
+            self._open()
+        if self._size + len(line) > self.config.max_bytes:
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+            self._open()
+        # One write of a whole line to an O_APPEND file: replicas sharing the file never interleave lines.
+        self._size += os.write(self._fd, line)
+
+    def _open(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def _is_moved(self) -> bool:
+        """Another replica rotated the file: reopen, so this one follows the new file."""
+        try:
+            return os.stat(self.path).st_ino != os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            return True
+
+
+# ---------------------------------------------------------------- records
+
+
+def features_record(features: Any) -> dict[str, Any]:
+    """A `RequestFeatures` (duck-typed) as the trace stores it."""
+    return {name: getattr(features, name) for name in (
+        "input_tokens", "max_tokens", "temperature", "top_k", "top_p", "weight_bytes", "kv_bytes_per_token",
+        "workspace_bytes", "actor_overhead_bytes", "ttft_target_s", "total_target_s")}
+
+
+def decision_record(decision: Any) -> dict[str, Any]:
+    """A `Dispatch`, `Spawn` or `Reject` (duck-typed) as the trace stores it."""
+    kind = type(decision).__name__.lower()
+    if kind == "reject":
+        return {"kind": kind, "reason": decision.reason, "retry_after_s": decision.retry_after_s}
+    candidate, predicted = decision.candidate, decision.prediction
+    return {
+        "kind": kind, "slot_id": decision.slot_id, "lane": decision.lane, "keep_hot": decision.keep_hot,
+        "reserve_bytes": decision.reserve_bytes,
+        "candidate": None if candidate is None else asdict(candidate),
+        "predicted": None if predicted is None else {"ttft_s": predicted.ttft_s, "total_s": predicted.total_s},
+    }
+
+
+def outcome_record(arrival: float, dispatch_time: float, reserved_bytes: int, completion: Any | None,
+                   error: str | None = None) -> dict[str, Any]:
+    """What was measured for an admitted request; `completion` is the actor's `Completion`, if it sent one."""
+    out: dict[str, Any] = {"ok": completion is not None and error is None, "error": error,
+                           "dispatch_s": dispatch_time - arrival, "reserved_bytes": reserved_bytes}
+    if completion is None:
+        return out
+    t = completion.timings
+    out.update(
+        load_s=(t.all_layers_resident - t.actor_start
+                if completion.is_cold and t.all_layers_resident is not None else None),
+        ttft_s=None if t.first_token is None else t.first_token - arrival,
+        total_s=None if t.last_token is None else t.last_token - arrival,
+        output_tokens=completion.output_tokens, stop_reason=completion.stop_reason,
+        is_cold=completion.is_cold, first_layers=completion.first_layers,
+        peak_bytes=getattr(completion, "peak_bytes", None),
+    )
+    return out
+
+
+def trace_record(request_id: str, model: str, arrival: float, features: Any, decision: Any,
+                 outcome: dict[str, Any] | None) -> dict[str, Any]:
+    return {"schema": SCHEMA, "time": arrival, "request_id": request_id, "model": model,
+            "features": features_record(features), "decision": decision_record(decision), "outcome": outcome}
+
+
+def read_traces(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
+    """Every well-formed record of the files, in order; a torn or foreign line is skipped."""
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("schema") == SCHEMA:
+                    yield record
