@@ -1,0 +1,239 @@
+"""Cluster simulator: zero-queue (the real `decide()`) against a FIFO-queued cluster, over offered load.
+
+    .venv/bin/python -m benchmarks.simulate            # the full sweep, ~2-3 minutes on one core
+    .venv/bin/python -m benchmarks.simulate --quick    # 100 slots, 5 loads, short runs: seconds
+
+A discrete-event simulation of `--slots` accelerator slots under the mixed-length mix (10%
+long, 50% medium, 40% short), Poisson and bursty arrivals, offered load 0.3 .. 1.5 x
+capacity (capacity = slots / mean hot service time). Each load point runs the same
+arrivals through four clusters: zero-queue; a central FIFO queue in front of always-hot
+replicas, unbounded and bounded; and Ray Serve's default routing (max_ongoing_requests=5 per
+replica, power of two choices, FIFO for the rest). Writes benchmarks/results/simulation.md
+and its PNG plots. See sim_calibration.py (service model, calibration), sim_model.py (the
+engines), sim_report.py (metrics, tables, plots) and sim_report_text.py (the prose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.sim_calibration import (
+    CPU_MEASURED,
+    MIXED_LENGTH,
+    PRESETS,
+    ArrivalKind,
+    Burst,
+    Calibration,
+    RequestClass,
+    ServiceTimes,
+    Workload,
+    capacity_per_s,
+    make_workload,
+    mean_hot_service_s,
+    short_lane_share,
+)
+from benchmarks.sim_model import IncrementalCluster, Outcome, RegistryCluster, run_queued, run_zero_queue
+from benchmarks.sim_report import SYSTEM_NAMES, ClassMetrics, class_metrics, write_report
+from serve_app.policy import PolicyConfig
+from serve_app.scorer import RULE_SCORER, Scorer
+
+log = logging.getLogger("benchmarks.simulate")
+
+SYSTEMS = SYSTEM_NAMES  # zero-queue, queued FIFO, queued FIFO bounded, queued Serve default
+DEFAULT_LOADS = tuple(round(0.3 + 0.1 * i, 1) for i in range(13))
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    calibration: Calibration = CPU_MEASURED
+    mix: tuple[RequestClass, ...] = MIXED_LENGTH
+    num_slots: int = 1000
+    slots_per_node: int = 8  # nodes only matter to a scorer that reads node_num_busy
+    loads: tuple[float, ...] = DEFAULT_LOADS  # offered load, x capacity
+    processes: tuple[ArrivalKind, ...] = ("poisson", "bursty")
+    burst: Burst = field(default_factory=Burst)
+    duration_services: float = 60.0  # arrivals for this many mean service times per load point
+    warmup_fraction: float = 0.1  # of the duration, simulated but not measured
+    # Short-lane actors kept hot (and prewarmed) as a fraction of the slots. None: the short
+    # lane's share of the slot-seconds the mix needs (sim_calibration.short_lane_share).
+    hot_fraction: float | None = None
+    serve_max_ongoing: int = 5  # Ray Serve's DEFAULT_MAX_ONGOING_REQUESTS
+    # The bounded FIFO's queue length. None: capacity x half the SLO's slack, so that even the last
+    # request of a full queue starts well within the slack at full throughput (a bound of the whole
+    # slack leaves the back of the queue right at the limit, and half of it misses). The other
+    # baselines are unbounded, Ray Serve's default (max_queued_requests=-1).
+    queue_bound: int | None = None
+    seed: int = 0
+
+    def base_policy(self) -> PolicyConfig:
+        return PolicyConfig(actor_overhead_bytes=self.calibration.actor_overhead_bytes)
+
+    @property
+    def num_hot(self) -> int:
+        share = self.hot_fraction
+        if share is None:
+            share = short_lane_share(self.calibration, self.mix, self.base_policy())
+        return round(self.num_slots * share)
+
+    def policy(self) -> PolicyConfig:
+        return replace(self.base_policy(), max_hot_short_actors=self.num_hot)
+
+    @property
+    def mean_service_s(self) -> float:
+        return mean_hot_service_s(self.calibration, self.mix)
+
+    @property
+    def capacity_per_s(self) -> float:
+        return capacity_per_s(self.calibration, self.mix, self.num_slots)
+
+    @property
+    def bounded_queue(self) -> int:
+        if self.queue_bound is not None:
+            return self.queue_bound
+        return round(self.capacity_per_s * self.calibration.slo_extra_s / 2)
+
+    @property
+    def horizon_s(self) -> float:
+        return self.duration_services * self.mean_service_s
+
+
+@dataclass(frozen=True)
+class PointResult:
+    process: ArrivalKind
+    load: float
+    system: str
+    metrics: dict[str, ClassMetrics]  # per class name, and "all"
+    wall_s: float
+
+
+def workload_for(cfg: SimConfig, process: ArrivalKind, load: float, index: int) -> Workload:
+    # One seed per point, shared by the four systems: they see the very same arrivals.
+    rng = np.random.default_rng([cfg.seed, index, 0 if process == "poisson" else 1])
+    burst = cfg.burst if process == "bursty" else None
+    return make_workload(cfg.mix, load * cfg.capacity_per_s, cfg.horizon_s, cfg.warmup_fraction * cfg.horizon_s,
+                         rng, burst, cfg.mean_service_s)
+
+
+def zero_queue_cluster(cfg: SimConfig, backend: str = "incremental",
+                       scorer: Scorer = RULE_SCORER) -> IncrementalCluster | RegistryCluster:
+    policy = cfg.policy()
+    numbers = cfg.calibration.model_numbers()
+    cls = IncrementalCluster if backend == "incremental" else RegistryCluster
+    return cls([cfg.calibration.slot_bytes] * cfg.num_slots, policy, numbers.weight_bytes + policy.actor_overhead_bytes,
+               cfg.num_hot, scorer, cfg.slots_per_node)
+
+
+def run_system(cfg: SimConfig, system: str, workload: Workload, service: ServiceTimes,
+               scorer: Scorer = RULE_SCORER) -> Outcome:
+    if system == "zero-queue":
+        return run_zero_queue(workload, service, zero_queue_cluster(cfg, scorer=scorer),
+                              cfg.calibration.model_numbers())
+    if system == "queued Serve default":
+        return run_queued(workload, service, cfg.num_slots, cfg.serve_max_ongoing, None, cfg.seed)
+    bound = cfg.bounded_queue if system == "queued FIFO, bounded" else None
+    return run_queued(workload, service, cfg.num_slots, 1, bound, cfg.seed)
+
+
+def sweep(cfg: SimConfig, scorer: Scorer = RULE_SCORER) -> list[PointResult]:
+    results = []
+    for process in cfg.processes:
+        for index, load in enumerate(cfg.loads):
+            workload = workload_for(cfg, process, load, index)
+            service = ServiceTimes.of(cfg.calibration, workload)
+            for system in SYSTEMS:
+                start = time.perf_counter()
+                outcome = run_system(cfg, system, workload, service, scorer)
+                wall = time.perf_counter() - start
+                metrics = class_metrics(workload, service, outcome, cfg.mix, cfg.calibration.slo_extra_s,
+                                        cfg.num_slots)
+                results.append(PointResult(process, load, system, metrics, wall))
+                log.info("%s load %.1f %-21s %6d arrivals, %5.1f%% rejected, %.1f s", process, load, system,
+                         len(workload.arrival_s), 100 * metrics["all"].reject_rate, wall)
+    return results
+
+
+@dataclass(frozen=True)
+class DecisionCost:
+    num_arrivals: int
+    registry_us: float  # per arrival: RegistryState.admit on the full snapshot, commit, finish
+    incremental_us: float  # per arrival: the restricted snapshot, decide, incremental books
+    is_identical: bool  # the two gave every request the same slot, kind and latency
+
+
+def decision_cost(cfg: SimConfig, num_arrivals: int = 2000, load: float = 1.0) -> DecisionCost:
+    """Both zero-queue backends on the first arrivals of one load point: time and agreement."""
+    full = workload_for(cfg, "poisson", load, 999)
+    n = min(num_arrivals, len(full.arrival_s))
+    workload = Workload(full.arrival_s[:n], full.class_index[:n], full.input_tokens[:n], full.output_tokens[:n],
+                        0.0, float(full.arrival_s[n - 1]))
+    service = ServiceTimes.of(cfg.calibration, workload)
+    numbers = cfg.calibration.model_numbers()
+    times, outcomes = [], []
+    for backend in ("registry", "incremental"):
+        cluster = zero_queue_cluster(cfg, backend)
+        start = time.perf_counter()
+        outcomes.append(run_zero_queue(workload, service, cluster, numbers))
+        times.append((time.perf_counter() - start) / n * 1e6)
+    a, b = outcomes
+    same = (np.array_equal(a.slot, b.slot) and np.array_equal(a.is_cold, b.is_cold)
+            and np.array_equal(a.e2e_s, b.e2e_s, equal_nan=True))
+    return DecisionCost(n, times[0], times[1], same)
+
+
+def unloaded_metrics(cfg: SimConfig) -> dict[str, ClassMetrics]:
+    """Every request of a load-1.0 Poisson workload on a hot actor with no wait: the floor of the mix."""
+    workload = workload_for(cfg, "poisson", 1.0, 998)
+    service = ServiceTimes.of(cfg.calibration, workload)
+    outcome = Outcome.empty(len(workload.arrival_s))
+    outcome.ttft_s[:], outcome.e2e_s[:] = service.hot_ttft_s, service.hot_e2e_s
+    return class_metrics(workload, service, outcome, cfg.mix, cfg.calibration.slo_extra_s, cfg.num_slots)
+
+
+def _loads(text: str) -> tuple[float, ...]:
+    if ":" in text:
+        lo, hi, step = (float(x) for x in text.split(":"))
+        return tuple(round(x, 3) for x in np.arange(lo, hi + step / 2, step))
+    return tuple(float(x) for x in text.split(","))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=CPU_MEASURED.name)
+    parser.add_argument("--slots", type=int, default=1000)
+    parser.add_argument("--loads", type=_loads, default=DEFAULT_LOADS, help="lo:hi:step or a,b,c (x capacity)")
+    parser.add_argument("--processes", default="poisson,bursty")
+    parser.add_argument("--duration-services", type=float, default=60.0)
+    parser.add_argument("--hot-fraction", type=float, default=None)
+    parser.add_argument("--queue-bound", type=int, default=None,
+                        help="the bounded FIFO's queue length (default: capacity x half the SLO slack)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="100 slots, 5 loads, 20 mean service times")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/simulation.md"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = SimConfig(calibration=PRESETS[args.preset], num_slots=args.slots, loads=args.loads,
+                    processes=tuple(p.strip() for p in args.processes.split(",")),  # type: ignore[misc]
+                    duration_services=args.duration_services, hot_fraction=args.hot_fraction,
+                    queue_bound=args.queue_bound, seed=args.seed)
+    if args.quick:
+        cfg = replace(cfg, num_slots=100, loads=(0.3, 0.6, 0.9, 1.2, 1.5), duration_services=20.0)
+    start = time.perf_counter()
+    cost = decision_cost(cfg)
+    log.info("decision cost per arrival: registry %.0f us, incremental %.0f us, identical: %s",
+             cost.registry_us, cost.incremental_us, cost.is_identical)
+    results = sweep(cfg)
+    wall = time.perf_counter() - start
+    command = " ".join([".venv/bin/python -m benchmarks.simulate", *(sys.argv[1:] if argv is None else argv)])
+    write_report(args.out, cfg, results, cost, unloaded_metrics(cfg), wall, command)
+    print(f"wrote {args.out} in {wall:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
