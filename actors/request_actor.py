@@ -16,6 +16,10 @@ request, which runs on the weights already resident.
 Generation runs on a worker thread; the async `generate` method relays its events as a
 Ray streaming generator. When the caller cancels the stream, the cancellation reaches
 the relay, which sets a flag that the decode loop polls between steps.
+
+Memory. The actor tells its node's telemetry agent what it holds (weights; weights + KV
+cache while a request decodes) and withdraws that on exit; each `Completion` carries the
+request's measured peak (`actors/peak_memory.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from pathlib import Path
 
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
 from actors.engine import Engine, FinishEvent, TokenEvent
+from actors.peak_memory import PeakMemory
 from actors.sampling import SamplingParams
+from actors.telemetry_agent import AgentReporter
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +148,7 @@ class Completion:
     is_cold: bool
     first_layers: int
     timings: Timings
+    peak_bytes: int | None = None  # see actors/peak_memory.py; None where it cannot be measured
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,10 @@ class RequestActor:
         self._engine = Engine(self._model, self._streamed.tokenizer)
         self._num_layers = self._streamed.config.num_layers
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self._model.parameters())
+        is_cuda = str(device).startswith("cuda")
+        self._peak = PeakMemory(is_cuda)
+        self._reporter = AgentReporter(self.name, config.namespace, is_cuda)
+        self._reporter.report(self._weight_bytes)
         self._stream_open = True
         self._state.enter(Phase.LOADING)
         log.info("%s: streaming %s onto %s", self.name, Path(zqs_path).name, device)
@@ -198,7 +209,6 @@ class RequestActor:
     def status(self) -> ActorStatus:
         stream = self._streamed.stream
         resident = sum(stream.is_ready(i) for i in range(self._num_layers))
-        kv = sum(c.nbytes() for c in self._model.kv_caches)
         return ActorStatus(
             name=self.name,
             phase=self._state.phase,
@@ -206,7 +216,7 @@ class RequestActor:
             num_layers=self._num_layers,
             transitions=tuple(self._state.transitions),
             num_requests_served=self._state.num_served,
-            accounted_bytes=self._weight_bytes + kv,
+            accounted_bytes=self._accounted_bytes(),
             load_bytes_per_s=stream.throughput(),
         )
 
@@ -283,6 +293,7 @@ class RequestActor:
                 marks["first_layer_compute_start"] = time.time()
 
         try:
+            self._peak.reset()
             stream.wait(-1, timeout)  # embeddings
             self._state.enter(Phase.PREFILL)
             emit(Started(request.request_id, self._state.transitions[-1][1], is_cold))
@@ -292,6 +303,7 @@ class RequestActor:
                 if isinstance(event, TokenEvent):
                     if event.num_output_tokens == 1:
                         self._state.enter(Phase.DECODE)
+                        self._reporter.report(self._accounted_bytes())  # the KV cache is in place now
                     emit(TextChunk((event.token_id,), event.text, event.num_output_tokens, event.time))
                 elif isinstance(event, FinishEvent):
                     emit(self._completion(request, arrival, event, is_cold, first_layers, marks))
@@ -320,6 +332,7 @@ class RequestActor:
                 first_token=event.first_token_time,
                 last_token=event.last_token_time,
             ),
+            peak_bytes=self._peak.read(),
         )
 
     def _first_layers(self, prompt_tokens: int) -> int:
@@ -335,6 +348,9 @@ class RequestActor:
             params_per_layer, c.num_heads, c.head_dim, prompt_tokens, self.config.prefill_flops_per_s
         )
         return choose_first_layers(c.num_layers, layer_bytes / rate, t_compute)
+
+    def _accounted_bytes(self) -> int:
+        return self._weight_bytes + sum(c.nbytes() for c in self._model.kv_caches)
 
     def _all_resident(self) -> bool:
         stream = self._streamed.stream
@@ -353,6 +369,7 @@ class RequestActor:
                 self._streamed.close()  # the loader threads are done; free them
                 self._stream_open = False
             self._state.enter(Phase.IDLE)
+            self._reporter.report(self._accounted_bytes())  # the KV cache was dropped
         else:
             self._exit()
 
@@ -360,6 +377,7 @@ class RequestActor:
         import ray
 
         self._state.enter(Phase.EXITED)
+        self._reporter.forget()
         self._streamed.close()
         ray.get_runtime_context().current_actor.shutdown.remote()
 

@@ -211,3 +211,41 @@ def cluster_snapshot(handles: Mapping[str, Any], timeout_s: float) -> list[NodeT
         except ray.exceptions.RayError as error:
             log.warning("telemetry agent on node %s failed; skipped: %s", node_id, error)
     return snapshots
+
+
+class AgentReporter:
+    """A request actor's line to its node's telemetry agent: fire-and-forget reports.
+
+    The agent is looked up once, by name, in the actors' namespace (the ingress starts
+    one per node with `ensure_agents`). Where there is none — a test, a driver script —
+    the actor runs the same and reports nothing. Reports never wait: telemetry must not
+    slow a request.
+    """
+
+    def __init__(self, actor_name: str, namespace: str | None, is_cuda: bool) -> None:
+        import ray
+
+        self._actor_name = actor_name
+        # The node's NVML index of this actor's GPU (Ray sets CUDA_VISIBLE_DEVICES to it); the CPU is device 0.
+        self._device_index = int(ray.get_gpu_ids()[0]) if is_cuda and ray.get_gpu_ids() else 0
+        node_id = ray.get_runtime_context().get_node_id()
+        try:
+            self._agent = ray.get_actor(agent_name(node_id), namespace=namespace)
+        except ValueError:
+            log.info("%s: no telemetry agent on node %s; memory goes unreported", actor_name, node_id[:12])
+            self._agent = None
+
+    def report(self, accounted_bytes: int) -> None:
+        if self._agent is None:
+            return
+        try:
+            self._agent.report.remote(allocator_report(self._actor_name, self._device_index, accounted_bytes))
+        except Exception:  # a dead agent or a torch stats hiccup must not fail the request
+            log.warning("%s: memory report failed", self._actor_name, exc_info=True)
+
+    def forget(self) -> None:
+        if self._agent is not None:
+            try:
+                self._agent.forget.remote(self._actor_name)
+            except Exception:
+                log.warning("%s: could not withdraw its memory report", self._actor_name, exc_info=True)

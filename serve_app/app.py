@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from serve_app.memory import ModelNumbers, request_features
 from serve_app.metrics import IngressMetrics
 from serve_app.policy import Decision, Dispatch, Reject, RequestFeatures, Spawn
 from serve_app.registry_actor import RegistryConfig, get_registry
-from serve_app.slots import discover_slots
+from serve_app.slots import SlotRefresher
 from serve_app.xgb_scorer import load_scorer
 
 log = logging.getLogger(__name__)
@@ -111,26 +110,18 @@ class Ingress:
             config.policy, load_scorer(config.scorer_path),
         )
         self.traces = traces.TraceWriter(config.traces) if config.traces is not None else None
-        self.slot_nodes: dict[str, str] = {}
-        self._register_slots()
+        # Slots (and their telemetry) are kept current in the background: GPU workers may
+        # join after the ingress starts, and a restarted registry comes back empty.
+        self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor,
+                                            slot_refresh_s=config.slot_refresh_s,
+                                            telemetry_refresh_s=config.telemetry_refresh_s)
+        self.slot_refresher.start()
         self._handles: dict[str, Any] = {}
-        # Slots are re-registered periodically: GPU workers may join after the ingress
-        # starts, and a restarted registry comes back empty.
-        threading.Thread(target=self._refresh_slots, name="zq-slot-refresh", daemon=True).start()
-        log.info("zeroqueue ingress: models %s, %d slots", list(self.models), len(self.slot_nodes))
+        log.info("zeroqueue ingress: models %s, %d slots", list(self.models), len(self.slot_refresher.slots))
 
-    def _register_slots(self) -> None:
-        slots = discover_slots(self.config.slots, self.config.actor)
-        self.slot_nodes = {s.slot_id: s.node_id for s in slots}
-        ray.get(self.registry.register_slots.remote(slots), timeout=30)
-
-    def _refresh_slots(self) -> None:
-        while True:
-            time.sleep(self.config.slot_refresh_s)
-            try:
-                self._register_slots()
-            except Exception:  # a transient GCS or registry error: try again next period
-                log.exception("slot refresh failed")
+    @property
+    def slot_nodes(self) -> dict[str, str]:
+        return {s.slot_id: s.node_id for s in self.slot_refresher.slots}
 
     @staticmethod
     def _load_model(spec) -> LoadedModel:

@@ -83,6 +83,8 @@ class AppArgs(_Strict):
     token_timeout_s: float = Field(default=60.0, gt=0)
     ping_interval_s: float = Field(default=5.0, gt=0)
     slot_refresh_s: float = Field(default=10.0, gt=0)
+    # How often slot fragmentation and utilisation are copied from the telemetry agents.
+    telemetry_refresh_s: float = Field(default=1.0, gt=0)
     num_replicas: int = Field(default=1, ge=1)
     max_ongoing_requests: int = Field(default=512, ge=1)
     # The XGBoost scorer (serve_app/xgb_scorer.py); None, or a missing or invalid file: the rule.
@@ -121,6 +123,7 @@ class IngressConfig:
     token_timeout_s: float
     ping_interval_s: float
     slot_refresh_s: float
+    telemetry_refresh_s: float
     scorer_path: str | None = None
     traces: TraceConfig | None = None  # None: off
 
@@ -150,6 +153,7 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         token_timeout_s=args.token_timeout_s,
         ping_interval_s=args.ping_interval_s,
         slot_refresh_s=args.slot_refresh_s,
+        telemetry_refresh_s=args.telemetry_refresh_s,
         scorer_path=args.scorer_path,
         traces=TraceConfig(args.traces.path, args.traces.max_bytes) if args.traces.enabled else None,
     )

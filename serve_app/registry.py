@@ -78,6 +78,9 @@ class SlotSpec:
     slot_id: str
     node_id: str
     total_bytes: int
+    # The device its telemetry comes from: a GPU's NVML index, or the node's CPU (index 0).
+    device_kind: str = "cpu"
+    device_index: int = 0
 
 
 @dataclass(frozen=True)

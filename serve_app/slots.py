@@ -5,16 +5,27 @@ A slot is one GPU (`num_gpus=1` actors) or, on a CPU-only cluster, one CPU slot 
 Ray right now whenever it is free — otherwise a spawn onto it would wait in Ray's
 scheduler, a hidden queue — so discovery checks that the node has the resources for
 every slot's actor at once.
+
+`SlotRefresher` keeps the registry current on one background thread: it re-registers
+the slots every `slot_refresh_s` (GPU workers may join after the ingress starts; a
+restarted registry comes back empty) and, every `telemetry_refresh_s`, copies each
+slot's device fragmentation and utilisation EWMA from the node telemetry agents into
+the registry, where the scorer sees them. Telemetry is best effort: a slow or missing
+agent leaves the last figures in place and never holds a request.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import ray
 
 from actors.request_actor import ActorConfig
-from actors.telemetry import TelemetryConfig
+from actors.telemetry import NodeTelemetry, TelemetryConfig
 from actors.telemetry_agent import cluster_snapshot, ensure_agents
 from serve_app.config import SlotArgs
 from serve_app.registry import SlotSpec
@@ -52,7 +63,7 @@ def _gpu_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig) -> list[Sl
     per_gpu = max(1, int(1 / actor.num_gpus)) if actor.num_gpus < 1 else 1
     totals: dict[tuple[str, int], int] = {}
     if args.gpu_slot_bytes is None:
-        agents = ensure_agents(TelemetryConfig())
+        agents = ensure_agents(TelemetryConfig(), namespace=actor.namespace)
         for node in cluster_snapshot(agents, timeout_s=5.0):
             for d in node.devices:
                 if d.kind == "cuda":
@@ -65,5 +76,56 @@ def _gpu_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig) -> list[Sl
                 raise ValueError(f"no memory figure for GPU {i} on node {n['NodeID'][:12]}: set slots.gpu_slot_bytes")
             # Fractional actors share a GPU: the GPU's memory is split evenly between its slots.
             for k in range(per_gpu):
-                slots.append(SlotSpec(f"{n['NodeID'][:12]}/gpu{i}.{k}", n["NodeID"], total // per_gpu))
+                slots.append(SlotSpec(f"{n['NodeID'][:12]}/gpu{i}.{k}", n["NodeID"], total // per_gpu, "cuda", i))
     return slots
+
+
+def slot_stats(slots: Sequence[SlotSpec], nodes: Iterable[NodeTelemetry]) -> dict[str, tuple[float, float]]:
+    """Each slot's (fragmentation, utilisation EWMA), from its device; slots with no reading are left out."""
+    devices = {(n.node_id, d.kind, d.device_index): d for n in nodes for d in n.devices}
+    stats = {}
+    for slot in slots:
+        device = devices.get((slot.node_id, slot.device_kind, slot.device_index))
+        if device is not None:
+            stats[slot.slot_id] = (device.fragmentation, device.utilization_ewma)
+    return stats
+
+
+class SlotRefresher:
+    """Registers the slots now, then keeps them and their telemetry current in the background."""
+
+    def __init__(self, registry: Any, args: SlotArgs, actor: ActorConfig, *,
+                 slot_refresh_s: float, telemetry_refresh_s: float) -> None:
+        self._registry, self._args, self._actor = registry, args, actor
+        self._slot_refresh_s, self._telemetry_refresh_s = slot_refresh_s, telemetry_refresh_s
+        self.slots: list[SlotSpec] = []
+        self._agents: dict[str, Any] = {}
+        self.register()
+
+    def register(self) -> None:
+        self.slots = discover_slots(self._args, self._actor)
+        ray.get(self._registry.register_slots.remote(self.slots), timeout=30)
+        # Idempotent: agents already running are returned as they are; new nodes get one.
+        self._agents = ensure_agents(TelemetryConfig(), namespace=self._actor.namespace)
+
+    def push_telemetry(self) -> dict[str, tuple[float, float]]:
+        """One telemetry round: what the agents report now, into the registry (fire and forget)."""
+        stats = slot_stats(self.slots, cluster_snapshot(self._agents, timeout_s=self._telemetry_refresh_s))
+        if stats:
+            self._registry.update_slot_stats.remote(stats)
+        return stats
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="zq-slot-refresh", daemon=True).start()
+
+    def _run(self) -> None:
+        next_slots = time.monotonic() + self._slot_refresh_s
+        while True:
+            time.sleep(self._telemetry_refresh_s)
+            try:
+                if time.monotonic() >= next_slots:
+                    next_slots += self._slot_refresh_s
+                    self.register()
+                self.push_telemetry()
+            except Exception:  # a transient GCS, registry or agent error: try again next period
+                log.exception("slot refresh failed")

@@ -320,3 +320,22 @@ def test_metrics_are_exported_for_prometheus(zq, ray_cluster):
         return all(name in seen for name in wanted)
 
     _wait_for(exported, timeout=30, what=f"metrics {sorted(set(wanted) - seen)}")
+
+
+def test_slot_telemetry_reaches_the_registry(zq, ray_cluster):
+    # The ingress starts a telemetry agent per node and copies each slot's device figures
+    # into the registry every telemetry_refresh_s, where the scorer reads them.
+    ray = ray_cluster
+    from actors.telemetry_agent import agent_name
+
+    registry = ray.get_actor("zq-registry", namespace=NAMESPACE)
+    agent = ray.get_actor(agent_name(ray.get_runtime_context().get_node_id()), namespace=NAMESPACE)
+
+    def slots_follow_the_agent():
+        (device,) = ray.get(agent.snapshot.remote()).devices
+        slots = ray.get(registry.snapshot.remote()).slots
+        # A CPU node's slots share its one device; the EWMA moves between the two reads.
+        return len(slots) == 2 and all(s.utilization > 0 for s in slots) and abs(
+            slots[0].utilization - device.utilization_ewma) < 0.5
+
+    _wait_for(slots_follow_the_agent, what="slot utilisation from the telemetry agent")

@@ -151,3 +151,35 @@ def test_prefill_overlaps_loading(ray_cluster, layered_zqs):
     assert t.first_layer_resident is not None and t.all_layers_resident is not None
     assert t.first_layer_compute_start < t.all_layers_resident, t
     _wait_gone(ray, name)
+
+
+def test_actor_reports_its_memory_to_the_node_agent_and_its_peak(ray_cluster, tiny_zqs):
+    ray = ray_cluster
+    from actors.telemetry import TelemetryConfig
+    from actors.telemetry_agent import ensure_agents
+
+    (agent,) = ensure_agents(TelemetryConfig(poll_interval_s=0.1), namespace=CONFIG.namespace).values()
+
+    def accounted() -> int:
+        (device,) = ray.get(agent.snapshot.remote()).devices
+        return device.accounted_bytes
+
+    def wait_accounted(expected: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while accounted() != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert accounted() == expected
+
+    try:
+        name = new_actor_name("tiny")
+        actor = spawn(str(tiny_zqs), CONFIG, name)
+        weights = ray.get(actor.status.remote()).accounted_bytes
+        assert weights > 0
+        wait_accounted(weights)  # reported as soon as the model is allocated
+        _, done = _consume(ray, actor.generate.remote(_request(tiny_zqs)))
+        # The process's peak resident set over the request: Python and torch besides the weights.
+        assert done.peak_bytes is not None and done.peak_bytes > weights
+        _wait_gone(ray, name)
+        wait_accounted(0)  # withdrawn on exit
+    finally:
+        ray.kill(agent)
