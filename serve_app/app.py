@@ -7,7 +7,8 @@ Per request (`POST /v1/messages`):
      one atomic call on the shared registry actor (no replica can over-commit a slot);
   3. act: call the idle hot actor, or create a detached actor on the reserved slot — or
      answer 503 `overloaded_error` with `retry-after` at once;
-  4. relay the actor's stream as JSON or SSE, then tell the registry how it ended.
+  4. relay the actor's stream as JSON or SSE (serve_app/relay.py), then tell the registry
+     how it ended.
 
 Nothing here waits for capacity: every await is on work already placed, and has a deadline.
 The registry decides with the XGBoost scorer when `scorer_path` names a usable model (else
@@ -33,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.engine import ContextWindowError, GenerationRequest, Message, build_prompt
 from actors.layer_loader import open_zqs
-from actors.request_actor import ActorRequest, Completion, RequestActor, Started, TextChunk, new_actor_name
+from actors.request_actor import ActorRequest, Completion, RequestActor, new_actor_name
 from actors.sampling import SamplingError, SamplingParams
 from actors.tokenizer import Tokenizer
 from serve_app import api, errors, sse, traces
@@ -42,8 +43,9 @@ from serve_app.errors import ApiError
 from serve_app.latency_targets import request_targets
 from serve_app.memory import ModelNumbers, request_features
 from serve_app.metrics import IngressMetrics
-from serve_app.policy import Decision, Dispatch, Reject, RequestFeatures, Spawn
+from serve_app.policy import Dispatch, Reject, Spawn
 from serve_app.registry_actor import RegistryConfig, get_registry
+from serve_app.relay import Admitted, Relay
 from serve_app.slots import SlotRefresher
 from serve_app.xgb_scorer import load_scorer
 
@@ -61,25 +63,6 @@ class LoadedModel:
     created_at: float
     ttft_target_s: float | None = None
     total_target_s: float | None = None
-
-
-@dataclass
-class Admitted:
-    """A request that holds a reservation and an actor stream."""
-
-    request_id: str
-    model: LoadedModel
-    actor_name: str
-    keep_hot: bool
-    is_cold: bool
-    input_tokens: int
-    stream: Any  # ray ObjectRefGenerator
-    started: Started
-    arrival: float
-    dispatch_time: float
-    features: RequestFeatures | None = None
-    decision: Decision | None = None
-    completion: Completion | None = None
 
 
 def _timing(t: float) -> str:
@@ -110,6 +93,7 @@ class Ingress:
             config.policy, load_scorer(config.scorer_path),
         )
         self.traces = traces.TraceWriter(config.traces) if config.traces is not None else None
+        self.relay = Relay(config.token_timeout_s, config.ping_interval_s, self._observe, self._ended)
         # Slots (and their telemetry) are kept current in the background: GPU workers may
         # join after the ingress starts, and a restarted registry comes back empty.
         self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor,
@@ -117,6 +101,8 @@ class Ingress:
                                             telemetry_refresh_s=config.telemetry_refresh_s)
         self.slot_refresher.start()
         self._handles: dict[str, Any] = {}
+        # One remote class for every spawn: `ray.remote()` per spawn would export the class anew each time.
+        self._actor_class = ray.remote(RequestActor)
         log.info("zeroqueue ingress: models %s, %d slots", list(self.models), len(self.slot_refresher.slots))
 
     @property
@@ -210,7 +196,7 @@ class Ingress:
         return JSONResponse(api.count_tokens_response(n))
 
     async def _health(self) -> dict:
-        snap = await asyncio.wait_for(_await(self.registry.snapshot.remote()), timeout=2.0)
+        snap = await asyncio.wait_for(self.registry.snapshot.remote(), timeout=2.0)
         by_state: dict[str, int] = {}
         for a in snap.actors:
             by_state[a.state] = by_state.get(a.state, 0) + 1
@@ -238,9 +224,9 @@ class Ingress:
             "X-Request-Start-Time": _timing(admitted.started.time),
         }
         if req.stream:
-            return StreamingResponse(self._sse(admitted), media_type="text/event-stream",
+            return StreamingResponse(self.relay.sse(admitted), media_type="text/event-stream",
                                      headers=headers | {"cache-control": "no-cache"})
-        text, done = await self._collect(admitted)
+        text, done = await self.relay.collect(admitted)
         body = api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
                                     done.input_tokens, done.output_tokens)
         return JSONResponse(body, headers=headers)
@@ -265,7 +251,7 @@ class Ingress:
         features = request_features(model.id, model.numbers, len(prompt), req.max_tokens, self.config.policy,
                                     ttft_target_s, total_target_s, req.temperature, req.top_k, req.top_p)
         spawn_name = new_actor_name(model.id)
-        decision = await _await(self.registry.admit.remote(features, spawn_name))
+        decision = await self.registry.admit.remote(features, spawn_name)
         kind = type(decision).__name__.lower()
         self.metrics.decisions.inc(tags={"model": model.id, "kind": kind})
         if isinstance(decision, Reject):
@@ -278,28 +264,23 @@ class Ingress:
         actor_request = ActorRequest(request_id, tuple(prompt), sampling, keep_hot=decision.keep_hot)
         if isinstance(decision, Spawn):
             try:
-                name, handle = spawn_name, self._spawn(spawn_name, model, decision)
+                # Creating a named actor makes blocking GCS calls: off the event loop, so that
+                # other requests' admissions and refusals do not wait behind it.
+                name, handle = spawn_name, await asyncio.to_thread(self._spawn, spawn_name, model, decision)
             except Exception:
                 self.registry.remove.remote(spawn_name)  # nothing was started: give the slot back
                 raise
         else:
             assert isinstance(decision, Dispatch)
-            name, handle = decision.actor_name, self._handle(decision.actor_name)
+            name, handle = decision.actor_name, await self._handle(decision.actor_name)
         stream = handle.generate.remote(actor_request)
         dispatch_time = time.time()
         self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
         self.metrics.queue_wait.observe(dispatch_time - arrival, tags={"model": model.id})
-        admitted = Admitted(request_id, model, name, decision.keep_hot, isinstance(decision, Spawn), len(prompt),
+        admitted = Admitted(request_id, model.id, name, decision.keep_hot, isinstance(decision, Spawn), len(prompt),
                             stream, started=None, arrival=arrival, dispatch_time=dispatch_time,
                             features=features, decision=decision)
-        try:
-            first = await self._next(admitted, self.config.start_timeout_s)
-            if not isinstance(first, Started):
-                raise RuntimeError(f"actor {name} sent {type(first).__name__} before Started")
-        except BaseException as e:
-            self._ended(admitted, ok=False)
-            raise _as_api_error(e, name) from None
-        admitted.started = first
+        await self.relay.first(admitted, self.config.start_timeout_s)
         if admitted.is_cold:
             self.registry.actor_started.remote(name)  # starting -> busy in the registry's view
         return admitted
@@ -310,7 +291,7 @@ class Ingress:
         """The `Message` JSON for a request, as `POST /v1/messages` returns it; raises ApiError."""
         req = request if isinstance(request, api.MessagesRequest) else api.parse_messages_request(request)
         admitted = await self.admit(req, api.new_request_id(), time.time())
-        text, done = await self._collect(admitted)
+        text, done = await self.relay.collect(admitted)
         return api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
                                     done.input_tokens, done.output_tokens)
 
@@ -318,79 +299,28 @@ class Ingress:
         """The SSE events as dicts (call with `handle.options(stream=True).stream.remote(...)`)."""
         req = request if isinstance(request, api.MessagesRequest) else api.parse_messages_request(request)
         admitted = await self.admit(req, api.new_request_id(), time.time())
-        async for chunk in self._sse(admitted):
+        async for chunk in self.relay.sse(admitted):
             for event in sse.decode_events(chunk):
                 yield event
 
     def _spawn(self, name: str, model: LoadedModel, decision: Spawn):
         options = self.config.actor.actor_options(name)
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.slot_nodes[decision.slot_id], soft=False)
-        handle = ray.remote(RequestActor).options(**options).remote(model.zqs_path, self.config.actor)
+        handle = self._actor_class.options(**options).remote(model.zqs_path, self.config.actor)
         if decision.keep_hot:
             self._handles[name] = handle
         return handle
 
-    def _handle(self, name: str):
+    async def _handle(self, name: str):
         handle = self._handles.get(name)
-        if handle is None:  # started by another replica
-            handle = self._handles[name] = ray.get_actor(name, namespace=self.config.actor.namespace)
+        if handle is None:  # started by another replica: a GCS lookup, off the event loop
+            handle = await asyncio.to_thread(ray.get_actor, name, namespace=self.config.actor.namespace)
+            self._handles[name] = handle
         return handle
-
-    async def _next(self, admitted: Admitted, timeout: float):
-        return await asyncio.wait_for(_await(await asyncio.wait_for(admitted.stream.__anext__(), timeout)), timeout)
-
-    async def _collect(self, admitted: Admitted) -> tuple[str, Completion]:
-        parts: list[str] = []
-        ok = False
-        try:
-            while True:
-                item = await self._next(admitted, self.config.token_timeout_s)
-                if isinstance(item, TextChunk):
-                    parts.append(item.text)
-                elif isinstance(item, Completion):
-                    ok = True
-                    self._observe(admitted, item)
-                    return "".join(parts), item
-        except BaseException as e:
-            raise _as_api_error(e, admitted.actor_name) from None
-        finally:
-            self._ended(admitted, ok)
-
-    async def _sse(self, admitted: Admitted) -> AsyncIterator[bytes]:
-        out = sse.SseStream(api.new_message_id(), admitted.model.id, admitted.input_tokens)
-        ok = False
-        pending = None
-        try:
-            yield out.start()
-            pending = asyncio.ensure_future(self._next(admitted, self.config.token_timeout_s))
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=self.config.ping_interval_s)
-                if not done:
-                    yield out.ping()
-                    continue
-                item = pending.result()
-                if isinstance(item, TextChunk):
-                    chunk = out.text(item.text)
-                    if chunk:
-                        yield chunk
-                    pending = asyncio.ensure_future(self._next(admitted, self.config.token_timeout_s))
-                elif isinstance(item, Completion):
-                    ok = True
-                    self._observe(admitted, item)
-                    yield out.finish(item.stop_reason, item.stop_sequence, item.output_tokens)
-                    return
-        except (asyncio.CancelledError, GeneratorExit):
-            raise  # the client went away: `_ended` cancels the actor's stream
-        except BaseException as e:
-            yield out.error(_as_api_error(e, admitted.actor_name), admitted.request_id)
-        finally:
-            if pending is not None:
-                pending.cancel()
-            self._ended(admitted, ok)
 
     def _observe(self, admitted: Admitted, done: Completion) -> None:
         admitted.completion = done
-        t, model = done.timings, admitted.model.id
+        t, model = done.timings, admitted.model_id
         if t.first_token is not None:
             self.metrics.ttft.observe(t.first_token - admitted.arrival,
                                       tags={"model": model, "kind": "cold" if admitted.is_cold else "hot"})
@@ -409,7 +339,7 @@ class Ingress:
         if self.traces is not None and admitted.decision is not None:
             outcome = traces.outcome_record(admitted.arrival, admitted.dispatch_time, admitted.decision.reserve_bytes,
                                             admitted.completion if ok else None, None if ok else "incomplete")
-            self._trace(admitted.request_id, admitted.model.id, admitted.arrival, admitted.features,
+            self._trace(admitted.request_id, admitted.model_id, admitted.arrival, admitted.features,
                         admitted.decision, outcome)
 
     def _trace(self, request_id: str, model: str, arrival: float, features, decision, outcome) -> None:
@@ -419,22 +349,6 @@ class Ingress:
             self.traces.write(traces.trace_record(request_id, model, arrival, features, decision, outcome))
         except Exception:
             log.exception("trace of request %s not recorded", request_id)
-
-
-async def _await(ref):
-    return await ref
-
-
-def _as_api_error(e: BaseException, actor_name: str) -> ApiError:
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, asyncio.TimeoutError):
-        return errors.timeout(f"actor {actor_name} did not answer in time")
-    if isinstance(e, ray.exceptions.RayActorError):
-        return errors.api_error(f"actor {actor_name} died while serving the request")
-    if isinstance(e, ray.exceptions.RayTaskError):
-        return errors.api_error(f"actor {actor_name} failed: {e.cause!r}")
-    return errors.api_error(f"request failed on actor {actor_name}: {e!r}")
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
