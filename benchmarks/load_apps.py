@@ -1,0 +1,130 @@
+"""The two apps under load: deploy each on the benchmark's Serve instance, warm it, settle it, remove it.
+
+Both are built from the same builder arguments (zeroqueue's `configs/serve.yaml` args),
+so they serve the same model on the same slots; each runs alone while it is measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+# zeroqueue's registry and request actors live here, away from any other cluster user's.
+NAMESPACE = "zeroqueue-bench-load"
+ZEROQUEUE, BASELINE = "zeroqueue", "baseline"
+APPS = (ZEROQUEUE, BASELINE)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A request the harness sends outside the measurement (warm-up, settling)."""
+
+    model: str
+    prompts: dict[str, str]  # class -> prompt text
+    max_tokens: dict[str, int]
+
+    def body(self, cls: str, stream: bool = False) -> dict[str, Any]:
+        return {"model": self.model, "max_tokens": self.max_tokens[cls], "stream": stream, "seed": 1,
+                "messages": [{"role": "user", "content": self.prompts[cls]}]}
+
+
+def deploy(app: str, args: dict[str, Any]) -> None:
+    """Build and run `app` at route `/`; returns once its replicas are up."""
+    from ray import serve
+
+    if app == ZEROQUEUE:
+        from serve_app.app import build_app
+
+        built = build_app({**args, "namespace": NAMESPACE})
+    else:
+        from benchmarks.baseline.app import build_app
+
+        built = build_app(args)
+    t0 = time.monotonic()
+    serve.run(built, name=app, route_prefix="/")
+    log.info("%s deployed in %.1f s", app, time.monotonic() - t0)
+
+
+def undeploy(app: str) -> None:
+    """Delete the app, then every actor it left in the benchmark's namespace (detached actors outlive it)."""
+    from ray import serve
+
+    serve.delete(app)
+    kill_namespace_actors()
+
+
+def kill_namespace_actors() -> None:
+    import ray
+
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == NAMESPACE:
+            try:
+                ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE))
+            except ValueError:
+                pass  # it exited between the listing and the kill
+
+
+def warm_up(base: str, probe: Probe, slots: int) -> None:
+    """`slots` short requests at once: every baseline replica has run the model once, and
+    zeroqueue holds its hot actor, as each app stands between requests in steady use."""
+    with ThreadPoolExecutor(slots) as pool:
+        statuses = list(pool.map(_post, [base] * slots, [probe.body("short")] * slots))
+    log.info("warm-up: %s", statuses)
+
+
+def settle(app: str, base: str, probe: Probe, fast_s: float, slots: int, deadline_s: float = 90.0) -> float:
+    """Wait until the app is idle again after a scenario (nothing of it carries into the next); returns the wait.
+
+    zeroqueue says so itself (/health: no actor starting or busy). The baseline cannot,
+    so `slots` short requests at once must all come back within `fast_s`: none of them
+    waited behind leftover work on any replica.
+    """
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        if app == ZEROQUEUE:
+            try:
+                actors = httpx.get(f"{base}/health", timeout=5).json()["actors"]
+                idle = actors.get("busy", 0) == 0 and actors.get("starting", 0) == 0
+            except (httpx.HTTPError, ValueError, KeyError):
+                idle = False
+        else:
+            with ThreadPoolExecutor(slots) as pool:
+                results = list(pool.map(lambda _: _timed_post(base, probe.body("short")), range(slots)))
+            idle = all(status == 200 and took <= fast_s for status, took in results)
+        if idle:
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    log.warning("%s did not settle within %.0f s; the next scenario starts anyway", app, deadline_s)
+    return time.monotonic() - t0
+
+
+def wait_ready(base: str, timeout_s: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base}/health did not answer 200 within {timeout_s:.0f} s")
+
+
+def _post(base: str, body: dict) -> int:
+    try:
+        return httpx.post(f"{base}/v1/messages", json=body, timeout=120).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _timed_post(base: str, body: dict) -> tuple[int, float]:
+    t0 = time.monotonic()
+    status = _post(base, body)
+    return status, time.monotonic() - t0

@@ -1,0 +1,180 @@
+"""What the load benchmark offers both apps: request classes, load scenarios, and their arrival schedules.
+
+Load is open-loop: each scenario is a fixed schedule of arrival times (a Poisson process
+whose rate follows the scenario's phases, drawn once from a seed), and the client sends
+every request at its time whether or not earlier ones have been answered. A closed loop
+(N users, each waiting for its answer before sending again) would let a slow server slow
+its own arrivals, so a queue could never grow past N and its delay would go unmeasured.
+Both apps get the very same schedule: the same arrivals, classes, prompts and seeds, so
+the same tokens are generated and the work is identical.
+
+Rates are multiples of the machine's capacity for a scenario's mix, measured before
+the run (`capacity_rps`): slots / mean hot service time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+# A plain English text that tokenizes evenly; prompts are cut from it to a token count.
+_TEXT = ("Queues hide in every layer of a serving stack: in the proxy, in the router, in the "
+         "scheduler and inside the replica. A request that waits behind a long generation pays "
+         "for it in its tail latency, and the user sees that tail. ")
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    name: str
+    input_tokens: int  # the prompt, chat template included
+    output_tokens: int  # max_tokens; random weights almost never sample end-of-turn first
+
+
+# Scaled so that on one core a short request takes a fraction of a second and a long one a
+# few seconds (the demo model decodes ~40 ms/token in bf16). The long prompt is longer
+# than zeroqueue's short lane allows (512 tokens in configs/serve.yaml), so long requests
+# take zeroqueue's long lane: dedicated actors, never the hot short ones.
+CLASSES: dict[str, RequestClass] = {
+    "short": RequestClass("short", 24, 4),
+    "medium": RequestClass("medium", 96, 12),
+    "long": RequestClass("long", 600, 64),
+}
+MIXED = (("short", 0.4), ("medium", 0.5), ("long", 0.1))  # the issue's mix
+MEDIUM_ONLY = (("medium", 1.0),)
+
+
+@dataclass(frozen=True)
+class Phase:
+    duration_s: float
+    start_load: float  # offered rate at the phase start, in multiples of capacity
+    end_load: float  # ... and at its end; the rate ramps linearly in between
+
+
+def steady(duration_s: float, load: float) -> tuple[Phase, ...]:
+    return (Phase(duration_s, load, load),)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    mix: tuple[tuple[str, float], ...]
+    phases: tuple[Phase, ...]
+    lossy: bool = False  # the client reaches the server through a netem link
+    spike: tuple[float, float] | None = None  # the overload window (s from the start), if any
+
+    @property
+    def duration_s(self) -> float:
+        return sum(p.duration_s for p in self.phases)
+
+    @property
+    def peak_load(self) -> float:
+        return max(max(p.start_load, p.end_load) for p in self.phases)
+
+    def load_at(self, t: float) -> float:
+        """Offered load (× capacity) at `t` seconds from the start; 0 outside the scenario."""
+        start = 0.0
+        for p in self.phases:
+            if t < start + p.duration_s:
+                return p.start_load + (p.end_load - p.start_load) * (t - start) / p.duration_s
+            start += p.duration_s
+        return 0.0
+
+    def describe(self) -> str:
+        parts = []
+        for p in self.phases:
+            load = f"{p.start_load:g}×" if p.start_load == p.end_load else f"{p.start_load:g}→{p.end_load:g}×"
+            parts.append(f"{load} for {p.duration_s:g} s")
+        return ", then ".join(parts)
+
+
+def burst_phases(ramp_s: float, base_s: float, spike_s: float, tail_s: float,
+                 base: float = 0.5, spike: float = 10.0) -> tuple[Phase, ...]:
+    """The seed's burst, scaled: ramp to base load, hold, a short spike, back to base."""
+    return (Phase(ramp_s, 0.0, base), Phase(base_s, base, base), Phase(spike_s, spike, spike),
+            Phase(tail_s, base, base))
+
+
+def scenarios(quick: bool) -> tuple[Scenario, ...]:
+    """The scenarios of one run, in the order each app meets them.
+
+    Full: ~6 minutes of offered load per app. Quick: the burst and the two mixed loads,
+    short, to check the harness end to end in a few minutes.
+    """
+    if quick:
+        burst = burst_phases(2, 2, 2, 4)
+        return (
+            Scenario("burst", "burst: 0.5× base, 10× spike", MIXED, burst, spike=(4.0, 6.0)),
+            Scenario("mixed", "mixed lengths at 0.9×", MIXED, steady(12, 0.9)),
+            Scenario("overload", "mixed lengths at 2×", MIXED, steady(8, 2.0)),
+        )
+    burst = burst_phases(10, 15, 5, 25)
+    return (
+        Scenario("steady", "steady: medium requests at 0.9×", MEDIUM_ONLY, steady(75, 0.9)),
+        Scenario("burst", "burst: 0.5× base, 10× spike", MIXED, burst, spike=(25.0, 30.0)),
+        Scenario("mixed", "mixed lengths at 0.9×", MIXED, steady(120, 0.9)),
+        Scenario("overload", "mixed lengths at 2×", MIXED, steady(60, 2.0)),
+        Scenario("lossy", "mixed lengths at 0.5× over a lossy link", MIXED, steady(45, 0.5), lossy=True),
+    )
+
+
+def capacity_rps(mix: Sequence[tuple[str, float]], service_s: Mapping[str, float], slots: int) -> float:
+    """Requests per second `slots` hot slots can finish for this mix: slots / mean service time."""
+    total = sum(w for _, w in mix)
+    mean = sum(w * service_s[c] for c, w in mix) / total
+    return slots / mean
+
+
+@dataclass(frozen=True)
+class Arrival:
+    index: int
+    t: float  # seconds from the scenario's start
+    cls: str
+    seed: int  # the request's sampling seed
+
+
+def schedule(scenario: Scenario, capacity: float, seed: int) -> list[Arrival]:
+    """A Poisson arrival process whose rate follows the scenario, drawn by thinning.
+
+    Candidates arrive at the peak rate; each is kept with probability rate(t) / peak, which
+    gives exactly the time-varying Poisson process. Deterministic for a seed.
+    """
+    rng = random.Random(f"{scenario.name}/{seed}")
+    peak = scenario.peak_load * capacity
+    names = [c for c, _ in scenario.mix]
+    weights = [w for _, w in scenario.mix]
+    out: list[Arrival] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= scenario.duration_s:
+            return out
+        keep = rng.random() < scenario.load_at(t) * capacity / peak
+        cls = rng.choices(names, weights)[0]
+        request_seed = rng.getrandbits(63)
+        if keep:
+            out.append(Arrival(len(out), t, cls, request_seed))
+
+
+def prompt_of(tokenizer, input_tokens: int) -> str:
+    """The longest cut of the text whose chat-templated prompt has at most `input_tokens` tokens."""
+
+    def size(n_words: int) -> int:
+        return len(tokenizer.encode_chat([{"role": "user", "content": _words(n_words)}]))
+
+    lo, hi = 1, 4 * input_tokens
+    if size(lo) > input_tokens:
+        raise ValueError(f"the chat template alone is longer than {input_tokens} tokens")
+    while lo < hi:  # largest n with size(n) <= input_tokens
+        mid = (lo + hi + 1) // 2
+        if size(mid) <= input_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return _words(lo)
+
+
+def _words(n: int) -> str:
+    words = _TEXT.split()
+    return " ".join(words[i % len(words)] for i in range(n))
