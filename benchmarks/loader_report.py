@@ -172,9 +172,11 @@ def _machine(load: list[list[float]], during: list[float]) -> list[str]:
         f"numpy {np.__version__}",
         f"- load average (1/5/15 min): {' / '.join(f'{x:.2f}' for x in load[0])} at the start, "
         f"{' / '.join(f'{x:.2f}' for x in load[1])} at the end; the 1-minute figure at the start of each "
-        f"measurement: median {statistics.median(during):.2f}, range {min(during):.2f}–{max(during):.2f}. Other "
-        "jobs (tests and benchmarks of other parts of the project) shared this 2-core VM during the run. Runs are "
-        "interleaved and their order rotated each repeat so that such noise slows every method alike, the "
+        f"measurement: median {statistics.median(during):.2f}, range {min(during):.2f}–{max(during):.2f} "
+        + ("(the benchmark's own threads: nothing else of note ran). "
+           if statistics.median(during) < 1.6 else
+           "(other jobs — tests and benchmarks of other parts of the project — shared this 2-core VM). ")
+        + "Runs are interleaved and their order rotated each repeat so that such noise slows every method alike, the "
         "comparisons below are ratios within this run, and the CPU-seconds column shows what each load costs "
         "whatever the neighbours do; a load that needs both cores (LayerStream's two threads) loses more to a "
         "busy neighbour than a one-thread load does.",

@@ -17,9 +17,10 @@ the ingress; `null` where a value does not apply):
      "outcome": null for refusals, else {"ok", "error", "dispatch_s", "load_s", "ttft_s", "total_s",
                 "output_tokens", "stop_reason", "is_cold", "first_layers", "reserved_bytes", "peak_bytes"}}
 
-`load_s` is actor start to all layers resident (cold requests only). `peak_bytes` is what
-the actor reports, when it reports it (it does not yet); `reserved_bytes` is what the
-registry reserved for the request, which the ingress knows exactly.
+`load_s` is actor start to all layers resident (cold requests only). `peak_bytes` is the
+request's peak as the actor measured it (actors/peak_memory.py: the CUDA allocator's peak,
+or the CPU process's peak resident set); `reserved_bytes` is what the registry reserved for
+the request, which the ingress knows exactly.
 
 Writing never blocks the caller: `TraceWriter.write` puts the record on a bounded queue
 (a full queue drops it, with a warning) and one thread serialises and appends. The file is
