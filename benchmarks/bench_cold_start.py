@@ -15,7 +15,7 @@ First the driver times the load in-process and one calibration actor times prefi
 to size the prompts: short (16 tokens, load-bound), balanced (prefill takes as long as
 the load), and compute-bound (twice the balanced length).
 
-    .venv/bin/python -m benchmarks.bench_cold_start          # ~12 min (100 actors); writes benchmarks/results/cold_start.md
+    .venv/bin/python -m benchmarks.bench_cold_start          # ~21 min (100 actors); writes benchmarks/results/cold_start.md
     .venv/bin/python -m benchmarks.bench_cold_start --quick  # bf16 only, 2 repeats, for development
 
 This module measures; `benchmarks.cold_start_report` (statistics, rows, the markdown) and
