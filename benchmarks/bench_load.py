@@ -222,7 +222,7 @@ def _run_apps(plan: Plan, args: dict[str, Any], work: Path, model_id: str, promp
         arrivals = schedule(s, cap, plan.seed)
         path = schedules[s.name] = work / f"{s.name}.json"
         path.write_text(json.dumps({"model": model_id, "prompts": prompts, "max_tokens": max_tokens,
-                                    "duration_s": s.duration_s,
+                                    "duration_s": s.duration_s, "ttft_target_s": s.ttft_target_s,
                                     "arrivals": [{"i": a.index, "t": a.t, "cls": a.cls, "seed": a.seed}
                                                  for a in arrivals]}))
         runs[s.name] = {"scenario": asdict(s), "capacity_rps": cap, "arrivals": len(arrivals), "records": [],

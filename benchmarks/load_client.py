@@ -87,6 +87,8 @@ class OpenLoopClient(User):
         cfg, sched = self.config, self.config.schedule
         body = {"model": sched["model"], "max_tokens": sched["max_tokens"][a["cls"]], "stream": True,
                 "seed": a["seed"], "messages": [{"role": "user", "content": sched["prompts"][a["cls"]]}]}
+        target = sched.get("ttft_target_s")
+        headers = {"x-zq-ttft-target-s": f"{target:g}"} if target else None
         sent = time.time()
         first = server_start = server_dispatch = None
         status, error, tokens = "connection", None, 0
@@ -94,7 +96,8 @@ class OpenLoopClient(User):
         deadline = gevent.Timeout(cfg.timeout_s)
         deadline.start()
         try:
-            response = self.session.post(f"{self.environment.host}/v1/messages", json=body, stream=True)
+            response = self.session.post(f"{self.environment.host}/v1/messages", json=body, headers=headers,
+                                         stream=True)
             status = str(response.status_code)
             server_start = _header_time(response, "X-Request-Start-Time")
             server_dispatch = _header_time(response, "X-Request-Dispatch-Time")

@@ -18,6 +18,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from benchmarks.load_stats import Slo
+
 # A plain English text that tokenizes evenly; prompts are cut from it to a token count.
 _TEXT = ("Queues hide in every layer of a serving stack: in the proxy, in the router, in the "
          "scheduler and inside the replica. A request that waits behind a long generation pays "
@@ -63,6 +65,9 @@ class Scenario:
     phases: tuple[Phase, ...]
     lossy: bool = False  # the client reaches the server through a netem link
     spike: tuple[float, float] | None = None  # the overload window (s from the start), if any
+    # Sent as x-zq-ttft-target-s on every request: the client states its TTFT SLO. zeroqueue
+    # refuses at once what it predicts would miss it; the baseline has no way to act on it.
+    ttft_target_s: float | None = None
 
     @property
     def duration_s(self) -> float:
@@ -96,6 +101,10 @@ def burst_phases(ramp_s: float, base_s: float, spike_s: float, tail_s: float,
             Phase(tail_s, base, base))
 
 
+SLO_TTFT_S = Slo().ttft_s
+MIXED_SLO_TITLE = f"mixed lengths at 0.9×, the client stating its {SLO_TTFT_S:g} s TTFT SLO (x-zq-ttft-target-s)"
+
+
 def scenarios(quick: bool) -> tuple[Scenario, ...]:
     """The scenarios of one run, in the order each app meets them.
 
@@ -107,6 +116,7 @@ def scenarios(quick: bool) -> tuple[Scenario, ...]:
         return (
             Scenario("burst", "burst: 0.5× base, 10× spike", MIXED, burst, spike=(4.0, 6.0)),
             Scenario("mixed", "mixed lengths at 0.9×", MIXED, steady(12, 0.9)),
+            Scenario("mixed-slo", MIXED_SLO_TITLE, MIXED, steady(12, 0.9), ttft_target_s=SLO_TTFT_S),
             Scenario("overload", "mixed lengths at 2×", MIXED, steady(8, 2.0)),
         )
     burst = burst_phases(10, 15, 5, 25)
@@ -114,6 +124,7 @@ def scenarios(quick: bool) -> tuple[Scenario, ...]:
         Scenario("steady", "steady: medium requests at 0.9×", MEDIUM_ONLY, steady(75, 0.9)),
         Scenario("burst", "burst: 0.5× base, 10× spike", MIXED, burst, spike=(25.0, 30.0)),
         Scenario("mixed", "mixed lengths at 0.9×", MIXED, steady(120, 0.9)),
+        Scenario("mixed-slo", MIXED_SLO_TITLE, MIXED, steady(120, 0.9), ttft_target_s=SLO_TTFT_S),
         Scenario("overload", "mixed lengths at 2×", MIXED, steady(60, 2.0)),
         Scenario("lossy", "mixed lengths at 0.5× over a lossy link", MIXED, steady(45, 0.5), lossy=True),
     )
