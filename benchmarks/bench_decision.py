@@ -155,9 +155,11 @@ def report(args, results, layout, card, snap: ClusterSnapshot, load_before, load
         "## Machine and setup", "",
         f"- {machine()}",
         f"- load average (1/5/15 min): {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f} at the "
-        f"start, {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} at the end. **Other work shared "
-        "this machine** (other engineers' tests and benchmarks): tails (p99, p99.9) carry their preemptions; the "
-        "ratios, measured interleaved, are the fairer figure",
+        f"start, {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} at the end"
+        + (". **Other work shared this machine**: tails (p99, p99.9) carry its preemptions; the ratios, measured "
+           "interleaved, are the fairer figure" if load_before[0] > 1.5 else
+           ": below 1.5 at the start, so no other job of note was running (the 1-minute figure lags by about a "
+           "minute: a job that ended just before still counts in it)"),
         f"- snapshot: {len(snap.slots)} GPU slots of 80 GiB, 8 per node; {free} free, {idle} idle actors of the "
         f"model (either lane), the rest busy or starting; `PolicyConfig()` defaults (max_candidates "
         f"{PolicyConfig().max_candidates} per kind, so up to 16 rows per prediction)",
