@@ -32,10 +32,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from actors.engine import ContextWindowError, GenerationRequest, Message, build_prompt
 from actors.layer_loader import open_zqs
 from actors.request_actor import ActorRequest, Completion, RequestActor, new_actor_name
-from actors.sampling import SamplingError, SamplingParams
 from actors.tokenizer import Tokenizer
 from serve_app import api, errors, sse, traces
 from serve_app.config import AppArgs, IngressConfig, ingress_config, resolve_model_path
@@ -44,6 +42,7 @@ from serve_app.latency_targets import request_targets
 from serve_app.memory import ModelNumbers, request_features
 from serve_app.metrics import IngressMetrics
 from serve_app.policy import Dispatch, Reject, Spawn
+from serve_app.prompt import prompt_for
 from serve_app.registry_actor import RegistryConfig, get_registry
 from serve_app.relay import Admitted, Relay
 from serve_app.slots import SlotRefresher
@@ -236,18 +235,7 @@ class Ingress:
         """Validate, decide, act. Returns once the actor has started computing, or raises ApiError."""
         model = self._model(req.model)
         ttft_target_s, total_target_s = request_targets(headers or {}, model.ttft_target_s, model.total_target_s)
-        if req.is_prefill:
-            raise errors.invalid_request("messages: a final assistant message (prefill) is not supported")
-        try:
-            sampling = SamplingParams(
-                max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                seed=req.seed, stop_sequences=tuple(req.stop_sequences),
-            )
-            messages = tuple(Message(r, t) for r, t in req.flat_messages())
-            prompt = build_prompt(model.tokenizer, GenerationRequest(messages, sampling, req.system_text()),
-                                  model.max_context)
-        except (SamplingError, ContextWindowError) as e:
-            raise errors.invalid_request(str(e)) from None
+        prompt, sampling = prompt_for(req, model.tokenizer, model.max_context)
         features = request_features(model.id, model.numbers, len(prompt), req.max_tokens, self.config.policy,
                                     ttft_target_s, total_target_s, req.temperature, req.top_k, req.top_p)
         spawn_name = new_actor_name(model.id)

@@ -38,11 +38,12 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from actors.engine import ContextWindowError, FinishEvent, GenerationRequest, Message, TokenEvent
-from actors.sampling import SamplingError, SamplingParams
+from actors.engine import FinishEvent, TokenEvent
+from actors.sampling import SamplingParams
 from serve_app import api, errors, sse
 from serve_app.config import AppArgs, ingress_config, resolve_model_path
 from serve_app.errors import ApiError
+from serve_app.prompt import prompt_for
 from serve_app.slots import discover_slots
 
 log = logging.getLogger(__name__)
@@ -135,18 +136,7 @@ class QueuedModel:
         """The same checks, in the same order, as zeroqueue's ingress: all before any compute."""
         if req.model != self.config.model_id:
             raise errors.not_found(f"model: {req.model!r} is not served here")
-        if req.is_prefill:
-            raise errors.invalid_request("messages: a final assistant message (prefill) is not supported")
-        try:
-            sampling = SamplingParams(
-                max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                seed=req.seed, stop_sequences=tuple(req.stop_sequences),
-            )
-            messages = tuple(Message(r, t) for r, t in req.flat_messages())
-            prompt = self.engine.prepare(GenerationRequest(messages, sampling, req.system_text()))
-        except (SamplingError, ContextWindowError) as e:
-            raise errors.invalid_request(str(e)) from None
-        return prompt, sampling
+        return prompt_for(req, self.engine.tokenizer, self.engine.max_context)
 
     async def _begin(self, run: _Generation) -> None:
         await self._compute.acquire()
