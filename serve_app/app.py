@@ -239,7 +239,7 @@ class Ingress:
         features = request_features(model.id, model.numbers, len(prompt), req.max_tokens, self.config.policy,
                                     ttft_target_s, total_target_s, req.temperature, req.top_k, req.top_p)
         spawn_name = new_actor_name(model.id)
-        decision = await self.registry.admit.remote(features, spawn_name)
+        decision = await self.registry.admit.remote(features, spawn_name, self.slot_refresher.take_stats())
         kind = type(decision).__name__.lower()
         self.metrics.decisions.inc(tags={"model": model.id, "kind": kind})
         if isinstance(decision, Reject):

@@ -170,6 +170,10 @@ class RegistryState:
         self._slots = dict(sorted(self._slots.items()))
         self._slot_views = {k: self._slot_views[k] for k in self._slots}
 
+    @property
+    def slot_ids(self) -> set[str]:
+        return set(self._slots)
+
     def update_slot_stats(self, slot_id: str, fragmentation: float, utilization: float) -> None:
         slot = self._slots.get(slot_id)
         if slot is None:

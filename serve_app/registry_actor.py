@@ -82,9 +82,13 @@ class RegistryActor:
             self._state.register_slots(slots)
 
     def update_slot_stats(self, stats: dict[str, tuple[float, float]]) -> None:
-        """slot_id -> (fragmentation, utilization), from telemetry."""
+        """slot_id -> (fragmentation, utilization), from telemetry; slots it does not know are skipped."""
         with self._lock:
-            for slot_id, (fragmentation, utilization) in stats.items():
+            self._apply_slot_stats(stats)
+
+    def _apply_slot_stats(self, stats: dict[str, tuple[float, float]] | None) -> None:
+        for slot_id, (fragmentation, utilization) in (stats or {}).items():
+            if slot_id in self._state.slot_ids:
                 self._state.update_slot_stats(slot_id, fragmentation, utilization)
 
     def snapshot(self) -> ClusterSnapshot:
@@ -97,9 +101,17 @@ class RegistryActor:
 
     # ---- commits ---------------------------------------------------------------------
 
-    def admit(self, features: RequestFeatures, spawn_name: str) -> Decision:
-        """Decide with this registry's policy and scorer, and commit, in one call."""
+    def admit(self, features: RequestFeatures, spawn_name: str,
+              slot_stats: dict[str, tuple[float, float]] | None = None) -> Decision:
+        """Decide with this registry's policy and scorer, and commit, in one call.
+
+        `slot_stats` is the caller's latest telemetry, applied first: the ingress hands it
+        over with each admission rather than from a thread of its own, because tasks one
+        caller submits from several threads can reach an in-order actor out of sequence,
+        and Ray then holds every later task of that caller for 30 s.
+        """
         with self._lock:
+            self._apply_slot_stats(slot_stats)
             return self._state.admit(features, self._policy, spawn_name, time.time(), self._scorer)
 
     def try_spawn(self, decision: Spawn, actor_name: str, model: str, busy_timeout_s: float) -> bool:

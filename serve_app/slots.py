@@ -10,8 +10,9 @@ every slot's actor at once.
 the slots every `slot_refresh_s` (GPU workers may join after the ingress starts; a
 restarted registry comes back empty) and, every `telemetry_refresh_s`, copies each
 slot's device fragmentation and utilisation EWMA from the node telemetry agents into
-the registry, where the scorer sees them. Telemetry is best effort: a slow or missing
-agent leaves the last figures in place and never holds a request.
+the registry, where the scorer sees them: the ingress hands the latest figures to the
+registry with its next admission (see `RegistryActor.admit`). Telemetry is best effort: a
+slow or missing agent leaves the last figures in place and never holds a request.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class SlotRefresher:
         self._slot_refresh_s, self._telemetry_refresh_s = slot_refresh_s, telemetry_refresh_s
         self.slots: list[SlotSpec] = []
         self._agents: dict[str, Any] = {}
+        self._pending_stats: dict[str, tuple[float, float]] | None = None
         self.register()
 
     def register(self) -> None:
@@ -108,11 +110,16 @@ class SlotRefresher:
         # Idempotent: agents already running are returned as they are; new nodes get one.
         self._agents = ensure_agents(TelemetryConfig(), namespace=self._actor.namespace)
 
-    def push_telemetry(self) -> dict[str, tuple[float, float]]:
-        """One telemetry round: what the agents report now, into the registry (fire and forget)."""
+    def poll_telemetry(self) -> dict[str, tuple[float, float]]:
+        """One telemetry round: what the agents report now, kept for `take_stats`."""
         stats = slot_stats(self.slots, cluster_snapshot(self._agents, timeout_s=self._telemetry_refresh_s))
         if stats:
-            self._registry.update_slot_stats.remote(stats)
+            self._pending_stats = stats
+        return stats
+
+    def take_stats(self) -> dict[str, tuple[float, float]] | None:
+        """The figures polled since the last call, if any: the ingress passes them with its next admission."""
+        stats, self._pending_stats = self._pending_stats, None
         return stats
 
     def start(self) -> None:
@@ -126,6 +133,6 @@ class SlotRefresher:
                 if time.monotonic() >= next_slots:
                     next_slots += self._slot_refresh_s
                     self.register()
-                self.push_telemetry()
+                self.poll_telemetry()
             except Exception:  # a transient GCS, registry or agent error: try again next period
                 log.exception("slot refresh failed")

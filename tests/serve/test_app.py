@@ -323,8 +323,8 @@ def test_metrics_are_exported_for_prometheus(zq, ray_cluster):
 
 
 def test_slot_telemetry_reaches_the_registry(zq, ray_cluster):
-    # The ingress starts a telemetry agent per node and copies each slot's device figures
-    # into the registry every telemetry_refresh_s, where the scorer reads them.
+    # The ingress starts a telemetry agent per node, polls it every telemetry_refresh_s, and
+    # hands the slots' device figures to the registry with its next admission.
     ray = ray_cluster
     from actors.telemetry_agent import agent_name
 
@@ -332,6 +332,7 @@ def test_slot_telemetry_reaches_the_registry(zq, ray_cluster):
     agent = ray.get_actor(agent_name(ray.get_runtime_context().get_node_id()), namespace=NAMESPACE)
 
     def slots_follow_the_agent():
+        assert _post(zq, _body(max_tokens=1)).status_code == 200
         (device,) = ray.get(agent.snapshot.remote()).devices
         slots = ray.get(registry.snapshot.remote()).slots
         # A CPU node's slots share its one device; the EWMA moves between the two reads.
