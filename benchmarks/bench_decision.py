@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.machine_load import was_busy
 from serve_app.policy import ActorView, ClusterSnapshot, PolicyConfig, RequestFeatures, SlotView, decide
 from serve_app.scorer import RULE_SCORER, Candidate
 from serve_app.xgb_scorer import FEATURE_NAMES, XGBScorer, card_path, feature_matrix
@@ -157,7 +158,7 @@ def report(args, results, layout, card, snap: ClusterSnapshot, load_before, load
         f"- load average (1/5/15 min): {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f} at the "
         f"start, {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} at the end"
         + (". **Other work shared this machine**: tails (p99, p99.9) carry its preemptions; the ratios, measured "
-           "interleaved, are the fairer figure" if load_before[0] > 1.5 else
+           "interleaved, are the fairer figure" if was_busy(load_before[0]) else
            ": below 1.5 at the start, so no other job of note was running (the 1-minute figure lags by about a "
            "minute: a job that ended just before still counts in it)"),
         f"- snapshot: {len(snap.slots)} GPU slots of 80 GiB, 8 per node; {free} free, {idle} idle actors of the "

@@ -25,6 +25,7 @@ from benchmarks.bench_cold_start import (
     Run,
 )
 from benchmarks.cold_start_goals import goals
+from benchmarks.machine_load import was_busy
 
 BALANCED_WITHIN = 1.5  # load and prefill within this factor of each other: "balanced"
 # Clock check: without an offset, layer 0's compute starts within a millisecond or two of
@@ -153,11 +154,9 @@ def clock_shifts(runs: list[Run]) -> tuple[float, dict[int, float]]:
 
 
 def _busy_warning(meta: dict[str, Any]) -> str:
-    # At the end the run's own actors count (up to 2); before it, the load is everyone else's —
-    # but the 1-minute average lags, so a job that ended just before still shows (~1 for a
-    # finished one-core job): only a figure above that says something else is running.
+    # At the end the run's own actors count (up to 2); before it, the load is everyone else's.
     before = float(meta["load_before"].split(" / ")[0])
-    if before < 1.5:
+    if not was_busy(before):
         return ""
     return (f". **Other jobs were using this machine** (1-minute load {before:.2f} before the run, on "
             f"{meta['cores']} cores): every figure is noisier, and the streamed modes, which need both cores at once, "

@@ -11,6 +11,7 @@ from typing import Any
 from benchmarks.load_apps import APPS, BASELINE, ZEROQUEUE
 from benchmarks.load_scenarios import CLASSES
 from benchmarks.load_stats import Record, Slo, Summary, by_class, ratio
+from benchmarks.machine_load import was_busy
 
 GOAL_SPREAD = 1.15  # short requests' P99/P50 under the mixed load (the seed reports 1.05–1.15)
 GOAL_P99_FRACTION = 0.2  # zeroqueue's short P99 at most this fraction of the baseline's
@@ -192,8 +193,7 @@ def _document(data, s, gs, cdf_png: Path, burst_png: Path) -> list[str]:
     m, model, plan = data["machine"], data["model"], data["plan"]
     slo = Slo(**plan["slo"])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(data["started"]))
-    # The 1-minute average lags: a one-core job that ended just before still shows as ~1.
-    busy = m["loadavg_start"][0] > 1.5
+    busy = was_busy(m["loadavg_start"][0])
     lines = ["# Live load: zeroqueue against the queued Ray Serve baseline", ""]
     if data["quick"]:
         lines += ["**QUICK RUN** (`--quick`): short scenarios to check the harness; too few requests for "
