@@ -104,10 +104,6 @@ class Ingress:
         self._actor_class = ray.remote(RequestActor)
         log.info("zeroqueue ingress: models %s, %d slots", list(self.models), len(self.slot_refresher.slots))
 
-    @property
-    def slot_nodes(self) -> dict[str, str]:
-        return {s.slot_id: s.node_id for s in self.slot_refresher.slots}
-
     @staticmethod
     def _load_model(spec) -> LoadedModel:
         path = resolve_model_path(spec)
@@ -293,7 +289,7 @@ class Ingress:
 
     def _spawn(self, name: str, model: LoadedModel, decision: Spawn):
         options = self.config.actor.actor_options(name)
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.slot_nodes[decision.slot_id], soft=False)
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.slot_refresher.slot_nodes[decision.slot_id], soft=False)
         handle = self._actor_class.options(**options).remote(model.zqs_path, self.config.actor)
         if decision.keep_hot:
             self._handles[name] = handle

@@ -81,12 +81,8 @@ class RegistryActor:
         with self._lock:
             self._state.register_slots(slots)
 
-    def update_slot_stats(self, stats: dict[str, tuple[float, float]]) -> None:
-        """slot_id -> (fragmentation, utilization), from telemetry; slots it does not know are skipped."""
-        with self._lock:
-            self._apply_slot_stats(stats)
-
     def _apply_slot_stats(self, stats: dict[str, tuple[float, float]] | None) -> None:
+        """slot_id -> (fragmentation, utilization), from telemetry; slots it does not know are skipped."""
         for slot_id, (fragmentation, utilization) in (stats or {}).items():
             if slot_id in self._state.slot_ids:
                 self._state.update_slot_stats(slot_id, fragmentation, utilization)

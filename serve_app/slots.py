@@ -100,12 +100,14 @@ class SlotRefresher:
         self._registry, self._args, self._actor = registry, args, actor
         self._slot_refresh_s, self._telemetry_refresh_s = slot_refresh_s, telemetry_refresh_s
         self.slots: list[SlotSpec] = []
+        self.slot_nodes: dict[str, str] = {}  # slot id -> node id, for pinning a spawn
         self._agents: dict[str, Any] = {}
         self._pending_stats: dict[str, tuple[float, float]] | None = None
         self.register()
 
     def register(self) -> None:
-        self.slots = discover_slots(self._args, self._actor)
+        slots = discover_slots(self._args, self._actor)
+        self.slots, self.slot_nodes = slots, {s.slot_id: s.node_id for s in slots}
         ray.get(self._registry.register_slots.remote(self.slots), timeout=30)
         # Idempotent: agents already running are returned as they are; new nodes get one.
         self._agents = ensure_agents(TelemetryConfig(), namespace=self._actor.namespace)
