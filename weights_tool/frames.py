@@ -9,8 +9,9 @@ checks. What is checked (`check`):
   checksum of zstd frames (what `ShardReader.verify` does).
 - `CHECK_LOAD` (loads with verification on): raw frames by CRC-32; zstd frames by their
   XXH64 content checksum, which libzstd checks as the frame ends and which covers every
-  decoded byte, so a CRC-32 of the compressed bytes on top only costs (~15% of a
-  byte-grouped load's CPU here). A zstd frame without a content checksum gets the CRC-32.
+  decoded byte, so a CRC-32 of the compressed bytes on top only costs CPU
+  (benchmarks/results/loader.md gives zlib.crc32's rate beside the decoder's). A zstd
+  frame without a content checksum gets the CRC-32.
 - `CHECK_NONE`: no CRC-32 (a trusted local copy); sizes and bounds are still enforced and
   libzstd still checks the content checksums it finds.
 
@@ -122,7 +123,8 @@ class ReadAhead:
     """Threads that read compressed chunks ahead of the decoders, and the chunk buffers they fill.
 
     Buffers are reused across frames: a fresh 4 MiB buffer per read would cost a page
-    fault per 4 KiB (half the kernel time of a warm load, measured here).
+    fault per 4 KiB (loader.md's machine limits: memcpy into fresh memory runs at a
+    fraction of its rate into prefaulted memory).
     """
 
     def __init__(self, max_threads: int) -> None:
