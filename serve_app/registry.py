@@ -171,8 +171,9 @@ class RegistryState:
         self._slot_views = {k: self._slot_views[k] for k in self._slots}
 
     @property
-    def slot_ids(self) -> set[str]:
-        return set(self._slots)
+    def slot_ids(self):
+        """A live view of the registered slot ids (no copy: admissions consult it)."""
+        return self._slots.keys()
 
     def update_slot_stats(self, slot_id: str, fragmentation: float, utilization: float) -> None:
         slot = self._slots.get(slot_id)
