@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--always-byte-group", dest="byte_group", action="store_const", const="always",
                        help="byte-group every float tensor, even where a sample says it does not pay")
     p.add_argument("--max-frame-mib", type=int, default=DEFAULT_MAX_FRAME_BYTES >> 20)
+    p.add_argument("--compress-embeddings", dest="raw_embeddings", action="store_false",
+                   help="compress the embedding table too (default: stored raw, so a cold start reads only "
+                        "the prompt's rows before layer 0)")
     p.set_defaults(run=_pack, byte_group=True)
 
     p = sub.add_parser("synth", help="write a random-weight HF checkpoint of a named shape")
@@ -77,7 +80,8 @@ def _pack(args: argparse.Namespace) -> int:
     from weights_tool.pack import pack
 
     out = pack(args.hf_dir, args.output, level=args.level, threads=args.threads, byte_group=args.byte_group,
-               codec=args.codec, max_frame_bytes=args.max_frame_mib << 20, progress=True)
+               codec=args.codec, max_frame_bytes=args.max_frame_mib << 20, raw_embeddings=args.raw_embeddings,
+               progress=True)
     return _inspect(argparse.Namespace(file=out))
 
 

@@ -1,8 +1,9 @@
 """Loading a shard file's groups in order on background threads, so compute can start early.
 
 Groups are numbered as the runtime numbers them: -1 the embeddings, 0..L-1 the decoder
-layers, L the final norm + lm_head. They are started in that order on `num_threads`
-threads; `wait(i)` returns once group i is in place (and only group i's error is raised
+layers, L the final norm + lm_head. They are started in that order (or in `order`: a
+loader that reads the prompt's embedding rows on its own streams the layers first) on
+`num_threads` threads; `wait(i)` returns once group i is in place (and only group i's error is raised
 there: the other groups still load). `close()` stops the threads within one 4 MiB read.
 
 `LayerStream` decodes into caller-owned host buffers and needs no torch.
@@ -17,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ class LayerStream:
         *,
         num_threads: int = 2,
         verify: bool = True,
+        order: Sequence[int] | None = None,
     ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {num_threads}")
@@ -51,6 +53,10 @@ class LayerStream:
         self.num_layers = reader.num_layers
         self._verify = verify
         self._order = list(range(-1, self.num_layers + 1))
+        if order is not None:
+            if sorted(order) != self._order:
+                raise ValueError(f"order must list each group -1..{self.num_layers} once, got {list(order)}")
+            self._order = list(order)
         self._groups = {i: reader.group(group_name(i, self.num_layers)) for i in self._order}
         self._prepare(destinations)  # checks every destination before any thread starts
 
@@ -176,6 +182,7 @@ class CudaLayerStream(LayerStream):
         *,
         num_threads: int = 2,
         verify: bool = True,
+        order: Sequence[int] | None = None,
         slot_bytes: int = 32 << 20,
         num_slots: int | None = None,
     ) -> None:
@@ -183,7 +190,7 @@ class CudaLayerStream(LayerStream):
         self._num_slots = num_slots or num_threads + 1
         if slot_bytes < 1 or self._num_slots < 1:
             raise ValueError("slot_bytes and num_slots must be positive")
-        super().__init__(reader, destinations, num_threads=num_threads, verify=verify)
+        super().__init__(reader, destinations, num_threads=num_threads, verify=verify, order=order)
 
     def wait(self, index: int, timeout: float | None = None) -> None:
         """Return once group `index`'s copies are queued; the caller's current stream then waits on them."""

@@ -8,6 +8,11 @@ rename).
 Codec choice, per tensor then per frame: a float tensor is byte-grouped when a sample
 of it compresses at least 3% smaller that way; a frame whose compression saves under 2%
 is stored raw (decoding it would only cost).
+
+The embedding table is stored raw by default (`raw_embeddings`): a cold actor then reads
+just its prompt's rows before layer 0 instead of decoding the whole table first, and
+loads the rest after the decoder layers (actors/layer_loader.py). It costs the table's
+compression saving in file size (for the `small` shape in bf16, ~15 MB of 138 MB).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from weights_tool.format import (
     crc32,
     encode_header,
     encode_preamble,
+    group_name,
     group_names,
     group_of,
 )
@@ -111,12 +117,14 @@ def pack(
     byte_group: bool | str = True,
     codec: str = CODEC_ZSTD,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    raw_embeddings: bool = True,
     progress: bool = False,
 ) -> Path:
     """Pack an HF safetensors checkpoint directory into `out_path`; returns `out_path`.
 
     `level=0` or `codec="raw"` stores every frame raw. `byte_group`: True groups float
     tensors where a sample shows it pays, "always" wherever the dtype allows, False never.
+    `raw_embeddings`: store the embedding group raw, so its rows can be read one by one.
     """
     if codec not in (CODEC_ZSTD, CODEC_RAW):
         raise ValueError(f"codec must be {CODEC_ZSTD!r} or {CODEC_RAW!r}, got {codec!r}")
@@ -134,8 +142,9 @@ def pack(
     maps = [np.memmap(f, dtype=np.uint8, mode="r") for f in ckpt.files]
     views = {n: maps[t.file][t.start : t.start + t.size] for n, t in ckpt.tensors.items()}
 
-    plans = _plan_frames(ckpt, model, views, codec, byte_group, level, max_frame_bytes)
-    packer = {"tool": "zeroqueue weights_tool", "level": level, "codec": codec, "byte_group": byte_group}
+    plans = _plan_frames(ckpt, model, views, codec, byte_group, level, max_frame_bytes, raw_embeddings)
+    packer = {"tool": "zeroqueue weights_tool", "level": level, "codec": codec, "byte_group": byte_group,
+              "raw_embeddings": raw_embeddings}
     reserve = len(_worst_case_header(ckpt, model.num_layers, plans, packer))
     data_start = _align(PREAMBLE.size + reserve)
     total = sum(p.size for frames in plans.values() for p in frames)
@@ -188,7 +197,7 @@ def pack(
 
 def _plan_frames(
     ckpt: _Checkpoint, model: ModelConfig, views: dict[str, np.ndarray], codec: str, byte_group: bool | str,
-    level: int, max_frame_bytes: int,
+    level: int, max_frame_bytes: int, raw_embeddings: bool,
 ) -> dict[str, list[_FramePlan]]:
     """Per group, in load order: frames of tensors that share a codec, each at most max_frame_bytes
     (a bigger tensor gets a frame of its own)."""
@@ -201,10 +210,11 @@ def _plan_frames(
     plans: dict[str, list[_FramePlan]] = {}
     for g, tensors in members.items():
         buckets: dict[tuple[str, int], list[_Tensor]] = {}
-        widths = _byte_grouped_widths(tensors, views, codec, byte_group, level)
+        group_codec = CODEC_RAW if raw_embeddings and g == group_name(-1, model.num_layers) else codec
+        widths = _byte_grouped_widths(tensors, views, group_codec, byte_group, level)
         for t in tensors:
             width = DTYPE_SIZES[t.dtype]
-            key = (CODEC_BYTEGROUP, width) if t.dtype in FLOAT_DTYPES and width in widths else (codec, 0)
+            key = (CODEC_BYTEGROUP, width) if t.dtype in FLOAT_DTYPES and width in widths else (group_codec, 0)
             buckets.setdefault(key, []).append(t)
         plans[g] = [p for (c, width), ts in buckets.items() for p in _split_frames(c, width, ts, max_frame_bytes)]
     return plans

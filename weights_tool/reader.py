@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from weights_tool.format import (
+    CODEC_RAW,
     PREAMBLE,
     GroupEntry,
     Header,
@@ -159,6 +160,32 @@ class ShardReader:
         if missing:
             raise ValueError(f"no destination buffer for tensor {missing[0]} (group {group.name})")
         return {t.name: writable_bytes(into[t.name], t.size, t.name) for t in group.tensors}
+
+    def read_rows(self, name: str, rows: Sequence[int]) -> np.ndarray:
+        """Rows `rows` of the 2-D tensor `name`, in that order: [len(rows), row bytes] uint8.
+
+        Reads only those rows, so the tensor must sit in a raw frame (`pack(raw_embeddings=True)`
+        stores the embedding table so). Not checked: the frame's CRC-32 covers the whole
+        frame, so a caller that computes with these rows must also load the tensor's group
+        (which checks it) before it trusts the result.
+        """
+        t = self.tensors.get(name)
+        if t is None:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        frame = self.group(t.group).frames[t.frame]
+        if len(t.shape) != 2 or frame.codec != CODEC_RAW:
+            raise ValueError(f"{name}: rows can be read one by one only from a 2-D tensor in a raw frame; "
+                             f"it is {len(t.shape)}-D in a {frame.codec} frame")
+        num_rows = t.shape[0]
+        row_bytes = t.size // num_rows
+        out = np.empty((len(rows), row_bytes), dtype=np.uint8)
+        base = frame.offset + t.offset  # inside the file: parse_header bounds-checked both
+        for k, r in enumerate(rows):
+            if not 0 <= r < num_rows:
+                raise IndexError(f"{name}: row {r} outside 0..{num_rows - 1}")
+            if os.preadv(self._fd, [out[k]], base + r * row_bytes) != row_bytes:
+                raise ShardFormatError(f"{name}: file ends inside row {r}: truncated")
+        return out
 
     def verify(self, progress: Callable[[int], None] | None = None) -> None:
         """Decode every frame and check every checksum and declared size; raise naming every bad frame."""

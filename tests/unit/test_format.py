@@ -326,3 +326,59 @@ def test_tied_embeddings_have_no_lm_head(tmp_path: Path) -> None:
     with ShardReader(zqs) as r:
         assert [t.name for t in r.group("final").tensors] == ["model.norm.weight"]
     assert read_dir(unpack(zqs, tmp_path / "out")) == read_dir(tmp_path / "hf")
+
+
+# ---- the embedding table, row by row --------------------------------------------------
+
+
+def test_the_embedding_table_is_stored_raw_unless_asked_to_compress(tmp_path: Path) -> None:
+    raw = packed_checkpoint(tmp_path / "a", "bfloat16", byte_group="always")
+    squeezed = packed_checkpoint(tmp_path / "b", "bfloat16", byte_group="always", raw_embeddings=False)
+    with ShardReader(raw) as r:
+        assert {f.codec for f in r.group("embed").frames} == {CODEC_RAW}
+        assert r.header.packer["raw_embeddings"] is True
+        assert CODEC_RAW not in {f.codec for f in r.group("layer.0").frames}  # the layers still compress
+    with ShardReader(squeezed) as r:
+        assert CODEC_RAW not in {f.codec for f in r.group("embed").frames}
+    assert read_dir(unpack(raw, tmp_path / "out")) == read_dir(tmp_path / "a" / "hf")
+
+
+def test_read_rows_returns_exactly_those_rows_and_reads_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    zqs = packed_checkpoint(tmp_path, "bfloat16")
+    name = "model.embed_tokens.weight"
+    with ShardReader(zqs) as r:
+        table = r.read_group("embed")[name].reshape(301, -1)  # [V, D * 2 bytes]
+        reads: list[int] = []
+        real_preadv = os.preadv
+        monkeypatch.setattr(reader_module.os, "preadv",
+                            lambda fd, bufs, off: reads.append(sum(len(b) for b in bufs)) or real_preadv(fd, bufs, off))
+        rows = [300, 0, 7, 7, 150]
+        got = r.read_rows(name, rows)
+        assert got.shape == (5, 80)
+        assert [g.tobytes() for g in got] == [table[i].tobytes() for i in rows]
+        assert reads == [80] * 5  # one row each, never the table
+        with pytest.raises(IndexError, match="row 301"):
+            r.read_rows(name, [301])
+        with pytest.raises(IndexError, match="row -1"):
+            r.read_rows(name, [-1])
+        with pytest.raises(ValueError, match="2-D tensor in a raw frame"):
+            r.read_rows("model.norm.weight", [0])
+        with pytest.raises(KeyError, match="no tensor"):
+            r.read_rows("model.nothing", [0])
+
+
+def test_read_rows_refuses_a_compressed_table_and_a_truncated_file(tmp_path: Path) -> None:
+    zqs = packed_checkpoint(tmp_path / "a", "bfloat16", raw_embeddings=False)
+    with ShardReader(zqs) as r, pytest.raises(ValueError, match="zstd"):
+        r.read_rows("model.embed_tokens.weight", [0])
+    zqs = packed_checkpoint(tmp_path / "b", "bfloat16")
+    with ShardReader(zqs) as r:
+        t = r.tensors["model.embed_tokens.weight"]
+        end = r.group("embed").frames[t.frame].offset + t.offset + t.size
+        # Cut the file inside the table's last row, after the reader validated the header.
+        os.truncate(zqs, end - 10)
+        assert r.read_rows("model.embed_tokens.weight", [0]).shape == (1, 80)
+        with pytest.raises(ShardFormatError, match="row 300"):
+            r.read_rows("model.embed_tokens.weight", [300])

@@ -173,3 +173,26 @@ def test_destinations_are_checked_before_any_thread_starts(zqs: Path) -> None:
         with pytest.raises(ValueError, match="num_threads"):
             LayerStream(r, empty_destinations(r), num_threads=0)
     assert stream_threads() == []
+
+
+def test_groups_start_in_the_order_given(zqs: Path) -> None:
+    expected = expected_bytes(zqs)
+    order = [0, 1, 2, -1, NUM_LAYERS]  # layers first, as for a raw embedding table
+    with SlowReader(zqs, delay=0.02) as r:
+        dests = empty_destinations(r)
+        with LayerStream(r, dests, num_threads=1, order=order) as stream:
+            stream.wait(0, timeout=10)
+            assert not stream.is_ready(-1)
+            for i in ALL_GROUPS:
+                stream.wait(i, timeout=10)
+            times = stream.ready_times()
+        assert r.started == ["layer.0", "layer.1", "layer.2", "embed", "final"]
+        assert sorted(times, key=times.get) == order
+        assert {n: d.tobytes() for n, d in dests.items()} == expected
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [-1, 0, 1, 2, 3, 3], [-1, 0, 1, 2, 4]])
+def test_an_order_must_name_every_group_once(zqs: Path, order: list[int]) -> None:
+    with ShardReader(zqs) as r, pytest.raises(ValueError, match="each group"):
+        LayerStream(r, empty_destinations(r), order=order)
+    assert stream_threads() == []
