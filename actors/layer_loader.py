@@ -5,23 +5,38 @@ The model is allocated empty (`Transformer.empty`) in the file's dtype and a
 CPU into the tensors themselves, on CUDA through pinned staging buffers and a side
 stream. Nothing is cast or copied a second time, so the stored dtype is the model's.
 `wait_layer(i)` — the runtime's hook — then blocks compute on group i only.
+
+Layer 0 cannot compute before its input's embedding rows are in, but it needs only the
+prompt's rows, not the table (the `small` shape's table is a quarter of its weights).
+When the file stores the table raw (the packer's default), `load_rows(prompt)` reads
+just those rows and the stream loads the decoder layers first, the table after them:
+layer 0 waits for one layer, not for the table plus one layer. The whole table must be
+in before the first decode step (its input is a new token) and before the logits of a
+tied model; callers wait on group -1 when they wait on the final group.
+
+The stream starts as soon as the model is allocated; the tokenizer is built while the
+first layers load.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from actors.model import Transformer
+from actors.model import EMBEDDINGS_GROUP, Transformer
 from actors.tokenizer import Tokenizer
 from weights_tool.architecture import ModelConfig
+from weights_tool.format import CODEC_RAW
 from weights_tool.layer_stream import CudaLayerStream, LayerStream
 from weights_tool.reader import ShardReader
 
 log = logging.getLogger(__name__)
+
+EMBEDDING_TENSOR = "model.embed_tokens.weight"
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,6 +50,26 @@ class StreamedModel:
     tokenizer: Tokenizer
     stream: LayerStream
     reader: ShardReader
+    is_embedding_raw: bool  # the table's rows can be read one by one (see the module doc)
+
+    def load_rows(self, token_ids: Sequence[int]) -> bool:
+        """Make the embedding rows of `token_ids` resident; False if only the whole table can be.
+
+        True at once when the table is already loaded. The rows are read unchecked (see
+        `ShardReader.read_rows`); the caller waits on group -1 before it emits a token.
+        """
+        if self.stream.is_ready(EMBEDDINGS_GROUP):
+            return True
+        if not self.is_embedding_raw:
+            return False
+        rows = sorted(set(token_ids))
+        weight = self.model.model.embed_tokens.weight  # [V, D]
+        data = torch.from_numpy(self.reader.read_rows(EMBEDDING_TENSOR, rows)).view(weight.dtype)  # [n, D]
+        index = torch.tensor(rows, dtype=torch.long, device=weight.device)
+        with torch.no_grad():
+            # The stream may be writing the same rows at the same time: the same bytes.
+            weight.index_copy_(0, index, data.to(weight.device))
+        return True
 
     def wait_all(self, timeout: float | None = None) -> None:
         for i in range(-1, self.config.num_layers + 1):
@@ -47,13 +82,9 @@ class StreamedModel:
 
 def open_zqs(path: str | Path) -> tuple[ShardReader, ModelConfig, Tokenizer]:
     """Read and validate the header only: config, tokenizer and tensor table. No frame is touched."""
-    reader = ShardReader(path)
+    reader, config = _open_header(path)
     try:
-        config = ModelConfig.from_hf(reader.config)
-        config.check_tensors({t.name: tuple(t.shape) for t in reader.tensors.values()})
-        tokenizer = Tokenizer.from_files(
-            reader.tokenizer_files, eos_token_ids=config.eos_token_ids, source=str(path)
-        )
+        tokenizer = _tokenizer(reader, config)
     except BaseException:
         reader.close()
         raise
@@ -61,8 +92,8 @@ def open_zqs(path: str | Path) -> tuple[ShardReader, ModelConfig, Tokenizer]:
 
 
 def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2) -> StreamedModel:
-    """Start loading `path` into a fresh model on `device`; returns at once, loading goes on."""
-    reader, config, tokenizer = open_zqs(path)
+    """Start loading `path` into a fresh model on `device`; returns once the stream has started."""
+    reader, config = _open_header(path)
     try:
         device = torch.device(device)
         model = Transformer.empty(config, TORCH_DTYPES[_stored_dtype(reader, config)], device)
@@ -76,16 +107,25 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
         # inv_freq) still arrive with their group; they land in a throwaway buffer.
         for name, size in ((t.name, t.size) for t in reader.tensors.values() if t.name not in dests):
             dests[name] = torch.empty(size, dtype=torch.uint8, device=device)
+        is_embedding_raw = _is_raw(reader, EMBEDDING_TENSOR)
+        layers_first = [*range(config.num_layers), EMBEDDINGS_GROUP, config.num_layers]
+        order = layers_first if is_embedding_raw else None
         if device.type == "cuda":
-            stream: LayerStream = CudaLayerStream(reader, dests, num_threads=num_threads)
+            stream: LayerStream = CudaLayerStream(reader, dests, num_threads=num_threads, order=order)
         else:
             # Flat byte views of the parameters: the stream writes the weights where they live.
             views = {name: t.reshape(-1).view(torch.uint8).numpy() for name, t in dests.items()}
-            stream = LayerStream(reader, views, num_threads=num_threads)
+            stream = LayerStream(reader, views, num_threads=num_threads, order=order)
     except BaseException:
         reader.close()
         raise
-    return StreamedModel(config, model, tokenizer, stream, reader)
+    try:
+        tokenizer = _tokenizer(reader, config)
+    except BaseException:
+        stream.close()
+        reader.close()
+        raise
+    return StreamedModel(config, model, tokenizer, stream, reader, is_embedding_raw)
 
 
 def load_zqs(
@@ -100,6 +140,26 @@ def load_zqs(
     finally:
         streamed.close()
     return streamed.model, streamed.tokenizer
+
+
+def _open_header(path: str | Path) -> tuple[ShardReader, ModelConfig]:
+    reader = ShardReader(path)
+    try:
+        config = ModelConfig.from_hf(reader.config)
+        config.check_tensors({t.name: tuple(t.shape) for t in reader.tensors.values()})
+    except BaseException:
+        reader.close()
+        raise
+    return reader, config
+
+
+def _tokenizer(reader: ShardReader, config: ModelConfig) -> Tokenizer:
+    return Tokenizer.from_files(reader.tokenizer_files, eos_token_ids=config.eos_token_ids, source=str(reader.path))
+
+
+def _is_raw(reader: ShardReader, name: str) -> bool:
+    t = reader.tensors[name]
+    return reader.group(t.group).frames[t.frame].codec == CODEC_RAW
 
 
 def _stored_dtype(reader: ShardReader, config: ModelConfig) -> str:

@@ -9,7 +9,9 @@ The actor starts streaming its `.zqs` file the moment it is constructed, so load
 overlaps the request's trip to the actor. Prefill starts once the first N layers are
 resident (N from config, or derived by `cold_start.choose_first_layers` from the load
 rate measured so far and the prompt length) and layer i's compute waits only for
-layer i. After decode the actor exits through `ray.actor.exit_actor()` — unless the
+layer i. Layer 0 needs only the prompt's embedding rows, read on their own where the
+file stores the table raw (actors/layer_loader.py); the whole table, and its checksum,
+is waited for before the first token. After decode the actor exits through `ray.actor.exit_actor()` — unless the
 request asked it to stay hot: then it drops its KV cache and waits, IDLE, for the next
 request, which runs on the weights already resident.
 
@@ -31,25 +33,25 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
 from actors.engine import Engine, FinishEvent, TokenEvent
+from actors.heap import release_freed_memory, retain_freed_memory
+from actors.messages import (
+    ActorRequest,
+    ActorStatus,
+    Completion,
+    Phase,
+    Started,
+    TextChunk,
+    Timings,
+)
+from actors.model import EMBEDDINGS_GROUP
 from actors.peak_memory import PeakMemory
-from actors.sampling import SamplingParams
 from actors.telemetry_agent import AgentReporter
 
 log = logging.getLogger(__name__)
-
-
-class Phase(str, Enum):
-    STARTING = "STARTING"
-    LOADING = "LOADING"
-    PREFILL = "PREFILL"
-    DECODE = "DECODE"
-    IDLE = "IDLE"
-    EXITED = "EXITED"
 
 
 class ActorBusyError(RuntimeError):
@@ -78,6 +80,11 @@ class ActorConfig:
     cpu_nice: int = 10
     # At most one chunk per interval is sent; 0 sends every token on its own.
     stream_interval_s: float = 0.005
+    # Keep activation memory freed inside a request for the next layer, on huge pages
+    # (actors/heap.py); an idle hot actor keeps this much of it for its next request,
+    # within the policy's actor_overhead_bytes.
+    is_freed_memory_retained: bool = True
+    idle_heap_bytes: int = 64 << 20
 
     def actor_options(self, name: str) -> dict:
         return {
@@ -92,75 +99,6 @@ class ActorConfig:
             # generate + status/release may run side by side; generate itself is one at a time.
             "max_concurrency": 4,
         }
-
-
-@dataclass(frozen=True)
-class ActorRequest:
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    keep_hot: bool = False
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Epoch seconds. first_layer_resident / all_layers_resident are None on a hot actor's
-    second request only in the sense that they happened earlier: they keep their original values."""
-
-    actor_start: float
-    request_arrival: float  # the actor received the request
-    first_layer_resident: float | None
-    all_layers_resident: float | None
-    compute_start: float
-    first_layer_compute_start: float
-    first_token: float | None
-    last_token: float | None
-
-
-@dataclass(frozen=True)
-class Started:
-    """The first item of every stream: the actor began computing (prefill) at `time`."""
-
-    request_id: str
-    time: float
-    is_cold: bool
-
-
-@dataclass(frozen=True)
-class TextChunk:
-    """One or more tokens' text; tokens sampled while the previous chunk was in flight ride together."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    num_output_tokens: int  # so far, this chunk included
-    time: float  # when its last token was sampled
-
-
-@dataclass(frozen=True)
-class Completion:
-    """The last item of every stream."""
-
-    request_id: str
-    stop_reason: str
-    stop_sequence: str | None
-    input_tokens: int
-    output_tokens: int
-    is_cold: bool
-    first_layers: int
-    timings: Timings
-    peak_bytes: int | None = None  # see actors/peak_memory.py; None where it cannot be measured
-
-
-@dataclass(frozen=True)
-class ActorStatus:
-    name: str
-    phase: Phase
-    num_layers_resident: int
-    num_layers: int
-    transitions: tuple[tuple[str, float], ...]
-    num_requests_served: int
-    accounted_bytes: int  # weights, plus the KV cache while a request runs
-    load_bytes_per_s: float
 
 
 @dataclass
@@ -187,6 +125,8 @@ class RequestActor:
         self._state.enter(Phase.STARTING)
         self._actor_start = self._state.transitions[0][1]
         torch.set_num_threads(config.compute_threads)
+        if config.is_freed_memory_retained:
+            retain_freed_memory()
         if device is None:
             device = "cuda" if config.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         if device == "cpu" and config.cpu_nice:
@@ -285,16 +225,28 @@ class RequestActor:
         timeout = self.config.load_timeout_s
         stream = self._streamed.stream
 
+        is_rows_ready = False
+        num_layers = self._num_layers
+
         def wait_layer(i: int) -> None:
+            if i == EMBEDDINGS_GROUP and is_rows_ready:
+                return  # the prompt's rows are in; the rest of the table follows the layers
             if i == 0 and first_layers > 1:
                 stream.wait(first_layers - 1, timeout)  # the first N layers resident before prefill
             stream.wait(i, timeout)
+            if i == num_layers:
+                # The whole table, checked, before the first token: the first decode step
+                # looks up a new token, a tied lm_head is the table, and the prompt's rows
+                # were read unchecked.
+                stream.wait(EMBEDDINGS_GROUP, timeout)
             if i == 0:
                 marks["first_layer_compute_start"] = time.time()
 
         try:
             self._peak.reset()
-            stream.wait(-1, timeout)  # embeddings
+            is_rows_ready = self._streamed.load_rows(request.prompt_ids)
+            if not is_rows_ready:
+                stream.wait(EMBEDDINGS_GROUP, timeout)  # a compressed table: all of it first
             self._state.enter(Phase.PREFILL)
             emit(Started(request.request_id, self._state.transitions[-1][1], is_cold))
             for event in self._engine.generate(
@@ -326,6 +278,7 @@ class RequestActor:
                 actor_start=self._actor_start,
                 request_arrival=arrival,
                 first_layer_resident=stream_start + ready[0] if 0 in ready else None,
+                embeddings_resident=stream_start + ready[EMBEDDINGS_GROUP] if EMBEDDINGS_GROUP in ready else None,
                 all_layers_resident=stream_start + max(ready.values()) if self._all_resident() else None,
                 compute_start=event.compute_start,
                 first_layer_compute_start=marks.get("first_layer_compute_start", event.compute_start),
@@ -368,6 +321,8 @@ class RequestActor:
             if self._stream_open and self._all_resident():
                 self._streamed.close()  # the loader threads are done; free them
                 self._stream_open = False
+            # The request's activations, beyond what the next request may reuse.
+            release_freed_memory(self.config.idle_heap_bytes)
             self._state.enter(Phase.IDLE)
             self._reporter.report(self._accounted_bytes())  # the KV cache was dropped
         else:

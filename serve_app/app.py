@@ -33,7 +33,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.layer_loader import open_zqs
-from actors.request_actor import ActorRequest, Completion, RequestActor, new_actor_name
+from actors.messages import ActorRequest, Completion
+from actors.request_actor import RequestActor, new_actor_name
 from actors.tokenizer import Tokenizer
 from serve_app import api, errors, sse, traces
 from serve_app.config import AppArgs, IngressConfig, ingress_config, resolve_model_path

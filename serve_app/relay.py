@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from actors.request_actor import Completion, Started, TextChunk
+from actors.messages import Completion, Started, TextChunk
 from serve_app import api, errors, sse
 from serve_app.errors import ApiError
 from serve_app.policy import Decision, RequestFeatures

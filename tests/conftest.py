@@ -48,6 +48,15 @@ def tiny_zqs(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_zqs_compressed_embeddings(tiny_checkpoint, tmp_path_factory):
+    """The same checkpoint with its embedding table compressed: only the whole table can be read."""
+    from weights_tool.pack import pack
+
+    out = tmp_path_factory.mktemp("tiny-zqs-ce") / "tiny.zqs"
+    return pack(tiny_checkpoint, out, raw_embeddings=False)
+
+
+@pytest.fixture(scope="session")
 def layered_zqs(tmp_path_factory):
     """A model whose load takes long enough (tens of ms) that overlap with prefill is observable."""
     from weights_tool.pack import pack

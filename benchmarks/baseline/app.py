@@ -62,6 +62,7 @@ class BaselineConfig:
     load_threads: int
     compute_threads: int
     cpu_nice: int
+    is_freed_memory_retained: bool
     max_body_bytes: int
     ping_interval_s: float
 
@@ -77,10 +78,13 @@ class QueuedModel:
         import torch
 
         from actors.engine import Engine
+        from actors.heap import retain_freed_memory
         from actors.layer_loader import load_zqs
 
         self.config = config
         torch.set_num_threads(config.compute_threads)
+        if config.is_freed_memory_retained:
+            retain_freed_memory()  # as zeroqueue's actors do; the replica never trims (favours it)
         device = config.device if config.device != "cuda" or torch.cuda.is_available() else "cpu"
         if device == "cpu" and config.cpu_nice:
             os.nice(config.cpu_nice)  # the priority zeroqueue's CPU actors compute at
@@ -260,6 +264,7 @@ def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any
         load_threads=actor.load_threads,
         compute_threads=actor.compute_threads,
         cpu_nice=actor.cpu_nice,
+        is_freed_memory_retained=actor.is_freed_memory_retained,
         max_body_bytes=ingress.max_body_bytes,
         ping_interval_s=ingress.ping_interval_s,
     )

@@ -90,3 +90,29 @@ def test_destinations_must_be_cuda_tensors_of_the_right_size(tmp_path: Path) -> 
         dests["model.norm.weight"] = torch.zeros(3, device="cuda")
         with pytest.raises(ValueError, match="model.norm.weight"):
             CudaLayerStream(r, dests)
+
+
+def test_prompt_rows_then_layers_first_give_the_logits_of_a_full_load(tiny_zqs) -> None:
+    from actors.layer_loader import load_zqs, stream_zqs
+
+    model, tokenizer = load_zqs(tiny_zqs, device="cuda")
+    prompt = tokenizer.encode("Rows first on the GPU.")
+    model.setup_cache(64)
+    expected = model.prefill(torch.tensor([prompt], device="cuda"))
+    streamed = stream_zqs(tiny_zqs, device="cuda", num_threads=1)
+    try:
+        assert streamed.is_embedding_raw and streamed.load_rows(prompt)
+        num_layers = streamed.config.num_layers
+
+        def wait_layer(i: int) -> None:
+            if i != -1:
+                streamed.stream.wait(i, timeout=30)
+            if i == num_layers:
+                streamed.stream.wait(-1, timeout=30)
+
+        streamed.model.setup_cache(64)
+        got = streamed.model.prefill(torch.tensor([prompt], device="cuda"), wait_layer=wait_layer)
+        torch.cuda.synchronize()
+    finally:
+        streamed.close()
+    assert torch.equal(got, expected)

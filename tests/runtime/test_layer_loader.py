@@ -66,3 +66,69 @@ def test_streamed_model_computes_layer_by_layer(tiny_zqs):
     finally:
         streamed.close()
     assert seen == [-1, 0, 1, 2]
+
+
+def _prefill_logits(streamed, prompt: list[int], *, rows_first: bool) -> torch.Tensor:
+    """Prefill as the request actor does: the prompt's rows (when it can), layer i after group i."""
+    is_rows_ready = rows_first and streamed.load_rows(prompt)
+    num_layers = streamed.config.num_layers
+
+    def wait_layer(i: int) -> None:
+        if i == -1 and is_rows_ready:
+            return
+        streamed.stream.wait(i, timeout=30)
+        if i == num_layers:
+            streamed.stream.wait(-1, timeout=30)
+
+    streamed.model.setup_cache(64)
+    return streamed.model.prefill(torch.tensor([prompt]), wait_layer=wait_layer)
+
+
+def test_a_raw_table_streams_layers_first_and_its_rows_give_the_same_logits(tiny_zqs):
+    model, tokenizer = load_zqs(tiny_zqs)
+    prompt = tokenizer.encode("Rows first, then the table.")
+    model.setup_cache(64)
+    expected = model.prefill(torch.tensor([prompt]))
+    streamed = stream_zqs(tiny_zqs, num_threads=1)
+    try:
+        assert streamed.is_embedding_raw
+        got = _prefill_logits(streamed, prompt, rows_first=True)
+        times = streamed.stream.ready_times()
+    finally:
+        streamed.close()
+    assert torch.equal(got, expected)
+    num_layers = streamed.config.num_layers
+    assert sorted(times, key=times.get) == [*range(num_layers), -1, num_layers]
+
+
+def test_a_compressed_table_is_loaded_whole_and_first(tiny_zqs_compressed_embeddings):
+    zqs = tiny_zqs_compressed_embeddings
+    model, tokenizer = load_zqs(zqs)
+    prompt = tokenizer.encode("The whole table first.")
+    model.setup_cache(64)
+    expected = model.prefill(torch.tensor([prompt]))
+    streamed = stream_zqs(zqs, num_threads=1)
+    try:
+        assert not streamed.is_embedding_raw
+        assert not streamed.load_rows(prompt) or streamed.stream.is_ready(-1)
+        got = _prefill_logits(streamed, prompt, rows_first=True)
+        times = streamed.stream.ready_times()
+    finally:
+        streamed.close()
+    assert torch.equal(got, expected)
+    assert min(times, key=times.get) == -1
+
+
+def test_a_tokenizer_that_fails_after_the_stream_started_stops_it(tiny_zqs, monkeypatch):
+    import threading
+
+    from actors import layer_loader
+    from weights_tool.layer_stream import THREAD_NAME
+
+    def broken(reader, config):
+        raise ValueError("bad tokenizer")
+
+    monkeypatch.setattr(layer_loader, "_tokenizer", broken)
+    with pytest.raises(ValueError, match="bad tokenizer"):
+        stream_zqs(tiny_zqs)
+    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]

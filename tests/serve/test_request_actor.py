@@ -8,16 +8,8 @@ import pytest
 
 from actors.engine import Engine, GenerationRequest, Message, build_prompt
 from actors.layer_loader import load_zqs, open_zqs
-from actors.request_actor import (
-    ActorConfig,
-    ActorRequest,
-    Completion,
-    Phase,
-    Started,
-    TextChunk,
-    new_actor_name,
-    spawn,
-)
+from actors.messages import ActorRequest, Completion, Phase, Started, TextChunk
+from actors.request_actor import ActorConfig, new_actor_name, spawn
 from actors.sampling import SamplingParams
 
 CONFIG = ActorConfig(namespace="zeroqueue-tests", num_cpus=1, load_threads=1, compute_threads=1)
@@ -68,7 +60,12 @@ def _wait_cpus(ray, expected: float, timeout: float = 10.0) -> None:
     assert ray.available_resources().get("CPU", 0) >= expected
 
 
-def test_actor_generates_what_the_in_process_runtime_generates_then_exits(ray_cluster, tiny_zqs):
+@pytest.mark.parametrize("table", ["raw", "compressed"])
+def test_actor_generates_what_the_in_process_runtime_generates_then_exits(
+    ray_cluster, tiny_zqs, tiny_zqs_compressed_embeddings, table
+):
+    # A raw table: layer 0 runs on the prompt's rows read alone; compressed: on the whole table.
+    tiny_zqs = tiny_zqs if table == "raw" else tiny_zqs_compressed_embeddings
     ray = ray_cluster
     free_before = ray.available_resources()["CPU"]
     request = _request(tiny_zqs)
@@ -150,6 +147,8 @@ def test_prefill_overlaps_loading(ray_cluster, layered_zqs):
     assert done.first_layers == 1
     assert t.first_layer_resident is not None and t.all_layers_resident is not None
     assert t.first_layer_compute_start < t.all_layers_resident, t
+    # Layer 0 ran on the prompt's embedding rows; the table itself came after the layers.
+    assert t.embeddings_resident is not None and t.first_layer_compute_start < t.embeddings_resident, t
     _wait_gone(ray, name)
 
 
@@ -183,3 +182,31 @@ def test_actor_reports_its_memory_to_the_node_agent_and_its_peak(ray_cluster, ti
         wait_accounted(0)  # withdrawn on exit
     finally:
         ray.kill(agent)
+
+
+def test_a_corrupt_embedding_row_fails_the_request_before_any_token(ray_cluster, tiny_zqs, tmp_path):
+    # The prompt's rows are read unchecked ahead of the table; the table's checksum must
+    # still stop the request before a token computed from them leaves the actor.
+    ray = ray_cluster
+    from ray.exceptions import RayTaskError
+
+    from weights_tool.reader import ShardReader
+
+    bad = tmp_path / "bad-row.zqs"
+    bad.write_bytes(tiny_zqs.read_bytes())
+    request = _request(bad, max_tokens=4, temperature=0.0)
+    with ShardReader(bad) as r:
+        t = r.tensors["model.embed_tokens.weight"]
+        row_bytes = t.size // t.shape[0]
+        offset = r.group("embed").frames[t.frame].offset + t.offset + request.prompt_ids[-1] * row_bytes
+    data = bytearray(bad.read_bytes())
+    data[offset + 1] ^= 0x40
+    bad.write_bytes(bytes(data))
+    name = new_actor_name("bad-row")
+    actor = spawn(str(bad), CONFIG, name)
+    items = []
+    with pytest.raises(RayTaskError, match="CRC|checksum|crc"):
+        for ref in actor.generate.remote(request):
+            items.append(ray.get(ref))
+    assert [type(i) for i in items] == [Started]
+    _wait_gone(ray, name)  # it exits on its own, as after any failed request

@@ -9,7 +9,7 @@ import pytest
 
 from actors.cold_start import estimate_prefill_layer_seconds
 from actors.layer_loader import open_zqs
-from actors.request_actor import Timings
+from actors.messages import Timings
 from benchmarks import bench_cold_start as bench
 from benchmarks.bench_cold_start import BASELINE, DERIVED, EVICTED, FIRST_ONE, MODES, PAGE_CACHE, Run
 from benchmarks.cold_start_report import clock_shifts, overlap_efficiency, regime, report, rows

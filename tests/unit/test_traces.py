@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from actors.request_actor import Completion, Timings
+from actors.messages import Completion, Timings
 from serve_app.config import AppArgs, ingress_config
 from serve_app.policy import Reject, RequestFeatures, Spawn
 from serve_app.scorer import Candidate, Prediction

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.request_actor import Completion, Timings
+from actors.messages import Completion, Timings
 from serve_app import train_scorer
 from serve_app.policy import Dispatch, Reject, RequestFeatures, Spawn
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction

@@ -1,0 +1,91 @@
+"""What a request actor and its callers exchange: the request, the stream's items, its status.
+
+Plain frozen dataclasses (Ray pickles them across processes); no Ray, no torch. A stream
+is one `Started`, then `TextChunk`s, then one `Completion` (actors/request_actor.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from actors.sampling import SamplingParams
+
+
+class Phase(str, Enum):
+    STARTING = "STARTING"
+    LOADING = "LOADING"
+    PREFILL = "PREFILL"
+    DECODE = "DECODE"
+    IDLE = "IDLE"
+    EXITED = "EXITED"
+
+
+@dataclass(frozen=True)
+class ActorRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    keep_hot: bool = False
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Epoch seconds. first_layer_resident / all_layers_resident are None on a hot actor's
+    second request only in the sense that they happened earlier: they keep their original values."""
+
+    actor_start: float
+    request_arrival: float  # the actor received the request
+    first_layer_resident: float | None
+    all_layers_resident: float | None
+    compute_start: float
+    first_layer_compute_start: float
+    first_token: float | None
+    last_token: float | None
+    embeddings_resident: float | None = None  # the whole table; the prompt's rows may come earlier
+
+
+@dataclass(frozen=True)
+class Started:
+    """The first item of every stream: the actor began computing (prefill) at `time`."""
+
+    request_id: str
+    time: float
+    is_cold: bool
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """One or more tokens' text; tokens sampled while the previous chunk was in flight ride together."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    num_output_tokens: int  # so far, this chunk included
+    time: float  # when its last token was sampled
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The last item of every stream."""
+
+    request_id: str
+    stop_reason: str
+    stop_sequence: str | None
+    input_tokens: int
+    output_tokens: int
+    is_cold: bool
+    first_layers: int
+    timings: Timings
+    peak_bytes: int | None = None  # see actors/peak_memory.py; None where it cannot be measured
+
+
+@dataclass(frozen=True)
+class ActorStatus:
+    name: str
+    phase: Phase
+    num_layers_resident: int
+    num_layers: int
+    transitions: tuple[tuple[str, float], ...]
+    num_requests_served: int
+    accounted_bytes: int  # weights, plus the KV cache while a request runs
+    load_bytes_per_s: float
