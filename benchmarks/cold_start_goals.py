@@ -29,7 +29,7 @@ def _why_overlap_missed(row: Row) -> str:
     bound = max(row.load_ref, row.prefill_ref)
     return (f"cold TTFT {s['ttft']:.3f} s against max(load {row.load_ref:.3f}, prefill {row.prefill_ref:.3f}) = "
             f"{bound:.3f} s: layer-0 compute started {s['compute_start']:.3f} s after process start (init "
-            f"{s['init']:.3f} s, then the embeddings and the first {'/'.join(map(str, row.first_layers))} layer(s)); "
+            f"{s['init']:.3f} s, then the prompt's embedding rows (or the whole table) and the first {'/'.join(map(str, row.first_layers))} layer(s)); "
             f"the cold prefill took {s['cold_prefill']:.3f} s against {row.prefill_ref:.3f} s hot (the difference is "
             f"waiting on layers and sharing the memory bus with decompression); the last layer was resident at "
             f"{s['load']:.3f} s, {s['ttft'] - s['load']:.3f} s before the first token")
@@ -61,7 +61,7 @@ def goals(table: list[Row], hot: list[HotRow]) -> list[str]:
         lines.append(f"- {h.model}, {h.prompt} ({h.prompt_tokens} tokens): {_verdict(h.ratio, GOAL_HOT)}; the actor "
                      f"{'adds' if extra >= 0 else 'is faster by'} {abs(extra):.1f} ms: "
                      f"{h.actor_before_compute.median * 1e3:.1f} ms from arrival to compute start (a worker thread, "
-                     f"the embeddings check, the `Started` event) and a prefill {abs(slower):.1f} ms "
+                     f"the embedding rows, the `Started` event) and a prefill {abs(slower):.1f} ms "
                      f"{'slower' if slower >= 0 else 'faster'} than in-process ({h.actor_prefill.median * 1e3:.1f} "
                      f"against {h.in_process_prefill.median * 1e3:.1f} ms; the actor's compute thread shares the "
                      f"cores with Ray's threads); the client sees {h.client.median * 1e3:.1f} ms, Ray's round trip "

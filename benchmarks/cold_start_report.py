@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.request_actor import Timings
+from actors.messages import Timings
 from benchmarks.bench_cold_start import (
     BASELINE,
     DERIVED,
@@ -95,6 +95,8 @@ def metrics(run: Run, shift: float) -> dict[str, float]:
         "hot_before_compute": h.compute_start - h.request_arrival,
         "hot_actor": h.first_token - h.request_arrival,
         "hot_client": run.hot_client_first_chunk - run.hot_call,
+        # Runs recorded before Timings had it have no table time.
+        **({} if c.embeddings_resident is None else {"table": c.embeddings_resident + shift - c.actor_start}),
     }
 
 
@@ -153,6 +155,22 @@ def clock_shifts(runs: list[Run]) -> tuple[float, dict[int, float]]:
 # ---- the report -------------------------------------------------------------------
 
 
+def _table_order(meta: dict[str, Any]) -> str:
+    if meta.get("raw_embeddings"):
+        return ("The files store the embedding table raw (the packer's default): each request reads its prompt's "
+                "rows before layer 0 and the stream loads the decoder layers first, the table after them (table "
+                "resident), then the final norm and lm_head; the first token waits for the whole table.")
+    return "The embedding table is compressed: it is the first group, and layer 0 resident comes after it."
+
+
+def _heap_line(meta: dict[str, Any]) -> str:
+    if not meta.get("is_freed_memory_retained"):
+        return "- heap: glibc's defaults (freed activation memory goes back to the kernel)"
+    return ("- heap: actors and the driver's in-process runs keep freed activation memory for the next layer, on "
+            "transparent huge pages (`actors/heap.py`), and trim it to `ActorConfig.idle_heap_bytes` after each "
+            "request")
+
+
 def _busy_warning(meta: dict[str, Any]) -> str:
     # At the end the run's own actors count (up to 2); before it, the load is everyone else's.
     before = float(meta["load_before"].split(" / ")[0])
@@ -190,8 +208,9 @@ def report(data: dict[str, Any]) -> str:
         f"(num_cpus=1), sent its request right after the spawn call, as the ingress does; {meta['repeats']} "
         f"runs per mode and prompt, the modes' order rotated each repeat, after one calibration actor per model",
         "- requests: a chat prompt of repeated English text, greedy, max_tokens=1; then the same request again on "
-        "the now hot actor (keep_hot); and, once per prompt and repeat, in the driver on its own `Engine` "
-        "(same threads, after a warm-up)",
+        f"the now hot actor (keep_hot), {meta.get('hot_repeats', 1)} time(s); and as often, per prompt and repeat, "
+        "in the driver on its own `Engine` (same threads, after a warm-up)",
+        _heap_line(meta),
         "- storage: after the first read the `.zqs` file sits in the page cache, so 'page cache' rows measure "
         "decompression, not the disk; 'evicted' rows drop the file from the page cache (posix_fadvise "
         "DONTNEED) before the spawn (the Python and torch files stay cached)",
@@ -227,17 +246,17 @@ def report(data: dict[str, Any]) -> str:
         "",
         "Seconds from the actor's process start (`actor_start`: its `__init__` began, after Ray started the "
         "worker and it imported torch), median (min–max) over the runs; spawn → start is the Ray process "
-        "start itself, reported apart. Layer 0 resident comes after the embeddings (the first group).",
+        "start itself, reported apart. " + _table_order(meta),
         "",
-        "| model | prompt | storage | mode | N | spawn → start | init | layer 0 resident | all resident | "
-        "layer-0 compute | first token |",
-        "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|",
+        "| model | prompt | storage | mode | N | spawn → start | init | layer 0 resident | table resident | "
+        "all resident | layer-0 compute | first token |",
+        "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in table:
         s = r.stats
         lines.append(f"| {r.model} | {r.prompt} | {r.storage} | {r.mode} | {'/'.join(map(str, r.first_layers))} | "
-                     f"{s['process_start']} | {s['init']} | {s['first_layer']} | {s['load']} | "
-                     f"{s['compute_start']} | {s['ttft']} |")
+                     f"{s['process_start']} | {s['init']} | {s['first_layer']} | {s.get('table', '—')} | "
+                     f"{s['load']} | {s['compute_start']} | {s['ttft']} |")
     lines += [
         "",
         "## Overlap",
@@ -260,9 +279,9 @@ def report(data: dict[str, Any]) -> str:
         "## Hot TTFT",
         "",
         "The same request on the hot actor (its weights resident): the actor's request arrival → first token, "
-        "and the client's call → first token received; in-process: the driver's `Engine.generate()` call → "
-        "first token, after a warm-up, once per prompt and repeat (after that repeat's actors). The ratio is "
-        "of the medians.",
+        "and the client's call → first token received; where an actor served it more than once, its median "
+        "request stands for it. In-process: the driver's `Engine.generate()` call → first token, after a "
+        "warm-up, as many times per prompt and repeat (after that repeat's actors). The ratio is of the medians.",
         "",
         "| model | prompt (tokens) | actor: arrival → first token | of which arrival → compute start | "
         "client: call → first token | in-process: call → first token | actor ÷ in-process |",
