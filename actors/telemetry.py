@@ -77,10 +77,14 @@ class ActorMemoryReport:
     allocator_reserved_bytes: int  # memory its allocator took from the driver
     allocator_allocated_bytes: int  # the part of that held by live tensors
     largest_free_block_bytes: int  # largest block cached in its allocator, free to it alone
+    # The reporting process (same node as the agent) and its start time, so the agent can
+    # drop the report of an actor killed before it could withdraw it; 0: not known.
+    pid: int = 0
+    process_start: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("accounted_bytes", "allocator_reserved_bytes", "allocator_allocated_bytes",
-                      "largest_free_block_bytes", "device_index"):
+                      "largest_free_block_bytes", "device_index", "pid"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{self.actor_name}: {field} must be >= 0, got {getattr(self, field)}")
         cached = self.allocator_reserved_bytes - self.allocator_allocated_bytes
@@ -349,3 +353,19 @@ def open_source() -> Source:
         log.info("NVML found no GPU; reporting CPU telemetry")
         return CpuSource()
     return source
+
+
+def is_process_alive(pid: int, process_start: float) -> bool:
+    """True while process `pid` on this node runs and is the one that started at `process_start`.
+
+    The start time guards against a reused pid; pid 0 means "unknown" and counts as alive.
+    """
+    if pid == 0:
+        return True
+    try:
+        return abs(psutil.Process(pid).create_time() - process_start) < 1.0
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True
+

@@ -6,11 +6,15 @@ Ray and torch are imported lazily, so importing this module stays cheap.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import cache
 from typing import Any
+
+import psutil
 
 from actors.telemetry import (
     ActorMemoryReport,
@@ -20,6 +24,7 @@ from actors.telemetry import (
     TelemetryConfig,
     combine,
     ewma,
+    is_process_alive,
     largest_inactive_block,
     open_source,
 )
@@ -118,6 +123,17 @@ class TelemetryAgent:
                 r.device_index: ewma(self._utilization.get(r.device_index), r.utilization, alpha) for r in readings
             }
             self._readings, self._sampled_at = readings, sampled_at
+            reports = list(self._reports.values())
+        self._forget_dead(reports)
+
+    def _forget_dead(self, reports: list[ActorMemoryReport]) -> None:
+        """Drop the reports of actors whose process is gone (killed before they could withdraw them)."""
+        for r in reports:
+            if not is_process_alive(r.pid, r.process_start):
+                with self._lock:
+                    if self._reports.get(r.actor_name) is r:
+                        del self._reports[r.actor_name]
+                log.info("%s: its process %d is gone; its memory report is dropped", r.actor_name, r.pid)
 
 
 def allocator_report(
@@ -226,6 +242,7 @@ class AgentReporter:
         import ray
 
         self._actor_name = actor_name
+        self._process = (os.getpid(), psutil.Process().create_time())
         # The node's NVML index of this actor's GPU (Ray sets CUDA_VISIBLE_DEVICES to it); the CPU is device 0.
         self._device_index = int(ray.get_gpu_ids()[0]) if is_cuda and ray.get_gpu_ids() else 0
         node_id = ray.get_runtime_context().get_node_id()
@@ -239,7 +256,9 @@ class AgentReporter:
         if self._agent is None:
             return
         try:
-            self._agent.report.remote(allocator_report(self._actor_name, self._device_index, accounted_bytes))
+            report = allocator_report(self._actor_name, self._device_index, accounted_bytes)
+            pid, started = self._process
+            self._agent.report.remote(replace(report, pid=pid, process_start=started))
         except Exception:  # a dead agent or a torch stats hiccup must not fail the request
             log.warning("%s: memory report failed", self._actor_name, exc_info=True)
 

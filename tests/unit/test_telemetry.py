@@ -307,3 +307,37 @@ def test_agent_survives_failed_polls():
     agent.stop()
     assert source.num_reads >= 6
     assert agent.snapshot().sampled_at > first
+
+
+def test_agent_drops_the_report_of_a_process_that_is_gone():
+    import os
+    import subprocess
+    import sys
+    from dataclasses import replace
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child_start = psutil.Process(child.pid).create_time()
+    own = (os.getpid(), psutil.Process().create_time())
+    agent = TelemetryAgent("node", TelemetryConfig(poll_interval_s=60.0), ScriptedSource([0.2]))
+
+    def accounted() -> int:
+        return agent.snapshot().devices[0].accounted_bytes // GiB
+
+    try:
+        agent.report(replace(_report("killed", 0, 1, 1, 1, 0), pid=child.pid, process_start=child_start))
+        agent.report(replace(_report("alive", 0, 2, 2, 2, 0), pid=own[0], process_start=own[1]))
+        agent.report(_report("unknown", 0, 4, 4, 4, 0))  # no pid: kept until withdrawn
+        agent._poll()
+        assert accounted() == 7
+        child.kill()
+        child.wait()
+        agent._poll()
+        assert accounted() == 6
+        # The same pid with another start time is another process: the pid was reused.
+        agent.report(replace(_report("reused", 0, 8, 8, 8, 0), pid=own[0], process_start=own[1] - 100))
+        agent._poll()
+        assert accounted() == 6
+    finally:
+        child.kill()
+        agent.stop()
+
