@@ -70,6 +70,9 @@ class ActorConfig:
     # Threads for torch's compute; on a CPU node loading and compute share the cores.
     compute_threads: int = 1
     first_layers: int | None = None  # None: derived per request (see cold_start)
+    # Every group resident before prefill starts: load-then-compute, the cold-start
+    # benchmark's baseline (first_layers = L still streams the table and the final group).
+    is_load_then_compute: bool = False
     # Prefill compute rate used to derive first_layers; measured by bench_cold_start.
     prefill_flops_per_s: float = 2.0e10
     # Load rate assumed before the stream has finished its first layer.
@@ -221,6 +224,8 @@ class RequestActor:
     def _run(self, request: ActorRequest, arrival: float, cancel: threading.Event, emit) -> None:
         is_cold = self._state.num_served == 0  # this request paid for loading the weights
         first_layers = 0 if self._all_resident() else self._first_layers(len(request.prompt_ids))
+        if first_layers and self.config.is_load_then_compute:
+            first_layers = self._num_layers
         marks: dict[str, float] = {}
         timeout = self.config.load_timeout_s
         stream = self._streamed.stream
@@ -244,6 +249,8 @@ class RequestActor:
 
         try:
             self._peak.reset()
+            if first_layers and self.config.is_load_then_compute:
+                self._streamed.wait_all(timeout)
             is_rows_ready = self._streamed.load_rows(request.prompt_ids)
             if not is_rows_ready:
                 stream.wait(EMBEDDINGS_GROUP, timeout)  # a compressed table: all of it first

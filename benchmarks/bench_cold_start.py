@@ -2,12 +2,12 @@
 
 Every run spawns a fresh detached `RequestActor` (the deployment's code path) and sends
 it its request at once, as the ingress does; the actor's own `Timings` give the
-breakdown. Three start conditions, same process, same loader, same threads; only the
-number N of layers resident before prefill starts differs:
+breakdown. Three start conditions, same process, same loader, same threads; only what
+must be resident before prefill starts differs:
 
     streamed, derived N   first_layers=None: N from the measured load and compute rates
     streamed, N=1         prefill starts once layer 0 is resident
-    load-then-compute     N = num_layers, the baseline
+    load-then-compute     every group (is_load_then_compute), the baseline
 
 Each actor then serves the same prompt again, hot (its prefill time, and hot TTFT), and
 the driver runs it once more in-process on the same threads (hot TTFT's reference).
@@ -207,7 +207,7 @@ def actor_config(args: argparse.Namespace, cal: Calibration, mode: str) -> Actor
     first_layers = {DERIVED: None, FIRST_ONE: 1, BASELINE: cal.num_layers}[mode]
     return ActorConfig(
         namespace=NAMESPACE, num_cpus=1, load_threads=args.load_threads, compute_threads=args.compute_threads,
-        first_layers=first_layers, prefill_flops_per_s=cal.prefill_flops_per_s,
+        first_layers=first_layers, is_load_then_compute=mode == BASELINE, prefill_flops_per_s=cal.prefill_flops_per_s,
         initial_load_bytes_per_s=cal.load_bytes_per_s, cpu_nice=args.cpu_nice,
     )
 
@@ -288,7 +288,7 @@ def calibrate(ray: Any, zqs: Path, preset: str, dtype: str, probe: LoadProbe, ar
     engine, config = probe.engine, probe.engine.model.config
     actor_cfg = ActorConfig(namespace=NAMESPACE, num_cpus=1, load_threads=args.load_threads,
                             compute_threads=args.compute_threads, first_layers=config.num_layers,
-                            cpu_nice=args.cpu_nice)
+                            is_load_then_compute=True, cpu_nice=args.cpu_nice)
     name = new_actor_name(f"{preset}-calibration")
     actor = spawn(str(zqs), actor_cfg, name)
 

@@ -150,6 +150,15 @@ def test_prefill_overlaps_loading(ray_cluster, layered_zqs):
     # Layer 0 ran on the prompt's embedding rows; the table itself came after the layers.
     assert t.embeddings_resident is not None and t.first_layer_compute_start < t.embeddings_resident, t
     _wait_gone(ray, name)
+    # The benchmark's baseline: nothing computes before every group is resident.
+    config = ActorConfig(namespace=CONFIG.namespace, num_cpus=1, load_threads=1, compute_threads=1,
+                         is_load_then_compute=True)
+    name = new_actor_name("layered")
+    _, done = _consume(ray, spawn(str(layered_zqs), config, name).generate.remote(request))
+    t = done.timings
+    assert done.first_layers == 8 and t.all_layers_resident is not None
+    assert t.first_layer_compute_start >= t.all_layers_resident >= t.embeddings_resident, t
+    _wait_gone(ray, name)
 
 
 def test_actor_reports_its_memory_to_the_node_agent_and_its_peak(ray_cluster, tiny_zqs):
@@ -180,6 +189,13 @@ def test_actor_reports_its_memory_to_the_node_agent_and_its_peak(ray_cluster, ti
         assert done.peak_bytes is not None and done.peak_bytes > weights
         _wait_gone(ray, name)
         wait_accounted(0)  # withdrawn on exit
+        # Killed from outside, an actor cannot withdraw its report: the agent sees its process gone.
+        name = new_actor_name("tiny")
+        actor = spawn(str(tiny_zqs), CONFIG, name)
+        wait_accounted(ray.get(actor.status.remote()).accounted_bytes)
+        ray.kill(actor)
+        _wait_gone(ray, name)
+        wait_accounted(0)
     finally:
         ray.kill(agent)
 
