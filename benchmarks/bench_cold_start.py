@@ -15,7 +15,7 @@ First the driver times the load in-process and one calibration actor times prefi
 to size the prompts: short (16 tokens, load-bound), balanced (prefill takes as long as
 the load), and compute-bound (twice the balanced length).
 
-    .venv/bin/python -m benchmarks.bench_cold_start          # ~21 min (100 actors); writes benchmarks/results/cold_start.md
+    .venv/bin/python -m benchmarks.bench_cold_start          # ~13 min (100 actors); writes benchmarks/results/cold_start.md and .json
     .venv/bin/python -m benchmarks.bench_cold_start --quick  # bf16 only, 2 repeats, for development
 
 This module measures; `benchmarks.cold_start_report` (statistics, rows, the markdown) and
@@ -433,8 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(Path(args.report_only).read_text())
     else:
         data = measure(args)
+        # Beside the report, so the figures can be checked and re-reported; and kept per run.
         raw = Path(args.cache_dir) / "cold_start" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.json"
         raw.write_text(json.dumps(data, indent=1))
+        Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
         log.info("raw results: %s", raw)
     text = report(data)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

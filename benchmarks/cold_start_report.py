@@ -28,9 +28,8 @@ from benchmarks.cold_start_goals import goals
 from benchmarks.machine_load import was_busy
 
 BALANCED_WITHIN = 1.5  # load and prefill within this factor of each other: "balanced"
-# Clock check: without an offset, layer 0's compute starts within a millisecond or two of
-# the last layer becoming resident when N = num_layers; anything above this is a clock offset.
-MAX_CLOCK_SKEW_S = 0.02
+# Clock check: a load-then-compute run computing this long before its last group was resident.
+MAX_CLOCK_SKEW_S = 0.002
 
 
 # ---- arithmetic ---------------------------------------------------------------------
@@ -69,24 +68,25 @@ def regime(load_s: float, prefill_s: float, within: float = BALANCED_WITHIN) -> 
     return "balanced"
 
 
-def stream_clock_offset(runs: Iterable[Run]) -> float:
-    """Median of (layer-0 compute start - last layer resident) over load-then-compute runs.
+def clock_gap(runs: Iterable[Run]) -> float | None:
+    """Median of (layer-0 compute start - all groups resident) over load-then-compute runs.
 
-    With N = num_layers compute waits for the last layer, so this is ~0 when the actor's
-    resident times share its clock; a positive value is an offset of its stream clock.
+    Load-then-compute waits for every group, so this is never negative when the actor's
+    resident times and its compute times share one clock; what lies between is the KV
+    cache's allocation and the `Started` event.
     """
     gaps = [r.cold.first_layer_compute_start - r.cold.all_layers_resident for r in runs if r.mode == BASELINE]
-    return statistics.median(gaps) if gaps else 0.0
+    return statistics.median(gaps) if gaps else None
 
 
-def metrics(run: Run, shift: float) -> dict[str, float]:
-    """Seconds per phase of one run; `shift` is added to the actor's resident times (clock fix)."""
+def metrics(run: Run) -> dict[str, float]:
+    """Seconds per phase of one run."""
     c, h = run.cold, run.hot
     return {
         "process_start": c.actor_start - run.spawn,
         "init": run.loading_at - c.actor_start,
-        "first_layer": c.first_layer_resident + shift - c.actor_start,
-        "load": c.all_layers_resident + shift - c.actor_start,
+        "first_layer": c.first_layer_resident - c.actor_start,
+        "load": c.all_layers_resident - c.actor_start,
         "compute_start": c.first_layer_compute_start - c.actor_start,
         "ttft": c.first_token - c.actor_start,
         "cold_prefill": c.first_token - c.first_layer_compute_start,
@@ -96,7 +96,7 @@ def metrics(run: Run, shift: float) -> dict[str, float]:
         "hot_actor": h.first_token - h.request_arrival,
         "hot_client": run.hot_client_first_chunk - run.hot_call,
         # Runs recorded before Timings had it have no table time.
-        **({} if c.embeddings_resident is None else {"table": c.embeddings_resident + shift - c.actor_start}),
+        **({} if c.embeddings_resident is None else {"table": c.embeddings_resident - c.actor_start}),
     }
 
 
@@ -116,9 +116,9 @@ class Row:
     vs_baseline: float
 
 
-def rows(runs: list[Run], shift_by_run: dict[int, float]) -> list[Row]:
+def rows(runs: list[Run]) -> list[Row]:
     """One row per (model, prompt, storage, mode), with the group's references beside it."""
-    measured = [(r, metrics(r, shift_by_run[i])) for i, r in enumerate(runs)]
+    measured = [(r, metrics(r)) for r in runs]
     out = []
     groups = dict.fromkeys((r.model, r.prompt, r.storage) for r in runs)
     for model, prompt, storage in groups:
@@ -137,19 +137,6 @@ def rows(runs: list[Run], shift_by_run: dict[int, float]) -> list[Row]:
                            prefill_ref, overlap_efficiency(stats["ttft"].median, load_ref, prefill_ref),
                            stats["ttft"].median / base_ttft))
     return out
-
-
-def clock_shifts(runs: list[Run]) -> tuple[float, dict[int, float]]:
-    """(the detected offset, the shift per run) that puts resident times on the actor's clock.
-
-    The actor maps its stream's times to epoch seconds from a clock read before it opens
-    the file, so they come out early by the runtime init (header, tokenizer, allocation);
-    when the clock check finds that offset, each run is shifted by its own init.
-    """
-    offset = stream_clock_offset(r for r in runs if r.storage == PAGE_CACHE)
-    if offset <= MAX_CLOCK_SKEW_S:
-        return offset, dict.fromkeys(range(len(runs)), 0.0)
-    return offset, {i: r.loading_at - r.cold.actor_start for i, r in enumerate(runs)}
 
 
 # ---- the report -------------------------------------------------------------------
@@ -185,8 +172,7 @@ def report(data: dict[str, Any]) -> str:
     meta = data["meta"]
     cals = [Calibration(**c) for c in data["calibrations"]]
     runs = [_run_from_dict(r) for r in data["runs"]]
-    offset, shifts = clock_shifts(runs)
-    table = rows(runs, shifts)
+    table = rows(runs)
     lines = [
         "# Cold start: layer-streamed loading against load-then-compute",
         "",
@@ -292,19 +278,14 @@ def report(data: dict[str, Any]) -> str:
         lines.append(f"| {h.model} | {h.prompt} ({h.prompt_tokens}) | {h.actor} | {h.actor_before_compute} | "
                      f"{h.client} | {h.in_process} | **{h.ratio:.3f}** |")
     lines += ["", *goals(table, hot), "", *_accelerator(cals), "", "## Notes", ""]
-    if offset > MAX_CLOCK_SKEW_S:
-        mean_shift = statistics.mean(shifts.values())
-        lines.append(
-            f"- **Clock correction.** In the load-then-compute runs layer 0's compute started a median "
-            f"{offset * 1e3:.0f} ms after the actor's reported 'all resident' time, though it waits for the last layer: the actor "
-            f"maps its stream's times to epoch seconds from a clock read before it opens the file "
-            f"(`RequestActor.__init__` sets `_epoch_at_stream_start` before `stream_zqs`), so resident times come "
-            f"out early by the runtime init. Every resident time above is shifted by its run's own init "
-            f"(mean {mean_shift * 1e3:.0f} ms; the LOADING transition − actor_start).")
-    else:
+    gap = clock_gap(r for r in runs if r.storage == PAGE_CACHE)
+    if gap is not None:
+        check = ("the actor's resident and compute times share one clock" if gap >= -MAX_CLOCK_SKEW_S else
+                 "**negative: the actor's resident times are not on its compute clock, so the breakdown's resident "
+                 "columns are off by about that much**")
         lines.append(f"- Clock check: in the load-then-compute runs layer 0's compute started a median "
-                     f"{offset * 1e3:.1f} ms after the last layer was resident: the actor's resident times and its "
-                     "compute times share one clock; no correction applied.")
+                     f"{gap * 1e3:.1f} ms after every group was resident (the KV cache's allocation and the "
+                     f"`Started` event lie between): {check}.")
     same = [(d, o) for d in table for o in table if d.mode == DERIVED and o.mode == FIRST_ONE
             and (d.model, d.prompt, d.storage) == (o.model, o.prompt, o.storage) and d.first_layers == (1,)]
     if same:
@@ -315,8 +296,9 @@ def report(data: dict[str, Any]) -> str:
     lines += [
         "- The derived N is chosen by the actor per request from its stream's throughput so far and the "
         "calibrated prefill rate; the table lists every N the runs used.",
-        "- Raw per-run timings: the JSON file named in the log of the run (under `.cache/bench/cold_start/`); "
-        "`--report-only RUN_JSON` rewrites this report from it.",
+        "- Raw per-run timings: `benchmarks/results/cold_start.json` (the run also keeps a copy under "
+        "`.cache/bench/cold_start/`); `--report-only benchmarks/results/cold_start.json` rewrites this report "
+        "from it.",
         "",
     ]
     return "\n".join(lines)
@@ -342,7 +324,7 @@ class HotRow:
 def hot_rows(runs: list[Run], in_process: list[InProcess]) -> list[HotRow]:
     out = []
     for model, prompt in dict.fromkeys((r.model, r.prompt) for r in runs if r.storage == PAGE_CACHE):
-        ms = [metrics(r, 0.0) for r in runs if (r.model, r.prompt, r.storage) == (model, prompt, PAGE_CACHE)]
+        ms = [metrics(r) for r in runs if (r.model, r.prompt, r.storage) == (model, prompt, PAGE_CACHE)]
         ref = [p for p in in_process if (p.model, p.prompt) == (model, prompt)]
         tokens = next(r.prompt_tokens for r in runs if (r.model, r.prompt) == (model, prompt))
         out.append(HotRow(model, prompt, tokens, *(summarize(m[k] for m in ms) for k in (
