@@ -8,13 +8,16 @@ minor faults with the defaults; none once freed memory is kept; and ~45 instead 
 ms per layer once that memory is also on transparent huge pages (fewer TLB misses on the
 [S, I] activations). The cold-start benchmark's hot-TTFT table is the committed figure.
 
-`retain_freed_memory()` makes glibc serve every allocation from one heap without mmap,
-keep what is freed, and advises the first `huge_page_bytes` of that heap to be backed by
-transparent huge pages (virtual until touched). `release_freed_memory(keep_bytes)` hands
-free pages back to the kernel except `keep_bytes` at the top of the heap, which the next
-request reuses; the actor calls it when a request ends, and the policy's per-actor
-overhead (`actor_overhead_bytes`) is where those bytes are accounted. Both are no-ops
-where the C library is not glibc.
+`retain_freed_memory()` makes glibc serve allocations without mmap, keep what is freed,
+and advises the first `huge_page_bytes` of the main heap to be backed by transparent
+huge pages (virtual until touched). `release_freed_memory()` hands free pages back to the
+kernel. Both are no-ops where the C library is not glibc.
+
+`IdleTrimmer` decides when: a hot actor releases its freed heap once it has been idle
+for `delay_s`, so back-to-back requests reuse the pages without faulting them in again,
+and an idle actor holds its weights and little else. Releasing at once would cost the
+next request its whole working set again: glibc's malloc_trim gives back every free
+page of a thread's arena (Ray's actor threads each get their own), keeping none.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import threading
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +105,37 @@ def release_freed_memory(keep_bytes: int = 0) -> None:
         return
     _heap.lib.malloc_trim(keep_bytes)
     _heap.advise_huge_pages()  # the trimmed part of the heap was unmapped, and its advice with it
+
+
+class IdleTrimmer:
+    """Calls `trim` once `delay_s` has passed since the last request ended with none started since."""
+
+    def __init__(self, delay_s: float, trim: Callable[[], None] = release_freed_memory) -> None:
+        if delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {delay_s}")
+        self._delay_s = delay_s
+        self._trim = trim
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def request_started(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def request_ended(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self._delay_s, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._timer is None or threading.current_thread() is not self._timer:
+                return  # cancelled, or replaced by a later request's end
+            self._timer = None
+        self._trim()
+

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
 from actors.engine import Engine, FinishEvent, TokenEvent
-from actors.heap import release_freed_memory, retain_freed_memory
+from actors.heap import IdleTrimmer, retain_freed_memory
 from actors.messages import (
     ActorRequest,
     ActorStatus,
@@ -84,10 +84,10 @@ class ActorConfig:
     # At most one chunk per interval is sent; 0 sends every token on its own.
     stream_interval_s: float = 0.005
     # Keep activation memory freed inside a request for the next layer, on huge pages
-    # (actors/heap.py); an idle hot actor keeps this much of it for its next request,
-    # within the policy's actor_overhead_bytes.
+    # (actors/heap.py); a hot actor gives it back once idle this long, so back-to-back
+    # requests do not page-fault their working set in again.
     is_freed_memory_retained: bool = True
-    idle_heap_bytes: int = 64 << 20
+    idle_trim_after_s: float = 2.0
 
     def actor_options(self, name: str) -> dict:
         return {
@@ -130,6 +130,7 @@ class RequestActor:
         torch.set_num_threads(config.compute_threads)
         if config.is_freed_memory_retained:
             retain_freed_memory()
+        self._idle_trimmer = IdleTrimmer(config.idle_trim_after_s)
         if device is None:
             device = "cuda" if config.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         if device == "cpu" and config.cpu_nice:
@@ -170,6 +171,7 @@ class RequestActor:
         if self._state.is_busy or self._state.phase == Phase.EXITED:
             raise ActorBusyError(f"{self.name} is {self._state.phase.value}; it serves one request at a time")
         self._state.is_busy = True
+        self._idle_trimmer.request_started()
         arrival = time.time()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -328,8 +330,7 @@ class RequestActor:
             if self._stream_open and self._all_resident():
                 self._streamed.close()  # the loader threads are done; free them
                 self._stream_open = False
-            # The request's activations, beyond what the next request may reuse.
-            release_freed_memory(self.config.idle_heap_bytes)
+            self._idle_trimmer.request_ended()  # the request's activations go back if no request follows
             self._state.enter(Phase.IDLE)
             self._reporter.report(self._accounted_bytes())  # the KV cache was dropped
         else:

@@ -41,7 +41,7 @@ import torch
 
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
 from actors.engine import Engine, FinishEvent, GenerationRequest, Message, build_prompt
-from actors.heap import release_freed_memory, retain_freed_memory
+from actors.heap import retain_freed_memory
 from actors.layer_loader import stream_zqs
 from actors.messages import ActorRequest, Completion, TextChunk, Timings
 from actors.request_actor import ActorConfig, new_actor_name, spawn
@@ -254,11 +254,10 @@ class LoadProbe:
 def _in_process_ttft(engine: Engine, prompt: tuple[int, ...]) -> tuple[float, float]:
     """(generate() called -> first token, compute start -> first token) for one greedy token.
 
-    Afterwards the heap is trimmed as a hot actor's is when it goes idle.
+    Run back to back like an actor's hot requests, well within its idle_trim_after_s: no trim between.
     """
     t0 = time.time()
     finish = [e for e in engine.generate(list(prompt), GREEDY_ONE) if isinstance(e, FinishEvent)][0]
-    release_freed_memory(ActorConfig().idle_heap_bytes)
     return finish.first_token_time - t0, finish.first_token_time - finish.compute_start
 
 

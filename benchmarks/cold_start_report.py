@@ -154,8 +154,8 @@ def _heap_line(meta: dict[str, Any]) -> str:
     if not meta.get("is_freed_memory_retained"):
         return "- heap: glibc's defaults (freed activation memory goes back to the kernel)"
     return ("- heap: actors and the driver's in-process runs keep freed activation memory for the next layer, on "
-            "transparent huge pages (`actors/heap.py`), and trim it to `ActorConfig.idle_heap_bytes` after each "
-            "request")
+            "transparent huge pages (`actors/heap.py`); an idle actor gives it back after "
+            "`ActorConfig.idle_trim_after_s`, longer than the gap between a run's hot requests")
 
 
 def _busy_warning(meta: dict[str, Any]) -> str:

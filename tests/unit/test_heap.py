@@ -73,3 +73,32 @@ def test_freed_blocks_are_reused_on_huge_pages_and_released_down_to_what_is_kept
     assert retained["released_drop_kib"] > 48 * 1024  # malloc_trim(0) gave them back
     if _thp_allowed():
         assert retained["huge_kib"] >= 32 * 1024
+
+
+def test_idle_trimmer_trims_once_only_after_a_quiet_delay():
+    import threading
+    import time
+
+    from actors.heap import IdleTrimmer
+
+    trimmed = threading.Event()
+    calls = []
+
+    def trim():
+        calls.append(time.monotonic())
+        trimmed.set()
+
+    trimmer = IdleTrimmer(0.2, trim)
+    trimmer.request_ended()
+    time.sleep(0.1)
+    trimmer.request_started()  # a request within the delay: its pages are reused, nothing trimmed
+    time.sleep(0.3)
+    assert calls == []
+    ended = time.monotonic()
+    trimmer.request_ended()
+    trimmer.request_ended()  # a second end restarts the delay instead of adding a trim
+    assert trimmed.wait(5.0)
+    time.sleep(0.3)
+    assert len(calls) == 1 and calls[0] - ended >= 0.2
+    with pytest.raises(ValueError, match="delay_s"):
+        IdleTrimmer(-1.0, trim)
