@@ -40,7 +40,7 @@ class Calibration:
     hot_ttft_points: tuple[tuple[int, float], ...]
     decode_s_per_token: float
     spawn_to_start_s: float  # Ray creates the worker process, which imports torch, until __init__ runs
-    layer0_resident_s: float  # from actor start: init, embeddings and layer 0 resident
+    layer0_resident_s: float  # from actor start: init and layer 0 resident
     all_resident_s: float  # from actor start: every layer resident
     cold_first_token_s: float  # from actor start, measured with `cold_reference_tokens` of prompt
     cold_reference_tokens: int
@@ -95,24 +95,27 @@ class Calibration:
 _CS = "benchmarks/results/cold_start.md"
 _SMALL_ROW = "'Cold TTFT, broken down', row small bfloat16 | short | page cache | streamed, derived N"
 
+# From cold_start.md (its 15:45 UTC run); each figure is written once here and the sources below
+# quote it. 'Hot TTFT', column 'actor: arrival -> first token', rows short, balanced, compute-bound:
+_HOT_TTFT = ((16, 0.046), (1120, 0.449), (2240, 1.046))
+# _SMALL_ROW, columns 'spawn -> start', 'layer 0 resident', 'all resident', 'first token':
+_SPAWN_TO_START, _LAYER0, _ALL_RESIDENT, _COLD_FIRST = 1.617, 0.118, 0.626, 0.638
+# The same table, rows balanced and compute-bound, page cache, streamed, derived N, 'first token':
+_COLD_CHECKS = ((1120, 0.719), (2240, 1.215))
+
 CPU_MEASURED = Calibration(
     name="cpu-measured",
     description="this project's measurements: the `small` shape (100M parameters, bf16) on one CPU slot of "
                 "a 2-core VM, loaded layer-streamed from a page-cached .zqs file",
-    # cold_start.md, 'Hot TTFT', column 'actor: arrival -> first token', rows short (16),
-    # balanced (928) and compute-bound (1856) tokens.
-    hot_ttft_points=((16, 0.068), (928, 0.851), (1856, 1.877)),
+    hot_ttft_points=_HOT_TTFT,
     # runtime.md, row small | bfloat16 | ours, column 'decode ms/token (p10-p90)': 41.13 ms.
     decode_s_per_token=0.04113,
-    # cold_start.md, _SMALL_ROW, columns 'spawn -> start', 'layer 0 resident', 'all resident',
-    # 'first token' (prompt: the short one, 16 tokens).
-    spawn_to_start_s=2.873,
-    layer0_resident_s=0.389,
-    all_resident_s=0.971,
-    cold_first_token_s=1.081,
-    cold_reference_tokens=16,
-    # cold_start.md, same table, rows balanced (928) and compute-bound (1856), streamed, derived N.
-    cold_checks=((928, 1.374), (1856, 3.572)),
+    spawn_to_start_s=_SPAWN_TO_START,
+    layer0_resident_s=_LAYER0,
+    all_resident_s=_ALL_RESIDENT,
+    cold_first_token_s=_COLD_FIRST,
+    cold_reference_tokens=_HOT_TTFT[0][0],
+    cold_checks=_COLD_CHECKS,
     # weights_tool/synth.py, PRESETS['small'].
     model_config=(("architectures", ["LlamaForCausalLM"]), ("hidden_size", 768), ("num_hidden_layers", 12),
                   ("num_attention_heads", 12), ("num_key_value_heads", 4), ("intermediate_size", 2048),
@@ -121,20 +124,20 @@ CPU_MEASURED = Calibration(
     # configs/serve.yaml: cpu_slot_bytes 2 GiB, policy.actor_overhead_bytes 256 MiB.
     slot_bytes=2 * GiB,
     actor_overhead_bytes=256 * MiB,
-    # Chosen, not measured: just above the modelled cold-start overhead (3.9 s for a short prompt), so
-    # a request that waited no longer than one cold start is good.
+    # Chosen, not measured: a request that waited no longer than a few cold starts is good.
     slo_extra_s=5.0,
     sources=(
-        ("hot TTFT at 16 / 928 / 1856 prompt tokens", "0.068 / 0.851 / 1.877 s",
-         f"{_CS}, 'Hot TTFT', column 'actor: arrival -> first token'"),
+        (f"hot TTFT at {' / '.join(str(n) for n, _ in _HOT_TTFT)} prompt tokens",
+         f"{' / '.join(f'{t:.3f}' for _, t in _HOT_TTFT)} s", f"{_CS}, 'Hot TTFT', column 'actor: arrival -> first token'"),
         ("decode", "41.13 ms/token", "benchmarks/results/runtime.md, row small bfloat16 ours, 'decode ms/token'"),
-        ("spawn -> actor start", "2.873 s", f"{_CS}, {_SMALL_ROW}, 'spawn -> start'"),
-        ("layer 0 resident (from actor start)", "0.389 s", f"{_CS}, {_SMALL_ROW}, 'layer 0 resident'"),
-        ("all layers resident (from actor start)", "0.971 s", f"{_CS}, {_SMALL_ROW}, 'all resident'"),
-        ("cold first token, 16-token prompt (from actor start)", "1.081 s", f"{_CS}, {_SMALL_ROW}, 'first token'"),
+        ("spawn -> actor start", f"{_SPAWN_TO_START:.3f} s", f"{_CS}, {_SMALL_ROW}, 'spawn -> start'"),
+        ("layer 0 resident (from actor start)", f"{_LAYER0:.3f} s", f"{_CS}, {_SMALL_ROW}, 'layer 0 resident'"),
+        ("all layers resident (from actor start)", f"{_ALL_RESIDENT:.3f} s", f"{_CS}, {_SMALL_ROW}, 'all resident'"),
+        (f"cold first token, {_HOT_TTFT[0][0]}-token prompt (from actor start)", f"{_COLD_FIRST:.3f} s",
+         f"{_CS}, {_SMALL_ROW}, 'first token'"),
         ("model", "small: 12 layers, hidden 768, bf16, 200 MB", "weights_tool/synth.py PRESETS['small']"),
         ("slot memory / actor overhead", "2 GiB / 256 MiB", "configs/serve.yaml (cpu_slot_bytes, policy)"),
-        ("SLO: TTFT within its unloaded hot TTFT +", "5 s", "chosen: just above one modelled cold start"),
+        ("SLO: TTFT within its unloaded hot TTFT +", "5 s", "chosen"),
     ),
 )
 
@@ -148,11 +151,11 @@ GPU_ESTIMATE = Calibration(
     hot_ttft_points=((1, 0.015), (8192, 0.015 + 1.31)),
     # 16 GB of weights read per token at ~70% of the H200's 4.8 TB/s HBM (NVIDIA's figure).
     decode_s_per_token=0.0048,
-    # The CPU measurement of spawn -> start (Ray worker start and imports, 2.873 s) plus ~0.5 s for a CUDA context.
-    spawn_to_start_s=3.4,
-    # cold_start.md, 'On an accelerator': 16 GB from host memory at ~20 GB/s ~ 0.8 s; layer 0 after the
-    # embeddings (1 GB) and one layer (0.44 GB) of 16 GB.
-    layer0_resident_s=0.07,
+    # The CPU measurement of spawn -> start (Ray worker start and imports) plus ~0.5 s for a CUDA context.
+    spawn_to_start_s=round(_SPAWN_TO_START + 0.5, 1),
+    # cold_start.md, 'On an accelerator': 16 GB from host memory at ~20 GB/s ~ 0.8 s; layer 0 after one
+    # layer (0.44 GB) of 16 GB, the prompt's embedding rows read on their own.
+    layer0_resident_s=0.03,
     all_resident_s=0.8,
     cold_first_token_s=0.81,
     cold_reference_tokens=1,
@@ -168,7 +171,8 @@ GPU_ESTIMATE = Calibration(
     sources=(
         ("prefill", "15 ms + 0.16 ms/token", "estimate: 16 GFLOP/token at 100 TFLOP/s (cold_start.md, 'On an accelerator')"),
         ("decode", "4.8 ms/token", "estimate: 16 GB per token at ~70% of 4.8 TB/s HBM (H200 specification)"),
-        ("spawn -> actor start", "3.4 s", "the CPU measurement (2.873 s, cold_start.md) + ~0.5 s CUDA context (estimate)"),
+        ("spawn -> actor start", f"{round(_SPAWN_TO_START + 0.5, 1)} s",
+         f"the CPU measurement ({_SPAWN_TO_START:.3f} s, cold_start.md) + ~0.5 s CUDA context (estimate)"),
         ("all layers resident", "0.8 s", "estimate: 16 GB from host memory at ~20 GB/s (cold_start.md, 'On an accelerator')"),
         ("SLO: TTFT within its unloaded hot TTFT +", "5 s", "chosen"),
     ),

@@ -198,10 +198,11 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
     load_avg = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     lines = [
         "# Cluster simulation: zero-queue against a queued cluster", "",
-        f"Command: `{command}` (under `nice -n 10`). Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"Command: `{command}`. Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{wall_s / 60:.1f} minutes of wall time on one core ({os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; load average at the end {load_avg}: other jobs shared the machine, "
-        "which changes the run time and nothing else — simulated time does not depend on it).", "",
+        f"{platform.python_version()}; load average at the end {load_avg}, the simulation's own core included: "
+        "other work on the machine changes the run time and nothing else — simulated time does not depend on it).",
+        "",
         *model_text(cfg, floor, short_lane_probability), "",
         "## Calibration", "",
         f"Preset `{cal.name}`: {cal.description}.", "",
@@ -224,8 +225,8 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
         gap = measured - float(cal.cold_from_start_s(tokens))
         lines += ["", f"The {cal.cold_reference_tokens}-token row is the reference the tail is fitted to. Where the "
                   "prompt's prefill outlasts the load the model is optimistic: on the 2-core VM decompression and "
-                  "prefill shared the cores and the memory bus, and the measured cold prefill ran ~1.6× slower "
-                  "than hot (cold_start.md, 'Goals'); the model does not charge that. It misses by "
+                  "prefill shared the cores and the memory bus, and the measured cold prefill ran slower than hot "
+                  "(cold_start.md, 'Goals'); the model does not charge that. It misses by "
                   f"{gap:.2f} s at {tokens} tokens, and by more for the long class's "
                   f"{cfg.mix[-1].input_tokens[0]}–{cfg.mix[-1].input_tokens[1]}-token prompts: this flatters "
                   "zero-queue's cold-started long requests. A GPU slot would not have that contention.", ""]

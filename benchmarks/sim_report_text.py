@@ -225,7 +225,7 @@ def not_modelled_text(cfg: SimConfig) -> list[str]:
         "counts (no run-to-run spread, no interference between actors on one node, no page-cache misses: the "
         "calibration is the page-cache row); decode time does not grow with the context.",
         "- **Overheads common to both**: HTTP, the ingress, tokenisation, the registry call (~µs–ms), Ray's "
-        "stream relay (~25 ms per request in cold_start.md's hot rows) are not added.",
+        "stream relay (10–35 ms per request in cold_start.md's hot rows, client against actor) are not added.",
         "- **Hot-pool management**: a fixed pool of prewarmed short-lane actors; no retirement of idle actors "
         "(`max_idle_s`), no autoscaling of either system, one model. Clients do not retry after a 503 "
         "and do not time out or cancel while queued (an unbounded queue's waits are what a patient client "
