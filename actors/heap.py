@@ -2,11 +2,9 @@
 
 A prefill allocates and frees the same activation buffers once per layer (tens of MB for
 long prompts). With glibc's defaults, blocks that large are mmap'd and unmapped on free,
-so every layer page-faults its buffers in again, and on 4 KiB pages. Measured on this
-project's 2-core VM for one 1,456-token prefill of the `small` shape in bf16: ~50,000
-minor faults with the defaults; none once freed memory is kept; and ~45 instead of ~62
-ms per layer once that memory is also on transparent huge pages (fewer TLB misses on the
-[S, I] activations). The cold-start benchmark's hot-TTFT table is the committed figure.
+so every layer page-faults its buffers in again, and on 4 KiB pages.
+benchmarks/results/heap.md (`python -m benchmarks.bench_heap`) measures the three heaps
+side by side: faults per prefill and time per layer.
 
 `retain_freed_memory()` makes glibc serve allocations without mmap, keep what is freed,
 and advises the first `huge_page_bytes` of the main heap to be backed by transparent
