@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import threading
@@ -32,77 +33,71 @@ log = logging.getLogger(__name__)
 # mallopt parameters, from glibc's <malloc.h>
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-_M_ARENA_MAX = -8
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
-class _Heap:
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
-        lib.malloc.restype = ctypes.c_void_p
-        lib.malloc.argtypes = [ctypes.c_size_t]
-        lib.free.argtypes = [ctypes.c_void_p]
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.malloc_trim.argtypes = [ctypes.c_size_t]
-        self.huge_page_bytes = 0
-
-    def advise_huge_pages(self) -> None:
-        """Extend the heap by huge_page_bytes (untouched) and advise THP on it; free keeps it."""
-        n = self.huge_page_bytes
-        if n < 2 * _HUGE_PAGE:
-            return
-        p = self.lib.malloc(n)  # with mmap off this moves the heap's end (brk): no page is touched
-        if not p:
-            return
-        start, end = -(-p // _HUGE_PAGE) * _HUGE_PAGE, (p + n) // _HUGE_PAGE * _HUGE_PAGE
-        if self.lib.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
-            log.debug("madvise(MADV_HUGEPAGE) refused: the heap stays on 4 KiB pages")
-        self.lib.free(p)  # the top chunk, below the trim threshold: kept, still advised
-
-
-_heap: _Heap | None = None
-
-
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-    return lib if all(hasattr(lib, f) for f in ("mallopt", "malloc_trim", "madvise")) else None
+    if not all(hasattr(lib, f) for f in ("mallopt", "malloc_trim", "madvise")):
+        return None
+    lib.malloc.restype = ctypes.c_void_p
+    lib.malloc.argtypes = [ctypes.c_size_t]
+    lib.free.argtypes = [ctypes.c_void_p]
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.malloc_trim.argtypes = [ctypes.c_size_t]
+    return lib
+
+
+_huge_page_bytes = 0  # of the main heap advised for huge pages; set by retain_freed_memory
+
+
+def _advise_huge_pages(lib: ctypes.CDLL) -> None:
+    """Extend the main heap by _huge_page_bytes (untouched) and advise THP on it; the free keeps it."""
+    n = _huge_page_bytes
+    if n < 2 * _HUGE_PAGE:
+        return
+    p = lib.malloc(n)  # with mmap off this moves the heap's end (brk): no page is touched
+    if not p:
+        return
+    start, end = -(-p // _HUGE_PAGE) * _HUGE_PAGE, (p + n) // _HUGE_PAGE * _HUGE_PAGE
+    if lib.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused: the heap stays on 4 KiB pages")
+    lib.free(p)  # the top chunk, below the trim threshold: kept, still advised
 
 
 def retain_freed_memory(huge_page_bytes: int = 1 << 30) -> bool:
-    """Serve allocations from one heap without mmap, keep freed pages, THP-advise the heap; True if applied."""
-    global _heap
+    """Serve allocations without mmap, keep freed pages, THP-advise the main heap; True if applied."""
+    global _huge_page_bytes
     lib = _libc()
     if lib is None:
         log.info("no glibc mallopt here: freed memory goes back to the kernel as usual")
         return False
-    # One arena: the request's worker thread shares the main heap instead of a fresh
-    # per-thread arena that starts empty. No mmap'd chunks: their free is a munmap.
-    # The heap's top is trimmed only past the advised region, so a free never undoes it.
-    ok = (lib.mallopt(_M_ARENA_MAX, 1) == 1) & (lib.mallopt(_M_MMAP_MAX, 0) == 1)
+    # No mmap'd chunks: their free is a munmap. The heap's top is trimmed only past the
+    # advised region, so a free never undoes it. Threads keep the arenas glibc gave them
+    # (in a Ray actor the request's thread does not use the main heap; see IdleTrimmer).
+    ok = lib.mallopt(_M_MMAP_MAX, 0) == 1
     ok &= lib.mallopt(_M_TRIM_THRESHOLD, huge_page_bytes + (64 << 20)) == 1
     if not ok:
         log.warning("mallopt refused a setting: freed memory may still go back to the kernel")
         return False
-    _heap = _Heap(lib)
-    _heap.huge_page_bytes = huge_page_bytes
-    _heap.advise_huge_pages()
+    _huge_page_bytes = huge_page_bytes
+    _advise_huge_pages(lib)
     return True
 
 
 def release_freed_memory(keep_bytes: int = 0) -> None:
-    """Give free pages back to the kernel, all but `keep_bytes` at the heap's top (malloc_trim)."""
-    if _heap is None:
-        lib = _libc()
-        if lib is not None:
-            lib.malloc_trim(keep_bytes)
+    """Give free pages back to the kernel, all but `keep_bytes` at the main heap's top (malloc_trim)."""
+    lib = _libc()
+    if lib is None:
         return
-    _heap.lib.malloc_trim(keep_bytes)
-    _heap.advise_huge_pages()  # the trimmed part of the heap was unmapped, and its advice with it
+    lib.malloc_trim(keep_bytes)
+    _advise_huge_pages(lib)  # the trimmed part of the heap was unmapped, and its advice with it
 
 
 class IdleTrimmer:

@@ -226,7 +226,8 @@ class RequestActor:
     def _run(self, request: ActorRequest, arrival: float, cancel: threading.Event, emit) -> None:
         is_cold = self._state.num_served == 0  # this request paid for loading the weights
         first_layers = 0 if self._all_resident() else self._first_layers(len(request.prompt_ids))
-        if first_layers and self.config.is_load_then_compute:
+        is_load_all_first = bool(first_layers) and self.config.is_load_then_compute
+        if is_load_all_first:
             first_layers = self._num_layers
         marks: dict[str, float] = {}
         timeout = self.config.load_timeout_s
@@ -251,7 +252,7 @@ class RequestActor:
 
         try:
             self._peak.reset()
-            if first_layers and self.config.is_load_then_compute:
+            if is_load_all_first:
                 self._streamed.wait_all(timeout)
             is_rows_ready = self._streamed.load_rows(request.prompt_ids)
             if not is_rows_ready:

@@ -12,7 +12,7 @@ is stored raw (decoding it would only cost).
 The embedding table is stored raw by default (`raw_embeddings`): a cold actor then reads
 just its prompt's rows before layer 0 instead of decoding the whole table first, and
 loads the rest after the decoder layers (actors/layer_loader.py). It costs the table's
-compression saving in file size (for the `small` shape in bf16, ~15 MB of 138 MB).
+compression saving in file size.
 """
 
 from __future__ import annotations

@@ -68,9 +68,17 @@ def test_streamed_model_computes_layer_by_layer(tiny_zqs):
     assert seen == [-1, 0, 1, 2]
 
 
-def _prefill_logits(streamed, prompt: list[int], *, rows_first: bool) -> torch.Tensor:
+def _loaded_prefill(zqs, text: str) -> tuple[list[int], torch.Tensor]:
+    """The prompt for `text` and its prefill logits on the model loaded whole, the reference."""
+    model, tokenizer = load_zqs(zqs)
+    prompt = tokenizer.encode(text)
+    model.setup_cache(64)
+    return prompt, model.prefill(torch.tensor([prompt]))
+
+
+def _prefill_logits(streamed, prompt: list[int]) -> torch.Tensor:
     """Prefill as the request actor does: the prompt's rows (when it can), layer i after group i."""
-    is_rows_ready = rows_first and streamed.load_rows(prompt)
+    is_rows_ready = streamed.load_rows(prompt)
     num_layers = streamed.config.num_layers
 
     def wait_layer(i: int) -> None:
@@ -85,14 +93,11 @@ def _prefill_logits(streamed, prompt: list[int], *, rows_first: bool) -> torch.T
 
 
 def test_a_raw_table_streams_layers_first_and_its_rows_give_the_same_logits(tiny_zqs):
-    model, tokenizer = load_zqs(tiny_zqs)
-    prompt = tokenizer.encode("Rows first, then the table.")
-    model.setup_cache(64)
-    expected = model.prefill(torch.tensor([prompt]))
+    prompt, expected = _loaded_prefill(tiny_zqs, "Rows first, then the table.")
     streamed = stream_zqs(tiny_zqs, num_threads=1)
     try:
         assert streamed.is_embedding_raw
-        got = _prefill_logits(streamed, prompt, rows_first=True)
+        got = _prefill_logits(streamed, prompt)
         times = streamed.stream.ready_times()
     finally:
         streamed.close()
@@ -103,15 +108,12 @@ def test_a_raw_table_streams_layers_first_and_its_rows_give_the_same_logits(tiny
 
 def test_a_compressed_table_is_loaded_whole_and_first(tiny_zqs_compressed_embeddings):
     zqs = tiny_zqs_compressed_embeddings
-    model, tokenizer = load_zqs(zqs)
-    prompt = tokenizer.encode("The whole table first.")
-    model.setup_cache(64)
-    expected = model.prefill(torch.tensor([prompt]))
+    prompt, expected = _loaded_prefill(zqs, "The whole table first.")
     streamed = stream_zqs(zqs, num_threads=1)
     try:
         assert not streamed.is_embedding_raw
         assert not streamed.load_rows(prompt) or streamed.stream.is_ready(-1)
-        got = _prefill_logits(streamed, prompt, rows_first=True)
+        got = _prefill_logits(streamed, prompt)
         times = streamed.stream.ready_times()
     finally:
         streamed.close()
