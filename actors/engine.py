@@ -1,23 +1,42 @@
-"""The generation API the actors call: chat messages in, a stream of text deltas out.
+"""The generation API the actors call: a running batch of requests, stepped one forward at a time.
 
-One `Engine` wraps one loaded model and its tokenizer and serves one request at a
-time (an actor runs one request at a time). `prepare()` does every check that can
-fail — sampling ranges, the chat template, the context window — before any
-compute, so a bad request costs nothing. `generate()` then yields `TokenEvent`s as
-tokens are sampled and ends with exactly one `FinishEvent`; a `cancel` callable
-is polled between decode steps so a cancelled stream stops within one step.
+One `Engine` wraps one loaded model and its tokenizer. `prepare()` does every check that
+can fail — sampling ranges, the chat template, the context window — before any compute,
+so a bad request costs nothing. `add()` puts a request into the batch: it joins at the
+next step boundary, with its own KV cache sized for prompt + max_tokens, its own
+sampling generator (seeded per request), text decoder and stop sequences. `step()` runs
+one forward over every row (`actors/scheduler.py` decides how far each advances: a decode
+row one token, a joining row a chunk of its prompt), samples, and hands each row its
+events; a row that ends leaves the batch, and its cache is freed, *before* its
+`FinishEvent` is delivered, so whoever reads that event may add the next request at once.
+
+Per row the events are: one `StartEvent` (its prefill begins), `TokenEvent`s as tokens are
+sampled, then exactly one `FinishEvent`. `cancel(row)` ends a row at the next step
+boundary ("cancelled") and touches no other row.
+
+Threads. `step()` runs on one thread at a time; `add()` and `cancel()` may be called from
+any thread.
+
+A row's tokens in a batch equal its tokens alone: every row attends only to its own
+cache, and its sampler draws from its own generator exactly as many times as alone.
+`generate()` runs a single request to the end on the calling thread (the CLI, tests,
+calibration).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from actors.kv_cache import KVCache
+from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, make_generator, sample
+from actors.scheduler import RowProgress, plan_step
 from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
 
@@ -26,6 +45,10 @@ log = logging.getLogger(__name__)
 
 class ContextWindowError(ValueError):
     """The prompt plus max_tokens does not fit the model's context window."""
+
+
+class BatchFullError(RuntimeError):
+    """The batch already holds `max_batch` rows."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +65,11 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class StartEvent:
+    time: float  # epoch seconds; the row's prefill began
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     token_id: int
     text: str  # text released by this token; "" while held back (split UTF-8, stop-sequence prefix)
@@ -55,88 +83,250 @@ class FinishEvent:
     stop_sequence: str | None
     input_tokens: int
     output_tokens: int
-    compute_start: float  # epoch seconds; prefill began
+    compute_start: float  # epoch seconds; prefill began (arrival time if cancelled before)
     first_token_time: float | None
     last_token_time: float | None
 
 
+Event = StartEvent | TokenEvent | FinishEvent
+Emit = Callable[[Event | BaseException], None]  # an exception: the row failed
+
+
+@dataclass(eq=False)
+class Row:
+    """One request in the batch; the engine's thread owns every field but `is_cancelled`."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    emit: Emit
+    added_at: float
+    is_cancelled: bool = False
+    caches: list[KVCache] | None = None  # allocated when the row joins
+    num_prefilled: int = 0
+    last_token: int | None = None
+    num_out: int = 0
+    compute_start: float | None = None
+    first_time: float | None = None
+    last_time: float | None = None
+    generator: torch.Generator | None = None
+    decoder: StreamDecoder | None = None
+    stops: StopSequenceFilter | None = None
+    stop: tuple[str, str | None] | None = field(default=None)  # (reason, sequence) once it has ended
+
+    @property
+    def position(self) -> int:
+        """Tokens in the row's cache."""
+        return self.num_prefilled + max(0, self.num_out - 1)
+
+    def kv_bytes(self) -> int:
+        caches = self.caches
+        return sum(c.nbytes() for c in caches) if caches else 0
+
+
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer, *, max_context: int | None = None):
+    def __init__(self, model, tokenizer: Tokenizer, *, max_context: int | None = None, max_batch: int = 1,
+                 prefill_chunk_tokens: int = 256):
+        if max_batch < 1 or prefill_chunk_tokens < 1:
+            raise ValueError(f"max_batch and prefill_chunk_tokens must be >= 1, got {max_batch}, "
+                             f"{prefill_chunk_tokens}")
         self.model = model
         self.tokenizer = tokenizer
         window = model.config.max_position_embeddings
         self.max_context = min(window, max_context) if max_context else window
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self.device = next(model.parameters()).device
+        self.max_batch = max_batch
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._rows: list[Row] = []  # the running batch, in join order (the step thread's)
+        self._inbox: list[Row] = []  # added, joining at the next step boundary
+        self._lock = threading.Lock()
+        self._next_id = 0
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize and validate; raises before any compute. Returns the prompt token ids."""
         return build_prompt(self.tokenizer, request, self.max_context)
 
+    # ---- membership (any thread) ------------------------------------------------------
+
+    def add(self, prompt: list[int], params: SamplingParams, emit: Emit) -> Row:
+        """Queue a row to join at the next step boundary; raises BatchFullError when the batch is full.
+
+        Cancelled rows still in the batch do not count: they leave at the next boundary.
+        """
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ContextWindowError(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed the "
+                                     f"context window of {self.max_context}")
+        with self._lock:
+            if self.num_rows >= self.max_batch:
+                raise BatchFullError(f"the batch already runs {self.max_batch} rows")
+            row = Row(self._next_id, list(prompt), params, emit, time.time())
+            self._next_id += 1
+            self._inbox.append(row)
+        return row
+
+    def cancel(self, row: Row) -> None:
+        row.is_cancelled = True
+
+    @property
+    def num_rows(self) -> int:
+        """Rows running or joining, not counting cancelled ones."""
+        return sum(not r.is_cancelled for r in self._rows) + sum(not r.is_cancelled for r in self._inbox)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._rows or self._inbox)
+
+    def kv_bytes(self) -> int:
+        """Bytes of every running row's KV cache."""
+        return sum(r.kv_bytes() for r in list(self._rows))
+
+    # ---- the step (one thread) ----------------------------------------------------------
+
     @torch.inference_mode()
+    def step(self, wait_layer: WaitLayer | None = None) -> None:
+        """Admit joiners, drop cancelled rows, run one forward over the batch, sample, deliver events."""
+        with self._lock:
+            joining, self._inbox = self._inbox, []
+        now = time.time()
+        for row in joining:
+            self._join(row, now)
+        for row in [r for r in self._rows if r.is_cancelled]:
+            self._leave(row, "cancelled", None)
+        if not self._rows:
+            return
+        plan = plan_step([RowProgress(r.id, len(r.prompt), r.num_prefilled) for r in self._rows],
+                         self.prefill_chunk_tokens)
+        rows, tokens, inputs = [], [], []
+        for row, (_, n) in zip(self._rows, plan, strict=True):
+            if row.num_prefilled < len(row.prompt):
+                chunk = row.prompt[row.num_prefilled : row.num_prefilled + n]
+                start = row.num_prefilled
+                needs_logits = row.num_prefilled + n == len(row.prompt)
+            else:
+                chunk, start, needs_logits = [row.last_token], row.position, True
+            tokens += chunk
+            inputs.append(RowInput(row.caches, start, n, needs_logits))
+            if needs_logits:
+                rows.append(row)
+        logits = self.model.forward_rows(torch.tensor(tokens, dtype=torch.long, device=self.device), inputs,
+                                         wait_layer)
+        for row, (_, n) in zip(list(self._rows), plan, strict=True):
+            if row.num_prefilled < len(row.prompt):
+                row.num_prefilled += n
+        # One host sync for the whole step: each row samples on its own generator, then all ids come back.
+        ids = torch.cat([sample(logits[i : i + 1], r.params, r.generator) for i, r in enumerate(rows)]).tolist()
+        now = time.time()
+        for row, token_id in zip(rows, ids, strict=True):
+            self._deliver(row, token_id, now)
+
+    def fail_all(self, error: BaseException) -> None:
+        """A step raised: every row, running or joining, ends with `error` (the batch shares the model)."""
+        with self._lock:
+            rows, self._inbox = self._rows + self._inbox, []
+        self._rows = []
+        for row in rows:
+            row.caches = None
+            row.stop = ("error", None)
+            row.emit(error)
+
+    def _join(self, row: Row, now: float) -> None:
+        if row.is_cancelled:
+            row.emit(self._finish_event(row, ("cancelled", None)))
+            return
+        p = row.params
+        row.caches = self.model.new_row_cache(len(row.prompt) + p.max_tokens)
+        row.generator = make_generator(p, self.device)
+        row.decoder = StreamDecoder(self.tokenizer)
+        row.stops = StopSequenceFilter(p.stop_sequences)
+        row.compute_start = now
+        self._rows.append(row)
+        row.emit(StartEvent(now))
+
+    def _deliver(self, row: Row, token_id: int, now: float) -> None:
+        row.num_out += 1
+        row.last_token = token_id
+        row.last_time = now
+        row.first_time = row.first_time or now
+        is_eos = token_id in self.eos_token_ids
+        is_last = is_eos or row.num_out >= row.params.max_tokens
+        # Exactly one event per sampled token; the last one also flushes held-back text.
+        piece = row.decoder.flush() if is_eos else row.decoder.push(token_id)
+        if is_last and not is_eos:
+            piece += row.decoder.flush()
+        text, matched = row.stops.push(piece)
+        if matched is None and is_last:
+            text += row.stops.flush()
+        event = TokenEvent(token_id, text, row.num_out, now)
+        if matched is not None:
+            stop = ("stop_sequence", matched)
+        elif is_eos:
+            stop = ("end_turn", None)
+        elif is_last:
+            stop = ("max_tokens", None)
+        else:
+            row.emit(event)
+            return
+        self._rows.remove(row)
+        row.caches = None  # freed before anyone hears the row ended
+        row.emit(event)
+        row.emit(self._finish_event(row, stop))
+
+    def _leave(self, row: Row, reason: str, sequence: str | None) -> None:
+        self._rows.remove(row)
+        row.caches = None
+        row.emit(self._finish_event(row, (reason, sequence)))
+
+    def _drop(self, row: Row) -> None:
+        """Take a row out wherever it is, without events (its consumer has gone)."""
+        with self._lock:
+            if row in self._inbox:
+                self._inbox.remove(row)
+        if row in self._rows:
+            self._rows.remove(row)
+        row.caches = None
+
+    @staticmethod
+    def _finish_event(row: Row, stop: tuple[str, str | None]) -> FinishEvent:
+        row.stop = stop
+        return FinishEvent(stop_reason=stop[0], stop_sequence=stop[1], input_tokens=len(row.prompt),
+                           output_tokens=row.num_out, compute_start=row.compute_start or row.added_at,
+                           first_token_time=row.first_time, last_token_time=row.last_time)
+
+    # ---- one request on the calling thread ----------------------------------------------
+
     def generate(
         self,
         prompt: list[int],
         params: SamplingParams,
         *,
         cancel: Callable[[], bool] | None = None,
-        wait_layer: Callable[[int], None] | None = None,
+        wait_layer: WaitLayer | None = None,
     ) -> Iterator[TokenEvent | FinishEvent]:
-        """Stream one completion of `prompt` (token ids from `prepare`)."""
-        model = self.model
-        model.setup_cache(max_seq_len=len(prompt) + params.max_tokens)
-        generator = make_generator(params, self.device)
-        decoder = StreamDecoder(self.tokenizer)
-        stops = StopSequenceFilter(params.stop_sequences)
-        first_time = last_time = None
-        stop_reason, stop_sequence = "max_tokens", None
-        num_out = 0
-        compute_start = time.time()
+        """Stream one completion of `prompt` (token ids from `prepare`), stepping the engine here.
+
+        `cancel` is polled between steps. Other rows in the batch advance too.
+        """
+        events: list[Event] = []
+        row = self.add(prompt, params, events.append)
         try:
-            tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
-            logits = model.prefill(tokens, wait_layer=wait_layer)
-            pos = len(prompt)
             while True:
-                token = sample(logits, params, generator)  # [1]
-                token_id = int(token.item())
-                num_out += 1
-                last_time = time.time()
-                first_time = first_time or last_time
-                is_eos = token_id in self.eos_token_ids
-                is_last = is_eos or num_out >= params.max_tokens
-                # Exactly one event per sampled token; the last one also flushes held-back text.
-                piece = decoder.flush() if is_eos else decoder.push(token_id)
-                if is_last and not is_eos:
-                    piece += decoder.flush()
-                text, matched = stops.push(piece)
-                if matched is None and is_last:
-                    text += stops.flush()
-                yield TokenEvent(token_id, text, num_out, last_time)
-                if matched is not None:
-                    stop_reason, stop_sequence = "stop_sequence", matched
-                    break
-                if is_eos:
-                    stop_reason = "end_turn"
-                    break
-                if is_last:
-                    break
+                self.step(wait_layer)
+                for event in events:
+                    if isinstance(event, BaseException):
+                        raise event
+                    if not isinstance(event, StartEvent):
+                        yield event
+                    if isinstance(event, FinishEvent):
+                        return
+                events.clear()
                 if cancel is not None and cancel():
-                    stop_reason = "cancelled"
-                    break
-                logits = model.decode_step(token.view(1, 1), pos)
-                pos += 1
+                    self.cancel(row)
         finally:
-            # The KV cache is request-sized; a hot actor must not carry it into the next request.
-            model.drop_cache()
-        yield FinishEvent(
-            stop_reason=stop_reason,
-            stop_sequence=stop_sequence,
-            input_tokens=len(prompt),
-            output_tokens=num_out,
-            compute_start=compute_start,
-            first_token_time=first_time,
-            last_token_time=last_time,
-        )
+            if row.stop is None:
+                self._drop(row)  # closed early or failed: the row must not stay in the batch
 
 
 def build_prompt(tokenizer: Tokenizer, request: GenerationRequest, max_context: int) -> list[int]:
@@ -152,7 +342,7 @@ def build_prompt(tokenizer: Tokenizer, request: GenerationRequest, max_context: 
     if need > max_context:
         raise ContextWindowError(
             f"prompt is {len(prompt)} tokens and max_tokens is {request.sampling.max_tokens}: "
-            f"{need} exceeds the context window of {max_context} tokens"
+            f"{need} exceeds the context window of {max_context}"
         )
     return prompt
 

@@ -15,28 +15,34 @@ A loader that streams weights in this order can therefore let prefill start
 while later layers are still arriving: `wait_layer(i)` blocks until group i is
 resident. `group_parameters(group)` names the parameters of each group.
 
+Two ways in. `prefill` / `decode_step` / `forward` run one sequence (or B sequences in
+lockstep) against the model's own static cache (`setup_cache`). `forward_rows` runs a
+*batch of independent rows*, each with its own per-row cache (`new_row_cache`), its own
+positions and its own number of tokens this step (a decode row 1, a prefill chunk many):
+the rows' tokens are flattened into one [1, T] sequence, so every weight is read once per
+step for all of them, and only attention is computed row by row (`Segment`). Both ways
+share every layer's code.
+
 Numerics follow HF: RMSNorm in fp32 then cast, RoPE tables computed in fp32 from
 the positions and cast to the model dtype, logits returned as fp32.
 """
 
 from __future__ import annotations
 
-import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.arena import move_parameters_to_huge_pages
 from actors.kv_cache import KVCache
 from actors.rope import apply_rope, rope_inv_freq, rope_tables
 from weights_tool.architecture import ModelConfig, layer_index
 
 WaitLayer = Callable[[int], None]
 EMBEDDINGS_GROUP = -1
-_HUGE_PAGE = 2 << 20
-_PARAM_ALIGN = 4096
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,30 @@ class AttentionSpan:
     end: int
     mask: torch.Tensor | None  # [S, T] bool, True where query i may attend to key j; None: all of them
     is_causal: bool  # queries and keys are the same positions: SDPA's built-in causal mask
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's tokens inside a forward: [offset, offset + length) of the flattened tokens.
+
+    `caches` holds one KVCache per layer (None: no cache, the chunk attends to itself).
+    """
+
+    offset: int
+    length: int
+    input_pos: torch.Tensor  # [length] positions of these tokens in their own sequence
+    span: AttentionSpan
+    caches: Sequence[KVCache] | None
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """One row of `Transformer.forward_rows`: `num_tokens` tokens from position `start_pos` of its cache."""
+
+    caches: Sequence[KVCache]  # one per layer, from `new_row_cache`
+    start_pos: int
+    num_tokens: int
+    needs_logits: bool = True  # a prefill chunk before the prompt's last one needs none
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,12 +132,7 @@ class Attention(nn.Module):
         self.is_gqa = self.num_heads != self.num_kv_heads
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        span: AttentionSpan,
-        input_pos: torch.Tensor,
-        kv_cache: KVCache | None,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: Sequence[Segment], layer: int
     ) -> torch.Tensor:
         # x: [B, S, hidden]
         bsz, seq_len, _ = x.shape
@@ -119,14 +144,22 @@ class Attention(nn.Module):
         # q: [B, H, S, D]; k, v: [B, H_kv, S, D]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if kv_cache is not None:
-            k_all, v_all = kv_cache.update(input_pos, k, v)
-            # k, v: [B, H_kv, T, D], the cached positions this chunk may attend to.
-            k, v = k_all[:, :, span.start : span.end], v_all[:, :, span.start : span.end]
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=span.mask, is_causal=span.is_causal, enable_gqa=self.is_gqa
-        )
+        if len(segments) == 1:
+            y = self._attend(q, k, v, segments[0], layer)
+        else:  # rows of a batch: each attends to its own cache only
+            y = torch.cat([self._attend(*(t[:, :, s.offset : s.offset + s.length] for t in (q, k, v)), s, layer)
+                           for s in segments], dim=2)
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seq_len, self.num_heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment, layer: int) -> torch.Tensor:
+        # q: [B, H, n, D]; k, v: [B, H_kv, n, D], this segment's tokens
+        if seg.caches is not None:
+            k_all, v_all = seg.caches[layer].update(seg.input_pos, k, v)
+            # k, v: [B, H_kv, T, D], the cached positions this chunk may attend to.
+            k, v = k_all[:, :, seg.span.start : seg.span.end], v_all[:, :, seg.span.start : seg.span.end]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=seg.span.mask, is_causal=seg.span.is_causal, enable_gqa=self.is_gqa
+        )
 
 
 class MLP(nn.Module):
@@ -150,14 +183,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        span: AttentionSpan,
-        input_pos: torch.Tensor,
-        kv_cache: KVCache | None,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: Sequence[Segment], layer: int
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, span, input_pos, kv_cache)
+        h = x + self.self_attn(self.input_layernorm(x), rope, segments, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -196,35 +224,16 @@ class Transformer(nn.Module):
                 else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             )
         if self.device.type == "cpu":
-            self._move_parameters_to_huge_pages()
+            move_parameters_to_huge_pages(self)
         self.requires_grad_(False)
         self.eval()
         # inv_freq: [D/2] fp32. A plain attribute, not a buffer: the state dict holds only
         # checkpoint tensors, and model.to(bfloat16) must not round the frequencies.
         self._inv_freq = rope_inv_freq(config).to(self.device)
         self.kv_caches: list[KVCache] = []
-        self._positions: torch.Tensor | None = None
+        self._position_table: torch.Tensor | None = None
         if initialise:
             self.init_weights()
-
-    def _move_parameters_to_huge_pages(self) -> None:
-        """Re-home every (still unwritten) parameter in one arena backed by 2 MB pages.
-
-        Decoding streams every weight once per token; on 4 KB pages that walk costs a
-        TLB miss every 4 KB, which on a virtualised host (nested page tables) made
-        decode 1.5-2.4x slower in this project's benchmark. Each parameter stays its
-        own tensor (a view), so loaders and load_state_dict still write it in place.
-        The first, never-touched allocations are freed without having become resident.
-        """
-        params = [(module, name, p) for module in self.modules() for name, p in module._parameters.items()
-                  if p is not None]
-        sizes = [-(-p.nbytes // _PARAM_ALIGN) * _PARAM_ALIGN for _, _, p in params]
-        arena = huge_page_arena(sum(sizes))
-        offset = 0
-        for (module, name, p), size in zip(params, sizes, strict=True):
-            view = arena[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
-            module._parameters[name] = nn.Parameter(view, requires_grad=False)
-            offset += size
 
     @classmethod
     def empty(
@@ -274,18 +283,19 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         """Allocate every layer's static KV cache for `max_seq_len` positions (prompt + max_tokens)."""
+        self.drop_cache()
+        self.kv_caches = self.new_row_cache(max_seq_len, batch_size)
+
+    def new_row_cache(self, max_seq_len: int, batch_size: int = 1) -> list[KVCache]:
+        """One KVCache per layer for `max_seq_len` positions: a batch row's own cache (`forward_rows`)."""
         if max_seq_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                 f"{self.config.max_position_embeddings}"
             )
-        self.drop_cache()
         c = self.config
-        self.kv_caches = [
-            KVCache(batch_size, max_seq_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
-            for _ in range(c.num_layers)
-        ]
-        self._positions = torch.arange(max_seq_len, device=self.device)
+        return [KVCache(batch_size, max_seq_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+                for _ in range(c.num_layers)]
 
     def reset_cache(self) -> None:
         """Forget the cached sequence but keep the buffers for the next request of the same size."""
@@ -296,7 +306,6 @@ class Transformer(nn.Module):
     def drop_cache(self) -> None:
         """Free the KV cache memory."""
         self.kv_caches = []
-        self._positions = None
 
     @property
     def max_seq_len(self) -> int:
@@ -317,10 +326,12 @@ class Transformer(nn.Module):
         self._check_tokens(tokens)
         if input_pos.shape != (tokens.shape[1],):
             raise ValueError(f"input_pos must have shape [{tokens.shape[1]}], got {list(input_pos.shape)}")
-        start_pos = int(input_pos[0]) if self.kv_caches else None
-        if start_pos is not None:
-            self._check_cache_room(tokens, start_pos)
-        return self._forward(tokens, input_pos, start_pos, wait_layer, last_only=False)
+        if not self.kv_caches:
+            seg = Segment(0, tokens.shape[1], input_pos, self._attention_span(input_pos, None), None)
+            return self._forward(tokens, [seg], input_pos, wait_layer, None)
+        start_pos = int(input_pos[0])
+        self._check_cache_room(tokens, start_pos)
+        return self._forward(tokens, [self._cached_segment(start_pos, tokens.shape[1])], input_pos, wait_layer, None)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, wait_layer: WaitLayer | None = None) -> torch.Tensor:
@@ -329,8 +340,8 @@ class Transformer(nn.Module):
             raise RuntimeError("prefill needs a KV cache: call setup_cache(max_seq_len) first")
         self._check_tokens(tokens)
         self._check_cache_room(tokens, 0)
-        input_pos = self._positions[: tokens.shape[1]]
-        return self._forward(tokens, input_pos, 0, wait_layer, last_only=True)[:, 0]
+        seg = self._cached_segment(0, tokens.shape[1])
+        return self._forward(tokens, [seg], seg.input_pos, wait_layer, [tokens.shape[1] - 1])[:, 0]
 
     @torch.inference_mode()
     def decode_step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
@@ -340,17 +351,46 @@ class Transformer(nn.Module):
         if token.dim() != 2 or token.shape[1] != 1:
             raise ValueError(f"token must have shape [B, 1], got {list(token.shape)}")
         self._check_cache_room(token, pos)
-        return self._forward(token, self._positions[pos : pos + 1], pos, None, last_only=True)[:, 0]
+        seg = self._cached_segment(pos, 1)
+        return self._forward(token, [seg], seg.input_pos, None, [0])[:, 0]
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, tokens: torch.Tensor, rows: Sequence[RowInput], wait_layer: WaitLayer | None = None
+    ) -> torch.Tensor:
+        """One step of a batch of independent rows: logits [R, V] (fp32), one per row with `needs_logits`.
+
+        tokens: [T], the rows' tokens back to back (T = sum of num_tokens). Each row's
+        tokens sit at positions [start_pos, start_pos + num_tokens) of its own cache and
+        attend to what that cache holds before them; the logits are those of each row's
+        last token. Every weight is read once for the whole step.
+        """
+        if tokens.dim() != 1 or tokens.shape[0] != sum(r.num_tokens for r in rows):
+            raise ValueError(f"tokens must be [T] with T = the rows' tokens, got {list(tokens.shape)}")
+        self._check_tokens(tokens.view(1, -1))
+        segments, last = [], []
+        offset = 0
+        for row in rows:
+            cache = row.caches[0]
+            if row.num_tokens < 1 or row.start_pos < 0 or row.start_pos + row.num_tokens > cache.max_seq_len:
+                raise ValueError(f"a row's positions [{row.start_pos}, {row.start_pos + row.num_tokens}) do not "
+                                 f"fit its KV cache of {cache.max_seq_len}")
+            segments.append(self._cached_segment(row.start_pos, row.num_tokens, row.caches, offset))
+            offset += row.num_tokens
+            if row.needs_logits:
+                last.append(offset - 1)
+        input_pos = segments[0].input_pos if len(segments) == 1 else torch.cat([s.input_pos for s in segments])
+        return self._forward(tokens.view(1, -1), segments, input_pos, wait_layer, last)[0]
 
     def _forward(
         self,
         tokens: torch.Tensor,
+        segments: Sequence[Segment],
         input_pos: torch.Tensor,
-        start_pos: int | None,
         wait_layer: WaitLayer | None,
-        last_only: bool,
+        last: list[int] | None,
     ) -> torch.Tensor:
-        span = self._attention_span(input_pos, start_pos)
+        """Logits [B, S', V] of tokens [B, S] at positions input_pos [S]; S' = len(last), or S when None."""
         if self._inv_freq.device != input_pos.device:  # the model was moved with .to()
             self._inv_freq = self._inv_freq.to(input_pos.device)
         rope = rope_tables(self._inv_freq, input_pos, self.dtype)
@@ -361,15 +401,28 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if wait_layer is not None:
                 wait_layer(i)
-            cache = self.kv_caches[i] if start_pos is not None else None
-            x = layer(x, rope, span, input_pos, cache)
+            x = layer(x, rope, segments, i)
         if wait_layer is not None:
             wait_layer(self.config.num_layers)
-        if last_only:
-            x = x[:, -1:]
+        if last is not None:
+            x = x[:, last] if last != [x.shape[1] - 1] else x[:, -1:]
         x = self.model.norm(x)
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return linear(x, head).float()
+
+    def _cached_segment(self, start_pos: int, length: int, caches: Sequence[KVCache] | None = None,
+                        offset: int = 0) -> Segment:
+        input_pos = self._positions(start_pos + length)[start_pos:]
+        return Segment(offset, length, input_pos, self._attention_span(input_pos, start_pos),
+                       self.kv_caches if caches is None else caches)
+
+    def _positions(self, end: int) -> torch.Tensor:
+        """arange(end) on the model's device, sliced from one table built once."""
+        table = self._position_table
+        if table is None or table.shape[0] < end or table.device != self.device:
+            table = self._position_table = torch.arange(max(end, self.config.max_position_embeddings),
+                                                        device=self.device)
+        return table[:end]
 
     def _attention_span(self, input_pos: torch.Tensor, start_pos: int | None) -> AttentionSpan:
         seq_len = input_pos.shape[0]
@@ -380,7 +433,7 @@ class Transformer(nn.Module):
             end = start_pos + seq_len
             # The oldest position any query of this chunk may see; older keys are not even read.
             start = max(0, start_pos + 1 - window) if window is not None else 0
-            kv_pos = self._positions[start:end]
+            kv_pos = self._positions(end)[start:]
         if seq_len == 1:  # one query sees every key in [start, end)
             return AttentionSpan(start, end, None, is_causal=False)
         if window is None and end - start == seq_len:
@@ -406,18 +459,3 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"positions [{start_pos}, {start_pos + seq_len}) do not fit the KV cache of {self.max_seq_len}"
             )
-
-
-def huge_page_arena(nbytes: int) -> torch.Tensor:
-    """nbytes of CPU memory, 2 MB aligned, advised to be backed by transparent huge pages.
-
-    A private anonymous mmap (a shared one would be shmem, which THP skips): nothing
-    is resident until written. Where the kernel has no transparent huge pages the
-    advice is a no-op and ordinary pages are used.
-    """
-    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    arena = torch.frombuffer(buf, dtype=torch.uint8)  # keeps buf alive
-    skip = -arena.data_ptr() % _HUGE_PAGE
-    return arena[skip : skip + nbytes]

@@ -35,8 +35,9 @@ from typing import Any, Protocol
 
 import torch
 
+from actors.arena import huge_page_arena
 from actors.checkpoint import load_hf_checkpoint
-from actors.model import Transformer, huge_page_arena
+from actors.model import Transformer
 from weights_tool.architecture import ModelConfig
 from weights_tool.synth import preset_config, synthesize
 

@@ -106,6 +106,12 @@ def test_prompt_beyond_context_window_is_refused_before_compute(engine, monkeypa
         engine.prepare(short)
 
 
-def test_kv_cache_is_dropped_after_each_request(engine):
+def test_kv_cache_is_freed_after_each_request_even_one_abandoned(engine):
     _run(engine, _request(max_tokens=3, temperature=0.0))
-    assert engine.model.kv_caches == []
+    assert not engine.has_work and engine.kv_bytes() == 0
+    req = _request(max_tokens=50, temperature=0.0)
+    stream = engine.generate(engine.prepare(req), req.sampling)
+    next(stream)
+    assert engine.kv_bytes() > 0
+    stream.close()  # the consumer went away mid-stream: its row must not stay in the batch
+    assert not engine.has_work and engine.kv_bytes() == 0

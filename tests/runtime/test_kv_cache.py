@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from actors.kv_cache import KVCache, kv_cache_bytes
-from actors.model import Transformer, linear
+from actors.model import RowInput, Transformer, linear
 from weights_tool.architecture import ModelConfig
 
 VOCAB = 256
@@ -167,3 +167,53 @@ def test_cache_bounds_fail_clearly() -> None:
     model.prefill(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="do not fit"):
         model.decode_step(torch.zeros(1, 1, dtype=torch.long), 8)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_rows_equals_each_row_alone(name: str) -> None:
+    """Rows at different positions, decoding and prefilling in one step, each get their own logits."""
+    config = CONFIGS[name]
+    model = make_model(config)
+    gen = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, VOCAB, (1, n), generator=gen) for n in (9, 17, 4)]
+    alone = []
+    for seq in seqs:  # reference: each sequence on its own static cache, one token at a time after 3
+        model.setup_cache(seq.shape[1])
+        out = [model.prefill(seq[:, :3])]
+        out += [model.decode_step(seq[:, p : p + 1], p) for p in range(3, seq.shape[1])]
+        alone.append(torch.cat(out))  # [n - 2, V]: logits after each prefix of length 3..n
+    model.drop_cache()
+    caches = [model.new_row_cache(s.shape[1]) for s in seqs]
+    # Row 0 prefills all 9 at once, row 1 a chunk of 5 then 7 then single tokens, row 2 joins late.
+    got: list[list[torch.Tensor]] = [[], [], []]
+    steps = [  # per step: (row, start, count) for the rows taking part
+        [(0, 0, 9), (1, 0, 5)],
+        [(1, 5, 7)],
+        [(1, 12, 1), (2, 0, 3)],
+        [(1, 13, 1), (2, 3, 1)],
+    ]
+    for step in steps:
+        tokens = torch.cat([seqs[r][0, s : s + n] for r, s, n in step])
+        inputs = [RowInput(caches[r], s, n) for r, s, n in step]
+        logits = model.forward_rows(tokens, inputs)
+        assert logits.shape == (len(step), VOCAB)
+        for (r, _, _), row_logits in zip(step, logits, strict=True):
+            got[r].append(row_logits)
+    # Each row's logits after prefix length p equal the alone run's.
+    torch.testing.assert_close(got[0][0], alone[0][9 - 3], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(got[1]), alone[1][[5 - 3, 12 - 3, 13 - 3, 14 - 3]], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(got[2]), alone[2][[0, 1]], atol=2e-5, rtol=1e-5)
+
+
+def test_forward_rows_skips_logits_a_prefill_chunk_does_not_need_and_checks_room() -> None:
+    model = make_model(CONFIGS["gqa"])
+    caches = [model.new_row_cache(8), model.new_row_cache(8)]
+    tokens = torch.arange(6)
+    logits = model.forward_rows(tokens, [RowInput(caches[0], 0, 4, needs_logits=False), RowInput(caches[1], 0, 2)])
+    assert logits.shape == (1, VOCAB)
+    with pytest.raises(ValueError, match="do not fit"):
+        model.forward_rows(torch.arange(5), [RowInput(caches[0], 4, 5)])
+    with pytest.raises(ValueError, match="tokens must be"):
+        model.forward_rows(torch.arange(3), [RowInput(caches[0], 0, 2)])
+    row_bytes = sum(c.nbytes() for c in caches[0])
+    assert row_bytes == kv_cache_bytes(CONFIGS["gqa"], 8, torch.float32)

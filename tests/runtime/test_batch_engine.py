@@ -1,0 +1,187 @@
+"""The batched engine: a row's output in a batch is its output alone, rows join and leave at any step.
+
+A real tiny checkpoint (its tokenizer, chat template and stop handling), fp32, with weights
+re-drawn at a larger std so that greedy choices are far from ties.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.checkpoint import load_hf_checkpoint
+from actors.engine import BatchFullError, Engine, FinishEvent, StartEvent, TokenEvent
+from actors.sampling import SamplingParams
+from actors.tokenizer import Tokenizer
+from weights_tool.synth import synthesize
+
+PROMPTS = ["Hi", "Tell me about queues, please, in some detail.", "Why do tails matter?",
+           "A much longer prompt that keeps going about serving systems, batching, memory and the tail "
+           "latency that every user of an interactive product sees when one request waits behind another."]
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    path = synthesize("tiny", tmp_path_factory.mktemp("tiny"), dtype="float32", seed=3)
+    model, config = load_hf_checkpoint(path)
+    torch.manual_seed(0)
+    model.init_weights(std=0.15)
+    return model, Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids)
+
+
+def make_engine(parts, max_batch=8, prefill_chunk_tokens=256) -> Engine:
+    model, tokenizer = parts
+    engine = Engine(model, tokenizer, max_batch=max_batch, prefill_chunk_tokens=prefill_chunk_tokens)
+    engine.eos_token_ids = frozenset()  # every row runs to max_tokens: the test decides when rows leave
+    return engine
+
+
+def prompt_ids(engine: Engine, text: str) -> list[int]:
+    return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def alone(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [e.token_id for e in engine.generate(prompt, params) if isinstance(e, TokenEvent)]
+
+
+class Recorder:
+    """One row's events, as the engine delivers them."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def __call__(self, event) -> None:
+        self.events.append(event)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token_id for e in self.events if isinstance(e, TokenEvent)]
+
+    @property
+    def finish(self) -> FinishEvent | None:
+        done = [e for e in self.events if isinstance(e, FinishEvent)]
+        assert len(done) <= 1
+        return done[0] if done else None
+
+
+def run_schedule(engine: Engine, joins: dict[int, list[tuple[list[int], SamplingParams]]],
+                 cancels: dict[int, list[int]] | None = None) -> list[Recorder]:
+    """Step the engine; at step s, add the rows `joins[s]` and cancel the rows `cancels[s]` (by add order)."""
+    recorders: list[Recorder] = []
+    rows = []
+    step = 0
+    while step <= max(joins) or engine.has_work:
+        for prompt, params in joins.get(step, []):
+            rec = Recorder()
+            rows.append(engine.add(prompt, params, rec))
+            recorders.append(rec)
+        for i in (cancels or {}).get(step, []):
+            engine.cancel(rows[i])
+        engine.step()
+        step += 1
+        assert step < 10_000
+    return recorders
+
+
+@pytest.mark.parametrize("chunk", [256, 5])
+def test_greedy_tokens_in_a_batch_equal_each_request_alone(parts, chunk):
+    engine = make_engine(parts, prefill_chunk_tokens=chunk)
+    requests = [(prompt_ids(engine, p), SamplingParams(max_tokens=n, temperature=0.0))
+                for p, n in zip(PROMPTS, (32, 40, 33, 36), strict=True)]
+    expected = [alone(engine, p, s) for p, s in requests]
+    # Rows of different prompt lengths join at different steps and leave at different steps.
+    recorders = run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})
+    for rec, want, (_, params) in zip(recorders, expected, requests, strict=True):
+        assert rec.tokens == want
+        assert len(want) == params.max_tokens >= 32
+        assert rec.finish.stop_reason == "max_tokens"
+    assert not engine.has_work and engine.kv_bytes() == 0
+
+
+def test_same_seed_samples_the_same_in_a_batch_as_alone(parts):
+    engine = make_engine(parts)
+    a = (prompt_ids(engine, PROMPTS[1]), SamplingParams(max_tokens=32, temperature=1.0, top_p=0.9, seed=11))
+    b = (prompt_ids(engine, PROMPTS[2]), SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=12))
+    expected = [alone(engine, *a), alone(engine, *b)]
+    recorders = run_schedule(engine, {0: [a], 2: [b]})
+    assert [r.tokens for r in recorders] == expected
+    assert expected[0] != alone(engine, a[0], SamplingParams(max_tokens=32, temperature=1.0, top_p=0.9, seed=13))
+
+
+def test_cancelling_one_row_stops_it_within_a_step_and_no_other(parts):
+    engine = make_engine(parts)
+    requests = [(prompt_ids(engine, p), SamplingParams(max_tokens=32, temperature=0.0)) for p in PROMPTS[:3]]
+    expected = [alone(engine, p, s) for p, s in requests]
+    recorders = run_schedule(engine, {0: requests}, cancels={6: [1]})
+    cancelled = recorders[1]
+    assert cancelled.finish.stop_reason == "cancelled"
+    # Step 6 is where the cancel lands: rows sampled one token in each of steps 0..5.
+    assert cancelled.tokens == expected[1][:6] and cancelled.finish.output_tokens == 6
+    assert recorders[0].tokens == expected[0] and recorders[2].tokens == expected[2]
+
+
+def test_every_row_gets_one_start_then_tokens_then_one_finish(parts):
+    engine = make_engine(parts, prefill_chunk_tokens=3)
+    reqs = [(prompt_ids(engine, p), SamplingParams(max_tokens=5, temperature=0.0)) for p in PROMPTS]
+    for rec in run_schedule(engine, {0: reqs[:2], 1: reqs[2:]}):
+        kinds = [type(e) for e in rec.events]
+        assert kinds == [StartEvent] + [TokenEvent] * 5 + [FinishEvent]
+        start, finish = rec.events[0], rec.events[-1]
+        assert finish.compute_start == start.time <= finish.first_token_time <= finish.last_token_time
+        assert [e.num_output_tokens for e in rec.events[1:-1]] == [1, 2, 3, 4, 5]
+
+
+def test_kv_memory_is_each_rows_own_size_and_is_freed_before_its_finish_is_heard(parts):
+    engine = make_engine(parts)
+    config = engine.model.config
+    per_token = config.kv_bytes_per_token("float32")
+    seen: list[tuple[str, int]] = []
+
+    def watcher(name):
+        def emit(event):
+            if isinstance(event, (StartEvent, FinishEvent)):
+                seen.append((name, engine.kv_bytes()))
+        return emit
+
+    p1, p2 = prompt_ids(engine, PROMPTS[0]), prompt_ids(engine, PROMPTS[3])
+    engine.add(p1, SamplingParams(max_tokens=4, temperature=0.0), watcher("a"))
+    engine.add(p2, SamplingParams(max_tokens=9, temperature=0.0), watcher("b"))
+    engine.step()
+    assert engine.kv_bytes() == per_token * ((len(p1) + 4) + (len(p2) + 9))
+    while engine.has_work:
+        engine.step()
+    # a's finish was delivered after its cache left the batch: only b's was still there.
+    assert seen[-2] == ("a", per_token * (len(p2) + 9)) and seen[-1] == ("b", 0)
+
+
+def test_a_full_batch_refuses_at_once_and_a_cancelled_row_frees_its_place(parts):
+    engine = make_engine(parts, max_batch=2)
+    prompt = prompt_ids(engine, PROMPTS[0])
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    first = engine.add(prompt, params, Recorder())
+    engine.add(prompt, params, Recorder())
+    with pytest.raises(BatchFullError):
+        engine.add(prompt, params, Recorder())
+    engine.cancel(first)
+    engine.add(prompt, params, Recorder())  # the cancelled row leaves at the next boundary
+    engine.step()
+    assert len(engine._rows) == 2
+    while engine.has_work:
+        engine.step()
+
+
+def test_a_failing_step_ends_every_row_with_the_error(parts, monkeypatch):
+    engine = make_engine(parts)
+    recs = [Recorder(), Recorder()]
+    for rec in recs:
+        engine.add(prompt_ids(engine, PROMPTS[0]), SamplingParams(max_tokens=4), rec)
+
+    def broken(*args, **kwargs):
+        raise OSError("frame 3: checksum mismatch")
+
+    monkeypatch.setattr(engine.model, "forward_rows", broken)
+    with pytest.raises(OSError) as e:
+        engine.step()
+    engine.fail_all(e.value)
+    assert [type(r.events[-1]) for r in recs] == [OSError, OSError]
+    assert not engine.has_work
