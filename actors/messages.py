@@ -1,7 +1,8 @@
 """What a request actor and its callers exchange: the request, the stream's items, its status.
 
 Plain frozen dataclasses (Ray pickles them across processes); no Ray, no torch. A stream
-is one `Started`, then `TextChunk`s, then one `Completion` (actors/request_actor.py).
+is one `Started`, then `TextChunk`s, then one `Completion` (actors/request_actor.py); a
+hot actor runs several such streams at once, one per row of its batch.
 """
 
 from __future__ import annotations
@@ -87,5 +88,6 @@ class ActorStatus:
     num_layers: int
     transitions: tuple[tuple[str, float], ...]
     num_requests_served: int
-    accounted_bytes: int  # weights, plus the KV cache while a request runs
+    accounted_bytes: int  # weights, plus the KV caches of the rows running
     load_bytes_per_s: float
+    num_rows: int = 0  # requests running or joining

@@ -1,27 +1,34 @@
-"""One Ray actor per request: stream the weights in, compute while they arrive, answer, exit.
+"""A Ray actor that serves requests from a `.zqs` file: streams the weights in, computes while they arrive.
 
 Lifecycle (queryable through `status()`, every transition time-stamped):
 
-    STARTING -> LOADING (k of L layers) -> PREFILL -> DECODE -> IDLE -> EXITED
-                                                            \\-> EXITED
+    STARTING -> LOADING (k of L layers) -> PREFILL -> DECODE <-> IDLE -> EXITED
+                                                           \\-> EXITED
 
-The actor starts streaming its `.zqs` file the moment it is constructed, so loading
-overlaps the request's trip to the actor. Prefill starts once the first N layers are
-resident (N from config, or derived by `cold_start.choose_first_layers` from the load
-rate measured so far and the prompt length) and layer i's compute waits only for
-layer i. Layer 0 needs only the prompt's embedding rows, read on their own where the
-file stores the table raw (actors/layer_loader.py); the whole table, and its checksum,
-is waited for before the first token. After decode the actor exits through `ray.actor.exit_actor()` — unless the
-request asked it to stay hot: then it drops its KV cache and waits, IDLE, for the next
-request, which runs on the weights already resident.
+Cold. The actor starts streaming its `.zqs` file the moment it is constructed, so loading
+overlaps the request's trip to the actor. Its first request is the only one it takes
+while loading: prefill starts once the first N layers are resident (N from config, or
+derived by `cold_start.choose_first_layers` from the load rate measured so far and the
+prompt length) and layer i's compute waits only for layer i. Layer 0 needs only the
+prompt's embedding rows, read on their own where the file stores the table raw
+(actors/layer_loader.py); the whole table, and its checksum, is waited for before the
+first token, so once a first token exists every weight is resident.
 
-Generation runs on a worker thread; the async `generate` method relays its events as a
-Ray streaming generator. When the caller cancels the stream, the cancellation reaches
-the relay, which sets a flag that the decode loop polls between steps.
+Hot. Once loaded, the actor runs a batch of up to `max_batch` requests (actors/engine.py,
+stepped on one thread by actors/batch_runner.py): each `generate` call is one row with its
+own KV cache, sampler, stream and request id; it joins at the next step boundary and
+leaves the moment it ends, its cache freed before its `Completion` is sent, so a caller
+that hears the end may send the next request at once. Cancelling one stream (the caller
+cancels the Ray generator) ends only that row, within one step.
 
-Memory. The actor tells its node's telemetry agent what it holds (weights; weights + KV
-cache while a request decodes) and withdraws that on exit; each `Completion` carries the
-request's measured peak (`actors/peak_memory.py`).
+After its last row the actor exits through `ray.actor.exit_actor()` — unless the latest
+request asked it to stay hot: then it waits, IDLE, for the next request. A cold actor
+whose only request was cancelled before the weights were in, or any actor whose step
+failed, exits.
+
+Memory. The actor tells its node's telemetry agent what it holds (weights, plus the KV
+caches of the rows running) and withdraws that on exit; each `Completion` carries the
+peak measured since the batch last started from empty (`actors/peak_memory.py`).
 """
 
 from __future__ import annotations
@@ -29,14 +36,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.batch_runner import BatchRunner, RowStream
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
-from actors.engine import Engine, FinishEvent, TokenEvent
+from actors.engine import BatchFullError, Engine, FinishEvent, StartEvent, TokenEvent
 from actors.heap import IdleTrimmer, retain_freed_memory
 from actors.messages import (
     ActorRequest,
@@ -47,7 +55,7 @@ from actors.messages import (
     TextChunk,
     Timings,
 )
-from actors.model import EMBEDDINGS_GROUP
+from actors.model import EMBEDDINGS_GROUP, WaitLayer
 from actors.peak_memory import PeakMemory
 from actors.telemetry_agent import AgentReporter
 
@@ -55,7 +63,7 @@ log = logging.getLogger(__name__)
 
 
 class ActorBusyError(RuntimeError):
-    """A request reached an actor that is already serving one (actors run one at a time)."""
+    """A request reached an actor that cannot take it now: its batch is full, it is loading, or it exits."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,11 @@ class ActorConfig:
     load_threads: int = 1
     # Threads for torch's compute; on a CPU node loading and compute share the cores.
     compute_threads: int = 1
+    # Rows a hot actor runs at once (the policy's max_batch: the ingress sets both from one value).
+    max_batch: int = 8
+    # Prompt tokens one step may add while other rows decode: a joiner's prompt is chunked so
+    # that running rows wait at most one step of this size (actors/scheduler.py).
+    prefill_chunk_tokens: int = 256
     first_layers: int | None = None  # None: derived per request (see cold_start)
     # Every group resident before prefill starts: load-then-compute, the cold-start
     # benchmark's baseline (first_layers = L still streams the table and the final group).
@@ -89,6 +102,11 @@ class ActorConfig:
     is_freed_memory_retained: bool = True
     idle_trim_after_s: float = 2.0
 
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.prefill_chunk_tokens < 1:
+            raise ValueError(f"ActorConfig needs max_batch >= 1 and prefill_chunk_tokens >= 1, got "
+                             f"{self.max_batch}, {self.prefill_chunk_tokens}")
+
     def actor_options(self, name: str) -> dict:
         return {
             "name": name,
@@ -99,21 +117,34 @@ class ActorConfig:
             "resources": dict(self.resources),
             "max_restarts": 0,
             "max_task_retries": 0,
-            # generate + status/release may run side by side; generate itself is one at a time.
-            "max_concurrency": 4,
+            # One `generate` per row, plus status / release / shutdown beside them.
+            "max_concurrency": self.max_batch + 4,
         }
 
 
 @dataclass
 class _State:
     phase: Phase = Phase.STARTING
-    transitions: list[tuple[str, float]] = field(default_factory=list)
+    transitions: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=_MAX_TRANSITIONS))
     num_served: int = 0
-    is_busy: bool = False
 
     def enter(self, phase: Phase) -> None:
-        self.phase = phase
-        self.transitions.append((phase.value, time.time()))
+        if phase != self.phase or not self.transitions:
+            self.phase = phase
+            self.transitions.append((phase.value, time.time()))
+
+
+_MAX_TRANSITIONS = 256  # a hot actor alternates DECODE and IDLE for as long as it lives
+
+
+@dataclass
+class _Cold:
+    """The first request's part in loading: the gate its prefill passes through, and when layer 0 began."""
+
+    request_id: str
+    first_layers: int
+    wait_layer: WaitLayer
+    marks: dict[str, float]
 
 
 class RequestActor:
@@ -137,7 +168,9 @@ class RequestActor:
             os.nice(config.cpu_nice)
         self._streamed = stream_zqs(zqs_path, device=device, num_threads=config.load_threads)
         self._model = self._streamed.model
-        self._engine = Engine(self._model, self._streamed.tokenizer)
+        self._engine = Engine(self._model, self._streamed.tokenizer, max_batch=config.max_batch,
+                              prefill_chunk_tokens=config.prefill_chunk_tokens)
+        self._runner = BatchRunner(self._engine, wait_layer=self._weight_gate, name=f"batch-{self.name}")
         self._num_layers = self._streamed.config.num_layers
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self._model.parameters())
         is_cuda = str(device).startswith("cuda")
@@ -145,6 +178,10 @@ class RequestActor:
         self._reporter = AgentReporter(self.name, config.namespace, is_cuda)
         self._reporter.report(self._weight_bytes)
         self._stream_open = True
+        self._is_loaded = False  # every group resident (then cached: it never goes back)
+        self._cold: _Cold | None = None  # the first request's part in loading; set once it arrives
+        self._keep_hot = False  # what the latest request asked for
+        self._is_failed = False
         self._state.enter(Phase.LOADING)
         log.info("%s: streaming %s onto %s", self.name, Path(zqs_path).name, device)
 
@@ -162,57 +199,52 @@ class RequestActor:
             num_requests_served=self._state.num_served,
             accounted_bytes=self._accounted_bytes(),
             load_bytes_per_s=stream.throughput(),
+            num_rows=self._engine.num_rows,
         )
 
     # ---- serving ---------------------------------------------------------------------
 
     async def generate(self, request: ActorRequest):
-        """Stream one `Started`, then `TextChunk`s, then one `Completion`. One request at a time."""
-        if self._state.is_busy or self._state.phase == Phase.EXITED:
-            raise ActorBusyError(f"{self.name} is {self._state.phase.value}; it serves one request at a time")
-        self._state.is_busy = True
-        self._idle_trimmer.request_started()
+        """Stream one `Started`, then `TextChunk`s, then one `Completion`, as one row of the batch."""
+        if self._state.phase == Phase.EXITED or self._is_failed:
+            raise ActorBusyError(f"{self.name} is exiting")
+        is_cold = self._cold is None  # the actor's first request: it paid for loading the weights
+        if not is_cold and not self._loaded():
+            raise ActorBusyError(f"{self.name} is loading; it serves one request until its weights are in")
+        if self._engine.num_rows >= self.config.max_batch:
+            raise ActorBusyError(f"{self.name} already runs {self.config.max_batch} requests")
         arrival = time.time()
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-
-        def emit(item) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, item)
-
-        worker = threading.Thread(
-            target=self._run, args=(request, arrival, cancel, emit), name=f"generate-{request.request_id}", daemon=True
-        )
-        worker.start()
+        if is_cold:
+            self._cold = _Cold(request.request_id, 0, lambda i: None, {})  # claimed before the first await
+        stream: RowStream | None = None
         completion = None
-        interval = self.config.stream_interval_s
         try:
-            while True:
-                items = [await events.get()]
-                if interval:
-                    # Chunks sent faster than this only cost the relay (a Ray object each),
-                    # so tokens sampled meanwhile travel together.
-                    await asyncio.sleep(interval)
-                while not events.empty():
-                    items.append(events.get_nowait())
-                for item in _coalesce(items):
-                    if isinstance(item, BaseException):
-                        raise item
-                    yield item
-                    if isinstance(item, Completion):
-                        completion = item
-                if completion is not None:
-                    break
+            if is_cold:
+                self._cold = await asyncio.to_thread(self._prepare_cold, request)
+            if self._engine.num_rows == 0:
+                self._peak.reset()
+                self._idle_trimmer.request_started()
+            stream = self._runner.submit(list(request.prompt_ids), request.sampling)
+            self._keep_hot = request.keep_hot
+            async for item in self._relay(request, stream, arrival, is_cold):
+                yield item
+                if isinstance(item, Completion):
+                    completion = item
+        except BatchFullError:
+            raise ActorBusyError(f"{self.name} already runs {self.config.max_batch} requests") from None
+        except Exception:
+            # Loading or a step failed (a cancelled caller raises no Exception): not trusted again.
+            self._is_failed = True
+            raise
         finally:
-            cancel.set()
-            # The worker stops within one decode step once cancelled.
-            await asyncio.to_thread(worker.join)
-            self._after_request(completion is not None and request.keep_hot)
+            if stream is not None:
+                stream.cancel()  # a no-op once the row has ended; else it leaves at the next step
+            self._after_row(completion is not None)
 
     async def release(self) -> None:
         """Retire an idle hot actor: the ingress no longer wants it kept."""
-        if self._state.is_busy:
-            raise ActorBusyError(f"{self.name} is serving a request; it exits when that ends")
+        if self._engine.num_rows:
+            raise ActorBusyError(f"{self.name} is serving requests; it exits when they end")
         self._exit()
 
     async def shutdown(self) -> None:
@@ -223,8 +255,36 @@ class RequestActor:
 
     # ---- internals -------------------------------------------------------------------
 
-    def _run(self, request: ActorRequest, arrival: float, cancel: threading.Event, emit) -> None:
-        is_cold = self._state.num_served == 0  # this request paid for loading the weights
+    async def _relay(self, request: ActorRequest, stream: RowStream, arrival: float, is_cold: bool):
+        """The row's engine events as the actor's stream items, tokens sent meanwhile coalesced."""
+        interval = self.config.stream_interval_s
+        while True:
+            items = [await stream.get()]
+            if interval:
+                # Chunks sent faster than this only cost the relay (a Ray object each),
+                # so tokens sampled meanwhile travel together.
+                await asyncio.sleep(interval)
+            items += stream.get_ready()
+            for item in _coalesce([self._item(request, event, arrival, is_cold) for event in items]):
+                yield item
+                if isinstance(item, Completion):
+                    return
+
+    def _item(self, request: ActorRequest, event, arrival: float, is_cold: bool):
+        if isinstance(event, StartEvent):
+            self._state.enter(Phase.PREFILL if is_cold else Phase.DECODE)
+            self._reporter.report(self._accounted_bytes())  # the row's KV cache is in place now
+            return Started(request.request_id, event.time, is_cold)
+        if isinstance(event, TokenEvent):
+            if event.num_output_tokens == 1 and is_cold:
+                self._state.enter(Phase.DECODE)
+            return TextChunk((event.token_id,), event.text, event.num_output_tokens, event.time)
+        assert isinstance(event, FinishEvent)
+        self._state.num_served += 1
+        return self._completion(request, arrival, event, is_cold)
+
+    def _prepare_cold(self, request: ActorRequest) -> _Cold:
+        """The first request's gate (off the event loop: it reads the prompt's rows from the file)."""
         first_layers = 0 if self._all_resident() else self._first_layers(len(request.prompt_ids))
         is_load_all_first = bool(first_layers) and self.config.is_load_then_compute
         if is_load_all_first:
@@ -232,9 +292,12 @@ class RequestActor:
         marks: dict[str, float] = {}
         timeout = self.config.load_timeout_s
         stream = self._streamed.stream
-
-        is_rows_ready = False
         num_layers = self._num_layers
+        if is_load_all_first:
+            self._streamed.wait_all(timeout)
+        is_rows_ready = self._streamed.load_rows(request.prompt_ids)
+        if not is_rows_ready:
+            stream.wait(EMBEDDINGS_GROUP, timeout)  # a compressed table: all of it first
 
         def wait_layer(i: int) -> None:
             if i == EMBEDDINGS_GROUP and is_rows_ready:
@@ -247,35 +310,27 @@ class RequestActor:
                 # looks up a new token, a tied lm_head is the table, and the prompt's rows
                 # were read unchecked.
                 stream.wait(EMBEDDINGS_GROUP, timeout)
-            if i == 0:
+            if i == 0 and "first_layer_compute_start" not in marks:
                 marks["first_layer_compute_start"] = time.time()
 
-        try:
-            self._peak.reset()
-            if is_load_all_first:
-                self._streamed.wait_all(timeout)
-            is_rows_ready = self._streamed.load_rows(request.prompt_ids)
-            if not is_rows_ready:
-                stream.wait(EMBEDDINGS_GROUP, timeout)  # a compressed table: all of it first
-            self._state.enter(Phase.PREFILL)
-            emit(Started(request.request_id, self._state.transitions[-1][1], is_cold))
-            for event in self._engine.generate(
-                list(request.prompt_ids), request.sampling, cancel=cancel.is_set, wait_layer=wait_layer
-            ):
-                if isinstance(event, TokenEvent):
-                    if event.num_output_tokens == 1:
-                        self._state.enter(Phase.DECODE)
-                        self._reporter.report(self._accounted_bytes())  # the KV cache is in place now
-                    emit(TextChunk((event.token_id,), event.text, event.num_output_tokens, event.time))
-                elif isinstance(event, FinishEvent):
-                    emit(self._completion(request, arrival, event, is_cold, first_layers, marks))
-        except BaseException as e:  # surfaced to the caller through the stream
-            log.exception("%s: request %s failed", self.name, request.request_id)
-            emit(e)
+        return _Cold(request.request_id, first_layers, wait_layer, marks)
 
-    def _completion(self, request, arrival: float, event: FinishEvent, is_cold: bool, first_layers: int, marks) -> Completion:
+    def _weight_gate(self) -> WaitLayer | None:
+        """Asked by the stepping thread before each step: the cold gate until every weight is resident."""
+        if self._loaded():
+            return None
+        return self._cold.wait_layer  # only the first request runs before then
+
+    def _loaded(self) -> bool:
+        if not self._is_loaded and self._all_resident():
+            self._is_loaded = True
+        return self._is_loaded
+
+    def _completion(self, request, arrival: float, event: FinishEvent, is_cold: bool) -> Completion:
         ready = self._streamed.stream.ready_times()  # seconds since the stream started
         stream_start = self._stream_started_at()
+        cold = self._cold if is_cold and self._cold is not None else None
+        marks = cold.marks if cold is not None else {}
         return Completion(
             request_id=request.request_id,
             stop_reason=event.stop_reason,
@@ -283,7 +338,7 @@ class RequestActor:
             input_tokens=event.input_tokens,
             output_tokens=event.output_tokens,
             is_cold=is_cold,
-            first_layers=first_layers,
+            first_layers=cold.first_layers if cold is not None else 0,
             timings=Timings(
                 actor_start=self._actor_start,
                 request_arrival=arrival,
@@ -313,7 +368,7 @@ class RequestActor:
         return choose_first_layers(c.num_layers, layer_bytes / rate, t_compute)
 
     def _accounted_bytes(self) -> int:
-        return self._weight_bytes + sum(c.nbytes() for c in self._model.kv_caches)
+        return self._weight_bytes + self._engine.kv_bytes()
 
     def _all_resident(self) -> bool:
         stream = self._streamed.stream
@@ -324,23 +379,31 @@ class RequestActor:
         # parsing and model allocation; `started_at` is that instant in epoch seconds.
         return self._streamed.stream.started_at
 
-    def _after_request(self, stay_hot: bool) -> None:
-        self._state.num_served += 1
-        self._state.is_busy = False
-        if stay_hot:
-            if self._stream_open and self._all_resident():
-                self._streamed.close()  # the loader threads are done; free them
-                self._stream_open = False
-            self._idle_trimmer.request_ended()  # the request's activations go back if no request follows
-            self._state.enter(Phase.IDLE)
-            self._reporter.report(self._accounted_bytes())  # the KV cache was dropped
-        else:
+    def _after_row(self, is_complete: bool) -> None:
+        """A row's stream has ended (completed, cancelled or failed): exit, idle, or keep serving."""
+        if self._state.phase == Phase.EXITED:
+            return
+        if self._is_failed or (not is_complete and not self._loaded()):
+            self._exit()  # a failed step, or a cold load nobody waits for any more
+            return
+        if self._engine.num_rows:
+            self._reporter.report(self._accounted_bytes())
+            return
+        if not self._keep_hot:
             self._exit()
+            return
+        if self._stream_open and self._all_resident():
+            self._streamed.close()  # the loader threads are done; free them
+            self._stream_open = False
+        self._idle_trimmer.request_ended()  # the batch's activations go back if no request follows
+        self._state.enter(Phase.IDLE)
+        self._reporter.report(self._accounted_bytes())
 
     def _exit(self) -> None:
         import ray
 
         self._state.enter(Phase.EXITED)
+        self._runner.close()
         self._reporter.forget()
         self._streamed.close()
         ray.get_runtime_context().current_actor.shutdown.remote()

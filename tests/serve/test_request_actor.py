@@ -53,6 +53,14 @@ def _wait_gone(ray, name: str, timeout: float = 10.0) -> None:
     raise AssertionError(f"actor {name} still in Ray's actor table after {timeout}s")
 
 
+def _wait_rows(ray, actor, expected: int, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while (status := ray.get(actor.status.remote())).num_rows != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert status.num_rows == expected
+    return status
+
+
 def _wait_cpus(ray, expected: float, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while ray.available_resources().get("CPU", 0) < expected and time.monotonic() < deadline:
@@ -97,13 +105,14 @@ def test_hot_actor_serves_a_second_request_as_a_fresh_actor_would(ray_cluster, t
     fresh_chunks, _ = _consume(ray, fresh.generate.remote(ActorRequest("fresh", second.prompt_ids, second.sampling)))
     assert _token_ids(hot_chunks) == _token_ids(fresh_chunks)
     phases = [p for p, _ in ray.get(actor.status.remote()).transitions]
-    assert phases == ["STARTING", "LOADING", "PREFILL", "DECODE", "IDLE", "PREFILL", "DECODE", "IDLE"]
+    # The second request joins a loaded actor: no cold prefill phase of its own.
+    assert phases == ["STARTING", "LOADING", "PREFILL", "DECODE", "IDLE", "DECODE", "IDLE"]
     ray.get(actor.release.remote())
     _wait_gone(ray, name)
     _wait_gone(ray, fresh_name)
 
 
-def test_cancel_mid_decode_stops_the_actor_within_a_step(ray_cluster, tiny_zqs):
+def test_cancel_mid_decode_stops_the_row_within_a_step_and_a_hot_actor_stays(ray_cluster, tiny_zqs):
     ray = ray_cluster
     request = _request(tiny_zqs, max_tokens=1500, temperature=0.0, keep_hot=True)
     name = new_actor_name("tiny")
@@ -116,7 +125,12 @@ def test_cancel_mid_decode_stops_the_actor_within_a_step(ray_cluster, tiny_zqs):
         if received == 3:  # Started and two chunks of tokens
             ray.cancel(gen)
             break
-    # A cancelled request does not leave its actor hot: the actor exits.
+    status = _wait_rows(ray, actor, 0)
+    # The row left (far fewer than 1500 tokens were made); the loaded actor stays hot for the next one.
+    assert status.phase == Phase.IDLE
+    _, done = _consume(ray, actor.generate.remote(_request(tiny_zqs, max_tokens=3, keep_hot=True)))
+    assert done.output_tokens == 3 and not done.is_cold
+    ray.get(actor.release.remote())
     _wait_gone(ray, name)
 
 
@@ -226,3 +240,74 @@ def test_a_corrupt_embedding_row_fails_the_request_before_any_token(ray_cluster,
             items.append(ray.get(ref))
     assert [type(i) for i in items] == [Started]
     _wait_gone(ray, name)  # it exits on its own, as after any failed request
+
+
+def _loaded_hot_actor(ray, zqs, config=CONFIG):
+    """A spawned actor that has served one request and stays hot (every weight resident)."""
+    name = new_actor_name("batch")
+    actor = spawn(str(zqs), config, name)
+    _consume(ray, actor.generate.remote(_request(zqs, max_tokens=2, keep_hot=True)))
+    return name, actor
+
+
+def test_a_hot_actor_runs_several_requests_at_once_each_as_it_would_alone(ray_cluster, tiny_zqs):
+    ray = ray_cluster
+    requests = [_request(tiny_zqs, max_tokens=n, seed=s, temperature=t, keep_hot=True)
+                for n, s, t in ((40, 1, 0.0), (24, 2, 1.0), (33, 3, 0.7))]
+    expected = [_in_process_tokens(tiny_zqs, r) for r in requests]
+    name, actor = _loaded_hot_actor(ray, tiny_zqs)
+    weights = ray.get(actor.status.remote()).accounted_bytes
+    gens = [actor.generate.remote(r) for r in requests]  # all three in flight together
+    results = [_consume(ray, g) for g in gens]
+    assert [_token_ids(chunks) for chunks, _ in results] == expected
+    assert [done.request_id for _, done in results] == [r.request_id for r in requests]
+    status = ray.get(actor.status.remote())
+    assert status.num_rows == 0 and status.phase == Phase.IDLE
+    assert status.accounted_bytes == weights  # every row's KV cache was freed
+    ray.get(actor.release.remote())
+    _wait_gone(ray, name)
+
+
+def test_cancelling_one_row_leaves_the_others_untouched(ray_cluster, tiny_zqs):
+    ray = ray_cluster
+    keep = _request(tiny_zqs, max_tokens=64, seed=4, temperature=0.0, keep_hot=True)
+    drop = _request(tiny_zqs, max_tokens=1500, seed=5, temperature=0.0, keep_hot=True)
+    name, actor = _loaded_hot_actor(ray, tiny_zqs)
+    dropped = actor.generate.remote(drop)
+    ray.get(next(dropped))  # Started: the row is in the batch
+    kept = actor.generate.remote(keep)
+    ray.cancel(dropped)
+    chunks, done = _consume(ray, kept)
+    assert _token_ids(chunks) == _in_process_tokens(tiny_zqs, keep) and done.stop_reason == "max_tokens"
+    ray.get(actor.release.remote())
+    _wait_gone(ray, name)
+
+
+def test_back_to_back_requests_never_find_a_hot_actor_busy(ray_cluster, tiny_zqs):
+    """The row leaves before its Completion is sent: the next request may follow at once."""
+    ray = ray_cluster
+    config = ActorConfig(namespace=CONFIG.namespace, num_cpus=1, load_threads=1, compute_threads=1, max_batch=1)
+    name, actor = _loaded_hot_actor(ray, tiny_zqs, config)
+    for i in range(40):
+        _, done = _consume(ray, actor.generate.remote(_request(tiny_zqs, max_tokens=2, seed=i, keep_hot=True)))
+        assert done.output_tokens == 2
+    ray.get(actor.release.remote())
+    _wait_gone(ray, name)
+
+
+def test_a_full_batch_refuses_the_extra_request_at_once(ray_cluster, tiny_zqs):
+    from ray.exceptions import RayTaskError
+
+    ray = ray_cluster
+    config = ActorConfig(namespace=CONFIG.namespace, num_cpus=1, load_threads=1, compute_threads=1, max_batch=2)
+    name, actor = _loaded_hot_actor(ray, tiny_zqs, config)
+    running = [actor.generate.remote(_request(tiny_zqs, max_tokens=1500, seed=s, keep_hot=True)) for s in (1, 2)]
+    for g in running:
+        ray.get(next(g))  # both rows started
+    with pytest.raises(RayTaskError, match="already runs 2"):
+        ray.get(next(actor.generate.remote(_request(tiny_zqs, max_tokens=4, keep_hot=True))))
+    for g in running:
+        ray.cancel(g)
+    _wait_rows(ray, actor, 0)
+    ray.get(actor.release.remote())
+    _wait_gone(ray, name)
