@@ -13,6 +13,10 @@ from enum import Enum
 from actors.sampling import SamplingParams
 
 
+class ActorBusyError(RuntimeError):
+    """A request reached an actor that cannot take it now: its batch is full, it is loading, or it exits."""
+
+
 class Phase(str, Enum):
     STARTING = "STARTING"
     LOADING = "LOADING"

@@ -47,6 +47,7 @@ from actors.cold_start import choose_first_layers, estimate_prefill_layer_second
 from actors.engine import BatchFullError, Engine, FinishEvent, StartEvent, TokenEvent
 from actors.heap import IdleTrimmer, retain_freed_memory
 from actors.messages import (
+    ActorBusyError,
     ActorRequest,
     ActorStatus,
     Completion,
@@ -60,10 +61,6 @@ from actors.peak_memory import PeakMemory
 from actors.telemetry_agent import AgentReporter
 
 log = logging.getLogger(__name__)
-
-
-class ActorBusyError(RuntimeError):
-    """A request reached an actor that cannot take it now: its batch is full, it is loading, or it exits."""
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,13 @@ Per request (`POST /v1/messages`):
   1. validate the body (400/404/413 before any work), tokenize with the model's chat
      template and check the context window;
   2. `registry.admit(features)`: the pure `decide()` and the reservation it implies, in
-     one atomic call on the shared registry actor (no replica can over-commit a slot);
-  3. act: call the idle hot actor, or create a detached actor on the reserved slot — or
-     answer 503 `overloaded_error` with `retry-after` at once;
+     one atomic call on the shared registry actor (no replica can over-commit a slot or a
+     batch);
+  3. act: call the idle hot actor, add a row to a hot actor's batch, or create a detached
+     actor on the reserved slot — or answer 503 `overloaded_error` at once, with the
+     registry's predicted `retry-after` / `retry-after-ms`;
   4. relay the actor's stream as JSON or SSE (serve_app/relay.py), then tell the registry
-     how it ended.
+     how it ended (complete, cancelled, failed): exactly once, releasing just that row.
 
 Nothing here waits for capacity: every await is on work already placed, and has a deadline.
 The registry decides with the XGBoost scorer when `scorer_path` names a usable model (else
@@ -42,10 +44,10 @@ from serve_app.errors import ApiError
 from serve_app.latency_targets import request_targets
 from serve_app.memory import ModelNumbers, request_features
 from serve_app.metrics import IngressMetrics
-from serve_app.policy import Dispatch, Reject, Spawn
+from serve_app.policy import Reject, Spawn
 from serve_app.prompt import prompt_for
 from serve_app.registry_actor import RegistryConfig, get_registry
-from serve_app.relay import Admitted, Relay
+from serve_app.relay import Admitted, Outcome, Relay
 from serve_app.slots import SlotRefresher
 from serve_app.xgb_scorer import load_scorer
 
@@ -63,6 +65,7 @@ class LoadedModel:
     created_at: float
     ttft_target_s: float | None = None
     total_target_s: float | None = None
+    tpot_target_s: float | None = None
 
 
 def _timing(t: float) -> str:
@@ -93,7 +96,9 @@ class Ingress:
             config.policy, load_scorer(config.scorer_path),
         )
         self.traces = traces.TraceWriter(config.traces) if config.traces is not None else None
-        self.relay = Relay(config.token_timeout_s, config.ping_interval_s, self._observe, self._ended)
+        self.relay = Relay(config.token_timeout_s, config.ping_interval_s, self._observe, self._ended,
+                           self._first_token)
+        self._releasing: set[asyncio.Task] = set()  # rows given up, released once their stream has ended
         # Slots (and their telemetry) are kept current in the background: GPU workers may
         # join after the ingress starts, and a restarted registry comes back empty.
         self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor,
@@ -116,6 +121,7 @@ class Ingress:
             numbers=ModelNumbers.from_config(config),
             max_context=min(window, spec.max_context) if spec.max_context else window,
             created_at=path.stat().st_mtime, ttft_target_s=spec.ttft_target_s, total_target_s=spec.total_target_s,
+            tpot_target_s=spec.tpot_target_s,
         )
 
     # ---- HTTP ------------------------------------------------------------------------
@@ -197,6 +203,7 @@ class Ingress:
         for a in snap.actors:
             by_state[a.state] = by_state.get(a.state, 0) + 1
         free_slots = sum(1 for s in snap.slots if s.num_actors == 0)
+        num_rows = sum(a.num_rows for a in snap.actors)
         for state in ("starting", "busy", "idle"):
             self.metrics.actors.set(by_state.get(state, 0), tags={"state": state})
         self.metrics.free_slots.set(free_slots)
@@ -204,6 +211,7 @@ class Ingress:
             "status": "ok",
             "dispatch_latency_us": self.metrics.dispatch_jitter_us(),
             "actors": by_state,
+            "rows": num_rows,
             "slots": {"total": len(snap.slots), "free": free_slots,
                       "free_bytes": sum(s.free_bytes for s in snap.slots)},
             "models": list(self.models),
@@ -231,12 +239,15 @@ class Ingress:
                     headers: Mapping[str, str] | None = None) -> Admitted:
         """Validate, decide, act. Returns once the actor has started computing, or raises ApiError."""
         model = self._model(req.model)
-        ttft_target_s, total_target_s = request_targets(headers or {}, model.ttft_target_s, model.total_target_s)
+        ttft_target_s, total_target_s, tpot_target_s = request_targets(
+            headers or {}, model.ttft_target_s, model.total_target_s, model.tpot_target_s)
         prompt, sampling = prompt_for(req, model.tokenizer, model.max_context)
         features = request_features(model.id, model.numbers, len(prompt), req.max_tokens, self.config.policy,
-                                    ttft_target_s, total_target_s, req.temperature, req.top_k, req.top_p)
+                                    ttft_target_s, total_target_s, req.temperature, req.top_k, req.top_p,
+                                    tpot_target_s)
         spawn_name = new_actor_name(model.id)
-        decision = await self.registry.admit.remote(features, spawn_name, self.slot_refresher.take_stats())
+        decision = await self.registry.admit.remote(features, spawn_name, request_id,
+                                                    self.slot_refresher.take_stats())
         kind = type(decision).__name__.lower()
         self.metrics.decisions.inc(tags={"model": model.id, "kind": kind})
         if isinstance(decision, Reject):
@@ -245,7 +256,7 @@ class Ingress:
             self._trace(request_id, model.id, arrival, features, decision, None)
             if decision.http_status == 400:
                 raise errors.invalid_request(decision.message)
-            raise errors.overloaded(decision.message, decision.retry_after_s or 1.0)
+            raise errors.overloaded(decision.message, decision.retry_after_s or self.config.policy.retry_after_s)
         actor_request = ActorRequest(request_id, tuple(prompt), sampling, keep_hot=decision.keep_hot)
         if isinstance(decision, Spawn):
             try:
@@ -255,8 +266,7 @@ class Ingress:
             except Exception:
                 self.registry.remove.remote(spawn_name)  # nothing was started: give the slot back
                 raise
-        else:
-            assert isinstance(decision, Dispatch)
+        else:  # Dispatch or Join: a row on a hot actor
             name, handle = decision.actor_name, await self._handle(decision.actor_name)
         stream = handle.generate.remote(actor_request)
         dispatch_time = time.time()
@@ -266,8 +276,6 @@ class Ingress:
                             stream, started=None, arrival=arrival, dispatch_time=dispatch_time,
                             features=features, decision=decision)
         await self.relay.first(admitted, self.config.start_timeout_s)
-        if admitted.is_cold:
-            self.registry.actor_started.remote(name)  # starting -> busy in the registry's view
         return admitted
 
     # ---- Python handles (serve.get_app_handle("zeroqueue")) ---------------------------
@@ -314,18 +322,42 @@ class Ingress:
         if t.last_token is not None and done.output_tokens > 1:
             self.metrics.tpot.observe((t.last_token - t.first_token) / (done.output_tokens - 1), tags={"model": model})
 
-    def _ended(self, admitted: Admitted, ok: bool) -> None:
-        """Exactly once per admitted request: release its reservation (the actor may stay hot)."""
-        stays_hot = ok and admitted.keep_hot
-        if not ok:
-            ray.cancel(admitted.stream)  # a cancelled or failed request's actor exits
-            self._handles.pop(admitted.actor_name, None)
-        self.registry.finish.remote(admitted.actor_name, stays_hot)
+    def _first_token(self, admitted: Admitted) -> None:
+        if admitted.is_cold:  # every weight is resident now: starting -> busy, and it may batch
+            self.registry.actor_started.remote(admitted.actor_name)
+
+    def _ended(self, admitted: Admitted, outcome: Outcome) -> None:
+        """Exactly once per admitted request: release its row (the actor may stay hot)."""
+        if outcome == "complete":  # the actor let the row go before it sent the Completion
+            self._finish(admitted, outcome)
+        else:
+            ray.cancel(admitted.stream)  # the row leaves the batch at the actor's next step
+            if outcome == "failed":
+                self._handles.pop(admitted.actor_name, None)
+                self._finish(admitted, outcome)  # the registry forgets the actor and kills it
+            else:
+                # Released once the actor's stream has ended, i.e. the row has left its batch:
+                # released earlier, a new row could be sent to a batch the actor still sees full.
+                task = asyncio.get_running_loop().create_task(self._finish_when_gone(admitted, outcome))
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
         if self.traces is not None and admitted.decision is not None:
-            outcome = traces.outcome_record(admitted.arrival, admitted.dispatch_time, admitted.decision.reserve_bytes,
-                                            admitted.completion if ok else None, None if ok else "incomplete")
+            ok = outcome == "complete"
+            record = traces.outcome_record(admitted.arrival, admitted.dispatch_time,
+                                           admitted.decision.reserve_bytes, admitted.completion if ok else None,
+                                           None if ok else outcome)
             self._trace(admitted.request_id, admitted.model_id, admitted.arrival, admitted.features,
-                        admitted.decision, outcome)
+                        admitted.decision, record)
+
+    async def _finish_when_gone(self, admitted: Admitted, outcome: Outcome) -> None:
+        try:
+            await asyncio.wait_for(_drain(admitted.stream), self.config.token_timeout_s)
+        except Exception:  # cancelled, failed or timed out: the actor's row is gone or the actor is
+            pass
+        self._finish(admitted, outcome)
+
+    def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
+        self.registry.finish.remote(admitted.actor_name, admitted.request_id, outcome)
 
     def _trace(self, request_id: str, model: str, arrival: float, features, decision, outcome) -> None:
         if self.traces is None:
@@ -334,6 +366,11 @@ class Ingress:
             self.traces.write(traces.trace_record(request_id, model, arrival, features, decision, outcome))
         except Exception:
             log.exception("trace of request %s not recorded", request_id)
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

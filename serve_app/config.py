@@ -5,8 +5,9 @@ them here once; every component then receives its own frozen dataclass
 (`PolicyConfig`, `ActorConfig`, `TraceConfig`, `IngressConfig`) at `bind()` time.
 
 Latency targets. A model may set default `ttft_target_s` / `total_target_s` (seconds from
-the request's arrival); a request may override them with the `x-zq-ttft-target-s` /
-`x-zq-total-target-s` headers (`latency_targets.py`). A request no placement is predicted
+the request's arrival) and `tpot_target_s` (seconds per output token); a request may
+override them with the `x-zq-ttft-target-s` / `x-zq-total-target-s` / `x-zq-tpot-target-s`
+headers (`latency_targets.py`). A request no placement is predicted
 to serve within its targets is refused at once (503 overloaded_error, retry-after).
 """
 
@@ -43,6 +44,7 @@ class ModelArgs(_Strict):
     # Default latency targets for this model's requests (None: none); headers override them.
     ttft_target_s: float | None = Field(default=None, gt=0, le=MAX_TARGET_S)
     total_target_s: float | None = Field(default=None, gt=0, le=MAX_TARGET_S)
+    tpot_target_s: float | None = Field(default=None, gt=0, le=MAX_TARGET_S)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelArgs:
@@ -109,6 +111,7 @@ class ModelSpec:
     max_context: int | None
     ttft_target_s: float | None = None
     total_target_s: float | None = None
+    tpot_target_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -138,15 +141,19 @@ def ingress_config(args: AppArgs) -> IngressConfig:
     actor_fields = dict(args.actor)
     if "resources" in actor_fields:  # YAML gives a mapping; the frozen config keeps pairs
         actor_fields["resources"] = tuple(sorted(dict(actor_fields["resources"]).items()))
+    if "max_batch" in actor_fields:
+        raise ValueError("actor.max_batch is set from policy.max_batch; set it there, once")
+    policy = PolicyConfig(**args.policy)
     return IngressConfig(
         models=tuple(
             ModelSpec(m.id, m.zqs_path, m.demo_preset, m.demo_dir, m.display_name or m.id, m.max_context,
-                      m.ttft_target_s, m.total_target_s)
+                      m.ttft_target_s, m.total_target_s, m.tpot_target_s)
             for m in args.models
         ),
         slots=args.slots,
-        policy=PolicyConfig(**args.policy),
-        actor=ActorConfig(namespace=args.namespace, **actor_fields),
+        policy=policy,
+        # The actor refuses rows beyond what the registry ever places: one figure for both.
+        actor=ActorConfig(namespace=args.namespace, max_batch=policy.max_batch, **actor_fields),
         api_key=api_key,
         max_body_bytes=args.max_body_bytes,
         start_timeout_s=args.start_timeout_s,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.policy import PolicyConfig, RequestFeatures
+from serve_app.policy import PolicyConfig
+from serve_app.snapshot import RequestFeatures
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ def request_features(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    tpot_target_s: float | None = None,
 ) -> RequestFeatures:
     """The features of one request, with its memory need derived from the model's sizes."""
     if input_tokens < 1 or max_tokens < 1:
@@ -91,6 +93,7 @@ def request_features(
         actor_overhead_bytes=policy.actor_overhead_bytes,
         ttft_target_s=ttft_target_s,
         total_target_s=total_target_s,
+        tpot_target_s=tpot_target_s,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,

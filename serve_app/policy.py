@@ -1,39 +1,59 @@
-"""The zero-queue decision: run a request now on an idle hot actor or a fresh one, or refuse it now.
+"""The zero-queue decision: run a request now — alone on an idle hot actor, as a new row of a hot
+actor's batch, or on a fresh actor — or refuse it now.
 
-`decide(features, snapshot, policy, scorer) -> Dispatch | Spawn | Reject` is a pure
-function of its arguments (stdlib only: no Ray, no torch), so the ingress, the
-registry and the simulator all call the same code.
+`decide(features, snapshot, policy, scorer) -> Dispatch | Join | Spawn | Reject` is a pure
+function of its arguments (stdlib only: no Ray, no torch), so the ingress, the registry
+and the simulator all call the same code.
 
 1. Lane. A request is *short* when input_tokens <= short_max_input_tokens and
    max_tokens <= short_max_output_tokens, else *long*. Short requests use hot actors
-   kept for them; long requests get dedicated actors (by default not kept hot), so a
-   long generation never holds a short request back.
+   kept for them; long requests get actors of the long lane, so a long generation never
+   holds a short request back (it never shares a short actor's steps).
 2. Feasible candidates, in a stable order:
    - hot: idle actors of the model whose slot has `dispatch_bytes` free (the weights are
      already resident; the request adds its KV cache and workspace). A short request
      takes a short-lane actor first, then an idle long-lane one (it is idle, so nothing
      waits on it, and it skips a cold start). A long request never takes a short-lane
      actor: that is the isolation the short lane exists for.
+   - join: busy hot actors of the model *and of the request's lane* with fewer than
+     `max_batch` rows, whose slot has `dispatch_bytes` free. The request becomes one more
+     row; it waits for nothing but the actor's next step boundary.
    - cold: the first `max_candidates` slots, in snapshot order, with `spawn_bytes` free
      and fewer than `max_actors_per_slot` actors.
-3. The scorer predicts TTFT and total time per candidate; the fastest (TTFT, then total,
-   then candidate order) that meets the request's latency targets wins, and the decision
-   carries the chosen candidate and its prediction (for traces; not compared). Predictions
-   that are malformed (wrong count, NaN, negative, ttft > total) or a scorer that raises
-   fall back to the rule scorer for this decision: a scorer only ranks what is feasible.
+3. The scorer predicts TTFT, total time and TPOT per candidate; the fastest (TTFT, then
+   total, then candidate order) that meets the request's latency targets wins — and a
+   join must also keep every row already running within its own TPOT target, since the
+   new row slows every step of that batch. The decision carries the chosen candidate and
+   its prediction. Predictions that are malformed (wrong count, NaN, negative, ttft >
+   total) or a scorer that raises fall back to the rule scorer for this decision: a
+   scorer only ranks what is feasible.
 4. No candidate: `too_large` when `spawn_bytes` exceeds every slot's total (it can never
    fit: the ingress answers 400 invalid_request_error), else `no_capacity` (503
-   overloaded_error with retry-after).
+   overloaded_error). The registry fills in `retry_after_s` from its own prediction of
+   when a fitting place frees up (retry_after.py).
+
+Memory-aware batching (which batch a row joins). A decode step reads every weight once
+for the whole batch and, per row, that row's KV cache: step time ~ weights read + the
+batch's KV bytes read + compute. So a batch of rows with long contexts is slow for all of
+them, and one more long row slows it further, while a short row adds almost nothing.
+The candidates carry each batch's rows and KV positions (`batch_rows`, `batch_tokens`;
+KV bytes read per step = batch_tokens x kv_bytes_per_token) and the scorer predicts the
+batch's step time with the new row in it: the fastest join is the batch whose KV reads
+the new row complements — a long-context request goes to the batch reading the least
+KV, short ones fill in beside long ones — and a join that would push a running row past
+its TPOT target is not taken at all.
 
 Memory (design invariant 3). A fresh actor needs
 
     spawn_bytes    = weight_bytes + actor_overhead_bytes           (resident while it lives)
                    + kv_bytes_per_token * (input_tokens + max_tokens) + workspace_bytes
-    dispatch_bytes = the second line alone                         (held while a request runs)
+    dispatch_bytes = the second line alone                         (held while its row runs)
 
 `actor_overhead_bytes` (CUDA context, cuBLAS workspace, allocator slack) is per process,
 so a hot actor already holds it; `workspace_bytes` is the request's prefill activations,
-derived in `serve_app.memory.workspace_bytes()` from the model's sizes.
+derived in `serve_app.memory.workspace_bytes()` from the model's sizes. A batched actor
+holds resident bytes plus the sum of its rows' dispatch bytes, and back to resident bytes
+when its batch drains.
 """
 
 from __future__ import annotations
@@ -41,19 +61,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction, Scorer
+from serve_app.snapshot import ActorView, ClusterSnapshot, Lane, RequestFeatures
 
 log = logging.getLogger(__name__)
 
-Lane = Literal["short", "long"]
-ActorState = Literal["starting", "busy", "idle"]
 RejectReason = Literal["no_capacity", "too_large", "latency_target"]
-LANES: tuple[Lane, ...] = ("short", "long")
-ACTOR_STATES: tuple[ActorState, ...] = ("starting", "busy", "idle")
 MiB = 1 << 20
 
 
@@ -61,31 +77,42 @@ MiB = 1 << 20
 class PolicyConfig:
     short_max_input_tokens: int = 2048
     short_max_output_tokens: int = 512
-    # Actors kept hot per model and lane: idle, or serving a request they will stay after.
+    # Actors kept hot per model and lane: idle, or serving requests they will stay after.
     max_hot_short_actors: int = 1
     max_hot_long_actors: int = 0  # 0: long requests get dedicated actors that exit
     # Per-model exceptions: (model, max_hot_short_actors, max_hot_long_actors).
     hot_overrides: tuple[tuple[str, int, int], ...] = ()
+    # Rows a hot actor runs at once; 1 turns joining off (a hot actor serves one request).
+    max_batch: int = 8
     # A CUDA context with cuBLAS handles takes a few hundred MB per process; measure and set.
     actor_overhead_bytes: int = 512 * MiB
     max_actors_per_slot: int = 1  # 1 for num_gpus=1 actors
-    max_candidates: int = 8  # per kind (hot, cold) handed to the scorer
+    max_candidates: int = 8  # per kind (hot, join, cold) handed to the scorer
+    # A refusal's retry-after: the registry's estimate of when a fitting place frees up, kept
+    # within these bounds; `retry_after_s` is the answer when nothing running would make room.
     retry_after_s: float = 1.0
+    min_retry_after_s: float = 0.05
+    max_retry_after_s: float = 30.0
     # Bounds (not estimates) that set a reservation's expiry; see `busy_timeout_s`.
     max_load_s: float = 300.0
     max_seconds_per_token: float = 0.5
     busy_margin_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("short_max_input_tokens", "short_max_output_tokens", "max_actors_per_slot", "max_candidates"):
+        for name in ("short_max_input_tokens", "short_max_output_tokens", "max_actors_per_slot", "max_candidates",
+                     "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PolicyConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_hot_short_actors", "max_hot_long_actors", "actor_overhead_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("retry_after_s", "max_load_s", "max_seconds_per_token", "busy_margin_s"):
+        for name in ("retry_after_s", "min_retry_after_s", "max_retry_after_s", "max_load_s",
+                     "max_seconds_per_token", "busy_margin_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PolicyConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not self.min_retry_after_s <= self.retry_after_s <= self.max_retry_after_s:
+            raise ValueError("PolicyConfig needs min_retry_after_s <= retry_after_s <= max_retry_after_s, got "
+                             f"{self.min_retry_after_s}, {self.retry_after_s}, {self.max_retry_after_s}")
         for model, short, long in self.hot_overrides:
             if short < 0 or long < 0:
                 raise ValueError(f"PolicyConfig.hot_overrides for {model!r} must be >= 0, got ({short}, {long})")
@@ -112,137 +139,13 @@ class PolicyConfig:
         return (self.max_load_s if is_cold else 0.0) + tokens * self.max_seconds_per_token + self.busy_margin_s
 
 
-# ---------------------------------------------------------------- messages
-
-
-@dataclass(frozen=True)
-class RequestFeatures:
-    model: str
-    input_tokens: int
-    max_tokens: int
-    weight_bytes: int
-    kv_bytes_per_token: int
-    workspace_bytes: int  # this request's transient activations (see `memory.workspace_bytes()`)
-    actor_overhead_bytes: int = 0  # per actor process, resident while it lives
-    ttft_target_s: float | None = None  # None: no target
-    total_target_s: float | None = None
-    # Sampling settings: features for the scorer only (top_k/top_p cost a sort per token).
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.kv_bytes_per_token * (self.input_tokens + self.max_tokens)
-
-    @property
-    def dispatch_bytes(self) -> int:
-        """Held on a hot actor's slot while the request runs: the weights are already there."""
-        return self.kv_bytes + self.workspace_bytes
-
-    @property
-    def resident_bytes(self) -> int:
-        """Held by a fresh actor for as long as it lives, request or not."""
-        return self.weight_bytes + self.actor_overhead_bytes
-
-    @property
-    def spawn_bytes(self) -> int:
-        return self.resident_bytes + self.dispatch_bytes
-
-
-@dataclass(frozen=True)
-class SlotView:
-    slot_id: str
-    node_id: str
-    total_bytes: int
-    reserved_bytes: int
-    num_actors: int
-    fragmentation: float = 0.0
-    utilization: float = 0.0
-
-    @property
-    def free_bytes(self) -> int:
-        return self.total_bytes - self.reserved_bytes
-
-
-@dataclass(frozen=True)
-class ActorView:
-    name: str
-    model: str
-    slot_id: str
-    state: ActorState
-    lane: Lane
-    is_hot: bool  # stays (idle) after its current request, or is idle now
-    reserved_bytes: int
-
-
-@dataclass(frozen=True)
-class ClusterSnapshot:
-    """Slots in a stable order (first fit follows it) and actors, at registry version `version`.
-
-    The per-model indexes `decide` needs are built on first use and cached; they are not
-    pickled (see __getstate__), so a snapshot travels at the size of its fields.
-    """
-
-    slots: tuple[SlotView, ...]
-    actors: tuple[ActorView, ...]
-    version: int = 0
-
-    def slot(self, slot_id: str) -> SlotView | None:
-        return self._slots_by_id.get(slot_id)
-
-    def idle_actors(self, model: str, lane: Lane) -> list[ActorView]:
-        return self._idle.get((model, lane), [])
-
-    def hot_count(self, model: str, lane: Lane) -> int:
-        return self._hot_counts.get((model, lane), 0)
-
-    def num_busy_on_node(self, node_id: str) -> int:
-        """Actors starting or busy on a node: they share its host (and, on CPU slots, its cores)."""
-        return self._busy_by_node.get(node_id, 0)
-
-    @cached_property
-    def max_total_bytes(self) -> int:
-        return max((s.total_bytes for s in self.slots), default=0)
-
-    @cached_property
-    def _slots_by_id(self) -> dict[str, SlotView]:
-        return {s.slot_id: s for s in self.slots}
-
-    @cached_property
-    def _idle(self) -> dict[tuple[str, Lane], list[ActorView]]:
-        idle: dict[tuple[str, Lane], list[ActorView]] = {}
-        for a in self.actors:
-            if a.state == "idle":
-                idle.setdefault((a.model, a.lane), []).append(a)
-        return idle
-
-    @cached_property
-    def _hot_counts(self) -> dict[tuple[str, Lane], int]:
-        counts: dict[tuple[str, Lane], int] = {}
-        for a in self.actors:
-            if a.is_hot:
-                counts[(a.model, a.lane)] = counts.get((a.model, a.lane), 0) + 1
-        return counts
-
-    @cached_property
-    def _busy_by_node(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for a in self.actors:
-            slot = self._slots_by_id.get(a.slot_id) if a.state != "idle" else None
-            if slot is not None:
-                counts[slot.node_id] = counts.get(slot.node_id, 0) + 1
-        return counts
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+# ---------------------------------------------------------------- decisions
 
 
 @dataclass(frozen=True)
 class Dispatch:
+    """Run alone on an idle hot actor."""
+
     actor_name: str
     slot_id: str
     lane: Lane  # the request's lane; the actor keeps its own
@@ -250,6 +153,22 @@ class Dispatch:
     reserve_bytes: int  # added to the slot while the request runs (= dispatch_bytes)
     candidate: Candidate | None = field(default=None, compare=False)
     prediction: Prediction | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Join:
+    """Run as one more row of a busy hot actor's batch, from its next step boundary."""
+
+    actor_name: str
+    slot_id: str
+    lane: Lane
+    reserve_bytes: int  # added to the slot while the row runs (= dispatch_bytes)
+    candidate: Candidate | None = field(default=None, compare=False)
+    prediction: Prediction | None = field(default=None, compare=False)
+
+    @property
+    def keep_hot(self) -> bool:
+        return True  # only hot actors are joined, and joining does not change that
 
 
 @dataclass(frozen=True)
@@ -280,7 +199,7 @@ class Reject:
         return 400 if self.reason == "too_large" else 503
 
 
-Decision = Dispatch | Spawn | Reject
+Decision = Dispatch | Join | Spawn | Reject
 
 
 # ---------------------------------------------------------------- the decision
@@ -289,36 +208,46 @@ Decision = Dispatch | Spawn | Reject
 def decide(
     features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig, scorer: Scorer = RULE_SCORER
 ) -> Decision:
-    """Dispatch to an idle hot actor, spawn onto a free slot, or reject — see the module docstring.
+    """Dispatch to an idle hot actor, join a hot batch, spawn onto a free slot, or reject — see the module docstring.
 
     Raises ValueError for malformed features (non-positive token counts, negative bytes).
     """
     _check_features(features)
     lane = policy.lane(features.input_tokens, features.max_tokens)
     hot, hot_lanes = _hot_candidates(features, lane, snapshot, policy.max_candidates)
+    joins, running_tpot = _join_candidates(features, lane, snapshot, policy)
     cold = _cold_candidates(features, snapshot, policy)
-    candidates = hot + cold
+    candidates = hot + joins + cold
     if not candidates:
         return _no_candidate(features, snapshot, policy)
 
     predictions = _predict(scorer, features, candidates)
-    best = _fastest(features, predictions)
+    limits = [None] * len(hot) + running_tpot + [None] * len(cold)
+    best = _fastest(features, predictions, limits)
     if best is None:
         fastest = min(p.ttft_s for p in predictions)
         return Reject("latency_target", policy.retry_after_s,
-                      f"no placement meets the latency target (fastest predicted TTFT {fastest:.3f}s)")
+                      f"no placement meets the latency targets (fastest predicted TTFT {fastest:.3f}s)")
     chosen, predicted, model = candidates[best], predictions[best], features.model
     if best < len(hot):
         actor_lane = hot_lanes[best]
         # The idle actor is already counted among the hot ones: keep it unless over the limit.
         keep_hot = snapshot.hot_count(model, actor_lane) <= policy.max_hot(model, actor_lane)
         return Dispatch(chosen.actor_name, chosen.slot_id, lane, keep_hot, features.dispatch_bytes, chosen, predicted)
+    if best < len(hot) + len(joins):
+        return Join(chosen.actor_name, chosen.slot_id, lane, features.dispatch_bytes, chosen, predicted)
     keep_hot = snapshot.hot_count(model, lane) < policy.max_hot(model, lane)
     return Spawn(chosen.slot_id, lane, keep_hot, features.spawn_bytes, features.resident_bytes, chosen, predicted)
 
 
 def _hot_lanes(lane: Lane) -> tuple[Lane, ...]:
     return ("short", "long") if lane == "short" else ("long",)
+
+
+def _candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | None) -> Candidate:
+    return Candidate(kind, slot.slot_id, actor.name if actor else None, slot.free_bytes, slot.num_actors,
+                     slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
+                     actor.num_rows if actor else 0, actor.batch_tokens if actor else 0)
 
 
 def _hot_candidates(
@@ -333,13 +262,30 @@ def _hot_candidates(
             slot = snapshot.slot(actor.slot_id)
             if slot is None or slot.free_bytes < need:
                 continue
-            candidates.append(Candidate("hot", slot.slot_id, actor.name, slot.free_bytes, slot.num_actors,
-                                        slot.fragmentation, slot.utilization,
-                                        snapshot.num_busy_on_node(slot.node_id)))
+            candidates.append(_candidate("hot", snapshot, slot, actor))
             lanes.append(actor_lane)
             if len(candidates) == limit:
                 return candidates, lanes
     return candidates, lanes
+
+
+def _join_candidates(features: RequestFeatures, lane: Lane, snapshot: ClusterSnapshot,
+                     policy: PolicyConfig) -> tuple[list[Candidate], list[float | None]]:
+    """Busy hot batches of the model and lane with a free row and room, and each one's tightest TPOT target."""
+    if policy.max_batch < 2:
+        return [], []
+    need = features.dispatch_bytes
+    candidates: list[Candidate] = []
+    limits: list[float | None] = []
+    for actor in snapshot.busy_hot_actors(features.model, lane):
+        slot = snapshot.slot(actor.slot_id)
+        if actor.num_rows >= policy.max_batch or slot is None or slot.free_bytes < need:
+            continue
+        candidates.append(_candidate("join", snapshot, slot, actor))
+        limits.append(actor.min_tpot_target_s)
+        if len(candidates) == policy.max_candidates:
+            break
+    return candidates, limits
 
 
 def _cold_candidates(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig) -> list[Candidate]:
@@ -348,8 +294,7 @@ def _cold_candidates(features: RequestFeatures, snapshot: ClusterSnapshot, polic
     out: list[Candidate] = []
     for slot in snapshot.slots:
         if slot.total_bytes - slot.reserved_bytes >= need and slot.num_actors < max_actors:
-            out.append(Candidate("cold", slot.slot_id, None, slot.free_bytes, slot.num_actors,
-                                 slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id)))
+            out.append(_candidate("cold", snapshot, slot, None))
             if len(out) == limit:
                 break
     return out
@@ -363,7 +308,7 @@ def _no_candidate(features: RequestFeatures, snapshot: ClusterSnapshot, policy: 
                       f"{features.input_tokens} + {features.max_tokens} tokens, workspace) and the largest "
                       f"slot holds {snapshot.max_total_bytes}; shorten the prompt or max_tokens")
     return Reject("no_capacity", policy.retry_after_s,
-                  f"{features.model}: no idle actor or free slot can take {need} bytes now")
+                  f"{features.model}: no idle actor, batch row or free slot can take {need} bytes now")
 
 
 def _predict(scorer: Scorer, features: RequestFeatures, candidates: list[Candidate]) -> Sequence[Prediction]:
@@ -384,20 +329,25 @@ def _predict(scorer: Scorer, features: RequestFeatures, candidates: list[Candida
 
 def _is_well_formed(p: Any) -> bool:
     try:
-        ttft, total = float(p.ttft_s), float(p.total_s)
+        ttft, total, tpot = float(p.ttft_s), float(p.total_s), float(p.tpot_s)
     except (AttributeError, TypeError, ValueError):
         return False
-    return math.isfinite(ttft) and math.isfinite(total) and 0.0 <= ttft <= total
+    return all(math.isfinite(x) for x in (ttft, total, tpot)) and 0.0 <= ttft <= total and tpot >= 0.0
 
 
-def _fastest(features: RequestFeatures, predictions: Sequence[Prediction]) -> int | None:
-    """Index of the lowest (ttft, total) that meets the targets; the first on ties."""
+def _fastest(features: RequestFeatures, predictions: Sequence[Prediction],
+             running_tpot_limits: Sequence[float | None]) -> int | None:
+    """Index of the lowest (ttft, total) that meets the targets, its own and its batch's; the first on ties."""
     best, best_key = None, None
-    for i, p in enumerate(predictions):
+    for i, (p, limit) in enumerate(zip(predictions, running_tpot_limits, strict=True)):
         if features.ttft_target_s is not None and p.ttft_s > features.ttft_target_s:
             continue
         if features.total_target_s is not None and p.total_s > features.total_target_s:
             continue
+        if features.tpot_target_s is not None and p.tpot_s > features.tpot_target_s:
+            continue
+        if limit is not None and p.tpot_s > limit:
+            continue  # joining would slow a running row past its own target
         key = (p.ttft_s, p.total_s)
         if best_key is None or key < best_key:
             best, best_key = i, key

@@ -1,25 +1,31 @@
-"""The registry of slots, request actors and the memory reserved on each slot (pure: no Ray).
+"""The registry of slots, request actors, their rows and the memory reserved on each slot (pure: no Ray).
 
 One `RegistryState` lives in one place (the `RegistryActor`, registry_actor.py); every
-ingress replica reads `snapshot()`s of it and commits decisions through its
-compare-and-set operations, each of which re-checks its condition and mutates in one
-call. The wrapper runs each call under one lock, so two replicas can never both commit
-the last free bytes of a slot: the second `try_spawn` sees the first one's reservation.
-`admit` does decide-and-commit in one call (no stale snapshot, no retry).
+ingress replica commits decisions through it: `admit` decides on the current state and
+commits the decision in the same call, each commit re-checking its condition, and the
+wrapper runs each call under one lock, so two replicas can never both commit the last
+free bytes of a slot or the last free row of a batch.
 
 Reservations. An actor holds `resident_bytes` (weights + per-process overhead) for its
-whole life, plus `request_bytes` (KV cache + workspace) while a request runs. A slot's
-`reserved_bytes` is always the sum over its actors (`check_invariants`). Lifecycle:
+whole life, plus, per row (one running request), that request's KV cache + workspace.
+A slot's `reserved_bytes` is always the sum over its actors (`check_invariants`).
+Lifecycle of an actor:
 
-    try_spawn     -> "starting"  (resident + request reserved)
-    actor_started -> "busy"
-    try_dispatch  -> "busy"      (an "idle" actor; its request bytes reserved again)
-    finish(stays_hot=True)  -> "idle"  (request bytes released)
-    finish(stays_hot=False) / remove   -> forgotten (everything released)
+    try_spawn     -> "starting"  (resident + its first row reserved; it is loading)
+    actor_started -> "busy"      (its first token: every weight is resident, it may batch)
+    try_dispatch  -> "busy"      (an "idle" actor takes a row)
+    try_join      -> "busy"      (a busy hot actor takes one more row, up to max_batch)
+    finish(row, "complete" | "cancelled")  -> the row's bytes released; with no row
+                     left the actor goes "idle" if hot, else is forgotten (it exits itself)
+    finish(row, "failed"), or a cancelled "starting" actor, or remove
+                  -> forgotten with everything it held, and reported to be killed
 
-An actor that exits after its request is forgotten at `finish`, before its process has
+An actor that exits after its last row is forgotten at `finish`, before its process has
 quite gone: a new actor on that slot takes seconds to start before it allocates, so the
 overlap is harmless, and waiting for Ray to confirm the exit would idle the slot.
+
+Predictions. Each row keeps the end its admission predicted (now + the scorer's total
+time), from which a refusal's retry-after is computed (retry_after.py).
 
 Crashes. `reconcile(alive, now)` compares the registry with the request actors Ray
 lists as alive:
@@ -27,7 +33,7 @@ lists as alive:
     is committed here before it is created, so a young one may not be listed yet) —
     forgotten with their reservations (the actor died, or its replica crashed before
     creating it);
-  - expired: "starting"/"busy" past their `busy_deadline` — the replica that ran the
+  - expired: an actor with a row past its `busy_deadline` — the replica that ran the
     request crashed or the actor hung. Forgotten, and reported for the caller to kill:
     releasing only the reservation would leave a live actor holding uncounted memory;
   - retired: idle for more than `max_idle_s` (None: never) — reported to be killed, so
@@ -44,22 +50,23 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
-from serve_app.policy import (
+from serve_app.policy import Decision, Dispatch, Join, PolicyConfig, Reject, Spawn, decide
+from serve_app.retry_after import retry_after_s
+from serve_app.scorer import RULE_SCORER, Scorer
+from serve_app.snapshot import (
     ActorState,
     ActorView,
     ClusterSnapshot,
-    Decision,
-    Dispatch,
     Lane,
-    PolicyConfig,
     RequestFeatures,
+    RowView,
     SlotView,
-    Spawn,
-    decide,
 )
-from serve_app.scorer import RULE_SCORER, Scorer
+
+Outcome = Literal["complete", "cancelled", "failed"]
 
 # `actors.request_actor.new_actor_name` makes "zq-{model}-{12 hex}"; the telemetry agents
 # ("zq-telemetry-{12 hex}") and the registry ("zq-registry...") share the prefix and are
@@ -106,9 +113,26 @@ class _Slot:
     fragmentation: float = 0.0
     utilization: float = 0.0
 
+    @property
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.reserved_bytes
+
     def view(self) -> SlotView:
         return SlotView(self.slot_id, self.node_id, self.total_bytes, self.reserved_bytes,
                         self.num_actors, self.fragmentation, self.utilization)
+
+
+@dataclass
+class RowReservation:
+    request_id: str
+    request_bytes: int
+    num_tokens: int
+    tpot_target_s: float | None
+    predicted_end: float
+    busy_deadline: float
+
+    def view(self) -> RowView:
+        return RowView(self.request_bytes, self.num_tokens, self.tpot_target_s, self.predicted_end)
 
 
 @dataclass
@@ -120,28 +144,28 @@ class _Actor:
     state: ActorState
     is_hot: bool
     resident_bytes: int
-    request_bytes: int
     spawned_at: float
-    busy_deadline: float | None  # None while idle
+    rows: dict[str, RowReservation] = field(default_factory=dict)  # request id -> row, in admission order
     idle_since: float | None = None
 
     @property
     def reserved_bytes(self) -> int:
-        return self.resident_bytes + self.request_bytes
+        return self.resident_bytes + sum(r.request_bytes for r in self.rows.values())
 
     def view(self) -> ActorView:
         return ActorView(self.name, self.model, self.slot_id, self.state, self.lane, self.is_hot,
-                         self.reserved_bytes)
+                         self.reserved_bytes, self.resident_bytes, tuple(r.view() for r in self.rows.values()))
 
 
 class RegistryState:
     def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
-                 max_idle_s: float | None = None) -> None:
-        if max_actors_per_slot < 1:
-            raise ValueError(f"max_actors_per_slot must be >= 1, got {max_actors_per_slot}")
+                 max_idle_s: float | None = None, max_batch: int = 8) -> None:
+        if max_actors_per_slot < 1 or max_batch < 1:
+            raise ValueError(f"max_actors_per_slot and max_batch must be >= 1, got {max_actors_per_slot}, {max_batch}")
         if spawn_grace_s < 0 or (max_idle_s is not None and max_idle_s < 0):
             raise ValueError(f"spawn_grace_s and max_idle_s must be >= 0, got {spawn_grace_s}, {max_idle_s}")
         self.max_actors_per_slot = max_actors_per_slot
+        self.max_batch = max_batch
         self.spawn_grace_s = spawn_grace_s
         self.max_idle_s = max_idle_s
         self._slots: dict[str, _Slot] = {}  # ordered by slot_id: the first-fit order
@@ -192,13 +216,17 @@ class RegistryState:
         return self._snapshot
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every slot's books match its actors exactly."""
+        """Raise AssertionError unless every slot's books match its actors and their rows exactly."""
         reserved = dict.fromkeys(self._slots, 0)
         counts = dict.fromkeys(self._slots, 0)
         for a in self._actors.values():
             assert a.slot_id in self._slots, f"actor {a.name} is on unknown slot {a.slot_id}"
-            assert a.resident_bytes >= 0 and a.request_bytes >= 0, f"actor {a.name} has negative bytes"
-            assert a.state != "idle" or a.request_bytes == 0, f"idle actor {a.name} holds request bytes"
+            assert a.resident_bytes >= 0 and all(r.request_bytes >= 0 for r in a.rows.values()), (
+                f"actor {a.name} has negative bytes")
+            assert (a.state == "idle") == (not a.rows), f"actor {a.name} is {a.state} with {len(a.rows)} rows"
+            assert a.state != "starting" or len(a.rows) == 1, f"starting actor {a.name} has {len(a.rows)} rows"
+            assert len(a.rows) <= self.max_batch, f"actor {a.name} runs {len(a.rows)} rows > {self.max_batch}"
+            assert len(a.rows) <= 1 or a.is_hot, f"actor {a.name} batches rows but is not hot"
             reserved[a.slot_id] += a.reserved_bytes
             counts[a.slot_id] += 1
         for s in self._slots.values():
@@ -213,16 +241,17 @@ class RegistryState:
 
     # ---- compare-and-set -------------------------------------------------------------
 
-    def try_spawn(self, decision: Spawn, actor_name: str, model: str, now: float, busy_deadline: float) -> bool:
-        """Reserve `decision.reserve_bytes` on its slot for a new actor, if it still fits."""
+    def try_spawn(self, decision: Spawn, actor_name: str, model: str, row: RowReservation, now: float) -> bool:
+        """Reserve `decision.reserve_bytes` on its slot for a new actor and its first row, if it still fits."""
         if actor_name in self._actors:
             raise ValueError(f"actor {actor_name} is already registered")
         slot = self._slots.get(decision.slot_id)
-        if (slot is None or slot.total_bytes - slot.reserved_bytes < decision.reserve_bytes
+        if (slot is None or slot.free_bytes < decision.reserve_bytes
                 or slot.num_actors >= self.max_actors_per_slot):
             return False
+        row.request_bytes = decision.reserve_bytes - decision.resident_bytes
         actor = _Actor(actor_name, model, slot.slot_id, decision.lane, "starting", decision.keep_hot,
-                       decision.resident_bytes, decision.reserve_bytes - decision.resident_bytes, now, busy_deadline)
+                       decision.resident_bytes, now, {row.request_id: row})
         self._actors[actor_name] = actor
         slot.reserved_bytes += decision.reserve_bytes
         slot.num_actors += 1
@@ -230,35 +259,50 @@ class RegistryState:
         self._touch_actor(actor)
         return True
 
-    def try_dispatch(self, decision: Dispatch, now: float, busy_deadline: float) -> bool:
-        """Mark an idle actor busy and reserve the request's bytes, if it is still idle and they fit."""
+    def try_dispatch(self, decision: Dispatch, row: RowReservation) -> bool:
+        """Give an idle actor its one row, if it is still idle and the row fits."""
         actor = self._actors.get(decision.actor_name)
-        if actor is None or actor.state != "idle" or actor.slot_id != decision.slot_id:
+        if actor is None or actor.state != "idle":
             return False
-        slot = self._slots[actor.slot_id]
-        if slot.total_bytes - slot.reserved_bytes < decision.reserve_bytes:
+        if not self._add_row(actor, decision.slot_id, decision.reserve_bytes, row):
             return False
-        actor.state, actor.is_hot = "busy", decision.keep_hot
-        actor.request_bytes, actor.busy_deadline, actor.idle_since = decision.reserve_bytes, busy_deadline, None
-        slot.reserved_bytes += decision.reserve_bytes
-        self._touch_slot(slot)
+        actor.is_hot = decision.keep_hot
         self._touch_actor(actor)
         return True
 
-    def admit(self, features: RequestFeatures, policy: PolicyConfig, spawn_name: str, now: float,
-              scorer: Scorer = RULE_SCORER) -> Decision:
-        """`decide` on the current state and commit it in the same call; a Spawn is named `spawn_name`."""
-        if policy.max_actors_per_slot != self.max_actors_per_slot:
-            raise ValueError(f"policy.max_actors_per_slot={policy.max_actors_per_slot} but the registry "
-                             f"enforces {self.max_actors_per_slot}")
-        decision = decide(features, self.snapshot(), policy, scorer)
+    def try_join(self, decision: Join, row: RowReservation) -> bool:
+        """Add a row to a busy hot actor's batch, if it is still hot, has a free row, and the row fits."""
+        actor = self._actors.get(decision.actor_name)
+        if actor is None or actor.state != "busy" or not actor.is_hot or len(actor.rows) >= self.max_batch:
+            return False
+        return self._add_row(actor, decision.slot_id, decision.reserve_bytes, row)
+
+    def admit(self, features: RequestFeatures, policy: PolicyConfig, spawn_name: str, request_id: str,
+              now: float, scorer: Scorer = RULE_SCORER) -> Decision:
+        """`decide` on the current state and commit it in the same call; a Spawn is named `spawn_name`.
+
+        A refusal for capacity or latency comes back with the predicted `retry_after_s`.
+        """
+        if policy.max_actors_per_slot != self.max_actors_per_slot or policy.max_batch != self.max_batch:
+            raise ValueError(f"policy (max_actors_per_slot={policy.max_actors_per_slot}, max_batch="
+                             f"{policy.max_batch}) != the registry's ({self.max_actors_per_slot}, {self.max_batch})")
+        snapshot = self.snapshot()
+        decision = decide(features, snapshot, policy, scorer)
+        if isinstance(decision, Reject):
+            if decision.retry_after_s is None:
+                return decision
+            wait = retry_after_s(features, snapshot, policy, now)
+            return Reject(decision.reason, wait, decision.message)
+        is_cold = isinstance(decision, Spawn)
+        predicted_total = decision.prediction.total_s if decision.prediction is not None else 0.0
+        row = RowReservation(request_id, decision.reserve_bytes, features.num_tokens, features.tpot_target_s,
+                   now + predicted_total, now + policy.busy_timeout_s(features, is_cold))
         if isinstance(decision, Spawn):
-            deadline = now + policy.busy_timeout_s(features, is_cold=True)
-            is_committed = self.try_spawn(decision, spawn_name, features.model, now, deadline)
-        elif isinstance(decision, Dispatch):
-            is_committed = self.try_dispatch(decision, now, now + policy.busy_timeout_s(features, is_cold=False))
+            is_committed = self.try_spawn(decision, spawn_name, features.model, row, now)
+        elif isinstance(decision, Join):
+            is_committed = self.try_join(decision, row)
         else:
-            return decision
+            is_committed = self.try_dispatch(decision, row)
         if not is_committed:
             raise RuntimeError(f"{decision} was decided on the current state but failed to commit")
         return decision
@@ -266,6 +310,7 @@ class RegistryState:
     # ---- lifecycle -------------------------------------------------------------------
 
     def actor_started(self, actor_name: str) -> bool:
+        """A cold actor's first token: every weight is resident, so it may batch from now on."""
         actor = self._actors.get(actor_name)
         if actor is None or actor.state != "starting":
             return False
@@ -273,21 +318,28 @@ class RegistryState:
         self._touch_actor(actor)
         return True
 
-    def finish(self, actor_name: str, stays_hot: bool, now: float) -> bool:
-        """The actor's request ended. False (and nothing changes) unless it was starting or busy."""
+    def finish(self, actor_name: str, request_id: str, outcome: Outcome, now: float) -> bool:
+        """A row ended. True when the actor must be killed (it failed, or a load nobody waits for).
+
+        Unknown actors or rows (already finished, reclaimed, or never committed) change nothing.
+        """
         actor = self._actors.get(actor_name)
-        if actor is None or actor.state == "idle":
+        if actor is None or request_id not in actor.rows:
             return False
-        if not stays_hot:
+        if outcome == "failed" or (outcome == "cancelled" and actor.state == "starting"):
             self._forget(actor)
             return True
+        row = actor.rows.pop(request_id)
         slot = self._slots[actor.slot_id]
-        slot.reserved_bytes -= actor.request_bytes
-        actor.state, actor.is_hot, actor.request_bytes = "idle", True, 0
-        actor.busy_deadline, actor.idle_since = None, now
+        slot.reserved_bytes -= row.request_bytes
+        if not actor.rows:
+            if not actor.is_hot:
+                self._forget(actor)  # it exits by itself after its last row
+                return False
+            actor.state, actor.idle_since = "idle", now
         self._touch_slot(slot)
         self._touch_actor(actor)
-        return True
+        return False
 
     def remove(self, actor_name: str) -> bool:
         actor = self._actors.get(actor_name)
@@ -306,7 +358,7 @@ class RegistryState:
                 if now - actor.spawned_at < self.spawn_grace_s:
                     continue
                 ghosts.append(actor.name)
-            elif actor.busy_deadline is not None and now > actor.busy_deadline:
+            elif any(now > r.busy_deadline for r in actor.rows.values()):
                 expired.append(actor.name)
             elif (self.max_idle_s is not None and actor.idle_since is not None
                   and now - actor.idle_since > self.max_idle_s):
@@ -318,6 +370,18 @@ class RegistryState:
         return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released)
 
     # ---- internals -------------------------------------------------------------------
+
+    def _add_row(self, actor: _Actor, slot_id: str, reserve_bytes: int, row: RowReservation) -> bool:
+        slot = self._slots[actor.slot_id]
+        if actor.slot_id != slot_id or slot.free_bytes < reserve_bytes:
+            return False
+        row.request_bytes = reserve_bytes
+        actor.rows[row.request_id] = row
+        actor.state, actor.idle_since = "busy", None
+        slot.reserved_bytes += reserve_bytes
+        self._touch_slot(slot)
+        self._touch_actor(actor)
+        return True
 
     def _forget(self, actor: _Actor) -> None:
         slot = self._slots[actor.slot_id]

@@ -3,7 +3,7 @@
 Atomicity. Every method that reads or changes the state does so inside one critical
 section under `self._lock`. Ray runs the actor's calls one at a time
 (`max_concurrency=1`), and the only other thread — the reconcile loop — takes the same
-lock, so each compare-and-set (`try_spawn`, `try_dispatch`, `admit`, `finish`, ...) is
+lock, so each compare-and-set (`admit`, `finish`, `try_spawn`, ...) is
 linearizable: of two replicas racing for the last free bytes of a slot, the second one's
 re-check sees the first one's reservation. Replicas keep no state of their own.
 
@@ -34,15 +34,18 @@ from dataclasses import dataclass
 
 import ray
 
-from serve_app.policy import ClusterSnapshot, Decision, Dispatch, PolicyConfig, RequestFeatures, Spawn
+from serve_app.policy import Decision, PolicyConfig, Spawn
 from serve_app.registry import (
     REQUEST_ACTOR_PATTERN,
+    Outcome,
     ReconcileReport,
     RegistryState,
+    RowReservation,
     SlotSpec,
     is_request_actor_name,
 )
 from serve_app.scorer import RULE_SCORER, Scorer
+from serve_app.snapshot import ClusterSnapshot, RequestFeatures
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,8 @@ class RegistryActor:
         self._config = config
         self._policy = policy
         self._scorer = scorer or RULE_SCORER
-        self._state = RegistryState(policy.max_actors_per_slot, config.spawn_grace_s, config.max_idle_s)
+        self._state = RegistryState(policy.max_actors_per_slot, config.spawn_grace_s, config.max_idle_s,
+                                    policy.max_batch)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="zq-registry-reconcile", daemon=True)
@@ -97,7 +101,7 @@ class RegistryActor:
 
     # ---- commits ---------------------------------------------------------------------
 
-    def admit(self, features: RequestFeatures, spawn_name: str,
+    def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
               slot_stats: dict[str, tuple[float, float]] | None = None) -> Decision:
         """Decide with this registry's policy and scorer, and commit, in one call.
 
@@ -108,25 +112,27 @@ class RegistryActor:
         """
         with self._lock:
             self._apply_slot_stats(slot_stats)
-            return self._state.admit(features, self._policy, spawn_name, time.time(), self._scorer)
+            return self._state.admit(features, self._policy, spawn_name, request_id, time.time(), self._scorer)
 
-    def try_spawn(self, decision: Spawn, actor_name: str, model: str, busy_timeout_s: float) -> bool:
+    def try_spawn(self, decision: Spawn, actor_name: str, model: str, busy_timeout_s: float,
+                  request_id: str = "req") -> bool:
+        """Commit a Spawn decided elsewhere (racing replicas in tests); its row holds no prediction."""
         with self._lock:
             now = time.time()
-            return self._state.try_spawn(decision, actor_name, model, now, now + busy_timeout_s)
-
-    def try_dispatch(self, decision: Dispatch, busy_timeout_s: float) -> bool:
-        with self._lock:
-            now = time.time()
-            return self._state.try_dispatch(decision, now, now + busy_timeout_s)
+            row = RowReservation(request_id, decision.reserve_bytes, 0, None, now, now + busy_timeout_s)
+            return self._state.try_spawn(decision, actor_name, model, row, now)
 
     def actor_started(self, actor_name: str) -> bool:
         with self._lock:
             return self._state.actor_started(actor_name)
 
-    def finish(self, actor_name: str, stays_hot: bool) -> bool:
+    def finish(self, actor_name: str, request_id: str, outcome: Outcome) -> bool:
+        """A row ended; an actor that failed (or a load nobody waits for) is forgotten and killed here."""
         with self._lock:
-            return self._state.finish(actor_name, stays_hot, time.time())
+            must_kill = self._state.finish(actor_name, request_id, outcome, time.time())
+        if must_kill:
+            self._kill(actor_name)
+        return must_kill
 
     def remove(self, actor_name: str) -> bool:
         with self._lock:

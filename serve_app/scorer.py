@@ -1,26 +1,32 @@
 """How fast each feasible placement would serve a request: the scorer interface and its rule.
 
 `decide` (policy.py) first works out which placements are feasible — an idle hot actor
-whose slot has room for the request's KV cache and workspace, or a cold spawn onto a
-slot where a fresh actor fits — and only then asks a `Scorer` to predict, per
-candidate, the time to first token and the total time. The scorer ranks; it never
-decides feasibility, so no prediction, however wrong, can place a request where it does
-not fit.
+whose slot has room for the request's KV cache and workspace, a free row in a hot
+actor's batch, or a cold spawn onto a slot where a fresh actor fits — and only then asks
+a `Scorer` to predict, per candidate, the time to first token, the total time and the
+time per output token. The scorer ranks; it never decides feasibility, so no
+prediction, however wrong, can place a request where it does not fit.
 
 `RuleScorer` is the documented rule, used when no XGBoost model is configured or the
 configured one cannot be used (`xgb_scorer.load_scorer`), and for any decision whose
 model predictions are malformed:
 
+    step_s(rows, tokens) = decode_s_per_token * (1 + batch_row_cost * (rows - 1))
+                         + tokens * kv_bytes_per_token / kv_read_bytes_per_s
     prefill_s = input_tokens / prefill_tokens_per_s
-    hot:  ttft_s = prefill_s
-    cold: ttft_s = actor_start_s + weight_bytes / load_bytes_per_s + prefill_s
-    total_s = ttft_s + max_tokens * decode_s_per_token
+    hot:  tpot = step_s(1, request tokens);                 ttft = prefill_s
+    join: tpot = step_s(rows + 1, batch tokens + request's); ttft = tpot + prefill_s
+          (the next step boundary, then its prompt; the batch keeps decoding beside it)
+    cold: tpot = step_s(1, request tokens);  ttft = actor_start_s + weight_bytes / load_bytes_per_s + prefill_s
+    total_s = ttft + max_tokens * tpot
 
-The constants are placeholders of the right order for a small model on one GPU, not
-measurements. The rule does not look at the slot, so every cold candidate gets the same
-prediction and every hot one is faster than any cold one; with ties kept in candidate
-order, `decide` reduces to "the first idle hot actor, else the first slot that fits"
-(first fit).
+A decode step reads every weight once for the whole batch, so a row more costs a little
+compute (`batch_row_cost`) and its KV reads, not another pass over the weights. The
+constants are placeholders of the right order for a small model, not measurements. The
+rule does not look at the slot, so every cold candidate gets the same prediction and
+every hot one is faster than any join, and any join than any cold one; with ties kept in
+candidate order, `decide` reduces to "the first idle hot actor, else the batch with the
+fewest rows and KV positions, else the first slot that fits" (first fit).
 """
 
 from __future__ import annotations
@@ -30,14 +36,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
-    from serve_app.policy import RequestFeatures
+    from serve_app.snapshot import RequestFeatures
 
-CandidateKind = Literal["hot", "cold"]
+CandidateKind = Literal["hot", "join", "cold"]
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One feasible placement. `actor_name` is set for hot candidates, None for cold ones."""
+    """One feasible placement. `actor_name` is set for hot and join candidates, None for cold ones."""
 
     kind: CandidateKind
     slot_id: str
@@ -47,12 +53,15 @@ class Candidate:
     slot_fragmentation: float  # 0..1, from telemetry
     slot_utilization: float  # 0..1 EWMA, from telemetry
     node_num_busy: int = 0  # actors starting or busy on the slot's node: they share its host
+    batch_rows: int = 0  # rows the actor runs now (join); 0 for an idle or a fresh actor
+    batch_tokens: int = 0  # KV positions those rows read per step, at most
 
 
 @dataclass(frozen=True)
 class Prediction:
     ttft_s: float  # the request's arrival at the ingress to its first token
     total_s: float  # the request's arrival at the ingress to its last token
+    tpot_s: float  # seconds per output token once decoding: the batch's step time, this row in it
 
 
 class Scorer(Protocol):
@@ -69,22 +78,36 @@ class RuleScorer:
     decode_s_per_token: float = 0.03
     load_bytes_per_s: float = 2.0e9
     actor_start_s: float = 3.0  # process start, CUDA context, model skeleton
+    batch_row_cost: float = 0.05  # a step's extra time per extra row, as a share of a one-row step
+    kv_read_bytes_per_s: float = 2.0e10
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "load_bytes_per_s"):
+        for name in ("prefill_tokens_per_s", "load_bytes_per_s", "kv_read_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RuleScorer.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("decode_s_per_token", "actor_start_s"):
+        for name in ("decode_s_per_token", "actor_start_s", "batch_row_cost"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"RuleScorer.{name} must be >= 0, got {getattr(self, name)}")
 
+    def step_s(self, rows: int, tokens: int, kv_bytes_per_token: int) -> float:
+        """One decode step of `rows` rows whose caches hold `tokens` positions in all."""
+        compute = self.decode_s_per_token * (1.0 + self.batch_row_cost * (rows - 1))
+        return compute + tokens * kv_bytes_per_token / self.kv_read_bytes_per_s
+
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
         prefill_s = features.input_tokens / self.prefill_tokens_per_s
-        decode_s = features.max_tokens * self.decode_s_per_token
+        own_tokens, per_token = features.input_tokens + features.max_tokens, features.kv_bytes_per_token
+        alone = self.step_s(1, own_tokens, per_token)
         cold_ttft_s = self.actor_start_s + features.weight_bytes / self.load_bytes_per_s + prefill_s
-        hot = Prediction(prefill_s, prefill_s + decode_s)
-        cold = Prediction(cold_ttft_s, cold_ttft_s + decode_s)
-        return [hot if c.kind == "hot" else cold for c in candidates]
+        out = []
+        for c in candidates:
+            if c.kind == "join":
+                tpot = self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
+                ttft = tpot + prefill_s
+            else:
+                tpot, ttft = alone, prefill_s if c.kind == "hot" else cold_ttft_s
+            out.append(Prediction(ttft, ttft + features.max_tokens * tpot, tpot))
+        return out
 
 
 RULE_SCORER = RuleScorer()

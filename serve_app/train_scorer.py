@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from serve_app.policy import RequestFeatures
 from serve_app.scorer import RULE_SCORER, Candidate, Scorer
+from serve_app.snapshot import RequestFeatures
 from serve_app.traces import read_traces
 from serve_app.xgb_scorer import FEATURE_NAMES, ScorerCard, XGBScorer, card_path, feature_matrix, save_model
 

@@ -42,7 +42,7 @@ import numpy as np
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction, Scorer
 
 if TYPE_CHECKING:
-    from serve_app.policy import RequestFeatures
+    from serve_app.snapshot import RequestFeatures
 
 log = logging.getLogger(__name__)
 

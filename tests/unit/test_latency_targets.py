@@ -6,18 +6,26 @@ import pytest
 
 from serve_app.config import AppArgs, ingress_config
 from serve_app.errors import ApiError
-from serve_app.latency_targets import MAX_TARGET_S, TOTAL_HEADER, TTFT_HEADER, parse_target, request_targets
+from serve_app.latency_targets import (
+    MAX_TARGET_S,
+    TOTAL_HEADER,
+    TPOT_HEADER,
+    TTFT_HEADER,
+    parse_target,
+    request_targets,
+)
 
 
 def test_without_headers_the_model_defaults_apply():
-    assert request_targets({}, None, None) == (None, None)
-    assert request_targets({}, 0.5, 30.0) == (0.5, 30.0)
+    assert request_targets({}, None, None) == (None, None, None)
+    assert request_targets({}, 0.5, 30.0, 0.08) == (0.5, 30.0, 0.08)
 
 
 def test_headers_override_the_defaults_one_by_one():
-    assert request_targets({TTFT_HEADER: "0.25"}, 0.5, 30.0) == (0.25, 30.0)
-    assert request_targets({TOTAL_HEADER: " 120 "}, 0.5, 30.0) == (0.5, 120.0)  # looser: the client's call
-    assert request_targets({TTFT_HEADER: "1e-1", TOTAL_HEADER: "2"}, None, None) == (0.1, 2.0)
+    assert request_targets({TTFT_HEADER: "0.25"}, 0.5, 30.0) == (0.25, 30.0, None)
+    assert request_targets({TOTAL_HEADER: " 120 "}, 0.5, 30.0) == (0.5, 120.0, None)  # looser: the client's call
+    assert request_targets({TTFT_HEADER: "1e-1", TOTAL_HEADER: "2"}, None, None) == (0.1, 2.0, None)
+    assert request_targets({TPOT_HEADER: "0.05"}, None, None, 0.2) == (None, None, 0.05)
 
 
 @pytest.mark.parametrize("value", ["", "fast", "0", "-1", "nan", "inf", "-inf", "1,5", str(MAX_TARGET_S * 2),

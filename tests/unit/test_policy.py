@@ -1,4 +1,4 @@
-"""The pure decision: dispatch, first-fit spawn, reject; lanes and hot counts; scorer garbage."""
+"""The pure decision: dispatch, join, first-fit spawn, reject; lanes and hot counts; TPOT; scorer garbage."""
 
 from __future__ import annotations
 
@@ -12,18 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve_app.memory import ModelNumbers, request_features, workspace_bytes
-from serve_app.policy import (
-    ActorView,
-    ClusterSnapshot,
-    Dispatch,
-    PolicyConfig,
-    Reject,
-    RequestFeatures,
-    SlotView,
-    Spawn,
-    decide,
-)
+from serve_app.policy import Dispatch, Join, PolicyConfig, Reject, Spawn, decide
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction, RuleScorer
+from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, RowView, SlotView
 
 # Short: input <= 100 and max_tokens <= 50.
 POLICY = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=2,
@@ -39,8 +30,12 @@ def _slot(slot_id, total=10_000, reserved=0, num_actors=0) -> SlotView:
     return SlotView(slot_id, "node", total, reserved, num_actors)
 
 
-def _actor(name, slot_id, state="idle", lane="short", model="m", is_hot=True, reserved=1000) -> ActorView:
-    return ActorView(name, model, slot_id, state, lane, is_hot, reserved)
+def _actor(name, slot_id, state="idle", lane="short", model="m", is_hot=True, reserved=1000, rows=None,
+           row_tokens=20, tpot=None) -> ActorView:
+    """An actor; a busy or starting one runs `rows` rows (default 1) of `row_tokens` KV positions each."""
+    num_rows = (0 if state == "idle" else 1) if rows is None else rows
+    views = tuple(RowView(row_tokens, row_tokens, tpot, 0.0) for _ in range(num_rows))
+    return ActorView(name, model, slot_id, state, lane, is_hot, reserved + num_rows * row_tokens, reserved, views)
 
 
 def _snap(slots, actors=()) -> ClusterSnapshot:
@@ -141,8 +136,10 @@ def test_an_actor_whose_slot_lacks_kv_room_is_not_chosen():
 
 
 def test_actors_of_another_model_or_not_idle_are_not_dispatched_to():
-    snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1), _slot("c")],
-                 [_actor("other", "a", model="m2"), _actor("busy", "b", state="busy")])
+    snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1),
+                  _slot("d", reserved=1000, num_actors=1), _slot("c")],
+                 [_actor("other", "a", model="m2"), _actor("busy", "b", state="busy", is_hot=False),
+                  _actor("loading", "d", state="starting")])
     assert isinstance(decide(_features(), snap, POLICY), Spawn)
 
 
@@ -167,7 +164,7 @@ def test_spawn_skips_slots_at_their_actor_limit():
 def test_reject_no_capacity_when_everything_is_busy_or_full():
     f = _features()
     snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", total=2000, reserved=1500, num_actors=1)],
-                 [_actor("busy", "a", state="busy")])
+                 [_actor("busy", "a", state="busy", rows=POLICY.max_batch)])
     r = decide(f, snap, POLICY)
     assert isinstance(r, Reject) and r.reason == "no_capacity"
     assert r.retry_after_s == POLICY.retry_after_s and r.http_status == 503
@@ -209,11 +206,12 @@ def test_short_requests_prefer_short_lane_actors_then_take_an_idle_long_lane_one
 
 def test_short_requests_keep_up_to_max_hot_actors_hot():
     slots = [_slot(f"s{i}") for i in range(4)]
-    hot = [_actor("h0", "s0", state="busy"), _actor("h1", "s1", state="starting")]
+    full = POLICY.max_batch  # busy with a full batch: nobody joins it
+    hot = [_actor("h0", "s0", state="busy", rows=full), _actor("h1", "s1", state="starting")]
     assert decide(_features(), _snap(slots, hot[:1]), POLICY).keep_hot is True
     d = decide(_features(), _snap(slots, hot), POLICY)
     assert isinstance(d, Spawn) and d.keep_hot is False  # 2 hot already: this one exits after its request
-    not_hot = [_actor("h0", "s0", state="busy"), _actor("x", "s1", state="busy", is_hot=False)]
+    not_hot = [_actor("h0", "s0", state="busy", rows=full), _actor("x", "s1", state="busy", is_hot=False)]
     assert decide(_features(), _snap(slots, not_hot), POLICY).keep_hot is True
     overridden = PolicyConfig(**{**POLICY.__dict__, "hot_overrides": (("m", 3, 1),)})
     assert decide(_features(), _snap(slots, hot), overridden).keep_hot is True
@@ -224,7 +222,83 @@ def test_short_requests_keep_up_to_max_hot_actors_hot():
 def test_a_dispatch_over_the_hot_quota_lets_the_actor_go():
     snap = _snap([_slot(f"s{i}", reserved=1000, num_actors=1) for i in range(3)],
                  [_actor("h0", "s0"), _actor("h1", "s1", state="busy"), _actor("h2", "s2", state="busy")])
+    # (h1 and h2 have free rows, but an idle actor runs the request alone: it comes first.)
     assert decide(_features(), snap, POLICY) == Dispatch("h0", "s0", "short", False, _features().dispatch_bytes)
+
+
+# ---------------------------------------------------------------- joining a batch
+
+
+def _busy_slot(slot_id, reserved=1040):
+    return _slot(slot_id, reserved=reserved, num_actors=1)
+
+
+def test_a_request_joins_a_busy_hot_batch_with_a_free_row_before_spawning():
+    f = _features()
+    snap = _snap([_busy_slot("a"), _slot("b")], [_actor("hot", "a", state="busy", rows=2)])
+    assert decide(f, snap, POLICY) == Join("hot", "a", "short", f.dispatch_bytes)
+    # An idle hot actor still comes first: it runs the request alone.
+    snap = _snap([_busy_slot("a"), _slot("b", reserved=1000, num_actors=1)],
+                 [_actor("hot", "a", state="busy", rows=2), _actor("idle", "b")])
+    assert decide(f, snap, POLICY) == Dispatch("idle", "b", "short", True, f.dispatch_bytes)
+
+
+def test_no_join_into_a_full_batch_a_cramped_slot_a_loading_or_a_leaving_actor():
+    f = _features(kv_bytes_per_token=10)  # a row needs 200 bytes
+    small = PolicyConfig(**{**POLICY.__dict__, "max_batch": 2})
+    cases = [
+        _snap([_busy_slot("a")], [_actor("full", "a", state="busy", rows=2)]),
+        _snap([_slot("a", total=1200, reserved=1040, num_actors=1)], [_actor("cramped", "a", state="busy")]),
+        _snap([_busy_slot("a")], [_actor("loading", "a", state="starting")]),
+        _snap([_busy_slot("a")], [_actor("leaving", "a", state="busy", is_hot=False)]),
+        _snap([_busy_slot("a")], [_actor("other-model", "a", state="busy", model="m2")]),
+    ]
+    for snap in cases:
+        r = decide(f, snap, small)
+        assert isinstance(r, Reject) and r.reason == "no_capacity", (snap.actors[0].name, r)
+    # max_batch 1: a hot actor serves one request at a time, nobody joins.
+    one = PolicyConfig(**{**POLICY.__dict__, "max_batch": 1})
+    assert isinstance(decide(f, _snap([_busy_slot("a")], [_actor("h", "a", state="busy")]), one), Reject)
+
+
+def test_lanes_hold_for_joins_a_long_request_never_shares_a_short_batch_nor_a_short_one_a_long_batch():
+    short, long = _features(), _features(input_tokens=500)
+    snap = _snap([_busy_slot("a"), _busy_slot("b")],
+                 [_actor("short-batch", "a", state="busy"), _actor("long-batch", "b", state="busy", lane="long")])
+    assert decide(short, snap, POLICY).actor_name == "short-batch"
+    assert decide(long, snap, POLICY).actor_name == "long-batch"
+    only_short = _snap([_busy_slot("a")], [_actor("short-batch", "a", state="busy")])
+    assert decide(long, only_short, POLICY).reason == "no_capacity"
+
+
+def test_memory_aware_a_row_joins_the_batch_reading_the_least_kv_per_step():
+    """With the rule, a step costs its rows' compute and their KV reads: the lightest batch wins."""
+    long_context = _features(input_tokens=90, max_tokens=40, kv_bytes_per_token=2_000_000)
+    snap = _snap([_busy_slot("a", 2000), _busy_slot("b", 2000), _busy_slot("c", 2000)], [
+        _actor("long-rows", "a", state="busy", rows=2, row_tokens=130),
+        _actor("short-rows", "b", state="busy", rows=3, row_tokens=20),  # a row more, far fewer positions
+        _actor("one-long", "c", state="busy", rows=1, row_tokens=200),
+    ])
+    big = PolicyConfig(**{**POLICY.__dict__, "max_batch": 8})
+    huge_slots = ClusterSnapshot(tuple(SlotView(x.slot_id, "n", 10**12, x.reserved_bytes, 1) for x in snap.slots),
+                                 snap.actors, 1)
+    assert decide(long_context, huge_slots, big).actor_name == "short-rows"
+
+
+def test_a_join_must_keep_every_running_row_within_its_tpot_target():
+    f = _features()
+    tight = _snap([_busy_slot("a"), _busy_slot("b")], [
+        _actor("strict", "a", state="busy", rows=1, tpot=0.031),  # one row more: 0.03 * 1.05 = 0.0315
+        _actor("relaxed", "b", state="busy", rows=3, tpot=0.5),
+    ])
+    assert decide(f, tight, POLICY).actor_name == "relaxed"  # slower than `strict`, but allowed
+    only_strict = _snap([_busy_slot("a")], [_actor("strict", "a", state="busy", rows=1, tpot=0.031)])
+    r = decide(f, only_strict, POLICY)
+    assert isinstance(r, Reject) and r.reason == "latency_target"
+    # The request's own TPOT target counts too.
+    roomy = _snap([_busy_slot("a")], [_actor("h", "a", state="busy", rows=4)])
+    assert decide(_features(tpot_target_s=0.031), roomy, POLICY).reason == "latency_target"
+    assert isinstance(decide(_features(tpot_target_s=0.5), roomy, POLICY), Join)
 
 
 # ---------------------------------------------------------------- the scorer
@@ -241,17 +315,26 @@ class _FixedScorer:
 
 
 def test_the_rule_scorer_predicts_by_its_documented_formula():
-    f = _features(input_tokens=40, max_tokens=10, weight_bytes=2_000_000_000)
-    rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, load_bytes_per_s=1e9, actor_start_s=2)
+    f = _features(input_tokens=40, max_tokens=10, weight_bytes=2_000_000_000, kv_bytes_per_token=1000)
+    rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, load_bytes_per_s=1e9, actor_start_s=2,
+                      batch_row_cost=0.5, kv_read_bytes_per_s=1e6)
     hot, cold = Candidate("hot", "a", "x", 1, 1, 0, 0), Candidate("cold", "b", None, 1, 0, 0, 0)
-    assert rule.predict(f, [hot, cold]) == [Prediction(0.04, 1.04), Prediction(4.04, 5.04)]
+    join = Candidate("join", "c", "y", 1, 1, 0, 0, batch_rows=3, batch_tokens=950)
+    alone = 0.1 + 50 * 1000 / 1e6  # one row's step: compute plus its own KV reads
+    batched = 0.1 * (1 + 0.5 * 3) + (950 + 50) * 1000 / 1e6  # four rows
+    got = rule.predict(f, [hot, cold, join])
+    want = [Prediction(0.04, 0.04 + 10 * alone, alone), Prediction(4.04, 4.04 + 10 * alone, alone),
+            Prediction(batched + 0.04, batched + 0.04 + 10 * batched, batched)]
+    for g, w in zip(got, want, strict=True):
+        assert g.ttft_s == pytest.approx(w.ttft_s) and g.total_s == pytest.approx(w.total_s)
+        assert g.tpot_s == pytest.approx(w.tpot_s)
 
 
 def test_the_scorer_ranks_only_feasible_candidates_and_its_choice_is_followed():
     f = _features(kv_bytes_per_token=10)
     snap = _snap([_slot("a", total=1150, reserved=1000, num_actors=1), _slot("b"), _slot("c", total=100),
                   _slot("d")], [_actor("cramped", "a")])
-    scorer = _FixedScorer(lambda cs: [Prediction(10.0 - i, 20.0) for i in range(len(cs))])  # prefers the last
+    scorer = _FixedScorer(lambda cs: [Prediction(10.0 - i, 20.0, 0.01) for i in range(len(cs))])  # prefers the last
     d = decide(f, snap, POLICY, scorer)
     assert [(c.kind, c.slot_id) for c in scorer.seen] == [("cold", "b"), ("cold", "d")]
     assert d.slot_id == "d"
@@ -260,17 +343,19 @@ def test_the_scorer_ranks_only_feasible_candidates_and_its_choice_is_followed():
 def test_a_latency_target_nothing_meets_is_refused():
     f = _features(ttft_target_s=1.0)
     snap = _snap([_slot("a")])
-    r = decide(f, snap, POLICY, _FixedScorer([Prediction(2.0, 3.0)]))
+    r = decide(f, snap, POLICY, _FixedScorer([Prediction(2.0, 3.0, 0.01)]))
     assert isinstance(r, Reject) and r.reason == "latency_target" and r.http_status == 503
-    assert isinstance(decide(f, snap, POLICY, _FixedScorer([Prediction(0.5, 3.0)])), Spawn)
+    assert isinstance(decide(f, snap, POLICY, _FixedScorer([Prediction(0.5, 3.0, 0.01)])), Spawn)
 
 
 @pytest.mark.parametrize("garbage", [
-    [Prediction(math.nan, 1.0), Prediction(0.1, 0.2)],
-    [Prediction(-1.0, 1.0), Prediction(0.1, 0.2)],
-    [Prediction(0.5, 0.1), Prediction(0.1, 0.2)],  # ttft after the last token
-    [Prediction(0.1, 0.2)],  # one short
-    [Prediction(0.1, 0.2)] * 3,
+    [Prediction(math.nan, 1.0, 0.01), Prediction(0.1, 0.2, 0.01)],
+    [Prediction(-1.0, 1.0, 0.01), Prediction(0.1, 0.2, 0.01)],
+    [Prediction(0.5, 0.1, 0.01), Prediction(0.1, 0.2, 0.01)],  # ttft after the last token
+    [Prediction(0.1, 0.2, 0.01)],  # one short
+    [Prediction(0.1, 0.2, 0.01)] * 3,
+    [Prediction(0.1, 0.2, -0.01), Prediction(0.1, 0.2, 0.01)],  # a negative step time
+    [Prediction(0.1, 0.2, math.inf), Prediction(0.1, 0.2, 0.01)],
     ["fast", None],
 ])
 def test_malformed_predictions_fall_back_to_the_rule(garbage):
@@ -304,43 +389,55 @@ def _scenarios(draw):
     actors = []
     for i in range(draw(st.integers(0, 6)) if slots else 0):
         state = draw(st.sampled_from(["starting", "busy", "idle"]))
+        num_rows = {"idle": 0, "starting": 1, "busy": draw(st.integers(1, 4))}[state]
+        rows = tuple(RowView(10, draw(st.integers(1, 40)), draw(st.one_of(st.none(), st.floats(0.001, 1))), 0.0)
+                     for _ in range(num_rows))
         actors.append(ActorView(f"a{i}", draw(st.sampled_from(["m", "m2"])), draw(st.sampled_from(slots)).slot_id,
                                 state, draw(st.sampled_from(["short", "long"])),
-                                state == "idle" or draw(st.booleans()), 100))
+                                state == "idle" or draw(st.booleans()), 100 + 10 * num_rows, 100, rows))
     features = _features(input_tokens=draw(st.integers(1, 20)), max_tokens=draw(st.integers(1, 20)),
                          weight_bytes=draw(st.integers(0, 3000)), kv_bytes_per_token=draw(st.integers(0, 30)),
                          workspace_bytes=draw(st.integers(0, 300)))
     policy = PolicyConfig(short_max_input_tokens=10, short_max_output_tokens=10,
                           max_hot_short_actors=draw(st.integers(0, 2)), max_hot_long_actors=draw(st.integers(0, 2)),
                           actor_overhead_bytes=0, max_actors_per_slot=draw(st.integers(1, 2)),
-                          max_candidates=draw(st.integers(1, 3)))
+                          max_candidates=draw(st.integers(1, 3)), max_batch=draw(st.integers(1, 4)))
     return features, ClusterSnapshot(tuple(slots), tuple(actors), 0), policy
 
 
 def _feasible(features, snap, policy):
-    """Every feasible placement, found without `decide`'s code: (hot actors in order, cold slots in order)."""
+    """Every feasible placement, found without `decide`'s code: hot actors, joinable batches, cold slots, in order."""
     is_short = features.input_tokens <= 10 and features.max_tokens <= 10
     free = {s.slot_id: s.total_bytes - s.reserved_bytes for s in snap.slots}
     hot = [a.name for lane in (("short", "long") if is_short else ("long",)) for a in snap.actors
            if a.lane == lane and a.model == features.model and a.state == "idle"
            and free[a.slot_id] >= features.dispatch_bytes]
+    joins = [a for a in snap.actors
+             if a.lane == ("short" if is_short else "long") and a.model == features.model and a.state == "busy"
+             and a.is_hot and a.num_rows < policy.max_batch and policy.max_batch > 1
+             and free[a.slot_id] >= features.dispatch_bytes]
     cold = [s.slot_id for s in snap.slots
             if free[s.slot_id] >= features.spawn_bytes and s.num_actors < policy.max_actors_per_slot]
-    return hot, cold
+    return hot, joins, cold
 
 
 def _check_feasible(d, features, snap, policy):
-    hot, cold = _feasible(features, snap, policy)
+    hot, joins, cold = _feasible(features, snap, policy)
     if isinstance(d, Dispatch):
         actor = next(a for a in snap.actors if a.name == d.actor_name)
         assert d.actor_name in hot and d.slot_id == actor.slot_id and d.reserve_bytes == features.dispatch_bytes
+    elif isinstance(d, Join):
+        actor = next(a for a in snap.actors if a.name == d.actor_name)
+        assert actor in joins and d.slot_id == actor.slot_id and d.reserve_bytes == features.dispatch_bytes
     elif isinstance(d, Spawn):
         assert d.slot_id in cold and d.reserve_bytes == features.spawn_bytes
+    elif d.reason == "latency_target":  # only a running row's TPOT target can refuse with no target of its own
+        assert joins and not hot and not cold
     else:
-        assert not hot and not cold, f"rejected ({d.reason}) with feasible {hot} {cold}"
+        assert not hot and not joins and not cold, f"rejected ({d.reason}) with feasible {hot} {joins} {cold}"
         is_too_large = bool(snap.slots) and features.spawn_bytes > max(s.total_bytes for s in snap.slots)
         assert d.reason == ("too_large" if is_too_large else "no_capacity")
-    return hot, cold
+    return hot, joins, cold
 
 
 @settings(max_examples=300, deadline=None)
@@ -350,7 +447,7 @@ def test_whatever_the_scorer_says_the_decision_is_feasible(scenario, data):
 
     def garbage(candidates):
         n = max(0, len(candidates) + data.draw(st.integers(-1, 1)))
-        return [Prediction(data.draw(_values), data.draw(_values)) for _ in range(n)]
+        return [Prediction(data.draw(_values), data.draw(_values), data.draw(_values)) for _ in range(n)]
 
     _check_feasible(decide(features, snap, policy, _FixedScorer(garbage)), features, snap, policy)
 
@@ -360,9 +457,20 @@ def test_whatever_the_scorer_says_the_decision_is_feasible(scenario, data):
 def test_with_the_rule_scorer_the_decision_is_the_first_hot_actor_else_first_fit(scenario):
     features, snap, policy = scenario
     d = decide(features, snap, policy, RULE_SCORER)
-    hot, cold = _check_feasible(d, features, snap, policy)
+    hot, joins, cold = _check_feasible(d, features, snap, policy)
+    allowed = [a for a in joins if a.min_tpot_target_s is None
+               or RULE_SCORER.step_s(a.num_rows + 1, a.batch_tokens + features.num_tokens,
+                                     features.kv_bytes_per_token) <= a.min_tpot_target_s]
     if hot:
         assert isinstance(d, Dispatch) and d.actor_name == hot[0]
+    elif allowed:  # the batch whose step the new row slows the least
+        assert isinstance(d, Join)
+        lightest = min((a.num_rows, a.batch_tokens) for a in allowed)
+        chosen = next(a for a in joins if a.name == d.actor_name)
+        assert (chosen.num_rows, chosen.batch_tokens) == lightest or RULE_SCORER.step_s(
+            chosen.num_rows + 1, chosen.batch_tokens + features.num_tokens, features.kv_bytes_per_token) <= min(
+            RULE_SCORER.step_s(a.num_rows + 1, a.batch_tokens + features.num_tokens, features.kv_bytes_per_token)
+            for a in allowed)
     elif cold:
         assert isinstance(d, Spawn) and d.slot_id == cold[0]
 
@@ -371,7 +479,8 @@ def test_with_the_rule_scorer_the_decision_is_the_first_hot_actor_else_first_fit
 
 
 def test_the_policy_modules_import_neither_ray_nor_torch():
-    code = ("import sys, serve_app.policy, serve_app.memory, serve_app.scorer, serve_app.registry; "
+    code = ("import sys, serve_app.policy, serve_app.memory, serve_app.scorer, serve_app.registry, "
+            "serve_app.snapshot, serve_app.retry_after; "
             "print(sorted(m for m in ('ray', 'torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -381,5 +490,5 @@ def test_a_snapshot_pickles_without_its_cached_indexes():
     snap = _snap([_slot("a", reserved=1000, num_actors=1)], [_actor("h", "a")])
     assert snap.idle_actors("m", "short") and snap.max_total_bytes == 10_000  # builds the caches
     clone = pickle.loads(pickle.dumps(snap))
-    assert clone == snap and "_idle" not in clone.__dict__
+    assert clone == snap and "_by_state" not in clone.__dict__
     assert decide(_features(), clone, POLICY) == decide(_features(), snap, POLICY)

@@ -1,0 +1,194 @@
+"""What a decision sees: one request's features and a snapshot of the cluster's slots, actors and rows.
+
+Plain frozen dataclasses, stdlib only (no Ray, no torch): the registry builds them, the
+pure `decide()` (policy.py) reads them, the simulator builds its own.
+
+Actors. An actor is "starting" from its spawn until its first token (its weights are
+still streaming in; it serves that one request), then "busy" while it runs rows, and
+"idle" with none. A hot actor (`is_hot`) stays after its rows end and may run up to the
+policy's `max_batch` rows at once; each row is one request, holding its KV cache and
+workspace (`RequestFeatures.dispatch_bytes`) on the actor's slot while it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Any, Literal
+
+Lane = Literal["short", "long"]
+ActorState = Literal["starting", "busy", "idle"]
+LANES: tuple[Lane, ...] = ("short", "long")
+ACTOR_STATES: tuple[ActorState, ...] = ("starting", "busy", "idle")
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    model: str
+    input_tokens: int
+    max_tokens: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    workspace_bytes: int  # this request's transient activations (see `memory.workspace_bytes()`)
+    actor_overhead_bytes: int = 0  # per actor process, resident while it lives
+    ttft_target_s: float | None = None  # None: no target
+    total_target_s: float | None = None
+    # Time per output token once decoding; a row joining a batch must not push any row past its own.
+    tpot_target_s: float | None = None
+    # Sampling settings: features for the scorer only (top_k/top_p cost a sort per token).
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the request's KV cache holds at most."""
+        return self.input_tokens + self.max_tokens
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.num_tokens
+
+    @property
+    def dispatch_bytes(self) -> int:
+        """Held on a hot actor's slot while the request runs as one of its rows: the weights are already there."""
+        return self.kv_bytes + self.workspace_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """Held by a fresh actor for as long as it lives, request or not."""
+        return self.weight_bytes + self.actor_overhead_bytes
+
+    @property
+    def spawn_bytes(self) -> int:
+        return self.resident_bytes + self.dispatch_bytes
+
+
+@dataclass(frozen=True)
+class SlotView:
+    slot_id: str
+    node_id: str
+    total_bytes: int
+    reserved_bytes: int
+    num_actors: int
+    fragmentation: float = 0.0
+    utilization: float = 0.0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.reserved_bytes
+
+
+@dataclass(frozen=True)
+class RowView:
+    """One running request on an actor."""
+
+    request_bytes: int  # its KV cache and workspace
+    num_tokens: int  # input + max_tokens: the KV positions it reads per step, at most
+    tpot_target_s: float | None
+    predicted_end: float  # epoch seconds, from the prediction it was admitted with
+
+
+@dataclass(frozen=True)
+class ActorView:
+    name: str
+    model: str
+    slot_id: str
+    state: ActorState
+    lane: Lane
+    is_hot: bool  # stays (idle) after its current rows, or is idle now
+    reserved_bytes: int  # resident + every row's bytes
+    resident_bytes: int = 0  # weights + per-process overhead
+    rows: tuple[RowView, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def batch_tokens(self) -> int:
+        """KV positions the batch reads per step, at most (every row at its full length)."""
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def min_tpot_target_s(self) -> float | None:
+        targets = [r.tpot_target_s for r in self.rows if r.tpot_target_s is not None]
+        return min(targets) if targets else None
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """Slots in a stable order (first fit follows it) and actors, at registry version `version`.
+
+    The per-model indexes `decide` needs are built on first use and cached; they are not
+    pickled (see __getstate__), so a snapshot travels at the size of its fields.
+    """
+
+    slots: tuple[SlotView, ...]
+    actors: tuple[ActorView, ...]
+    version: int = 0
+
+    def slot(self, slot_id: str) -> SlotView | None:
+        return self._slots_by_id.get(slot_id)
+
+    def idle_actors(self, model: str, lane: Lane) -> list[ActorView]:
+        return self._by_state.get((model, lane, "idle"), [])
+
+    def busy_hot_actors(self, model: str, lane: Lane) -> list[ActorView]:
+        """Busy actors that stay hot: the ones a request may join."""
+        return [a for a in self._by_state.get((model, lane, "busy"), []) if a.is_hot]
+
+    def actors_on_slot(self, slot_id: str) -> list[ActorView]:
+        return self._by_slot.get(slot_id, [])
+
+    def hot_count(self, model: str, lane: Lane) -> int:
+        return self._hot_counts.get((model, lane), 0)
+
+    def num_busy_on_node(self, node_id: str) -> int:
+        """Actors starting or busy on a node: they share its host (and, on CPU slots, its cores)."""
+        return self._busy_by_node.get(node_id, 0)
+
+    @cached_property
+    def max_total_bytes(self) -> int:
+        return max((s.total_bytes for s in self.slots), default=0)
+
+    @cached_property
+    def _slots_by_id(self) -> dict[str, SlotView]:
+        return {s.slot_id: s for s in self.slots}
+
+    @cached_property
+    def _by_state(self) -> dict[tuple[str, Lane, ActorState], list[ActorView]]:
+        index: dict[tuple[str, Lane, ActorState], list[ActorView]] = {}
+        for a in self.actors:
+            index.setdefault((a.model, a.lane, a.state), []).append(a)
+        return index
+
+    @cached_property
+    def _by_slot(self) -> dict[str, list[ActorView]]:
+        index: dict[str, list[ActorView]] = {}
+        for a in self.actors:
+            index.setdefault(a.slot_id, []).append(a)
+        return index
+
+    @cached_property
+    def _hot_counts(self) -> dict[tuple[str, Lane], int]:
+        counts: dict[tuple[str, Lane], int] = {}
+        for a in self.actors:
+            if a.is_hot:
+                counts[(a.model, a.lane)] = counts.get((a.model, a.lane), 0) + 1
+        return counts
+
+    @cached_property
+    def _busy_by_node(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for a in self.actors:
+            slot = self._slots_by_id.get(a.slot_id) if a.state != "idle" else None
+            if slot is not None:
+                counts[slot.node_id] = counts.get(slot.node_id, 0) + 1
+        return counts
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
