@@ -48,6 +48,7 @@ from serve_app.policy import Reject, Spawn
 from serve_app.prompt import prompt_for
 from serve_app.registry_actor import RegistryConfig, get_registry
 from serve_app.relay import Admitted, Outcome, Relay
+from serve_app.scorer import RULE_SCORER
 from serve_app.slots import SlotRefresher
 from serve_app.xgb_scorer import load_scorer
 
@@ -91,9 +92,10 @@ class Ingress:
         self.metrics = IngressMetrics()
         self.models = {m.id: self._load_model(m) for m in config.models}
         # Loaded (and validated) here; a missing or invalid model means the rule, with a warning.
+        scorer = load_scorer(config.scorer_path)
         self.registry = get_registry(
             RegistryConfig(namespace=config.actor.namespace, actor_namespace=config.actor.namespace),
-            config.policy, load_scorer(config.scorer_path),
+            config.policy, config.rule_scorer if scorer is RULE_SCORER else scorer,
         )
         self.traces = traces.TraceWriter(config.traces) if config.traces is not None else None
         self.relay = Relay(config.token_timeout_s, config.ping_interval_s, self._observe, self._ended,

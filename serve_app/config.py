@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from actors.request_actor import ActorConfig
 from serve_app.latency_targets import MAX_TARGET_S
 from serve_app.policy import PolicyConfig
+from serve_app.scorer import RuleScorer
 from serve_app.traces import TraceConfig
 
 GiB = 1 << 30
@@ -91,6 +92,8 @@ class AppArgs(_Strict):
     max_ongoing_requests: int = Field(default=512, ge=1)
     # The XGBoost scorer (serve_app/xgb_scorer.py); None, or a missing or invalid file: the rule.
     scorer_path: str | None = None
+    # The rule's constants (serve_app/scorer.py RuleScorer fields), measured for this deployment.
+    rule_scorer: dict[str, float] = Field(default_factory=dict)
     traces: TraceArgs = TraceArgs()
 
     @model_validator(mode="after")
@@ -98,6 +101,7 @@ class AppArgs(_Strict):
         ids = [m.id for m in self.models]
         if len(set(ids)) != len(ids):
             raise ValueError(f"model ids must be unique, got {ids}")
+        RuleScorer(**self.rule_scorer)  # unknown names or out-of-range values fail here, at build time
         return self
 
 
@@ -129,6 +133,7 @@ class IngressConfig:
     telemetry_refresh_s: float
     scorer_path: str | None = None
     traces: TraceConfig | None = None  # None: off
+    rule_scorer: RuleScorer = RuleScorer()
 
 
 def ingress_config(args: AppArgs) -> IngressConfig:
@@ -162,6 +167,7 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         slot_refresh_s=args.slot_refresh_s,
         telemetry_refresh_s=args.telemetry_refresh_s,
         scorer_path=args.scorer_path,
+        rule_scorer=RuleScorer(**args.rule_scorer),
         traces=TraceConfig(args.traces.path, args.traces.max_bytes) if args.traces.enabled else None,
     )
 

@@ -5,22 +5,36 @@ candidate and what the scorer predicted for it, or the refusal), and, for admitt
 requests, the measured outcome. Off unless the app config switches it on
 (`traces: {enabled: true}`).
 
-A line (schema "zq-trace/1"; times are seconds, measured from the request's arrival at
+A line (schema "zq-trace/2"; times are seconds, measured from the request's arrival at
 the ingress; `null` where a value does not apply):
 
-    {"schema": "zq-trace/1", "time": <arrival, epoch s>, "request_id": "req_…", "model": "zq-demo",
+    {"schema": "zq-trace/2", "time": <arrival, epoch s>, "request_id": "req_…", "model": "zq-demo",
      "features": {"input_tokens", "max_tokens", "temperature", "top_k", "top_p", "weight_bytes",
                   "kv_bytes_per_token", "workspace_bytes", "actor_overhead_bytes",
-                  "ttft_target_s", "total_target_s"},
-     "decision": {"kind": "dispatch" | "spawn" | "reject", "reason", "slot_id", "lane", "keep_hot",
-                  "reserve_bytes", "candidate": {Candidate's fields}, "predicted": {"ttft_s", "total_s"}},
-     "outcome": null for refusals, else {"ok", "error", "dispatch_s", "load_s", "ttft_s", "total_s",
+                  "ttft_target_s", "total_target_s", "tpot_target_s"},
+     "decision": {"kind": "dispatch" | "join" | "spawn" | "reject", "reason", "slot_id", "lane", "keep_hot",
+                  "reserve_bytes", "candidate": {Candidate's fields, batch_rows and batch_tokens included},
+                  "predicted": {"ttft_s", "total_s", "tpot_s"}},
+     "outcome": null for refusals, else {"ok", "error", "dispatch_s", "load_s", "ttft_s", "total_s", "tpot_s",
                 "output_tokens", "stop_reason", "is_cold", "first_layers", "reserved_bytes", "peak_bytes"}}
 
-`load_s` is actor start to all layers resident (cold requests only). `peak_bytes` is the
-request's peak as the actor measured it (actors/peak_memory.py: the CUDA allocator's peak,
-or the CPU process's peak resident set); `reserved_bytes` is what the registry reserved for
-the request, which the ingress knows exactly.
+`ok` is true for a completed request; otherwise `error` is how it ended ("cancelled",
+"failed") and no timings follow. `tpot_s` is the measured time per output token once
+decoding, (last token - first token) / (output tokens - 1): for a row of a batch, the
+batch's step time as that row saw it. It is null with fewer than 2 output tokens (no step
+after the first token was timed). `load_s` is actor start to all layers resident (cold
+requests only). `peak_bytes` is the request's peak as the actor measured it
+(actors/peak_memory.py: the CUDA allocator's peak, or the CPU process's peak resident
+set); `reserved_bytes` is what the registry reserved for the request, which the ingress
+knows exactly.
+
+Older lines. "zq-trace/1" lines were recorded before hot actors ran batches. They could
+be converted (no batch fields means an empty batch, and TPOT follows from total - TTFT),
+but their timings are the old runtime's, and a scorer trained on them would predict a
+system that no longer runs. `read_traces` skips them, with one warning per file that says
+how many, and counts them for its caller (`train_scorer` names them when too few rows
+are left). Skipping rather than refusing the file keeps the newer part of a file that was
+appended to across an upgrade (the writer appends to whatever is at its path).
 
 Writing never blocks the caller: `TraceWriter.write` puts the record on a bounded queue
 (a full queue drops it, with a warning) and one thread serialises and appends. The file is
@@ -35,6 +49,7 @@ import logging
 import os
 import queue
 import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +57,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "zq-trace/1"
+SCHEMA = "zq-trace/2"
+SCHEMA_FAMILY = "zq-trace/"  # another version of this schema: counted as such when skipped
 
 
 @dataclass(frozen=True)
@@ -139,11 +155,11 @@ def features_record(features: Any) -> dict[str, Any]:
     """A `RequestFeatures` (duck-typed) as the trace stores it."""
     return {name: getattr(features, name) for name in (
         "input_tokens", "max_tokens", "temperature", "top_k", "top_p", "weight_bytes", "kv_bytes_per_token",
-        "workspace_bytes", "actor_overhead_bytes", "ttft_target_s", "total_target_s")}
+        "workspace_bytes", "actor_overhead_bytes", "ttft_target_s", "total_target_s", "tpot_target_s")}
 
 
 def decision_record(decision: Any) -> dict[str, Any]:
-    """A `Dispatch`, `Spawn` or `Reject` (duck-typed) as the trace stores it."""
+    """A `Dispatch`, `Join`, `Spawn` or `Reject` (duck-typed) as the trace stores it."""
     kind = type(decision).__name__.lower()
     if kind == "reject":
         return {"kind": kind, "reason": decision.reason, "retry_after_s": decision.retry_after_s}
@@ -152,13 +168,18 @@ def decision_record(decision: Any) -> dict[str, Any]:
         "kind": kind, "slot_id": decision.slot_id, "lane": decision.lane, "keep_hot": decision.keep_hot,
         "reserve_bytes": decision.reserve_bytes,
         "candidate": None if candidate is None else asdict(candidate),
-        "predicted": None if predicted is None else {"ttft_s": predicted.ttft_s, "total_s": predicted.total_s},
+        "predicted": None if predicted is None else {"ttft_s": predicted.ttft_s, "total_s": predicted.total_s,
+                                                     "tpot_s": predicted.tpot_s},
     }
 
 
 def outcome_record(arrival: float, dispatch_time: float, reserved_bytes: int, completion: Any | None,
                    error: str | None = None) -> dict[str, Any]:
-    """What was measured for an admitted request; `completion` is the actor's `Completion`, if it sent one."""
+    """What was measured for an admitted request.
+
+    `completion` is the actor's `Completion` when the request completed; `error` is None
+    then, else how it ended ("cancelled", "failed").
+    """
     out: dict[str, Any] = {"ok": completion is not None and error is None, "error": error,
                            "dispatch_s": dispatch_time - arrival, "reserved_bytes": reserved_bytes}
     if completion is None:
@@ -169,11 +190,19 @@ def outcome_record(arrival: float, dispatch_time: float, reserved_bytes: int, co
                 if completion.is_cold and t.all_layers_resident is not None else None),
         ttft_s=None if t.first_token is None else t.first_token - arrival,
         total_s=None if t.last_token is None else t.last_token - arrival,
+        tpot_s=tpot_s(t.first_token, t.last_token, completion.output_tokens),
         output_tokens=completion.output_tokens, stop_reason=completion.stop_reason,
         is_cold=completion.is_cold, first_layers=completion.first_layers,
         peak_bytes=getattr(completion, "peak_bytes", None),
     )
     return out
+
+
+def tpot_s(first_token: float | None, last_token: float | None, output_tokens: int) -> float | None:
+    """Seconds per output token after the first; None with fewer than 2 tokens or a missing time."""
+    if first_token is None or last_token is None or output_tokens < 2:
+        return None
+    return (last_token - first_token) / (output_tokens - 1)
 
 
 def trace_record(request_id: str, model: str, arrival: float, features: Any, decision: Any,
@@ -182,14 +211,31 @@ def trace_record(request_id: str, model: str, arrival: float, features: Any, dec
             "features": features_record(features), "decision": decision_record(decision), "outcome": outcome}
 
 
-def read_traces(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
-    """Every well-formed record of the files, in order; a torn or foreign line is skipped."""
+def read_traces(paths: Iterable[str | Path], skipped: Counter | None = None) -> Iterator[dict[str, Any]]:
+    """Every well-formed "zq-trace/2" record of the files, in order.
+
+    A torn or foreign line is skipped; so is a line of another zq-trace version, with a
+    warning per file (see the module docstring). `skipped`, if given, counts the lines
+    left out: under their schema for other zq-trace versions, else "torn" or "foreign".
+    """
+    skipped = Counter() if skipped is None else skipped
     for path in paths:
+        old = Counter()
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     record = json.loads(line)
                 except ValueError:
+                    skipped["torn"] += 1
                     continue
-                if isinstance(record, dict) and record.get("schema") == SCHEMA:
+                schema = record.get("schema") if isinstance(record, dict) else None
+                if schema == SCHEMA:
                     yield record
+                elif isinstance(schema, str) and schema.startswith(SCHEMA_FAMILY):
+                    old[schema] += 1
+                else:
+                    skipped["foreign"] += 1
+        for schema, n in sorted(old.items()):
+            log.warning("%s: %d %s lines skipped (recorded by another version of the app); only %s is read",
+                        path, n, schema, SCHEMA)
+        skipped.update(old)

@@ -2,16 +2,30 @@
 
     python -m serve_app.train_scorer TRACES... -o configs/scorer.ubj [--report benchmarks/results/scorer_eval.md]
 
-Rows are the admitted requests that completed (`ok`) with a measured TTFT and total;
-features are built by `xgb_scorer.feature_matrix` from the trace's features and chosen
-candidate (the very code the ingress runs per request), targets are log TTFT and log total
-seconds. A seeded split holds out `--test-fraction` of the rows; the number of boosting
-rounds is chosen by early stopping on a validation slice of the training rows, and the
-model is then fit on all training rows. The model is saved (UBJSON + card), loaded back
-through `XGBScorer`, and evaluated through its `predict`, exactly as requests will see it.
+Rows are the admitted requests (dispatched, joined or spawned) that completed (`ok`) with
+a measured TTFT, total and TPOT; features are built by `xgb_scorer.feature_matrix` from
+the trace's features and chosen candidate (the very code the ingress runs per request),
+targets are log TTFT, log total and log TPOT seconds. A seeded split holds out
+`--test-fraction` of the rows; the number of boosting rounds is chosen by early stopping
+on a validation slice of the training rows, and the model is then fit on all training
+rows. The model is saved (UBJSON + card), loaded back through `XGBScorer`, and evaluated
+through its `predict`, exactly as requests will see it.
+
+Requests without a TPOT. A completed request with fewer than 2 output tokens has no
+measured TPOT (no step after its first token was timed). Its row is left out for all
+three targets, and the report says how many. It is not filled in: XGBoost takes no
+missing labels, the rule's TPOT is a placeholder constant, and any filled-in value would
+teach the trees a step time nobody measured — while TPOT is the figure a join is refused
+on, to keep the rows already running within their targets. Little is lost: such requests
+are a small share (max_tokens 1, or an end-of-sequence at once), and their TTFT depends on
+the same columns as everyone else's, which the other rows cover.
+
+Traces of another schema version ("zq-trace/1": recorded before hot actors ran batches)
+are skipped by `read_traces` with a warning; when too few rows are left, the error says
+how many such lines there were.
 
 Held-out report, for the XGBoost scorer and the rule beside it:
-- MAE (seconds) and R² of TTFT and of total time;
+- MAE (seconds) and R² of TTFT, of total time and of TPOT;
 - hindsight share: see `hindsight`;
 - target agreement: for a target T, the share of held-out requests where "predicted
   within T" equals "measured within T" — how often a latency target would have admitted
@@ -29,6 +43,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,13 +53,24 @@ import numpy as np
 from serve_app.scorer import RULE_SCORER, Candidate, Scorer
 from serve_app.snapshot import RequestFeatures
 from serve_app.traces import read_traces
-from serve_app.xgb_scorer import FEATURE_NAMES, ScorerCard, XGBScorer, card_path, feature_matrix, save_model
+from serve_app.xgb_scorer import (
+    FEATURE_NAMES,
+    TARGETS,
+    ScorerCard,
+    XGBScorer,
+    card_path,
+    feature_matrix,
+    save_model,
+)
 
 log = logging.getLogger(__name__)
 
 PARAMS = {"objective": "reg:squarederror", "tree_method": "hist", "max_depth": 4, "eta": 0.1,
           "min_child_weight": 2, "subsample": 0.9, "nthread": 1}
 MAX_ROUNDS = 150  # fewer trees, faster requests; early stopping usually stops well before
+MEASURED = tuple(t.removeprefix("log_") for t in TARGETS)  # ttft_s, total_s, tpot_s: a Sample's fields
+ADMITTED = ("dispatch", "join", "spawn")
+KINDS = ("hot", "join", "cold")  # decide's candidate order: on a tie the earlier kind wins
 
 
 @dataclass(frozen=True)
@@ -53,21 +79,31 @@ class Sample:
     candidate: Candidate
     ttft_s: float
     total_s: float
+    tpot_s: float
 
 
-def samples(records) -> list[Sample]:
-    """The trainable rows of trace records (completed admitted requests with both timings)."""
+def samples(records, without_tpot: Counter | None = None) -> list[Sample]:
+    """The trainable rows of trace records: completed admitted requests with all three timings.
+
+    Completed requests left out for want of a TPOT (see the module docstring) are counted
+    in `without_tpot`, by the kind of candidate they ran on.
+    """
     out = []
     for r in records:
         decision, outcome = r.get("decision") or {}, r.get("outcome") or {}
-        if decision.get("kind") not in ("dispatch", "spawn") or not outcome.get("ok"):
+        if decision.get("kind") not in ADMITTED or not outcome.get("ok"):
             continue
         ttft, total, candidate = outcome.get("ttft_s"), outcome.get("total_s"), decision.get("candidate")
         if candidate is None or ttft is None or total is None or not 0 < ttft <= total:
             continue
+        tpot = outcome.get("tpot_s")
+        if tpot is None or not tpot > 0:
+            if without_tpot is not None:
+                without_tpot[str(candidate.get("kind"))] += 1
+            continue
         try:
             features = RequestFeatures(model=r["model"], **r["features"])
-            out.append(Sample(features, Candidate(**candidate), float(ttft), float(total)))
+            out.append(Sample(features, Candidate(**candidate), float(ttft), float(total), float(tpot)))
         except (KeyError, TypeError, ValueError):
             continue
     return out
@@ -82,7 +118,7 @@ def split(rows: Sequence[Sample], test_fraction: float, seed: int) -> tuple[list
 
 def design(rows: Sequence[Sample]) -> tuple[np.ndarray, np.ndarray]:
     x = np.concatenate([feature_matrix(s.features, [s.candidate]) for s in rows])
-    y = np.log(np.array([[s.ttft_s, s.total_s] for s in rows], dtype=np.float64))
+    y = np.log(np.array([[getattr(s, m) for m in MEASURED] for s in rows], dtype=np.float64))
     return x, y
 
 
@@ -107,13 +143,14 @@ def train(rows: Sequence[Sample], seed: int):
 
 
 def predict_chosen(scorer: Scorer, rows: Sequence[Sample]) -> np.ndarray:
-    """(ttft, total) predicted for each row's own candidate."""
-    return np.array([[p.ttft_s, p.total_s] for s in rows for p in scorer.predict(s.features, [s.candidate])])
+    """(ttft, total, tpot) predicted for each row's own candidate."""
+    return np.array([[getattr(p, m) for m in MEASURED]
+                     for s in rows for p in scorer.predict(s.features, [s.candidate])]).reshape(len(rows), len(MEASURED))
 
 
 def accuracy(pred: np.ndarray, rows: Sequence[Sample]) -> dict[str, dict[str, float]]:
     out = {}
-    for j, target in enumerate(("ttft_s", "total_s")):
+    for j, target in enumerate(MEASURED):
         y = np.array([getattr(s, target) for s in rows])
         residual = float(np.sum((y - pred[:, j]) ** 2))
         spread = float(np.sum((y - y.mean()) ** 2))
@@ -127,16 +164,29 @@ def shape_of(s: Sample) -> tuple[int, int]:
     return int(math.log(s.features.input_tokens, 4) + 1e-9), int(math.log(s.features.max_tokens, 4) + 1e-9)
 
 
+def as_kind(candidate: Candidate, kind: str, joined: Sequence[Sample]) -> Candidate:
+    """The recorded candidate as `kind`: an idle or a fresh actor has no batch; a join enters
+    the median batch that requests of this shape joined (`joined`)."""
+    if kind == candidate.kind:
+        return candidate
+    if kind != "join":
+        return replace(candidate, kind=kind, batch_rows=0, batch_tokens=0)
+    return replace(candidate, kind=kind, batch_rows=round(statistics.median(s.candidate.batch_rows for s in joined)),
+                   batch_tokens=round(statistics.median(s.candidate.batch_tokens for s in joined)))
+
+
 def hindsight(scorer: Scorer, held_out: Sequence[Sample], measured: Sequence[Sample]) -> tuple[float, int, int]:
     """The share of held-out requests whose fastest-ranked kind is the kind measured fastest for their shape.
 
+    Kinds are hot (an idle hot actor), join (a row of a busy hot actor's batch) and cold.
     For each held-out request, the scorer predicts (TTFT, total) for the request's own
-    features on a hot and on a cold candidate (its recorded candidate with the kind set
-    either way) and ranks them as `decide` does: lower TTFT, then lower total. Hindsight's
-    choice is the kind with the lower median measured TTFT (then total) over every traced
-    request of the same shape (`shape_of`) — every request, since the trace of one request
-    measures only the kind it ran on. Requests whose shape was measured on one kind only are
-    left out. Returns (share, requests compared, requests left out).
+    features on one candidate per kind measured for its shape (its recorded candidate with
+    the kind set, see `as_kind`) and ranks them as `decide` does: lower TTFT, then lower
+    total, then hot before join before cold. Hindsight's choice is the kind with the lowest
+    median measured TTFT (then total) over every traced request of the same shape
+    (`shape_of`) — every request, since the trace of one request measures only the kind it
+    ran on. Requests whose shape was measured on one kind only are left out. Returns
+    (share, requests compared, requests left out).
     """
     by_kind: dict[tuple[tuple[int, int], str], list[Sample]] = {}
     for s in measured:
@@ -147,12 +197,13 @@ def hindsight(scorer: Scorer, held_out: Sequence[Sample], measured: Sequence[Sam
 
     matches = compared = 0
     for s in held_out:
-        hot, cold = by_kind.get((shape_of(s), "hot")), by_kind.get((shape_of(s), "cold"))
-        if not hot or not cold:
+        groups = {k: by_kind[(shape_of(s), k)] for k in KINDS if (shape_of(s), k) in by_kind}
+        if len(groups) < 2:
             continue
-        truth = "hot" if median_key(hot) <= median_key(cold) else "cold"
-        ph, pc = scorer.predict(s.features, [replace(s.candidate, kind="hot"), replace(s.candidate, kind="cold")])
-        choice = "hot" if (ph.ttft_s, ph.total_s) <= (pc.ttft_s, pc.total_s) else "cold"
+        kinds = list(groups)  # in KINDS order, so min() keeps decide's tie order
+        truth = min(kinds, key=lambda k: median_key(groups[k]))
+        predicted = scorer.predict(s.features, [as_kind(s.candidate, k, groups.get("join", ())) for k in kinds])
+        choice = kinds[min(range(len(kinds)), key=lambda i: (predicted[i].ttft_s, predicted[i].total_s))]
         compared += 1
         matches += choice == truth
     return (matches / compared if compared else float("nan")), compared, len(held_out) - compared
@@ -161,7 +212,7 @@ def hindsight(scorer: Scorer, held_out: Sequence[Sample], measured: Sequence[Sam
 def target_agreement(pred: np.ndarray, rows: Sequence[Sample]) -> list[tuple[str, float, float]]:
     """(target, T, share) for T at each quartile of the held-out measurements (see the module doc)."""
     out = []
-    for j, target in enumerate(("ttft_s", "total_s")):
+    for j, target in enumerate(MEASURED):
         y = np.array([getattr(s, target) for s in rows])
         for q in (25, 50, 75):
             t = float(np.percentile(y, q))
@@ -181,8 +232,11 @@ def evaluate(scorer: Scorer, held_out: Sequence[Sample], measured: Sequence[Samp
 
 def report_markdown(command: str, traces: Sequence[str], rows: Sequence[Sample], num_records: int,
                     train_rows: int, num_rounds: int, xgb_eval: dict, rule_eval: dict, seed: int,
-                    importance: dict[str, float], note: str = "") -> str:
-    hot = sum(s.candidate.kind == "hot" for s in rows)
+                    importance: dict[str, float], note: str = "", without_tpot: Counter | None = None,
+                    skipped: Counter | None = None) -> str:
+    kinds = Counter(s.candidate.kind for s in rows)
+    untimed = sum((without_tpot or Counter()).values())
+    other_versions = {k: v for k, v in (skipped or Counter()).items() if k.startswith("zq-trace/")}
     lines = [
         "# Scorer: held-out evaluation", "",
         f"Command: `{command}`", "",
@@ -192,25 +246,34 @@ def report_markdown(command: str, traces: Sequence[str], rows: Sequence[Sample],
         "Traces are what the running system records (`serve_app/traces.py`); the committed ones come from "
         "`benchmarks/gen_traces.py` (command in `benchmarks/traces/README.md`).", "",
         f"Traces: {', '.join(f'`{t}`' for t in traces)}: {num_records} records, {len(rows)} completed admitted "
-        f"requests ({hot} hot, {len(rows) - hot} cold). Seeded split (seed {seed}): {train_rows} training rows, "
-        f"{len(rows) - train_rows} held out. Model: one multi-output booster (targets log TTFT and log total), "
-        f"{num_rounds} rounds (early stopping on 20% of the training rows), depth {PARAMS['max_depth']}, "
-        f"eta {PARAMS['eta']}.", "",
+        f"requests ({', '.join(f'{kinds[k]} {k}' for k in KINDS)})"
+        + (f"; {untimed} more completed with fewer than 2 output tokens and are left out (no TPOT measured)"
+           if untimed else "")
+        + (f"; {', '.join(f'{n} {k} lines' for k, n in sorted(other_versions.items()))} skipped (another "
+           "version of the app)" if other_versions else "")
+        + f". Seeded split (seed {seed}): {train_rows} training rows, {len(rows) - train_rows} held out. Model: "
+        f"one multi-output booster (targets log TTFT, log total and log TPOT), {num_rounds} rounds (early "
+        f"stopping on 20% of the training rows), depth {PARAMS['max_depth']}, eta {PARAMS['eta']}.", "",
         "## Accuracy on the held-out requests", "",
-        "Seconds from the request's arrival at the ingress; the rule is `RuleScorer`'s placeholder constants.", "",
+        "TTFT and total are seconds from the request's arrival at the ingress; TPOT is seconds per output token "
+        "after the first, (last token − first token) / (output tokens − 1), which for a row of a batch is the "
+        "batch's step time as that row saw it. The rule is `RuleScorer`'s placeholder constants.", "",
         "| target | XGBoost MAE s | XGBoost R² | rule MAE s | rule R² |", "|---|--:|--:|--:|--:|",
     ]
-    for target in ("ttft_s", "total_s"):
+    for target in MEASURED:
         x, r = xgb_eval["accuracy"][target], rule_eval["accuracy"][target]
-        lines.append(f"| {target} | {x['mae']:.3f} | {x['r2']:.3f} | {r['mae']:.3f} | {r['r2']:.3f} |")
+        digits = 4 if target == "tpot_s" else 3
+        lines.append(f"| {target} | {x['mae']:.{digits}f} | {x['r2']:.3f} | {r['mae']:.{digits}f} | {r['r2']:.3f} |")
     lines += [
         "", "## Hindsight share", "",
-        "For each held-out request the scorer predicts (TTFT, total) on a hot and on a cold candidate (the "
-        "request's own features and recorded slot statistics, with the kind set either way) and ranks them as "
-        "`decide` does. Hindsight's choice is the kind with the lower median *measured* TTFT (then total) over "
-        "every traced request of the same shape (power-of-four buckets of input tokens and of max_tokens: 1–3, 4–15, 16–63, …); a "
-        "trace measures only the kind its request ran on, so the other kind's time comes from requests of the "
-        "same shape. Requests whose shape was measured on one kind only are left out.", "",
+        "For each held-out request the scorer predicts (TTFT, total) on one candidate per kind — an idle hot "
+        "actor, a row joining a busy hot actor's batch, a fresh actor — among the kinds measured for the "
+        "request's shape: the request's own features and recorded slot statistics with the kind set (no batch "
+        "for hot and cold; for a join, the median batch that requests of this shape joined). It ranks them as "
+        "`decide` does. Hindsight's choice is the kind with the lowest median *measured* TTFT (then total) over "
+        "every traced request of the same shape (power-of-four buckets of input tokens and of max_tokens: 1–3, "
+        "4–15, 16–63, …); a trace measures only the kind its request ran on, so the other kinds' times come "
+        "from requests of the same shape. Requests whose shape was measured on one kind only are left out.", "",
         "| scorer | share matching hindsight | requests compared | left out |", "|---|--:|--:|--:|",
         f"| XGBoost | {xgb_eval['hindsight_share']:.3f} | {xgb_eval['hindsight_compared']} | "
         f"{xgb_eval['hindsight_left_out']} |",
@@ -218,11 +281,13 @@ def report_markdown(command: str, traces: Sequence[str], rows: Sequence[Sample],
         f"{rule_eval['hindsight_left_out']} |",
         "", "## Target agreement", "",
         "For a target T, the share of held-out requests for which \"predicted within T\" equals \"measured "
-        "within T\": how often a latency target would have admitted or refused the request correctly.", "",
+        "within T\": how often a latency target would have admitted or refused the request correctly (for "
+        "TPOT, a join refused to keep a running row within its target).", "",
         "| target at | T s | XGBoost | rule |", "|---|--:|--:|--:|",
     ]
-    for (name, t, share), (_, _, rule_share) in zip(xgb_eval["target_agreement"], rule_eval["target_agreement"], strict=True):
-        lines.append(f"| {name} | {t:.3f} | {share:.3f} | {rule_share:.3f} |")
+    for (name, t, share), (_, _, rule_share) in zip(xgb_eval["target_agreement"], rule_eval["target_agreement"],
+                                                    strict=True):
+        lines.append(f"| {name} | {t:.4f} | {share:.3f} | {rule_share:.3f} |")
     lines += ["", "## Feature importance (total gain)", "", "| feature | gain |", "|---|--:|"]
     lines += [f"| {name} | {gain:.1f} |" for name, gain in sorted(importance.items(), key=lambda kv: -kv[1])]
     unused = [n for n in FEATURE_NAMES if n not in importance]
@@ -242,26 +307,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--note", default="", help="a sentence for the report (e.g. how the traces were made)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    records = list(read_traces(args.traces))
-    rows = samples(records)
+    skipped, without_tpot = Counter(), Counter()
+    records = list(read_traces(args.traces, skipped))
+    rows = samples(records, without_tpot)
     if len(rows) < args.min_rows:
-        log.error("%d trainable rows in %d records; at least %d are needed", len(rows), len(records), args.min_rows)
+        other = ", ".join(f"{n} {k} lines" for k, n in sorted(skipped.items()) if k.startswith("zq-trace/"))
+        log.error("%d trainable rows in %d records; at least %d are needed%s", len(rows), len(records),
+                  args.min_rows, f" ({other} skipped: record traces with this version of the app)" if other else "")
         return 1
     train_rows, held_out = split(rows, args.test_fraction, args.seed)
     booster, num_rounds = train(train_rows, args.seed)
     training = {"traces": [Path(t).name for t in args.traces], "num_rows": len(train_rows), "seed": args.seed,
-                "num_rounds": num_rounds, "params": PARAMS}
+                "num_rounds": num_rounds, "params": PARAMS, "left_out_without_tpot": sum(without_tpot.values())}
     save_model(booster, args.output, ScorerCard(sha256="", training=training))
     scorer = XGBScorer.from_file(args.output)
     xgb_eval, rule_eval = evaluate(scorer, held_out, rows), evaluate(RULE_SCORER, held_out, rows)
-    card = replace(scorer.card, held_out={
-        "num_rows": len(held_out), "ttft_s": xgb_eval["accuracy"]["ttft_s"],
-        "total_s": xgb_eval["accuracy"]["total_s"], "hindsight_share": xgb_eval["hindsight_share"]})
+    card = replace(scorer.card, held_out={"num_rows": len(held_out), "hindsight_share": xgb_eval["hindsight_share"]}
+                   | {m: xgb_eval["accuracy"][m] for m in MEASURED})
     card_path(args.output).write_text(card.to_json())  # same model bytes, same hash: only the figures added
     importance = booster.get_score(importance_type="total_gain")
     command = "python -m serve_app.train_scorer " + shlex.join(sys.argv[1:] if argv is None else argv)
     text = report_markdown(command, args.traces, rows, len(records), len(train_rows), num_rounds, xgb_eval,
-                           rule_eval, args.seed, importance, args.note)
+                           rule_eval, args.seed, importance, args.note, without_tpot, skipped)
     if args.report:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).write_text(text)

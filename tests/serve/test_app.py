@@ -21,6 +21,7 @@ SLOW_MODEL = "zq-layered"
 # Every refusal in the burst test must come back within this bound (2-core machine,
 # two actors computing beside the ingress).
 REJECT_BOUND_S = 0.5
+MAX_BATCH = 3
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def zq(ray_cluster, tiny_zqs, layered_zqs):
         "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}, {"id": SLOW_MODEL, "zqs_path": str(layered_zqs)}],
         "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},
         "policy": {"short_max_input_tokens": 512, "short_max_output_tokens": 256,
-                   "max_hot_short_actors": 1, "max_hot_long_actors": 0},
+                   "max_hot_short_actors": 1, "max_hot_long_actors": 1, "max_batch": MAX_BATCH},
         "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
         "api_key_env": "ZQ_TEST_API_KEY",
         "max_body_bytes": 64 * 1024,
@@ -174,9 +175,11 @@ def test_health_reports_jitter_actors_and_slots(zq):
     assert h["dispatch_latency_us"]["count"] >= 1 and h["dispatch_latency_us"]["p50"] > 0
 
 
-def _long_stream(base, stop: threading.Event, started: threading.Event):
+def _long_stream(base, stop: threading.Event, started: threading.Event, statuses: list | None = None):
     body = {**_body(max_tokens=1500, stream=True, temperature=0), "model": SLOW_MODEL}
     with httpx.stream("POST", f"{base}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=120) as s:
+        if statuses is not None:
+            statuses.append((s.status_code, s.read() if s.status_code != 200 else b""))
         for line in s.iter_lines():
             if line.startswith("event: content_block_delta"):
                 started.set()
@@ -189,21 +192,22 @@ def _health(base) -> dict:
 
 
 def test_no_hidden_queue_a_burst_over_capacity_is_refused_at_once(zq, ray_cluster):
-    # Empty the slots of hot actors left by earlier tests, then fill both with long requests.
+    # Empty the slots of hot actors left by earlier tests, then fill every place with long requests:
+    # a hot (long-lane) batch of MAX_BATCH rows on one slot, a dedicated actor (over the hot quota) on the other.
     for name in _actors(ray_cluster):
         ray_cluster.kill(ray_cluster.get_actor(name, namespace=NAMESPACE))
     _wait_for(lambda: _health(zq)["slots"]["free"] == 2, what="both slots free")
     stop = threading.Event()
-    holders = []
-    for _ in range(2):
+    holders, statuses = [], []
+    for _ in range(MAX_BATCH + 1):  # one at a time: each joins or spawns once the one before computes
         started = threading.Event()
-        t = threading.Thread(target=_long_stream, args=(zq, stop, started), daemon=True)
+        t = threading.Thread(target=_long_stream, args=(zq, stop, started, statuses), daemon=True)
         t.start()
-        holders.append((t, started))
+        holders.append(t)
+        assert started.wait(60), statuses
     try:
-        for _, started in holders:
-            assert started.wait(60)
-        assert _health(zq)["actors"].get("busy") == 2
+        health = _health(zq)
+        assert health["actors"].get("busy") == 2 and health["rows"] == MAX_BATCH + 1, health
         before = _actors(ray_cluster)
         client = httpx.Client(headers={"x-api-key": KEY}, timeout=30)
 
@@ -214,19 +218,35 @@ def test_no_hidden_queue_a_burst_over_capacity_is_refused_at_once(zq, ray_cluste
 
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(one, [MODEL, SLOW_MODEL] * 8))
-        assert _health(zq)["actors"].get("busy") == 2  # the holders were busy throughout
+        assert _health(zq)["rows"] == MAX_BATCH + 1  # the holders ran throughout
         print("refusal ms:", sorted(round(e * 1000) for _, e in results))
         for r, elapsed in results:
             assert r.status_code == 503, r.text
             assert r.headers.get("content-type") == "application/json", (r.headers, r.text)
             assert r.json()["error"]["type"] == "overloaded_error"
-            assert int(r.headers["retry-after"]) >= 1
+            assert int(r.headers["retry-after"]) >= 1 and int(r.headers["retry-after-ms"]) >= 1
             assert elapsed < REJECT_BOUND_S, f"a refusal took {elapsed * 1000:.0f} ms"
         assert _actors(ray_cluster) == before  # nothing was created for the refused requests
     finally:
         stop.set()
-        for t, _ in holders:
+        for t in holders:
             t.join(60)
+        for name in _actors(ray_cluster):  # the long lane's hot actor would hold its slot for the next tests
+            ray_cluster.kill(ray_cluster.get_actor(name, namespace=NAMESPACE))
+        _wait_for(lambda: _health(zq)["slots"]["free"] == 2, what="both slots free again")
+
+
+def test_concurrent_requests_share_one_hot_actor_each_getting_its_own_answer(zq, ray_cluster):
+    """Rows of one batch: every answer is the one its request gets alone (greedy), none crosses over."""
+    _wait_for(lambda: _health(zq)["actors"].get("busy", 0) == 0, what="earlier requests to end")
+    prompts = ["Why do queues hurt tail latency?", "Tell me about batching.", "What is a KV cache?"]
+    alone = {p: _post(zq, _body(max_tokens=48, text=p, temperature=0)).json()["content"][0]["text"] for p in prompts}
+    actors_before = _actors(ray_cluster)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: _post(zq, _body(max_tokens=48, text=p, temperature=0)), prompts))
+    assert all(r.status_code == 200 for r in together), [r.text for r in together]
+    assert {p: r.json()["content"][0]["text"] for p, r in zip(prompts, together, strict=True)} == alone
+    assert _actors(ray_cluster) == actors_before  # they joined the hot actor: no new process
 
 
 def _wait_free_slot(base) -> None:
@@ -251,24 +271,26 @@ def test_actor_killed_mid_stream_ends_the_stream_with_an_error_event(zq, ray_clu
     assert "message_stop" not in events
 
 
-def test_client_disconnect_frees_the_actor_and_its_reservation(zq, ray_cluster):
+def test_client_disconnect_frees_its_row_and_reservation_and_a_hot_actor_stays(zq, ray_cluster):
     ray = ray_cluster
     _wait_free_slot(zq)
-    before = _actors(ray)
-    with httpx.stream("POST", f"{zq}/v1/messages", json=_body(max_tokens=1900, stream=True, temperature=0),
-                      headers={"x-api-key": KEY}, timeout=60) as s:
+    long_body = _body(max_tokens=1900, stream=True, temperature=0)  # the long lane, whose quota keeps one hot
+    with httpx.stream("POST", f"{zq}/v1/messages", json=long_body, headers={"x-api-key": KEY}, timeout=60) as s:
         for line in s.iter_lines():
             if line.startswith("event: content_block_delta"):
                 break
-        new = _actors(ray) - before
-    assert new
-    _wait_for(lambda: not (_actors(ray) & new), what="the cancelled request's actor to exit")
 
-    def nothing_busy():
-        h = httpx.get(f"{zq}/health", headers={"x-api-key": KEY}).json()
-        return h["actors"].get("busy", 0) == 0 and h["actors"].get("starting", 0) == 0
+    def nothing_running():
+        h = _health(zq)
+        return h["rows"] == 0 and h["actors"].get("busy", 0) == 0 and h["actors"].get("starting", 0) == 0
 
-    _wait_for(nothing_busy, what="the reservation to be released")
+    _wait_for(nothing_running, what="the row and its reservation to be released")
+    actors = _actors(ray)
+    statuses = [ray.get(ray.get_actor(n, namespace=NAMESPACE).status.remote()) for n in actors]
+    assert all(st.num_rows == 0 for st in statuses)  # the batch let the row go within a step
+    # The actor it ran on stayed hot: the next long request runs there, no new process.
+    assert _post(zq, {**long_body, "stream": False, "max_tokens": 300}).status_code == 200
+    assert _actors(ray) == actors
 
 
 def test_registry_forgets_a_crashed_hot_actor(zq, ray_cluster):
