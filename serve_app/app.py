@@ -48,7 +48,7 @@ from serve_app.policy import Reject, Spawn
 from serve_app.prompt import prompt_for
 from serve_app.registry_actor import RegistryConfig, get_registry
 from serve_app.relay import Admitted, Outcome, Relay
-from serve_app.scorer import RULE_SCORER
+from serve_app.scorer import RuleScorer
 from serve_app.slots import SlotRefresher
 from serve_app.xgb_scorer import load_scorer
 
@@ -93,9 +93,11 @@ class Ingress:
         self.models = {m.id: self._load_model(m) for m in config.models}
         # Loaded (and validated) here; a missing or invalid model means the rule, with a warning.
         scorer = load_scorer(config.scorer_path)
+        if isinstance(scorer, RuleScorer):  # no model, or an unusable one: the rule as this app configures it
+            scorer = config.rule_scorer
         self.registry = get_registry(
             RegistryConfig(namespace=config.actor.namespace, actor_namespace=config.actor.namespace),
-            config.policy, config.rule_scorer if scorer is RULE_SCORER else scorer,
+            config.policy, scorer,
         )
         self.traces = traces.TraceWriter(config.traces) if config.traces is not None else None
         self.relay = Relay(config.token_timeout_s, config.ping_interval_s, self._observe, self._ended,

@@ -8,9 +8,10 @@ import uuid
 
 import pytest
 
-from serve_app.policy import PolicyConfig, Reject, RequestFeatures, Spawn, decide
+from serve_app.policy import PolicyConfig, Reject, Spawn, decide
 from serve_app.registry import SlotSpec
 from serve_app.registry_actor import RegistryConfig, get_registry
+from serve_app.snapshot import RequestFeatures
 
 NAMESPACE = "zeroqueue-tests"
 POLICY = PolicyConfig(actor_overhead_bytes=0, max_actors_per_slot=1)
@@ -113,7 +114,7 @@ def test_concurrent_admits_place_one_request_per_free_slot(ray_cluster, make_reg
 
         def client(k: int, i=i, barrier=barrier, results=results) -> None:
             barrier.wait()
-            results[k] = ray.get(registry.admit.remote(features, f"a{i}-{k}"))
+            results[k] = ray.get(registry.admit.remote(features, f"a{i}-{k}", f"q{i}-{k}"))
 
         threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
         for t in threads:

@@ -1,0 +1,83 @@
+"""A refusal's retry-after is the registry's prediction of when a place frees, and a retry then is admitted.
+
+One CPU slot and batches of one row, so a single request holds all the capacity. The rule
+scorer is configured to over-predict for the tiny model here (an 8 s actor start and 50 ms
+a token, where this model starts in a second or two and decodes in milliseconds): the test
+checks the refusal quotes the holder's *predicted* end, and that a client honouring it is
+served — which needs the prediction to be no earlier than the real end, as a configured
+rule must be for its own deployment.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import httpx
+import pytest
+
+NAMESPACE = "zq-retry-tests"
+MODEL = "zq-tiny"
+PORT = 8767
+# The refusal's figure against the registry's own prediction, seen from the client: the
+# request's round trip separates the two clocks' readings.
+TOLERANCE_S = 0.25
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, tiny_zqs):
+    ray = ray_cluster
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    built = build_app({
+        "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}],
+        "slots": {"kind": "cpu", "num_cpu_slots": 1, "cpu_slot_bytes": 1 << 30},
+        "policy": {"max_batch": 1, "max_hot_short_actors": 1, "actor_overhead_bytes": 1 << 20},
+        "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
+        "rule_scorer": {"actor_start_s": 8.0, "decode_s_per_token": 0.05},
+        "namespace": NAMESPACE,
+    })
+    serve.run(built, name="zeroqueue-retry", route_prefix="/")
+    yield f"http://127.0.0.1:{PORT}", ray.get_actor("zq-registry", namespace=NAMESPACE)
+    serve.delete("zeroqueue-retry")
+    serve.shutdown()
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == NAMESPACE:
+            ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE))
+
+
+def _body(max_tokens: int) -> dict:
+    return {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hello there"}]}
+
+
+def test_a_refusal_quotes_the_holders_predicted_end_and_a_retry_then_is_admitted(app, ray_cluster):
+    base, registry = app
+    held: list[httpx.Response] = []
+    holder = threading.Thread(target=lambda: held.append(httpx.post(f"{base}/v1/messages", json=_body(40),
+                                                                     timeout=120)))
+    holder.start()
+    # The holder's row is committed the moment it is admitted; its actor then needs seconds to start.
+    deadline = time.monotonic() + 30
+    while not (rows := [r for a in ray_cluster.get(registry.snapshot.remote()).actors for r in a.rows]):
+        assert time.monotonic() < deadline, "the holder was never admitted"
+        time.sleep(0.01)
+    (row,) = rows
+    sent = time.time()
+    refused = httpx.post(f"{base}/v1/messages", json=_body(4), timeout=30)
+    answered = time.time()
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["type"] == "overloaded_error"
+    wait_s = int(refused.headers["retry-after-ms"]) / 1000
+    assert row.predicted_end - answered - TOLERANCE_S <= wait_s <= row.predicted_end - sent + TOLERANCE_S
+    assert int(refused.headers["retry-after"]) == max(1, math.ceil(wait_s - 1e-9))
+    assert wait_s > 5  # the configured rule's prediction, not the old fixed one second
+
+    time.sleep(max(0.0, sent + wait_s - time.time()))
+    retried = httpx.post(f"{base}/v1/messages", json=_body(4), timeout=60)
+    assert retried.status_code == 200, retried.text
+    holder.join(60)
+    assert held and held[0].status_code == 200
