@@ -1,21 +1,26 @@
-"""The queued baseline: a standard Ray Serve LLM deployment, the architecture zeroqueue replaces.
+"""The queued baselines: a standard Ray Serve deployment of the same batched engine, behind Serve's queue.
 
 One long-lived replica per slot, each holding the model from start-up, directly behind
-Serve's HTTP proxy. Each replica computes one request at a time
-(`max_ongoing_requests=1`, as a zeroqueue actor does: one torch thread on one slot;
-letting two requests time-slice one core would make both slower and hide nothing), and
-every request beyond that waits in Serve's router, in arrival order, in a queue with no
-bound (`max_queued_requests=-1`, Serve's default). That is the "standard deployment":
-the model deployment itself is the HTTP app, the shape Serve's LLM examples use. An
+Serve's HTTP proxy. Each replica runs the very engine a zeroqueue hot actor runs — a batch
+of up to `max_batch` rows stepped on one thread (actors/batch_runner.py), one torch thread
+on one slot — and takes up to `max_batch` requests at once (`max_ongoing_requests =
+max_batch`); every request beyond that waits in Serve's router, in arrival order. So the
+comparison isolates the queue, not the engine. Two queues, as an operator would pick:
+
+- unbounded (`max_queued_requests=-1`, Serve's default): nothing is ever refused;
+- bounded (`baseline: {max_queued_requests: N}` in the builder args): Serve answers 503
+  at once to whatever finds N requests already waiting — Serve's own backpressure.
+
+The model deployment itself is the HTTP app, the shape Serve's LLM examples use. An
 extra ingress deployment routing through a handle would put the same router queue one
 hop later and cost the baseline a hop; without it the comparison errs in the baseline's
 favour.
 
 Everything else is zeroqueue's own code, imported: the same builder arguments
 (`serve_app.config.AppArgs`, so one args dict describes both apps), the same slots
-(`discover_slots`), the same `.zqs` loader and `Engine`, torch threads, dtype and
-process priority, and the same Messages API schemas, SSE event order and error bodies.
-Only the path from arrival to compute differs.
+(`discover_slots`), the same `.zqs` loader, `Engine` and `BatchRunner`, torch threads,
+dtype and process priority, and the same Messages API schemas, SSE event order and error
+bodies. Only the path from arrival to compute differs.
 
     serve run benchmarks/baseline/serve.yaml     # the demo model on http://127.0.0.1:8000
 """
@@ -25,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,8 +42,8 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from actors.engine import FinishEvent, TokenEvent
-from actors.sampling import SamplingParams
+from actors.batch_runner import BatchRunner, RowStream
+from actors.engine import FinishEvent, StartEvent, TokenEvent
 from serve_app import api, errors, sse
 from serve_app.config import AppArgs, ingress_config, resolve_model_path
 from serve_app.errors import ApiError
@@ -65,11 +69,13 @@ class BaselineConfig:
     is_freed_memory_retained: bool
     max_body_bytes: int
     ping_interval_s: float
+    max_batch: int
+    prefill_chunk_tokens: int
 
 
 @serve.deployment(
     name="baseline",
-    max_ongoing_requests=1,
+    max_ongoing_requests=1,  # set to max_batch by build_app
     max_queued_requests=UNBOUNDED,
     health_check_period_s=5,
 )
@@ -89,13 +95,10 @@ class QueuedModel:
         if device == "cpu" and config.cpu_nice:
             os.nice(config.cpu_nice)  # the priority zeroqueue's CPU actors compute at
         model, tokenizer = load_zqs(config.zqs_path, device=device, num_threads=config.load_threads)
-        self.engine = Engine(model, tokenizer, max_context=config.max_context)
-        # Held from a generation's start until its thread has stopped. Serve counts a
-        # cancelled request as finished at once, while its decode step may still be
-        # running: the next request waits for that step (milliseconds) instead of
-        # sharing the core with it.
-        self._compute = asyncio.Lock()
-        log.info("baseline replica: %s resident on %s", config.model_id, device)
+        engine = Engine(model, tokenizer, max_context=config.max_context, max_batch=config.max_batch,
+                        prefill_chunk_tokens=config.prefill_chunk_tokens)
+        self.runner = BatchRunner(engine, name="baseline-batch")
+        log.info("baseline replica: %s resident on %s, batches of %d", config.model_id, device, config.max_batch)
 
     async def __call__(self, request: Request) -> Response:
         request_id = api.new_request_id()
@@ -121,114 +124,65 @@ class QueuedModel:
         body = await request.body()
         api.check_body_size(len(body), self.config.max_body_bytes)
         req = api.parse_messages_request(body)
-        prompt, sampling = self._prepare(req)
-        run = _Generation(self.engine, prompt, sampling)
+        if req.model != self.config.model_id:
+            raise errors.not_found(f"model: {req.model!r} is not served here")
+        # The same checks, in the same order, as zeroqueue's ingress: all before any compute.
+        prompt, sampling = prompt_for(req, self.runner.engine.tokenizer, self.runner.engine.max_context)
         headers = {"X-Request-Start-Time": f"{start:.6f}"}
         if req.stream:
-            # The generation starts inside the stream: a request cancelled before its body
-            # is read never starts one.
+            # The row joins inside the stream: a request cancelled before its body is read never joins.
             out = sse.SseStream(api.new_message_id(), req.model, len(prompt))
-            return StreamingResponse(self._sse(run, out, request_id), media_type="text/event-stream",
+            return StreamingResponse(self._sse(prompt, sampling, out, request_id), media_type="text/event-stream",
                                      headers=headers | {"cache-control": "no-cache"})
-        await self._begin(run)
-        text, done = await run.collect()
+        text, done = await self._collect(self.runner.submit(prompt, sampling))
         body = api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
                                     done.input_tokens, done.output_tokens)
         return JSONResponse(body, headers=headers)
 
-    def _prepare(self, req: api.MessagesRequest) -> tuple[list[int], SamplingParams]:
-        """The same checks, in the same order, as zeroqueue's ingress: all before any compute."""
-        if req.model != self.config.model_id:
-            raise errors.not_found(f"model: {req.model!r} is not served here")
-        return prompt_for(req, self.engine.tokenizer, self.engine.max_context)
-
-    async def _begin(self, run: _Generation) -> None:
-        await self._compute.acquire()
-        run.start(on_done=self._compute.release)
-
-    async def _sse(self, run: _Generation, out: sse.SseStream, request_id: str) -> AsyncIterator[bytes]:
-        try:
-            await self._begin(run)
-            yield out.start()
-            while True:
-                try:
-                    item = await asyncio.wait_for(run.next(), self.config.ping_interval_s)
-                except asyncio.TimeoutError:
-                    yield out.ping()
-                    continue
-                if isinstance(item, TokenEvent):
-                    chunk = out.text(item.text)
-                    if chunk:
-                        yield chunk
-                else:
-                    yield out.finish(item.stop_reason, item.stop_sequence, item.output_tokens)
-                    return
-        except (asyncio.CancelledError, GeneratorExit):
-            raise  # the client went away: `close` below stops the generation
-        except BaseException as e:
-            err = e if isinstance(e, ApiError) else errors.api_error(f"generation failed: {e!r}")
-            yield out.error(err, request_id)
-        finally:
-            await run.close()
-
-
-class _Generation:
-    """One generation on a worker thread (the replica's event loop stays free), relayed as events.
-
-    Cancelling (`close` before the end) stops the decode loop within one step, and `close`
-    returns only when the thread has stopped, so the replica is free when Serve next uses it.
-    """
-
-    def __init__(self, engine, prompt: list[int], sampling: SamplingParams) -> None:
-        self._engine, self._prompt, self._sampling = engine, prompt, sampling
-        self._events: asyncio.Queue = asyncio.Queue()
-        self._cancel = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, on_done) -> None:
-        loop = asyncio.get_running_loop()
-
-        def emit(item: Any) -> None:
-            loop.call_soon_threadsafe(self._events.put_nowait, item)
-
-        def run() -> None:
-            try:
-                for event in self._engine.generate(self._prompt, self._sampling, cancel=self._cancel.is_set):
-                    emit(event)
-            except BaseException as e:  # surfaced to the caller through the stream
-                log.exception("generation failed")
-                emit(e)
-            finally:
-                loop.call_soon_threadsafe(on_done)
-
-        self._thread = threading.Thread(target=run, name="baseline-generate", daemon=True)
-        self._thread.start()
-
-    async def next(self) -> TokenEvent | FinishEvent:
-        item = await self._events.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def collect(self) -> tuple[str, FinishEvent]:
+    async def _collect(self, stream: RowStream) -> tuple[str, FinishEvent]:
         parts: list[str] = []
         try:
             while True:
-                item = await self.next()
-                if isinstance(item, FinishEvent):
-                    return "".join(parts), item
-                parts.append(item.text)
+                event = await stream.get()
+                if isinstance(event, TokenEvent):
+                    parts.append(event.text)
+                elif isinstance(event, FinishEvent):
+                    return "".join(parts), event
         except (ApiError, asyncio.CancelledError):
             raise
         except Exception as e:
             raise errors.api_error(f"generation failed: {e!r}") from None
         finally:
-            await self.close()
+            stream.cancel()  # a no-op once it finished; else the row leaves at the next step
 
-    async def close(self) -> None:
-        self._cancel.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+    async def _sse(self, prompt, sampling, out: sse.SseStream, request_id: str) -> AsyncIterator[bytes]:
+        stream = None
+        try:
+            stream = self.runner.submit(prompt, sampling)
+            yield out.start()
+            while True:
+                try:
+                    event = await asyncio.wait_for(stream.get(), self.config.ping_interval_s)
+                except asyncio.TimeoutError:
+                    yield out.ping()
+                    continue
+                if isinstance(event, TokenEvent):
+                    chunk = out.text(event.text)
+                    if chunk:
+                        yield chunk
+                elif isinstance(event, FinishEvent):
+                    yield out.finish(event.stop_reason, event.stop_sequence, event.output_tokens)
+                    return
+                else:
+                    assert isinstance(event, StartEvent)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # the client went away: the row is cancelled below
+        except BaseException as e:
+            err = e if isinstance(e, ApiError) else errors.api_error(f"generation failed: {e!r}")
+            yield out.error(err, request_id)
+        finally:
+            if stream is not None:
+                stream.cancel()
 
 
 def resolve_args(args: dict[str, Any]) -> dict[str, Any]:
@@ -243,9 +197,16 @@ def resolve_args(args: dict[str, Any]) -> dict[str, Any]:
     return apps[0].get("args", {})
 
 
-def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any], int]:
-    """zeroqueue's builder args -> (replica config, ray_actor_options, number of replicas = slots)."""
-    parsed = AppArgs.model_validate(resolve_args(args))
+def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any], int, int]:
+    """zeroqueue's builder args (plus an optional `baseline: {max_queued_requests}`) ->
+    (replica config, ray_actor_options, number of replicas = slots, Serve's queue bound)."""
+    args = dict(args)
+    queue = dict(args.pop("baseline", None) or {})
+    args = resolve_args(args)
+    max_queued = int(queue.pop("max_queued_requests", UNBOUNDED))
+    if queue or not (max_queued == UNBOUNDED or max_queued >= 1):
+        raise ValueError(f"baseline args: only max_queued_requests (-1 or >= 1) is known, got {queue or max_queued}")
+    parsed = AppArgs.model_validate(args)
     if len(parsed.models) != 1:
         raise ValueError(f"the baseline serves one model per deployment, got {len(parsed.models)}")
     ingress = ingress_config(parsed)
@@ -267,14 +228,17 @@ def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any
         is_freed_memory_retained=actor.is_freed_memory_retained,
         max_body_bytes=ingress.max_body_bytes,
         ping_interval_s=ingress.ping_interval_s,
+        max_batch=actor.max_batch,
+        prefill_chunk_tokens=actor.prefill_chunk_tokens,
     )
     options = {"num_cpus": actor.num_cpus, "num_gpus": actor.num_gpus if on_gpu else 0,
                "resources": dict(actor.resources)}
-    return config, options, len(slots)
+    return config, options, len(slots), max_queued
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The app builder `benchmarks/baseline/serve.yaml` names: zeroqueue's args (or `same_as` a zeroqueue
     config), the queued architecture."""
-    config, options, num_slots = baseline_config(args)
-    return QueuedModel.options(num_replicas=num_slots, ray_actor_options=options).bind(config)
+    config, options, num_slots, max_queued = baseline_config(args)
+    return QueuedModel.options(num_replicas=num_slots, ray_actor_options=options, max_ongoing_requests=config.max_batch,
+                               max_queued_requests=max_queued).bind(config)

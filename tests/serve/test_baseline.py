@@ -1,4 +1,10 @@
-"""The queued baseline on real Ray Serve and real HTTP: same API as zeroqueue, and it queues."""
+"""The queued baselines on real Ray Serve and real HTTP: same API as zeroqueue, same batched engine, and they queue.
+
+The model is the `layered` one (8 layers of 512): a 1,900-token generation of it takes
+seconds on any CPU, so a request "still running" when the next one arrives is made true
+by its length, and every wait below is ended by the test itself (a client cancel), not by
+the machine's speed.
+"""
 
 from __future__ import annotations
 
@@ -11,26 +17,33 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).parents[2]
-MODEL = "zq-tiny"
+MODEL = "zq-layered"
 PORT = 8766
 APP = "baseline-test"
+MAX_BATCH = 2
+LONG = 1900  # tokens: seconds of decoding for the layered model
+
+
+def _args(zqs, **extra) -> dict:
+    # One slot: one replica, so MAX_BATCH + 1 requests at once must meet Serve's queue.
+    return {
+        "models": [{"id": MODEL, "zqs_path": str(zqs)}],
+        "slots": {"kind": "cpu", "num_cpu_slots": 1, "cpu_slot_bytes": 1 << 30},
+        "policy": {"max_batch": MAX_BATCH},
+        "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
+        "ping_interval_s": 0.2,
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
-def baseline(ray_cluster, tiny_zqs):
+def baseline(ray_cluster, layered_zqs):
     from ray import serve
 
     from benchmarks.baseline.app import build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    # One slot: one replica, so two requests at once must meet Serve's queue.
-    app = build_app({
-        "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}],
-        "slots": {"kind": "cpu", "num_cpu_slots": 1, "cpu_slot_bytes": 1 << 30},
-        "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
-        "ping_interval_s": 0.2,
-    })
-    serve.run(app, name=APP, route_prefix="/")
+    serve.run(build_app(_args(layered_zqs)), name=APP, route_prefix="/")
     yield f"http://127.0.0.1:{PORT}"
     serve.delete(APP)
     serve.shutdown()
@@ -48,6 +61,32 @@ def _stream(base: str, max_tokens: int) -> dict:
         events = [line.removeprefix("event: ") for line in s.iter_lines() if line.startswith("event: ")]
         return {"status": s.status_code, "events": events, "sent": sent, "end": time.time(),
                 "start": float(s.headers["X-Request-Start-Time"])}
+
+
+class Holder:
+    """A long streamed request that holds a row until the test lets go (a client cancel)."""
+
+    def __init__(self, base: str) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        self.events: list[str] = []
+        self.thread = threading.Thread(target=self._run, args=(base,), daemon=True)
+        self.thread.start()
+        assert self.started.wait(60), "a holder never started"
+
+    def _run(self, base: str) -> None:
+        with httpx.stream("POST", f"{base}/v1/messages", json=_body(LONG, stream=True), timeout=120) as s:
+            for line in s.iter_lines():
+                if line.startswith("event: "):
+                    self.events.append(line.removeprefix("event: "))
+                if "content_block_delta" in self.events:
+                    self.started.set()
+                    if self.release.wait(60):
+                        return  # leaving the block closes the connection mid-stream
+
+    def cancel(self) -> None:
+        self.release.set()
+        self.thread.join(60)
+        assert "message_stop" not in self.events, "the holder ended on its own: it was not long enough"
 
 
 def test_json_request(baseline):
@@ -75,22 +114,47 @@ def test_errors_use_the_api_shape(baseline):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_two_concurrent_requests_to_one_replica_queue_rather_than_fail(baseline):
-    results: list[dict] = []
-    threads = [threading.Thread(target=lambda: results.append(_stream(baseline, 300))) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert len(results) == 2 and all(r["status"] == 200 for r in results)
-    assert all(r["events"][-1] == "message_stop" for r in results)
-    first, second = sorted(results, key=lambda r: r["start"])
-    # They were in flight together at the client for long enough (the first holds the
-    # replica ~0.5 s here) for the check below to mean something...
-    assert second["sent"] < first["end"] - 0.2, (first, second)
-    # ...yet the replica began the second only once the first had finished (within the
-    # client's own read delay): it waited in Serve's queue, and neither failed.
-    assert second["start"] >= first["end"] - 0.1, (first, second)
+def test_a_replica_batches_max_batch_requests_and_queues_the_next_rather_than_fail(baseline):
+    holders = [Holder(baseline) for _ in range(MAX_BATCH)]  # both rows of the one replica, running together
+    extra: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: extra.append(httpx.post(f"{baseline}/v1/messages",
+                                                                     json=_body(max_tokens=4), timeout=120)))
+    waiter.start()
+    waiter.join(1.0)
+    assert not extra, "the extra request was answered while every row was taken"  # it waits in Serve's queue
+    released = time.time()
+    holders[0].cancel()  # a row frees up: the queued request runs then, and only then
+    waiter.join(60)
+    assert extra and extra[0].status_code == 200, extra and extra[0].text
+    assert float(extra[0].headers["X-Request-Start-Time"]) >= released
+    holders[1].cancel()
+
+
+def test_a_bounded_queue_refuses_at_once_what_it_cannot_hold(baseline, layered_zqs):
+    from ray import serve
+
+    from benchmarks.baseline.app import build_app
+
+    # The same app redeployed with a queue of one (and put back as it was afterwards).
+    serve.run(build_app(_args(layered_zqs, baseline={"max_queued_requests": 1})), name=APP, route_prefix="/")
+    base = baseline
+    try:
+        holders = [Holder(base) for _ in range(MAX_BATCH)]
+        queued: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: queued.append(httpx.post(f"{base}/v1/messages",
+                                                                          json=_body(max_tokens=4), timeout=120)))
+        waiter.start()
+        waiter.join(1.0)
+        assert not queued  # the one place in the queue is taken
+        t0 = time.monotonic()
+        refused = httpx.post(f"{base}/v1/messages", json=_body(max_tokens=4), timeout=30)
+        assert refused.status_code == 503 and time.monotonic() - t0 < 5
+        for h in holders:
+            h.cancel()
+        waiter.join(60)
+        assert queued and queued[0].status_code == 200
+    finally:
+        serve.run(build_app(_args(layered_zqs)), name=APP, route_prefix="/")
 
 
 def test_serve_yaml_builds_from_zeroqueues_own_config():
