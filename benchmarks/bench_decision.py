@@ -2,13 +2,16 @@
 
     .venv/bin/python -m benchmarks.bench_decision [--decisions 100000] [--model configs/scorer.ubj]
 
-Times `decide()` (candidates, the scorer's predictions, the choice) for the rule scorer
-and the XGBoost scorer side by side, interleaved in blocks so that a change in the
-machine's load hits all of them alike: XGBoost through its fast path (the in-place C call
-with prepared arguments) and through the public `Booster.inplace_predict`. Then the model
-layout: one multi-output booster against one booster per target, trained on the same
-traces with the same rounds, predicting the same rows. Writes
-`benchmarks/results/decision.md`, with the scorer's held-out accuracy from its card.
+Times `decide()` (candidates: idle hot actors, batches to join, free slots; the scorer's
+predictions; the choice) for the rule scorer and the XGBoost scorer (the public
+`Booster.inplace_predict`, one call per decision) side by side, interleaved in blocks so
+that a change in the machine's load hits both alike. Then the model layout: one
+three-output booster against one booster per target, trained on the same traces with the
+same rounds, predicting the same rows. Writes `benchmarks/results/decision.md`, with the
+scorer's held-out accuracy from its card.
+
+`--model` must be a "zq-scorer/2" model (`python -m serve_app.train_scorer` on zq-trace/2
+traces); the layout comparison is left out when `--traces` hold too few zq-trace/2 rows.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.machine_load import was_busy
-from serve_app.policy import ActorView, ClusterSnapshot, PolicyConfig, RequestFeatures, SlotView, decide
+from serve_app.policy import PolicyConfig, decide
 from serve_app.scorer import RULE_SCORER, Candidate
-from serve_app.xgb_scorer import FEATURE_NAMES, XGBScorer, card_path, feature_matrix
+from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, RowView, SlotView
+from serve_app.xgb_scorer import FEATURE_NAMES, TARGETS, XGBScorer, card_path, feature_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -40,7 +44,10 @@ GOAL_P99_US = 100.0
 
 
 def cluster(num_slots: int, seed: int) -> ClusterSnapshot:
-    """GPU slots of 80 GiB, 8 per node: 30% free, the rest hold one actor (busy, starting or idle hot)."""
+    """GPU slots of 80 GiB, 8 per node: 30% free, the rest hold one actor (busy, starting or idle hot).
+
+    A busy actor runs 1 to 7 rows; 30% of busy ones stay hot, so they are batches a request may join.
+    """
     rng = random.Random(seed)
     slots, actors = [], []
     for i in range(num_slots):
@@ -49,10 +56,14 @@ def cluster(num_slots: int, seed: int) -> ClusterSnapshot:
             slots.append(SlotView(slot_id, node, 80 * GiB, 0, 0, rng.random() * 0.2, rng.random() * 0.2))
             continue
         state = rng.choices(["busy", "starting", "idle"], weights=[0.6, 0.15, 0.25])[0]
-        reserved = rng.randrange(1, 60) * GiB
-        slots.append(SlotView(slot_id, node, 80 * GiB, reserved, 1, rng.random() * 0.5, rng.random()))
+        num_rows = {"busy": rng.randint(1, 7), "starting": 1, "idle": 0}[state]
+        rows = tuple(RowView(1 * GiB, tokens, rng.choice([None, 0.1]), 0.0)
+                     for tokens in (rng.randint(16, 5000) for _ in range(num_rows)))
+        reserved = rng.randrange(1, 60 - num_rows) * GiB
+        slots.append(SlotView(slot_id, node, 80 * GiB, reserved + num_rows * GiB, 1, rng.random() * 0.5,
+                              rng.random()))
         actors.append(ActorView(f"zq-{MODEL}-{i:012x}", MODEL, slot_id, state, rng.choice(["short", "long"]),
-                                state == "idle" or rng.random() < 0.3, reserved))
+                                state == "idle" or rng.random() < 0.3, reserved + num_rows * GiB, reserved, rows))
     return ClusterSnapshot(tuple(slots), tuple(actors), 1)
 
 
@@ -95,7 +106,7 @@ def time_decisions(scorers: dict, features: list[RequestFeatures], snap: Cluster
 
 
 def layouts(traces: list[str], num_calls: int) -> dict[str, dict[str, float]] | None:
-    """inplace_predict on 16 rows: one two-output booster vs two one-output boosters, same rounds."""
+    """inplace_predict on 24 rows: one three-output booster vs three one-output boosters, same rounds."""
     import xgboost as xgb
 
     from serve_app.traces import read_traces
@@ -108,15 +119,17 @@ def layouts(traces: list[str], num_calls: int) -> dict[str, dict[str, float]] | 
     names = list(FEATURE_NAMES)
     params = PARAMS | {"seed": 0}
     multi = xgb.train(params, xgb.DMatrix(x, y, feature_names=names), 100)
-    singles = [xgb.train(params, xgb.DMatrix(x, y[:, j], feature_names=names), 100) for j in range(2)]
+    singles = [xgb.train(params, xgb.DMatrix(x, y[:, j], feature_names=names), 100) for j in range(len(TARGETS))]
     for b in (multi, *singles):
         b.set_param({"nthread": 1})
     f = requests(1, 1)[0]
-    cands = [Candidate("hot" if i < 8 else "cold", f"s{i}", None, 80 * GiB, 1, 0.1, 0.5, 3) for i in range(16)]
+    cands = [Candidate(("hot", "join", "cold")[i // 8], f"s{i}", None, 80 * GiB, 1, 0.1, 0.5, 3,
+                       (i % 7) + 1 if 8 <= i < 16 else 0, 900 * ((i % 7) + 1) if 8 <= i < 16 else 0)
+             for i in range(24)]
     q = feature_matrix(f, cands)
     out = {}
-    for name, call in (("one booster, two outputs (1 call)", lambda: multi.inplace_predict(q)),
-                       ("two boosters, one output each (2 calls)",
+    for name, call in ((f"one booster, {len(TARGETS)} outputs (1 call)", lambda: multi.inplace_predict(q)),
+                       (f"{len(TARGETS)} boosters, one output each ({len(TARGETS)} calls)",
                         lambda: [b.inplace_predict(q) for b in singles])):
         for _ in range(500):
             call()
@@ -148,6 +161,7 @@ def report(args, results, layout, card, snap: ClusterSnapshot, load_before, load
     rule = results["rule"]
     free = sum(1 for s in snap.slots if s.num_actors == 0)
     idle = sum(1 for a in snap.actors if a.state == "idle")
+    joinable = sum(1 for a in snap.actors if a.state == "busy" and a.is_hot)
     lines = [
         "# Decision latency: features → decision, scorer included", "",
         f"Command: `{' '.join(['.venv/bin/python -m benchmarks.bench_decision'] + sys.argv[1:])}`", "",
@@ -162,8 +176,9 @@ def report(args, results, layout, card, snap: ClusterSnapshot, load_before, load
            ": below 1.5 at the start, so no other job of note was running (the 1-minute figure lags by about a "
            "minute: a job that ended just before still counts in it)"),
         f"- snapshot: {len(snap.slots)} GPU slots of 80 GiB, 8 per node; {free} free, {idle} idle actors of the "
-        f"model (either lane), the rest busy or starting; `PolicyConfig()` defaults (max_candidates "
-        f"{PolicyConfig().max_candidates} per kind, so up to 16 rows per prediction)",
+        f"model (either lane), {joinable} busy hot ones running 1–7 rows (batches to join), the rest busy or "
+        f"starting; `PolicyConfig()` defaults (max_candidates {PolicyConfig().max_candidates} per kind: hot, "
+        "join, cold, so up to 24 rows per prediction)",
         f"- {args.decisions} decisions per scorer on the same request features (input 8–4000 tokens, max_tokens "
         "1–1000, log-uniform; sampling varied), interleaved in blocks of 1,000 with the order rotated; each "
         "timed alone with `perf_counter_ns` around `decide()`; the garbage collector left on, as in the registry",
@@ -177,7 +192,7 @@ def report(args, results, layout, card, snap: ClusterSnapshot, load_before, load
                      f"{r['p50'] / rule['p50']:.2f}× | {r['p99'] / rule['p99']:.2f}× | "
                      f"{'yes' if r['p99'] <= GOAL_P99_US else 'no'} |")
     if layout:
-        lines += ["", "## Model layout: `inplace_predict` on 16 rows (µs)", "",
+        lines += ["", "## Model layout: `inplace_predict` on 24 rows (µs)", "",
                   "Both layouts trained here on the same traces, 100 rounds, the scorer's parameters.", "",
                   "| layout | p50 | p99 | p99.9 |", "|---|--:|--:|--:|"]
         lines += [f"| {name} | {r['p50']:.1f} | {r['p99']:.1f} | {r['p999']:.1f} |" for name, r in layout.items()]
@@ -189,8 +204,9 @@ def report(args, results, layout, card, snap: ClusterSnapshot, load_before, load
                   f"{', '.join(training.get('traces', []))}, {training.get('num_rounds')} rounds; "
                   f"{held.get('num_rows')} held out (`benchmarks/results/scorer_eval.md` has the full report).", "",
                   "| target | MAE s | R² |", "|---|--:|--:|"]
-        for target in ("ttft_s", "total_s"):
-            lines.append(f"| {target} | {held[target]['mae']:.3f} | {held[target]['r2']:.3f} |")
+        for target in (t.removeprefix("log_") for t in TARGETS):
+            if target in held:
+                lines.append(f"| {target} | {held[target]['mae']:.4f} | {held[target]['r2']:.3f} |")
         lines += ["", f"Share of held-out decisions matching hindsight: {held.get('hindsight_share', float('nan')):.3f}"
                   " (definition in scorer_eval.md)."]
     lines += ["", "## Reference points", "",
@@ -211,13 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.monotonic(), os.getloadavg()
     snap, policy = cluster(args.slots, args.seed), PolicyConfig()
     features = requests(args.decisions, args.seed + 1)
-    fast = XGBScorer.from_file(args.model)
-    plain = XGBScorer.from_file(args.model, use_fast_path=False)
-    if not fast.uses_fast_path:
-        print("warning: the fast path is unavailable here; both XGBoost rows use inplace_predict", file=sys.stderr)
+    try:
+        xgb_scorer = XGBScorer.from_file(args.model)
+    except Exception as e:  # a v1 model, a missing card: nothing to time
+        parser.error(f"{args.model} is not a usable scorer ({e})")
     gc.collect()
-    results = time_decisions({"rule": RULE_SCORER, "XGBoost, fast path": fast,
-                              "XGBoost, Booster.inplace_predict": plain}, features, snap, policy)
+    results = time_decisions({"rule": RULE_SCORER, "XGBoost, Booster.inplace_predict": xgb_scorer},
+                             features, snap, policy)
     layout = layouts([t for t in args.traces if Path(t).exists()], 20_000)
     card = json.loads(card_path(args.model).read_text())
     text = report(args, results, layout, card, snap, load_before, os.getloadavg(), time.monotonic() - started)

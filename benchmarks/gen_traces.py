@@ -4,12 +4,15 @@
 
 Starts a local Ray cluster and the real Serve app with `configs/serve.yaml`'s arguments
 (the demo `small` model on CPU slots) with traces switched on and the rule scorer
-deciding, then drives it over HTTP with 1 to 3 closed-loop clients (see `drive`): input
-~8 to ~1000 tokens and max_tokens 1 to 200 (log-uniform), greedy or sampled, with or
-without top_k / top_p. Hot requests come from the short lane's hot actor; cold ones from
-concurrency above one, long-lane prompts (over 512 tokens) and phases that start by
-retiring the hot actor; at concurrency 3 on two slots some are refused, and the refusals
-are traced too. Writes `benchmarks/traces/<name>.jsonl`.
+deciding, then drives it over HTTP with closed-loop clients in phases of 1 to 6 (see
+`drive`): input ~8 to ~1000 tokens and max_tokens 1 to 200 (log-uniform), greedy or
+sampled, with or without top_k / top_p. A short request runs alone on the short lane's
+idle hot actor, or joins its batch as one more row while it is busy (the higher phases
+trace batches of several rows, so the scorer's batch features vary); cold starts come
+from long-lane prompts (over 512 tokens) and from phases that start by retiring the hot
+actor; when both slots are taken some requests are refused, and the refusals are traced
+too. Writes `benchmarks/traces/<name>.jsonl` (schema zq-trace/2, serve_app/traces.py)
+and prints how many requests each decision kind took.
 
 Shapes are seeded; the timings are this machine's, whatever else it is doing.
 """
@@ -33,7 +36,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "zq-gen-traces"
 PORT = 8799
-PHASES = (1, 2, 1, 3)  # concurrency of successive phases
+PHASES = (1, 2, 1, 3, 1, 6)  # concurrency of successive phases
 PHASE_S = 20.0
 WORDS = ("queue", "latency", "actor", "token", "slot", "memory", "layer", "stream", "decode", "prefill",
          "tail", "burst", "ray", "serve", "model", "weights")
@@ -118,7 +121,7 @@ def tokens_per_word(client, base: str, model: str) -> float:
 
 
 def drive(base: str, model: str, ray, minutes: float, seed: int, max_bytes: int, trace_path: Path) -> Counter:
-    """Phases of `concurrency` closed-loop clients (1, 2, 1, 3, ...), each `PHASE_S` long.
+    """Phases of `concurrency` closed-loop clients (`PHASES`, repeated), each `PHASE_S` long.
 
     Each phase at concurrency 1 starts by retiring the hot actor, so its first request is
     cold. A refused client waits out its retry-after before sending again.
@@ -171,6 +174,13 @@ def _lines(path: Path) -> int:
     return sum(1 for _ in open(path)) if path.exists() else 0
 
 
+def decision_kinds(path: Path) -> Counter:
+    """Requests per decision kind (dispatch, join, spawn, reject) in a trace file."""
+    from serve_app.traces import read_traces
+
+    return Counter((r.get("decision") or {}).get("kind") for r in read_traces([path]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="cpu-small")
@@ -219,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copyfile(trace_path, out)
     shutil.rmtree(work, ignore_errors=True)
     print(f"{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}: {_lines(out)} lines, "
-          f"{_size(out) // 1024} KB, {time.monotonic() - started:.0f} s; {dict(sorted(counts.items()))}")
+          f"{_size(out) // 1024} KB, {time.monotonic() - started:.0f} s; {dict(sorted(counts.items()))}; "
+          f"decisions {dict(sorted(decision_kinds(out).items()))}")
     return 0
 
 

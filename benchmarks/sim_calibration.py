@@ -1,6 +1,6 @@
 """What the cluster simulator feeds its engines: the calibration, the request mix and the arrivals.
 
-Service model (one request at a time per actor or replica, as our actors run):
+Service model of one request (a row), alone on its actor or replica:
 
     hot TTFT   = piecewise-linear interpolation of the measured hot TTFT at the actor
                  (request arrival -> first token) over prompt tokens, extrapolated along
@@ -10,6 +10,10 @@ Service model (one request at a time per actor or replica, as our actors run):
                  the spawn decision: layer-streamed loading, compute starting on layer 0
     decode     = (output tokens - 1) * seconds per token (the first token comes from prefill)
     end to end = TTFT + decode; every request generates exactly its max_tokens
+
+In a batch of b rows one decode step takes `slowdown(b) = 1 + batch_row_cost * (b - 1)`
+times a one-row step (every weight is read once per step for the whole batch; each row
+adds its compute and KV reads); how the engines apply it is in sim_model.py.
 
 Every constant of the default preset is a figure this project measured; the comment on each
 names the result file, table, row and column it comes from.
@@ -51,6 +55,8 @@ class Calibration:
     actor_overhead_bytes: int
     # SLO: a request is good when its TTFT exceeds its own unloaded hot TTFT by at most this.
     slo_extra_s: float
+    # A decode step of b rows takes (1 + batch_row_cost * (b - 1)) one-row steps.
+    batch_row_cost: float
     sources: tuple[tuple[str, str, str], ...]  # (figure, value, where it comes from), for the report
 
     def __post_init__(self) -> None:
@@ -61,6 +67,12 @@ class Calibration:
             raise ValueError(f"{self.name}: need 0 <= layer0_resident_s <= all_resident_s")
         if self.cold_tail_s < 0:
             raise ValueError(f"{self.name}: cold_first_token_s is below the modelled load and prefill")
+        if not self.batch_row_cost >= 0:
+            raise ValueError(f"{self.name}: batch_row_cost must be >= 0, got {self.batch_row_cost}")
+
+    def slowdown(self, num_rows: int) -> float:
+        """A decode step of `num_rows` rows, in one-row steps."""
+        return 1.0 + self.batch_row_cost * (num_rows - 1)
 
     def hot_ttft_s(self, input_tokens: Any) -> np.ndarray:
         xs = np.array([x for x, _ in self.hot_ttft_points], dtype=float)
@@ -102,6 +114,11 @@ _HOT_TTFT = ((16, 0.046), (1120, 0.449), (2240, 1.046))
 _SPAWN_TO_START, _LAYER0, _ALL_RESIDENT, _COLD_FIRST = 1.617, 0.118, 0.626, 0.638
 # The same table, rows balanced and compute-bound, page cache, streamed, derived N, 'first token':
 _COLD_CHECKS = ((1120, 0.719), (2240, 1.215))
+# Placeholder until benchmarks/results/batch.md measures it: a decode step's extra time per extra
+# row of the batch, as a share of a one-row step. Twice the rule scorer's own placeholder
+# (serve_app/scorer.py, batch_row_cost 0.05), because on the CPU a row's compute and KV reads are
+# not hidden behind the weight reads the way they are on a GPU. The one place this figure lives.
+_BATCH_ROW_COST = 0.10
 
 CPU_MEASURED = Calibration(
     name="cpu-measured",
@@ -126,6 +143,7 @@ CPU_MEASURED = Calibration(
     actor_overhead_bytes=256 * MiB,
     # Chosen, not measured: a request that waited no longer than a few cold starts is good.
     slo_extra_s=5.0,
+    batch_row_cost=_BATCH_ROW_COST,
     sources=(
         (f"hot TTFT at {' / '.join(str(n) for n, _ in _HOT_TTFT)} prompt tokens",
          f"{' / '.join(f'{t:.3f}' for _, t in _HOT_TTFT)} s", f"{_CS}, 'Hot TTFT', column 'actor: arrival -> first token'"),
@@ -137,6 +155,8 @@ CPU_MEASURED = Calibration(
          f"{_CS}, {_SMALL_ROW}, 'first token'"),
         ("model", "small: 12 layers, hidden 768, bf16, 200 MB", "weights_tool/synth.py PRESETS['small']"),
         ("slot memory / actor overhead", "2 GiB / 256 MiB", "configs/serve.yaml (cpu_slot_bytes, policy)"),
+        ("decode step, per extra row of a batch", f"+{_BATCH_ROW_COST:.0%} of a one-row step",
+         "placeholder until benchmarks/results/batch.md measures it"),
         ("SLO: TTFT within its unloaded hot TTFT +", "5 s", "chosen"),
     ),
 )
@@ -168,12 +188,17 @@ GPU_ESTIMATE = Calibration(
     slot_bytes=141 * 10**9,  # H200
     actor_overhead_bytes=512 * MiB,  # configs/rayservice.yaml, policy.actor_overhead_bytes
     slo_extra_s=5.0,
+    # Per extra row: 16 GFLOP at 500 TFLOP/s (0.03 ms) and ~130 MB of KV for a 1000-token context
+    # (0.04 ms), against a 4.8 ms step: ~1.5%, rounded up.
+    batch_row_cost=0.02,
     sources=(
         ("prefill", "15 ms + 0.16 ms/token", "estimate: 16 GFLOP/token at 100 TFLOP/s (cold_start.md, 'On an accelerator')"),
         ("decode", "4.8 ms/token", "estimate: 16 GB per token at ~70% of 4.8 TB/s HBM (H200 specification)"),
         ("spawn -> actor start", f"{round(_SPAWN_TO_START + 0.5, 1)} s",
          f"the CPU measurement ({_SPAWN_TO_START:.3f} s, cold_start.md) + ~0.5 s CUDA context (estimate)"),
         ("all layers resident", "0.8 s", "estimate: 16 GB from host memory at ~20 GB/s (cold_start.md, 'On an accelerator')"),
+        ("decode step, per extra row of a batch", "+2% of a one-row step",
+         "estimate: a row's compute and KV reads against the weight reads"),
         ("SLO: TTFT within its unloaded hot TTFT +", "5 s", "chosen"),
     ),
 )
@@ -223,12 +248,17 @@ class Workload:
 class ServiceTimes:
     hot_ttft_s: np.ndarray
     cold_ttft_s: np.ndarray  # from the spawn decision
-    decode_s: np.ndarray
+    decode_s: np.ndarray  # alone on its actor; in a batch each step takes slowdown(rows) times longer
+    step_s: float = 0.0  # one decode step of one row
+    batch_row_cost: float = 0.0  # see Calibration.batch_row_cost
 
     @classmethod
     def of(cls, cal: Calibration, workload: Workload) -> ServiceTimes:
         return cls(cal.hot_ttft_s(workload.input_tokens), cal.cold_ttft_s(workload.input_tokens),
-                   cal.decode_s(workload.output_tokens))
+                   cal.decode_s(workload.output_tokens), cal.decode_s_per_token, cal.batch_row_cost)
+
+    def slowdown(self, num_rows: int) -> float:
+        return 1.0 + self.batch_row_cost * (num_rows - 1)
 
     @property
     def hot_e2e_s(self) -> np.ndarray:
@@ -236,23 +266,25 @@ class ServiceTimes:
 
 
 def _lane_work(cal: Calibration, c: RequestClass, policy: PolicyConfig) -> tuple[float, float, float]:
-    """For one class, exactly: P(short lane), E[hot service; short lane], E[cold TTFT + decode; long lane]."""
+    """For one class, exactly: P(short lane), E[work; short lane], E[work], where work is the
+    slot-time a request takes in a full batch: (hot TTFT + its time in the batch) / max_batch. In
+    a full batch a row waits one step for the batch's next step boundary, then decodes, every step
+    slowed by slowdown(max_batch) (sim_model.py)."""
     ins = np.arange(c.input_tokens[0], c.input_tokens[1] + 1)
     outs = np.arange(c.output_tokens[0], c.output_tokens[1] + 1)
     in_short = (ins <= policy.short_max_input_tokens).astype(float)
     out_short = (outs <= policy.short_max_output_tokens).astype(float)
-    hot, cold, decode = cal.hot_ttft_s(ins), cal.cold_ttft_s(ins), cal.decode_s(outs)
+    wait_s = cal.decode_s_per_token if policy.max_batch > 1 else 0.0
+    ttft, decode = cal.hot_ttft_s(ins), cal.slowdown(policy.max_batch) * (cal.decode_s(outs) + wait_s)
     p_in, p_out = in_short.mean(), out_short.mean()
     # Inputs and outputs are independent: E[(ttft(i) + decode(o)) 1{i short} 1{o short}] factorises.
-    short_decode = p_in * (decode * out_short).mean()
-    short_hot = (hot * in_short).mean() * p_out + short_decode
-    short_cold = (cold * in_short).mean() * p_out + short_decode
-    long_cold = cold.mean() + decode.mean() - short_cold  # E[x; long] = E[x] - E[x; short]
-    return float(p_in * p_out), float(short_hot), float(long_cold)
+    short = (ttft * in_short).mean() * p_out + p_in * (decode * out_short).mean()
+    return float(p_in * p_out), float(short) / policy.max_batch, float(ttft.mean() + decode.mean()) / policy.max_batch
 
 
 def mean_hot_service_s(cal: Calibration, mix: tuple[RequestClass, ...]) -> float:
-    """E[hot TTFT + decode] over the mix, exactly (inputs and outputs are independent and uniform)."""
+    """E[hot TTFT + decode] over the mix, each request alone on its actor, exactly (inputs and
+    outputs are independent and uniform)."""
     total = 0.0
     for c in mix:
         ins = np.arange(c.input_tokens[0], c.input_tokens[1] + 1)
@@ -261,17 +293,18 @@ def mean_hot_service_s(cal: Calibration, mix: tuple[RequestClass, ...]) -> float
     return float(total)
 
 
-def capacity_per_s(cal: Calibration, mix: tuple[RequestClass, ...], num_slots: int) -> float:
-    """Capacity: what `num_slots` always-hot replicas serve at most, one request each at a time."""
-    return num_slots / mean_hot_service_s(cal, mix)
+def capacity_per_s(cal: Calibration, mix: tuple[RequestClass, ...], num_slots: int, max_batch: int = 1) -> float:
+    """Capacity: what `num_slots` always-hot replicas, each running `max_batch` rows at a time
+    (every step slowed by `slowdown(max_batch)`), serve at most."""
+    policy = PolicyConfig(max_batch=max_batch)
+    return num_slots / sum(c.share * _lane_work(cal, c, policy)[2] for c in mix)
 
 
 def short_lane_share(cal: Calibration, mix: tuple[RequestClass, ...], policy: PolicyConfig) -> float:
-    """The short lane's share of the slot-seconds the mix needs, long requests with their cold starts."""
+    """The short lane's share of the slot-time the mix needs, every request hot in a full batch."""
     works = [_lane_work(cal, c, policy) for c in mix]
     short = sum(c.share * w[1] for c, w in zip(mix, works, strict=True))
-    long = sum(c.share * w[2] for c, w in zip(mix, works, strict=True))
-    return short / (short + long)
+    return short / sum(c.share * w[2] for c, w in zip(mix, works, strict=True))
 
 
 def short_lane_probability(cal: Calibration, c: RequestClass, policy: PolicyConfig) -> float:

@@ -27,13 +27,15 @@ class ClassMetrics:
     num_arrivals: int  # measured: arrived after the warm-up and before the horizon
     reject_rate: float
     cold_rate: float  # of the admitted: served by an actor spawned for them
+    join_rate: float  # of the admitted: joined a batch that was already running
     ttft_s: tuple[float, float, float]  # P50, P99, P99.9 over the admitted
     e2e_s: tuple[float, float, float]
     slowdown_p99: float  # P99 of end to end / the request's own unloaded (hot) end to end
     throughput_per_s: float  # completions inside the measured window, per second
     goodput_per_s: float  # of those, the ones that met the SLO
-    # The good completions' unloaded (hot) service time per second, over the slots: the share of
-    # the cluster that did useful work in time; unlike goodput it does not favour short requests.
+    # The good completions' unloaded (hot, one-row) service time per second, over what the cluster
+    # completes of it per second at capacity: the share of the cluster that did useful work in
+    # time; unlike goodput it does not favour short requests.
     good_work_fraction: float
 
     @property
@@ -53,9 +55,10 @@ def _quantiles(x: np.ndarray) -> tuple[float, float, float]:
 
 
 def class_metrics(workload: Workload, service: ServiceTimes, outcome: Outcome, mix: tuple[RequestClass, ...],
-                  slo_extra_s: float, num_slots: int) -> dict[str, ClassMetrics]:
+                  slo_extra_s: float, work_capacity: float) -> dict[str, ClassMetrics]:
     """Per class and for "all". Latency and rejections: over the arrivals in the measured window;
-    throughput and goodput: completions inside it (an unbounded queue finishes late, not more)."""
+    throughput and goodput: completions inside it (an unbounded queue finishes late, not more).
+    `work_capacity`: seconds of hot one-row service the cluster completes per second at capacity."""
     start, end = workload.warmup_s, workload.horizon_s
     window = end - start
     arrived = (workload.arrival_s >= start) & (workload.arrival_s < end)
@@ -74,12 +77,13 @@ def class_metrics(workload: Workload, service: ServiceTimes, outcome: Outcome, m
             num_arrivals=n,
             reject_rate=float(outcome.is_rejected[sel].mean()) if n else math.nan,
             cold_rate=float(outcome.is_cold[served].mean()) if served.any() else math.nan,
+            join_rate=float(outcome.is_joined[served].mean()) if served.any() else math.nan,
             ttft_s=_quantiles(outcome.ttft_s[served]),
             e2e_s=_quantiles(outcome.e2e_s[served]),
             slowdown_p99=_quantiles(slowdown[served])[1],
             throughput_per_s=float((ended_inside & of_class).sum()) / window,
             goodput_per_s=float((good & of_class).sum()) / window,
-            good_work_fraction=float(service.hot_e2e_s[good & of_class].sum()) / (window * num_slots),
+            good_work_fraction=float(service.hot_e2e_s[good & of_class].sum()) / (window * work_capacity),
         )
     return out
 
@@ -107,36 +111,56 @@ def _ratio(a: float, b: float) -> str:
 
 def _class_table(results: list[PointResult], process: str, loads: tuple[float, ...], systems: tuple[str, ...],
                  name: str) -> list[str]:
-    lines = ["| load | system | arrivals | rejected % | cold % | TTFT P50 | P99 | P99.9 | e2e P50 | P99 | P99.9 "
-             "| e2e P99/P50 | slowdown P99 | done/s | goodput/s |",
-             "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| load | system | arrivals | rejected % | cold % | joined % | TTFT P50 | P99 | P99.9 | e2e P50 | P99 "
+             "| P99.9 | e2e P99/P50 | slowdown P99 | done/s | goodput/s |",
+             "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for load in loads:
         for system in systems:
             m = _get(results, process, load, system).metrics[name]
             lines.append(f"| {load:.1f} | {system} | {m.num_arrivals} | {_pct(m.reject_rate)} | {_pct(m.cold_rate)} "
-                         f"| {' | '.join(_f(x) for x in m.ttft_s)} | {' | '.join(_f(x, 1) for x in m.e2e_s)} "
-                         f"| {_f(m.e2e_ratio)} | {_f(m.slowdown_p99)} | {_f(m.throughput_per_s, 1)} "
-                         f"| {_f(m.goodput_per_s, 1)} |")
+                         f"| {_pct(m.join_rate)} | {' | '.join(_f(x) for x in m.ttft_s)} "
+                         f"| {' | '.join(_f(x, 1) for x in m.e2e_s)} | {_f(m.e2e_ratio)} | {_f(m.slowdown_p99)} "
+                         f"| {_f(m.throughput_per_s, 1)} | {_f(m.goodput_per_s, 1)} |")
+    return lines
+
+
+def overload_floor(load: float) -> float:
+    """No system can complete more than capacity: above it at least 1 - capacity/offered is refused
+    (or, queued, never served in time)."""
+    return max(0.0, 1.0 - 1.0 / load)
+
+
+FLOOR_HEADER = "Erlang-B floor %"
+FULL_BATCH_HEADER = "Erlang-B, full batches %"
+
+
+def _refusal_table(results: list[PointResult], cfg: SimConfig, process: str) -> list[str]:
+    zq, _, bounded, _ = SYSTEM_NAMES
+    lines = [f"| load | offered/s | {FLOOR_HEADER} | {FULL_BATCH_HEADER} | rejected %: zq all | zq short | zq medium "
+             "| zq long | bounded FIFO all | zq joined % |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for load in cfg.loads:
+        z, b = (_get(results, process, load, x).metrics for x in (zq, bounded))
+        lines.append(f"| {load:.1f} | {_f(load * cfg.capacity_per_s, 1)} | {_pct(cfg.erlang_floor(load))} "
+                     f"| {_pct(cfg.erlang_full_batch(load))} | {_pct(z['all'].reject_rate)} | {_pct(z['short'].reject_rate)} "
+                     f"| {_pct(z['medium'].reject_rate)} | {_pct(z['long'].reject_rate)} | {_pct(b['all'].reject_rate)} "
+                     f"| {_pct(z['all'].join_rate)} |")
     return lines
 
 
 def _headline_table(results: list[PointResult], process: str, loads: tuple[float, ...]) -> list[str]:
     zq, fifo, bounded, serve = SYSTEM_NAMES
-    lines = ["| load | short e2e P99/P50: zq | FIFO | short e2e P99 (s): zq | FIFO | FIFO ÷ zq "
-             "| rejected %: zq short | zq long | zq all | bounded FIFO all | goodput/s: zq | FIFO | bounded FIFO "
-             "| Serve default | zq ÷ FIFO | good work % of the cluster: zq | FIFO | bounded FIFO |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| load | short TTFT P99 (s): zq | FIFO | bounded FIFO | Serve default | short e2e P99/P50: zq | FIFO "
+             "| goodput/s: zq | FIFO | bounded FIFO | Serve default | zq ÷ FIFO | good work % of the cluster: zq "
+             "| FIFO | bounded FIFO | Serve default |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for load in loads:
         z, f, b, s = (_get(results, process, load, x).metrics for x in (zq, fifo, bounded, serve))
-        lines.append(f"| {load:.1f} | {_f(z['short'].e2e_ratio)} | {_f(f['short'].e2e_ratio)} "
-                     f"| {_f(z['short'].e2e_s[1], 1)} | {_f(f['short'].e2e_s[1], 1)} "
-                     f"| {_ratio(f['short'].e2e_s[1], z['short'].e2e_s[1])} | {_pct(z['short'].reject_rate)} "
-                     f"| {_pct(z['long'].reject_rate)} | {_pct(z['all'].reject_rate)} | {_pct(b['all'].reject_rate)} "
-                     f"| {_f(z['all'].goodput_per_s, 1)} | {_f(f['all'].goodput_per_s, 1)} "
-                     f"| {_f(b['all'].goodput_per_s, 1)} | {_f(s['all'].goodput_per_s, 1)} "
+        lines.append(f"| {load:.1f} | {' | '.join(_f(m['short'].ttft_s[1]) for m in (z, f, b, s))} "
+                     f"| {_f(z['short'].e2e_ratio)} | {_f(f['short'].e2e_ratio)} "
+                     f"| {' | '.join(_f(m['all'].goodput_per_s, 1) for m in (z, f, b, s))} "
                      f"| {_ratio(z['all'].goodput_per_s, f['all'].goodput_per_s)} "
-                     f"| {_pct(z['all'].good_work_fraction)} | {_pct(f['all'].good_work_fraction)} "
-                     f"| {_pct(b['all'].good_work_fraction)} |")
+                     f"| {' | '.join(_pct(m['all'].good_work_fraction) for m in (z, f, b, s))} |")
     return lines
 
 
@@ -159,6 +183,11 @@ def plot(results: list[PointResult], cfg: SimConfig, process: str, path: Path) -
         axes[1, 0].plot(loads, [100 * m["all"].reject_rate for m in rows], "-", color=color, marker=".", label=system)
         axes[1, 0].plot(loads, [100 * m["long"].reject_rate for m in rows], ":", color=color)
         axes[1, 1].plot(loads, [m["all"].goodput_per_s for m in rows], "-", color=color, marker=".", label=system)
+    # Drawn over the measured curves: zero-queue's can lie right on them.
+    axes[1, 0].plot(loads, [100 * cfg.erlang_floor(x) for x in loads], "--", color="black", lw=1.0, zorder=5,
+                    label="Erlang-B floor")
+    axes[1, 0].plot(loads, [100 * cfg.erlang_full_batch(x) for x in loads], "--", color="grey", lw=1.2, zorder=5,
+                    label="Erlang-B, full batches")
     axes[1, 1].plot(loads, [cfg.capacity_per_s * x for x in loads], color="grey", lw=0.8, label="offered")
     axes[1, 1].axhline(cfg.capacity_per_s, color="grey", ls="--", lw=0.8, label="capacity")
     titles = ("P99 end-to-end latency (s), per class", "P99 TTFT (s), per class",
@@ -174,7 +203,7 @@ def plot(results: list[PointResult], cfg: SimConfig, process: str, path: Path) -
     fig.legend(handles, labels, loc="lower center", ncol=len(colors), fontsize=7.5, frameon=False)
     axes[1, 0].legend(fontsize=8)
     axes[1, 1].legend(fontsize=8)
-    fig.suptitle(f"{cfg.num_slots} slots, {process} arrivals, mixed-length mix, calibration "
+    fig.suptitle(f"{cfg.num_slots} slots × {cfg.max_batch} rows, {process} arrivals, mixed-length mix, calibration "
                  f"{cfg.calibration.name} (the rejection rate sits beside every tail)", fontsize=11)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
@@ -182,6 +211,13 @@ def plot(results: list[PointResult], cfg: SimConfig, process: str, path: Path) -
 
 
 # ---------------------------------------------------------------- the report
+
+
+def _serve_words(cfg: SimConfig) -> str:
+    if cfg.serve_max_ongoing is None:
+        return ("Ray Serve's routing with Ray Serve LLM's default `max_ongoing_requests` (no limit): every request "
+                "goes to a replica at once and waits in that replica's own queue")
+    return f"Ray Serve's routing with `max_ongoing_requests={cfg.serve_max_ongoing}` per replica"
 
 
 def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: DecisionCost,
@@ -229,15 +265,29 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
                   "(cold_start.md, 'Goals'); the model does not charge that. It misses by "
                   f"{gap:.2f} s at {tokens} tokens, and by more for the long class's "
                   f"{cfg.mix[-1].input_tokens[0]}–{cfg.mix[-1].input_tokens[1]}-token prompts: this flatters "
-                  "zero-queue's cold-started long requests. A GPU slot would not have that contention.", ""]
+                  "zero-queue's cold starts" + (" (there are none in this sweep: every slot holds a hot actor)"
+                                                if cfg.hot_fraction >= 1 else "")
+                  + ". A GPU slot would not have that contention.", ""]
     lines += [*goals_text(cfg, results, floor), ""]
     for process in cfg.processes:
         lines += [f"## Summary, {process} arrivals", "",
-                  "All classes unless named; zq = zero-queue; FIFO = queued FIFO (a central queue, "
-                  f"`max_ongoing=1`, unbounded); bounded FIFO = the same holding at most {cfg.bounded_queue}; "
-                  "Serve default = per-replica queues (`max_ongoing=5`). FIFO ÷ zq > 1: zero-queue's tail is "
-                  "shorter. Good work = the good completions' unloaded service time ÷ (window × slots); "
-                  "requests that began before the window and ended in it can push it a little past 100.", "",
+                  f"Refusals. {FLOOR_HEADER} = B(c, A) with c = {cfg.num_slots} slots × {cfg.max_batch} rows = "
+                  f"{cfg.num_places} requests running at once and A = offered/s × {cfg.mean_service_s:.2f} s (the "
+                  "mean hot service time alone on an actor): what a system without a queue that admits whenever a "
+                  "place is free must refuse of Poisson arrivals even if every request ran as fast as alone. "
+                  f"{FULL_BATCH_HEADER} = the same with every request held as long as in a full batch "
+                  f"(A = offered/s × {cfg.num_places / cfg.capacity_per_s:.2f} s = load × c): a reference, not a "
+                  "floor, since rows of batches that are not full run faster"
+                  + ("; bursty arrivals are refused more than Poisson ones of the same mean, so for them both are "
+                     "Poisson references" if process == "bursty" else "")
+                  + ". zq = zero-queue; joined % = admitted requests that became a row of a batch already "
+                  "running.", "",
+                  *_refusal_table(results, cfg, process), "",
+                  "Latency and goodput. FIFO = queued FIFO (a central queue, a request sent to a replica only "
+                  f"when it has a free row, unbounded); bounded FIFO = the same holding at most {cfg.bounded_queue}; "
+                  f"Serve default = {_serve_words(cfg)}. Good work = the good completions' unloaded service time "
+                  "÷ (window × what the cluster completes of it per second at capacity); requests that began before "
+                  "the window and ended in it can push it a little past 100.", "",
                   *_headline_table(results, process, loads), "",
                   f"![{process}]({pngs[process]})", ""]
     systems = tuple(dict.fromkeys(r.system for r in results))
@@ -245,7 +295,8 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
         for c in cfg.mix:
             lines += [f"### {process} arrivals, {c.name} requests", "",
                       "Seconds; rejected % beside every tail (a tail over fewer admitted requests looks better "
-                      "than it is); cold % = admitted requests served by an actor spawned for them.", "",
+                      "than it is); cold % = admitted requests served by an actor spawned for them; joined % = "
+                      "admitted requests that became a row of a batch already running.", "",
                       *_class_table(results, process, loads, systems, c.name), ""]
     lines += [
         "## Cost of a decision", "",
@@ -253,10 +304,11 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
         f"request's end): the real `RegistryState.admit` on the full {cfg.num_slots}-slot snapshot "
         f"**{cost.registry_us:.0f} µs**; the incremental books with the restricted snapshot "
         f"**{cost.incremental_us:.0f} µs**; outcomes identical: **{'yes' if cost.is_identical else 'NO'}**. "
-        "The sweep uses the incremental backend; sim_model.py's docstring argues why its decisions are the "
+        "The sweep uses the incremental backend; sim_clusters.py's docstring argues why its decisions are the "
         "registry's, and tests/unit/test_simulate.py checks it request by request (including a scorer that "
-        "reads every candidate field). Most of the remaining cost is `decide()` itself: 8 hot and 8 cold "
-        "candidates built and scored per request.", "",
+        f"reads every candidate field). {_pct(cost.join_rate)}% of these admissions joined a running batch. Most of "
+        "the remaining cost is `decide()` itself: up to 8 hot, 8 join and 8 cold candidates built and scored per "
+        "request.", "",
         *not_modelled_text(cfg), "",
     ]
     path.write_text("\n".join(lines))

@@ -1,16 +1,21 @@
 """Cluster simulator: zero-queue (the real `decide()`) against a FIFO-queued cluster, over offered load.
 
-    .venv/bin/python -m benchmarks.simulate            # the full sweep, ~2-3 minutes on one core
-    .venv/bin/python -m benchmarks.simulate --quick    # 100 slots, 5 loads, short runs: seconds
+    .venv/bin/python -m benchmarks.simulate            # the full sweep, a few minutes on one core
+    .venv/bin/python -m benchmarks.simulate --quick    # 40 slots, 5 loads, short runs: seconds
 
 A discrete-event simulation of `--slots` accelerator slots under the mixed-length mix (10%
 long, 50% medium, 40% short), Poisson and bursty arrivals, offered load 0.3 .. 1.5 x
-capacity (capacity = slots / mean hot service time). Each load point runs the same
-arrivals through four clusters: zero-queue; a central FIFO queue in front of always-hot
-replicas, unbounded and bounded; and Ray Serve's default routing (max_ongoing_requests=5 per
-replica, power of two choices, FIFO for the rest). Writes benchmarks/results/simulation.md
-and its PNG plots. See sim_calibration.py (service model, calibration), sim_model.py (the
-engines), sim_report.py (metrics, tables, plots) and sim_report_text.py (the prose).
+capacity (capacity = what always-hot replicas running full batches of `--max-batch` rows
+serve at most). Each load point runs the same arrivals through four clusters: zero-queue,
+every slot holding a prewarmed hot actor that batches; a central FIFO queue in front of
+always-hot batching replicas, unbounded and bounded; and Ray Serve's routing with the
+per-replica limit of Ray Serve LLM's default (every request sent to a replica at once,
+power of two choices, waiting in that replica's own queue beyond its batch). Beside each
+load point's zero-queue refusal rate the report prints the Erlang-B floor B(c, A) with
+c = slots x max_batch and A = offered rate x mean hot service time (benchmarks/erlang.py).
+Writes benchmarks/results/simulation.md and its PNG plots. See sim_calibration.py (service
+model, calibration), sim_model.py (the engines and the batching model), sim_clusters.py (the
+zero-queue books), sim_report.py (metrics, tables, plots) and sim_report_text.py (the prose).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.erlang import refusal_floor
 from benchmarks.sim_calibration import (
     CPU_MEASURED,
     MIXED_LENGTH,
@@ -39,7 +45,8 @@ from benchmarks.sim_calibration import (
     mean_hot_service_s,
     short_lane_share,
 )
-from benchmarks.sim_model import IncrementalCluster, Outcome, RegistryCluster, run_queued, run_zero_queue
+from benchmarks.sim_clusters import IncrementalCluster, RegistryCluster
+from benchmarks.sim_model import Outcome, run_queued, run_zero_queue
 from benchmarks.sim_report import SYSTEM_NAMES, ClassMetrics, class_metrics, write_report
 from serve_app.policy import PolicyConfig
 from serve_app.scorer import RULE_SCORER, Scorer
@@ -54,17 +61,21 @@ DEFAULT_LOADS = tuple(round(0.3 + 0.1 * i, 1) for i in range(13))
 class SimConfig:
     calibration: Calibration = CPU_MEASURED
     mix: tuple[RequestClass, ...] = MIXED_LENGTH
-    num_slots: int = 1000
+    num_slots: int = 200
     slots_per_node: int = 8  # nodes only matter to a scorer that reads node_num_busy
+    max_batch: int = 8  # rows an actor or replica runs at once, in every system
     loads: tuple[float, ...] = DEFAULT_LOADS  # offered load, x capacity
     processes: tuple[ArrivalKind, ...] = ("poisson", "bursty")
     burst: Burst = field(default_factory=Burst)
-    duration_services: float = 60.0  # arrivals for this many mean service times per load point
+    duration_services: float = 60.0  # arrivals for this many mean hot service times per load point
     warmup_fraction: float = 0.1  # of the duration, simulated but not measured
-    # Short-lane actors kept hot (and prewarmed) as a fraction of the slots. None: the short
-    # lane's share of the slot-seconds the mix needs (sim_calibration.short_lane_share).
-    hot_fraction: float | None = None
-    serve_max_ongoing: int = 5  # Ray Serve's DEFAULT_MAX_ONGOING_REQUESTS
+    # Slots holding a prewarmed hot actor, as a fraction; they are split between the lanes by each
+    # lane's share of the slot-time the mix needs in full batches (sim_calibration.short_lane_share).
+    # 1.0: every slot, as every queued replica is always hot; below it the rest are left for cold starts.
+    hot_fraction: float = 1.0
+    # The Serve baseline's max_ongoing_requests per replica. None: no limit, Ray Serve LLM's default
+    # (1e9); Ray Serve's own default, 5, is below the batch and would cap the engine, not queue.
+    serve_max_ongoing: int | None = None
     # The bounded FIFO's queue length. None: capacity x half the SLO's slack, so that even the last
     # request of a full queue starts well within the slack at full throughput (a bound of the whole
     # slack leaves the back of the queue right at the limit, and half of it misses). The other
@@ -73,25 +84,42 @@ class SimConfig:
     seed: int = 0
 
     def base_policy(self) -> PolicyConfig:
-        return PolicyConfig(actor_overhead_bytes=self.calibration.actor_overhead_bytes)
+        return PolicyConfig(actor_overhead_bytes=self.calibration.actor_overhead_bytes, max_batch=self.max_batch)
 
     @property
-    def num_hot(self) -> int:
-        share = self.hot_fraction
-        if share is None:
-            share = short_lane_share(self.calibration, self.mix, self.base_policy())
-        return round(self.num_slots * share)
+    def num_hot(self) -> tuple[int, int]:
+        """Prewarmed hot actors: (short lane, long lane)."""
+        total = round(self.num_slots * self.hot_fraction)
+        short = round(total * short_lane_share(self.calibration, self.mix, self.base_policy()))
+        return short, total - short
 
     def policy(self) -> PolicyConfig:
-        return replace(self.base_policy(), max_hot_short_actors=self.num_hot)
+        short, long = self.num_hot
+        return replace(self.base_policy(), max_hot_short_actors=short, max_hot_long_actors=long)
 
     @property
     def mean_service_s(self) -> float:
+        """Mean hot service time, each request alone on its actor: the time unit of the runs and the floor."""
         return mean_hot_service_s(self.calibration, self.mix)
 
     @property
     def capacity_per_s(self) -> float:
-        return capacity_per_s(self.calibration, self.mix, self.num_slots)
+        return capacity_per_s(self.calibration, self.mix, self.num_slots, self.max_batch)
+
+    @property
+    def num_places(self) -> int:
+        """Requests that can run at once: c of the Erlang-B floor."""
+        return self.num_slots * self.max_batch
+
+    def erlang_floor(self, load: float) -> float:
+        """B(c, A): c = slots x max_batch, A = offered rate x mean hot service time (module doc)."""
+        return refusal_floor(self.num_places, load * self.capacity_per_s, self.mean_service_s)
+
+    def erlang_full_batch(self, load: float) -> float:
+        """B(c, A) with every request held as long as in a full batch (c / capacity on average): what a
+        pooled system without a queue refuses at full-batch speed. A reference, not a floor: rows of
+        batches that are not full run faster."""
+        return refusal_floor(self.num_places, load * self.capacity_per_s, self.num_places / self.capacity_per_s)
 
     @property
     def bounded_queue(self) -> int:
@@ -102,6 +130,11 @@ class SimConfig:
     @property
     def horizon_s(self) -> float:
         return self.duration_services * self.mean_service_s
+
+    @property
+    def work_capacity(self) -> float:
+        """Seconds of hot, one-row service the cluster completes per second at capacity."""
+        return self.capacity_per_s * self.mean_service_s
 
 
 @dataclass(frozen=True)
@@ -126,8 +159,9 @@ def zero_queue_cluster(cfg: SimConfig, backend: str = "incremental",
     policy = cfg.policy()
     numbers = cfg.calibration.model_numbers()
     cls = IncrementalCluster if backend == "incremental" else RegistryCluster
+    short, long = cfg.num_hot
     return cls([cfg.calibration.slot_bytes] * cfg.num_slots, policy, numbers.weight_bytes + policy.actor_overhead_bytes,
-               cfg.num_hot, scorer, cfg.slots_per_node)
+               short, scorer, cfg.slots_per_node, long)
 
 
 def run_system(cfg: SimConfig, system: str, workload: Workload, service: ServiceTimes,
@@ -136,9 +170,9 @@ def run_system(cfg: SimConfig, system: str, workload: Workload, service: Service
         return run_zero_queue(workload, service, zero_queue_cluster(cfg, scorer=scorer),
                               cfg.calibration.model_numbers())
     if system == "queued Serve default":
-        return run_queued(workload, service, cfg.num_slots, cfg.serve_max_ongoing, None, cfg.seed)
+        return run_queued(workload, service, cfg.num_slots, cfg.serve_max_ongoing, None, cfg.seed, cfg.max_batch)
     bound = cfg.bounded_queue if system == "queued FIFO, bounded" else None
-    return run_queued(workload, service, cfg.num_slots, 1, bound, cfg.seed)
+    return run_queued(workload, service, cfg.num_slots, cfg.max_batch, bound, cfg.seed, cfg.max_batch)
 
 
 def sweep(cfg: SimConfig, scorer: Scorer = RULE_SCORER) -> list[PointResult]:
@@ -152,7 +186,7 @@ def sweep(cfg: SimConfig, scorer: Scorer = RULE_SCORER) -> list[PointResult]:
                 outcome = run_system(cfg, system, workload, service, scorer)
                 wall = time.perf_counter() - start
                 metrics = class_metrics(workload, service, outcome, cfg.mix, cfg.calibration.slo_extra_s,
-                                        cfg.num_slots)
+                                        cfg.work_capacity)
                 results.append(PointResult(process, load, system, metrics, wall))
                 log.info("%s load %.1f %-21s %6d arrivals, %5.1f%% rejected, %.1f s", process, load, system,
                          len(workload.arrival_s), 100 * metrics["all"].reject_rate, wall)
@@ -165,6 +199,7 @@ class DecisionCost:
     registry_us: float  # per arrival: RegistryState.admit on the full snapshot, commit, finish
     incremental_us: float  # per arrival: the restricted snapshot, decide, incremental books
     is_identical: bool  # the two gave every request the same slot, kind and latency
+    join_rate: float  # of the admitted: joined a running batch
 
 
 def decision_cost(cfg: SimConfig, num_arrivals: int = 2000, load: float = 1.0) -> DecisionCost:
@@ -183,8 +218,8 @@ def decision_cost(cfg: SimConfig, num_arrivals: int = 2000, load: float = 1.0) -
         times.append((time.perf_counter() - start) / n * 1e6)
     a, b = outcomes
     same = (np.array_equal(a.slot, b.slot) and np.array_equal(a.is_cold, b.is_cold)
-            and np.array_equal(a.e2e_s, b.e2e_s, equal_nan=True))
-    return DecisionCost(n, times[0], times[1], same)
+            and np.array_equal(a.is_joined, b.is_joined) and np.array_equal(a.e2e_s, b.e2e_s, equal_nan=True))
+    return DecisionCost(n, times[0], times[1], same, float(b.is_joined[~b.is_rejected].mean()))
 
 
 def unloaded_metrics(cfg: SimConfig) -> dict[str, ClassMetrics]:
@@ -193,7 +228,7 @@ def unloaded_metrics(cfg: SimConfig) -> dict[str, ClassMetrics]:
     service = ServiceTimes.of(cfg.calibration, workload)
     outcome = Outcome.empty(len(workload.arrival_s))
     outcome.ttft_s[:], outcome.e2e_s[:] = service.hot_ttft_s, service.hot_e2e_s
-    return class_metrics(workload, service, outcome, cfg.mix, cfg.calibration.slo_extra_s, cfg.num_slots)
+    return class_metrics(workload, service, outcome, cfg.mix, cfg.calibration.slo_extra_s, cfg.work_capacity)
 
 
 def _loads(text: str) -> tuple[float, ...]:
@@ -206,28 +241,31 @@ def _loads(text: str) -> tuple[float, ...]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=CPU_MEASURED.name)
-    parser.add_argument("--slots", type=int, default=1000)
+    parser.add_argument("--slots", type=int, default=SimConfig.num_slots)
+    parser.add_argument("--max-batch", type=int, default=SimConfig.max_batch, help="rows per actor or replica")
     parser.add_argument("--loads", type=_loads, default=DEFAULT_LOADS, help="lo:hi:step or a,b,c (x capacity)")
     parser.add_argument("--processes", default="poisson,bursty")
     parser.add_argument("--duration-services", type=float, default=60.0)
-    parser.add_argument("--hot-fraction", type=float, default=None)
+    parser.add_argument("--hot-fraction", type=float, default=1.0, help="slots holding a prewarmed hot actor")
+    parser.add_argument("--serve-max-ongoing", type=int, default=None,
+                        help="the Serve baseline's max_ongoing_requests (default: no limit, Ray Serve LLM's)")
     parser.add_argument("--queue-bound", type=int, default=None,
                         help="the bounded FIFO's queue length (default: capacity x half the SLO slack)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="100 slots, 5 loads, 20 mean service times")
+    parser.add_argument("--quick", action="store_true", help="40 slots, 5 loads, 20 mean service times")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/simulation.md"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = SimConfig(calibration=PRESETS[args.preset], num_slots=args.slots, loads=args.loads,
+    cfg = SimConfig(calibration=PRESETS[args.preset], num_slots=args.slots, max_batch=args.max_batch, loads=args.loads,
                     processes=tuple(p.strip() for p in args.processes.split(",")),  # type: ignore[misc]
                     duration_services=args.duration_services, hot_fraction=args.hot_fraction,
-                    queue_bound=args.queue_bound, seed=args.seed)
+                    serve_max_ongoing=args.serve_max_ongoing, queue_bound=args.queue_bound, seed=args.seed)
     if args.quick:
-        cfg = replace(cfg, num_slots=100, loads=(0.3, 0.6, 0.9, 1.2, 1.5), duration_services=20.0)
+        cfg = replace(cfg, num_slots=40, loads=(0.3, 0.6, 0.9, 1.2, 1.5), duration_services=20.0)
     start = time.perf_counter()
     cost = decision_cost(cfg)
-    log.info("decision cost per arrival: registry %.0f us, incremental %.0f us, identical: %s",
-             cost.registry_us, cost.incremental_us, cost.is_identical)
+    log.info("decision cost per arrival: registry %.0f us, incremental %.0f us, identical: %s, joined %.0f%%",
+             cost.registry_us, cost.incremental_us, cost.is_identical, 100 * cost.join_rate)
     results = sweep(cfg)
     wall = time.perf_counter() - start
     command = " ".join([".venv/bin/python -m benchmarks.simulate", *(sys.argv[1:] if argv is None else argv)])

@@ -16,7 +16,8 @@ and the simulator all call the same code.
      waits on it, and it skips a cold start). A long request never takes a short-lane
      actor: that is the isolation the short lane exists for.
    - join: busy hot actors of the model *and of the request's lane* with fewer than
-     `max_batch` rows, whose slot has `dispatch_bytes` free. The request becomes one more
+     `max_batch` rows, whose slot has `dispatch_bytes` free — the `max_candidates` least
+     loaded of them (fewest rows, then fewest KV positions). The request becomes one more
      row; it waits for nothing but the actor's next step boundary.
    - cold: the first `max_candidates` slots, in snapshot order, with `spawn_bytes` free
      and fewer than `max_actors_per_slot` actors.
@@ -58,6 +59,7 @@ when its batch drains.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections.abc import Sequence
@@ -275,17 +277,16 @@ def _join_candidates(features: RequestFeatures, lane: Lane, snapshot: ClusterSna
     if policy.max_batch < 2:
         return [], []
     need = features.dispatch_bytes
-    candidates: list[Candidate] = []
-    limits: list[float | None] = []
-    for actor in snapshot.busy_hot_actors(features.model, lane):
+    feasible = []
+    for i, actor in enumerate(snapshot.busy_hot_actors(features.model, lane)):
         slot = snapshot.slot(actor.slot_id)
-        if actor.num_rows >= policy.max_batch or slot is None or slot.free_bytes < need:
-            continue
-        candidates.append(_candidate("join", snapshot, slot, actor))
-        limits.append(actor.min_tpot_target_s)
-        if len(candidates) == policy.max_candidates:
-            break
-    return candidates, limits
+        if actor.num_rows < policy.max_batch and slot is not None and slot.free_bytes >= need:
+            feasible.append((actor.num_rows, actor.batch_tokens, i, actor, slot))
+    # The least loaded batches, not the first ones: taking the first `max_candidates` in
+    # spawn order would fill the oldest actors' batches while later ones ran a row each.
+    chosen = heapq.nsmallest(policy.max_candidates, feasible, key=lambda t: t[:3])
+    return ([_candidate("join", snapshot, slot, actor) for *_, actor, slot in chosen],
+            [actor.min_tpot_target_s for *_, actor, _ in chosen])
 
 
 def _cold_candidates(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig) -> list[Candidate]:

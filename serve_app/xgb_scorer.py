@@ -12,10 +12,12 @@ that dwarfs the trees: see benchmarks/results/decision.md).
 Features (schema "zq-scorer/2"). Per candidate: its kind (`is_cold`, `is_join`; both 0
 for an idle hot actor), the slot's telemetry and its node's load, and the batch a join
 would enter: `batch_rows`, `batch_tokens` (KV positions those rows read per step, at most)
-and `batch_kv_read_bytes` = batch_tokens x the request's kv_bytes_per_token, the KV bytes
-one step of that batch reads. A decode step reads every weight once for the whole batch,
-so what makes a bigger batch slower is mostly that KV read: the memory-aware batching
-feature, given to the trees directly because a product is what trees learn worst. Then
+and `batch_kv_read_bytes` = (batch_tokens + the request's own input + max_tokens) x its
+kv_bytes_per_token: the KV bytes one step reads once the request runs there (for an idle
+or fresh actor, its own alone). A decode step reads every weight once for the whole
+batch, so what makes a bigger batch slower is mostly that KV read: the memory-aware
+batching feature, given to the trees directly because a sum of products is what trees
+learn worst. Then
 the request's own columns, the same on every row of one decision.
 
 Predictions are well-formed by construction, so `decide` never has to fall back for a
@@ -82,16 +84,17 @@ def request_columns(f: RequestFeatures) -> list[float]:
             float(f.kv_bytes_per_token)]
 
 
-def candidate_columns(c: Candidate, kv_bytes_per_token: int) -> list[float]:
+def candidate_columns(c: Candidate, f: RequestFeatures) -> list[float]:
+    kv_read_bytes = (c.batch_tokens + f.input_tokens + f.max_tokens) * f.kv_bytes_per_token
     return [1.0 if c.kind == "cold" else 0.0, 1.0 if c.kind == "join" else 0.0, float(c.slot_fragmentation),
             float(c.slot_utilization), float(c.node_num_busy), float(c.batch_rows), float(c.batch_tokens),
-            float(c.batch_tokens * kv_bytes_per_token)]
+            float(kv_read_bytes)]
 
 
 def feature_matrix(features: RequestFeatures, candidates: Sequence[Candidate]) -> np.ndarray:
     """One float32 row per candidate, columns in `FEATURE_NAMES` order (training uses this too)."""
-    common, per_token = request_columns(features), features.kv_bytes_per_token
-    return np.array([candidate_columns(c, per_token) + common for c in candidates], dtype=np.float32).reshape(
+    common = request_columns(features)
+    return np.array([candidate_columns(c, features) + common for c in candidates], dtype=np.float32).reshape(
         len(candidates), len(FEATURE_NAMES))
 
 

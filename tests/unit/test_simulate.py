@@ -1,5 +1,6 @@
-"""The cluster simulator: exact small cases, conservation, determinism, and the restricted
-snapshot against the real RegistryState, request by request."""
+"""The cluster simulator: exact small cases (alone and batched), conservation, determinism, the
+restricted snapshot against the real RegistryState request by request, exact books under
+batching, and the Erlang-B floor in the report."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from benchmarks.erlang import erlang_b
 from benchmarks.sim_calibration import (
     CPU_MEASURED,
     MIXED_LENGTH,
     Burst,
     ServiceTimes,
     Workload,
+    capacity_per_s,
     make_workload,
+    mean_hot_service_s,
     short_lane_share,
 )
-from benchmarks.sim_model import IncrementalCluster, RegistryCluster, run_queued, run_zero_queue
-from benchmarks.simulate import SimConfig, main, run_system, workload_for
+from benchmarks.sim_clusters import IncrementalCluster, RegistryCluster
+from benchmarks.sim_model import run_queued, run_zero_queue
+from benchmarks.sim_report import FLOOR_HEADER
+from benchmarks.simulate import SimConfig, main, run_system, workload_for, zero_queue_cluster
 from serve_app.policy import PolicyConfig
 from serve_app.scorer import Prediction
 
@@ -33,8 +39,8 @@ def _workload(arrivals, inputs=100, outputs=50) -> Workload:
                     0.0, float(max(arrivals)) + 1)
 
 
-def _service(n, hot=0.5, cold=3.0, decode=4.5) -> ServiceTimes:
-    return ServiceTimes(np.full(n, hot), np.full(n, cold), np.full(n, decode))
+def _service(n, hot=0.5, cold=3.0, decode=4.5, step_s=0.0, batch_row_cost=0.0) -> ServiceTimes:
+    return ServiceTimes(np.full(n, hot), np.full(n, cold), np.full(n, decode), step_s, batch_row_cost)
 
 
 def _policy(**kw) -> PolicyConfig:
@@ -47,7 +53,7 @@ def _resident(policy: PolicyConfig) -> int:
 
 @pytest.mark.parametrize("backend", [IncrementalCluster, RegistryCluster])
 def test_one_hot_slot_serves_or_refuses_at_once(backend):
-    policy = _policy(max_hot_short_actors=1)
+    policy = _policy(max_hot_short_actors=1, max_batch=1)
     cluster = backend([2 * GiB], policy, _resident(policy), num_prewarmed=1)
     out = run_zero_queue(_workload([0.0, 1.0, 5.0, 10.0]), _service(4), cluster, NUMBERS)
     # 0: the idle hot actor (ends at 5); 1: nothing idle, no free slot -> refused; 5: the actor is
@@ -67,6 +73,37 @@ def test_without_hot_actors_every_request_cold_starts_and_frees_its_slot(backend
     assert out.is_rejected.tolist() == [False, True, False, True]
     np.testing.assert_array_equal(out.e2e_s, [7.5, np.nan, 7.5, np.nan])
     assert out.is_cold.tolist() == [True, False, True, False]
+
+
+# A two-row batch, exactly: a step of b rows takes 0.1 s x (1 + 0.5 (b - 1)).
+BATCHED = dict(step_s=0.1, batch_row_cost=0.5)
+
+
+@pytest.mark.parametrize("backend", [IncrementalCluster, RegistryCluster])
+def test_a_hot_actor_takes_a_second_row_and_both_slow_down(backend):
+    policy = _policy(max_hot_short_actors=1, max_batch=2)
+    cluster = backend([2 * GiB], policy, _resident(policy), num_prewarmed=1)
+    out = run_zero_queue(_workload([0.0, 1.0, 2.0, 7.5]), _service(4, **BATCHED), cluster, NUMBERS)
+    # 0: alone, first token at 0.5, then 0.5 s of its 4.5 s of decode alone by 1.0.
+    # 1: joins at 1.0: waits one two-row step (0.15 s), prefills 0.5 s: first token at 1.65.
+    #    From 1.0 the batch runs at 1/1.5: 0 ends at 1.0 + 4.0 x 1.5 = 7.0. At 1.65 the clock
+    #    reads 1.0 + 0.65 / 1.5, so 1 has 0.5 + 0.65 / 1.5 left at 7.0: 0.5 of it alone until 7.5,
+    #    when 3 joins, the rest at 1/1.5: 1 ends at 7.5 + (0.65 / 1.5) x 1.5 = 8.15.
+    # 2: both rows taken and no other slot: refused. 3: first token at 8.15, then alone.
+    assert out.is_rejected.tolist() == [False, False, True, False]
+    assert out.is_joined.tolist() == [False, True, False, True] and not out.is_cold.any()
+    np.testing.assert_allclose(out.ttft_s, [0.5, 0.65, np.nan, 0.65])
+    np.testing.assert_allclose(out.e2e_s, [7.0, 8.15 - 1.0, np.nan, 0.65 + 4.5])
+
+
+def test_a_replica_batches_exactly_as_an_actor_and_queues_the_rest():
+    out = run_queued(_workload([0.0, 1.0, 2.0, 7.5]), _service(4, **BATCHED), num_replicas=1, max_ongoing=2,
+                     max_batch=2)
+    # 0 and 1 as in the zero-queue case until 7.0, when 2, queued since 2.0, joins 1 (0.15 + 0.5):
+    # 1 ends at 7.0 + (0.5 + 0.65 / 1.5) x 1.5 = 8.4.
+    np.testing.assert_allclose(out.ttft_s[:3], [0.5, 0.65, 5.0 + 0.65])
+    np.testing.assert_allclose(out.e2e_s[:2], [7.0, 8.4 - 1.0])
+    assert out.is_joined.tolist() == [False, True, True, True] and not out.is_rejected.any()
 
 
 def test_long_requests_never_take_a_short_lane_actor():
@@ -113,21 +150,26 @@ def test_every_arrival_ends_finished_or_rejected(system):
     finished = np.isfinite(out.e2e_s)
     assert np.array_equal(finished, ~out.is_rejected)
     assert np.all(out.slot[finished] >= 0) and np.all(out.slot[~finished] == -1)
-    # Nobody is faster than unloaded, and decode is the same everywhere.
+    # Nobody is faster than unloaded; decode is stretched by the batch, never past a full one's steps.
     assert np.all(out.e2e_s[finished] >= service.hot_e2e_s[finished] - 1e-9)
-    np.testing.assert_allclose((out.e2e_s - out.ttft_s)[finished], service.decode_s[finished])
+    decode, alone = (out.e2e_s - out.ttft_s)[finished], service.decode_s[finished]
+    assert np.all(decode >= alone - 1e-9) and np.all(decode <= alone * service.slowdown(SMALL.max_batch) + 1e-9)
+    assert (decode > alone + 1e-6).any() and out.is_joined.any()
     if system in ("queued FIFO", "queued Serve default"):
         assert not out.is_rejected.any()  # unbounded: it waits instead
     else:
         assert out.is_rejected.any()  # 1.5x capacity in bursts: a bound or no queue must refuse some
 
 
-def test_at_low_load_zero_queue_refuses_nothing_and_short_requests_stay_hot():
+def test_at_low_load_zero_queue_refuses_nothing_and_runs_everything_hot():
     workload = workload_for(SMALL, "poisson", 0.2, 0)
     out = run_system(SMALL, "zero-queue", workload, ServiceTimes.of(SMALL.calibration, workload))
-    assert not out.is_rejected.any()
-    is_long = workload.class_index == 2
-    assert out.is_cold[is_long].all() and not out.is_cold[~is_long].any()
+    assert not out.is_rejected.any() and not out.is_cold.any()
+    # With half the slots hot, a request joins a hot batch before it cold-starts on a free slot.
+    cfg = replace(SMALL, hot_fraction=0.5)
+    out = run_zero_queue(workload, ServiceTimes.of(cfg.calibration, workload), zero_queue_cluster(cfg), NUMBERS)
+    assert not out.is_rejected.any() and not out.is_cold.any() and out.is_joined.any()
+    assert out.slot.max() < sum(cfg.num_hot) == SMALL.num_slots // 2
 
 
 def test_runs_are_deterministic_given_the_seed():
@@ -142,36 +184,81 @@ def test_runs_are_deterministic_given_the_seed():
 
 
 class RecordingScorer:
-    """Prefers later candidates and nodes with fewer busy actors; records what it was shown."""
+    """Prefers later candidates, smaller batches and nodes with fewer busy actors; records what it was shown."""
 
     def __init__(self) -> None:
         self.seen: list[tuple] = []
 
     def predict(self, features, candidates):
         self.seen.append(tuple(candidates))
-        return [Prediction(t, t + 1.0) for t in
+        return [Prediction(t, t + 1.0, 0.01) for t in
                 (1.0 / (1 + i) + 0.01 * c.node_num_busy + (0.5 if c.kind == "cold" else 0.0)
-                 + c.slot_free_bytes * 1e-12 for i, c in enumerate(candidates))]
+                 + 0.02 * c.batch_rows + 1e-7 * c.batch_tokens + c.slot_free_bytes * 1e-12
+                 for i, c in enumerate(candidates))]
 
 
-@pytest.mark.parametrize("max_actors_per_slot", [1, 2])
-def test_restricted_snapshot_decides_exactly_as_the_registry(max_actors_per_slot):
+@pytest.mark.parametrize(("max_actors_per_slot", "max_batch"), [(1, 1), (2, 1), (1, 4), (2, 3)])
+def test_restricted_snapshot_decides_exactly_as_the_registry(max_actors_per_slot, max_batch):
     # Half the slots are too small for a long request; both lanes keep hot actors; few candidates.
     policy = _policy(max_hot_short_actors=3, max_hot_long_actors=2, max_candidates=3,
-                     max_actors_per_slot=max_actors_per_slot)
+                     max_actors_per_slot=max_actors_per_slot, max_batch=max_batch)
     slots = [2 * GiB if i % 2 == 0 else 500_000_000 for i in range(12)]
-    workload = make_workload(MIXED_LENGTH, 1.6, 900.0, 0.0, np.random.default_rng(7))
+    workload = make_workload(MIXED_LENGTH, 1.6 * max_batch, 900.0, 0.0, np.random.default_rng(7))
     service = ServiceTimes.of(CPU_MEASURED, workload)
     runs = []
     for backend in (RegistryCluster, IncrementalCluster):
         scorer = RecordingScorer()
-        cluster = backend(slots, policy, _resident(policy), 2, scorer, slots_per_node=4)
+        cluster = backend(slots, policy, _resident(policy), 2, scorer, slots_per_node=4, num_prewarmed_long=1)
         runs.append((run_zero_queue(workload, service, cluster, NUMBERS), scorer.seen))
     (a, seen_a), (b, seen_b) = runs
     assert len(workload.arrival_s) > 1000 and a.is_rejected.any() and a.is_cold.any() and (~a.is_cold).any()
-    assert seen_a == seen_b  # every candidate, every field (free bytes, node_num_busy), in order
+    assert a.is_joined.any() == (max_batch > 1)
+    assert seen_a == seen_b  # every candidate, every field (free bytes, node_num_busy, batch rows), in order
     assert np.array_equal(a.slot, b.slot) and np.array_equal(a.is_cold, b.is_cold)
-    assert np.array_equal(a.reject_reason, b.reject_reason)
+    assert np.array_equal(a.is_joined, b.is_joined) and np.array_equal(a.reject_reason, b.reject_reason)
+    np.testing.assert_array_equal(a.e2e_s, b.e2e_s)
+
+
+def _checked(backend):
+    """The backend, checking its books after every admission, first token and row end."""
+
+    class Checked(backend):
+        def admit(self, features, now, request):
+            decision = super().admit(features, now, request)
+            self.check_books()
+            return decision
+
+        def started(self, name):
+            super().started(name)
+            self.check_books()
+
+        def finish(self, name, request, now):
+            super().finish(name, request, now)
+            self.check_books()
+
+    return Checked
+
+
+@pytest.mark.parametrize("backend", [IncrementalCluster, RegistryCluster])
+def test_under_load_requests_join_batches_and_the_books_stay_exact(backend):
+    cfg = SimConfig(num_slots=6, max_batch=4, duration_services=12.0)
+    workload = workload_for(cfg, "poisson", 1.2, 5)
+    short, long = cfg.num_hot
+    policy = cfg.policy()
+    cluster = _checked(backend)([cfg.calibration.slot_bytes] * cfg.num_slots, policy, _resident(policy), short,
+                                slots_per_node=cfg.slots_per_node, num_prewarmed_long=long)
+    out = run_zero_queue(workload, ServiceTimes.of(cfg.calibration, workload), cluster, NUMBERS)
+    admitted = ~out.is_rejected
+    assert len(workload.arrival_s) > 250 and out.is_rejected.any()
+    assert out.is_joined[admitted].mean() > 0.5  # at 1.2x most admissions are rows of a running batch
+    # Every row ended and released its bytes: only idle hot actors' resident bytes are held.
+    if backend is IncrementalCluster:
+        assert all(a.state == "idle" and not a.rows for a in cluster.actors.values())
+        assert cluster.reserved == [_resident(policy)] * cfg.num_slots
+    else:
+        snapshot = cluster.state.snapshot()
+        assert all(a.state == "idle" and not a.rows for a in snapshot.actors)
+        assert [s.reserved_bytes for s in snapshot.slots] == [_resident(policy)] * cfg.num_slots
 
 
 def test_calibration_goes_through_the_measured_points():
@@ -184,6 +271,12 @@ def test_calibration_goes_through_the_measured_points():
     assert float(cal.hot_ttft_s(2 * x2 - x1)) == pytest.approx(2 * y2 - y1)
     assert np.all(cal.cold_ttft_s([16, 900, 3000]) > cal.hot_ttft_s([16, 900, 3000]) + cal.spawn_to_start_s)
     assert 0.5 < short_lane_share(cal, MIXED_LENGTH, PolicyConfig()) < 0.9
+    # One row at a time: capacity is slots over the mean service; a full batch of 8 serves more,
+    # about 8 / slowdown(8) times as much: its decode steps are slower, its prefills are not.
+    one = capacity_per_s(cal, MIXED_LENGTH, 10)
+    assert one == pytest.approx(10 / mean_hot_service_s(cal, MIXED_LENGTH))
+    eight = capacity_per_s(cal, MIXED_LENGTH, 10, 8)
+    assert eight / one == pytest.approx(8 / cal.slowdown(8), rel=0.03)
 
 
 def test_bursty_arrivals_keep_the_mean_and_spike_tenfold():
@@ -203,5 +296,27 @@ def test_cli_writes_the_report_and_plots(tmp_path):
           "--out", str(out)])
     text = out.read_text()
     assert "queued FIFO" in text and "## What the simulation does not model" in text
-    assert "outcomes identical: **yes**" in text
+    assert "outcomes identical: **yes**" in text and "Command: `.venv/bin/python -m benchmarks.simulate --slots 16" in text
     assert (tmp_path / "simulation_poisson.png").stat().st_size > 10_000
+
+
+def test_the_report_prints_the_erlang_floor_beside_the_refusal_rate(tmp_path):
+    out = tmp_path / "simulation.md"
+    main(["--slots", "4", "--max-batch", "4", "--loads", "0.6,1.4", "--duration-services", "4",
+          "--processes", "poisson", "--out", str(out)])
+    cfg = SimConfig(num_slots=4, max_batch=4)
+    header, rows = None, []
+    for line in out.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if FLOOR_HEADER in cells:
+            header = cells
+        elif header is not None and len(cells) == len(header) and cells[0] in ("0.6", "1.4"):
+            rows.append(dict(zip(header, cells, strict=True)))
+        elif header is not None and not line.startswith("|"):
+            break
+    assert [r["load"] for r in rows] == ["0.6", "1.4"]
+    for row in rows:
+        load = float(row["load"])
+        floor = erlang_b(16, load * cfg.capacity_per_s * mean_hot_service_s(cfg.calibration, cfg.mix))
+        assert row[FLOOR_HEADER] == f"{100 * floor:.1f}" and float(row["rejected %: zq all"]) >= 0
+    assert float(rows[1][FLOOR_HEADER]) > 1.0  # 16 places at 1.4x: a floor, not a formality

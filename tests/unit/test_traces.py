@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
+from collections import Counter
 
 import pytest
 
 from actors.messages import Completion, Timings
 from serve_app.config import AppArgs, ingress_config
-from serve_app.policy import Reject, RequestFeatures, Spawn
+from serve_app.policy import Join, Reject, RequestFeatures, Spawn
 from serve_app.scorer import Candidate, Prediction
 from serve_app.traces import (
     SCHEMA,
@@ -18,20 +20,23 @@ from serve_app.traces import (
     TraceWriter,
     outcome_record,
     read_traces,
+    tpot_s,
     trace_record,
 )
 
 FEATURES = RequestFeatures("m", 40, 8, 1000, 2, 30, actor_overhead_bytes=7, total_target_s=9.0,
-                           temperature=0.0, top_k=40)
+                           tpot_target_s=0.2, temperature=0.0, top_k=40)
 CANDIDATE = Candidate("cold", "s0", None, 5000, 0, 0.1, 0.2, 1)
-SPAWN = Spawn("s0", "short", True, 1200, 1007, CANDIDATE, Prediction(1.5, 2.5))
+SPAWN = Spawn("s0", "short", True, 1200, 1007, CANDIDATE, Prediction(1.5, 2.5, 0.125))
+JOIN_CANDIDATE = Candidate("join", "s1", "zq-a", 4000, 1, 0.0, 0.5, 2, batch_rows=3, batch_tokens=900)
+JOIN = Join("zq-a", "s1", "short", 96, JOIN_CANDIDATE, Prediction(0.05, 0.4, 0.05))
 
 
-def _completion(arrival=100.0) -> Completion:
+def _completion(arrival=100.0, output_tokens=8, is_cold=True) -> Completion:
     timings = Timings(actor_start=arrival + 1, request_arrival=arrival + 2, first_layer_resident=arrival + 2.5,
                       all_layers_resident=arrival + 3, compute_start=arrival + 3, first_layer_compute_start=arrival + 3,
                       first_token=arrival + 3.5, last_token=arrival + 4.25)
-    return Completion("req_1", "max_tokens", None, 40, 8, True, 2, timings)
+    return Completion("req_1", "max_tokens", None, 40, output_tokens, is_cold, 2, timings)
 
 
 def _writer(tmp_path, **kw) -> TraceWriter:
@@ -48,22 +53,48 @@ def test_a_finished_request_leaves_its_features_decision_and_outcome(tmp_path):
     assert first["schema"] == SCHEMA and first["request_id"] == "req_1" and first["model"] == "m"
     assert first["features"] == {"input_tokens": 40, "max_tokens": 8, "temperature": 0.0, "top_k": 40, "top_p": None,
                                  "weight_bytes": 1000, "kv_bytes_per_token": 2, "workspace_bytes": 30,
-                                 "actor_overhead_bytes": 7, "ttft_target_s": None, "total_target_s": 9.0}
+                                 "actor_overhead_bytes": 7, "ttft_target_s": None, "total_target_s": 9.0,
+                                 "tpot_target_s": 0.2}
     d = first["decision"]
-    assert d["kind"] == "spawn" and d["reserve_bytes"] == 1200 and d["predicted"] == {"ttft_s": 1.5, "total_s": 2.5}
+    assert d["kind"] == "spawn" and d["reserve_bytes"] == 1200
+    assert d["predicted"] == {"ttft_s": 1.5, "total_s": 2.5, "tpot_s": 0.125}
     assert Candidate(**d["candidate"]) == CANDIDATE
     assert first["outcome"] == pytest.approx({
         "ok": True, "error": None, "dispatch_s": 0.25, "reserved_bytes": 1200, "load_s": 2.0, "ttft_s": 3.5,
-        "total_s": 4.25, "output_tokens": 8, "stop_reason": "max_tokens", "is_cold": True, "first_layers": 2,
-        "peak_bytes": None})
+        "total_s": 4.25, "tpot_s": 0.75 / 7, "output_tokens": 8, "stop_reason": "max_tokens", "is_cold": True,
+        "first_layers": 2, "peak_bytes": None})
     assert second["decision"] == {"kind": "reject", "reason": "no_capacity", "retry_after_s": 1.0}
     assert second["outcome"] is None
     w.close()
 
 
-def test_an_incomplete_request_is_traced_without_timings():
-    out = outcome_record(10.0, 10.5, 99, None, "incomplete")
-    assert out == {"ok": False, "error": "incomplete", "dispatch_s": 0.5, "reserved_bytes": 99}
+def test_a_joined_request_records_the_batch_it_joined_and_its_measured_step_time(tmp_path):
+    w = _writer(tmp_path)
+    outcome = outcome_record(100.0, 100.01, JOIN.reserve_bytes, _completion(is_cold=False))
+    assert w.write(trace_record("req_j", "m", 100.0, FEATURES, JOIN, outcome))
+    assert w.flush()
+    (record,) = read_traces([w.path])
+    d = record["decision"]
+    assert d["kind"] == "join" and d["keep_hot"] is True and d["slot_id"] == "s1" and d["reserve_bytes"] == 96
+    assert d["candidate"]["batch_rows"] == 3 and d["candidate"]["batch_tokens"] == 900
+    assert Candidate(**d["candidate"]) == JOIN_CANDIDATE
+    assert d["predicted"] == {"ttft_s": 0.05, "total_s": 0.4, "tpot_s": 0.05}
+    assert record["outcome"]["ok"] and record["outcome"]["load_s"] is None
+    assert record["outcome"]["tpot_s"] == pytest.approx(0.75 / 7)
+    w.close()
+
+
+@pytest.mark.parametrize("output_tokens", [0, 1])
+def test_tpot_is_none_with_fewer_than_two_output_tokens(output_tokens):
+    out = outcome_record(100.0, 100.25, 5, _completion(output_tokens=output_tokens))
+    assert out["ok"] and out["ttft_s"] == 3.5 and out["tpot_s"] is None
+    assert tpot_s(1.0, None, 5) is None and tpot_s(None, 2.0, 5) is None and tpot_s(1.0, 2.0, 3) == 0.5
+
+
+@pytest.mark.parametrize("error", ["cancelled", "failed"])
+def test_a_request_that_did_not_complete_is_traced_with_how_it_ended_and_no_timings(error):
+    out = outcome_record(10.0, 10.5, 99, None, error)
+    assert out == {"ok": False, "error": error, "dispatch_s": 0.5, "reserved_bytes": 99}
 
 
 def test_the_file_is_bounded_and_moves_to_dot_1_once_full(tmp_path):
@@ -120,9 +151,26 @@ def test_two_writers_on_one_file_never_tear_a_line(tmp_path):
 
 def test_read_traces_skips_torn_and_foreign_lines(tmp_path):
     path = tmp_path / "mixed.jsonl"
-    path.write_text('{"schema": "zq-trace/1", "i": 1}\n{"schema": "zq-tr\n[1, 2]\n{"schema": "other"}\n'
-                    '{"schema": "zq-trace/1", "i": 2}\n')
-    assert [r["i"] for r in read_traces([path])] == [1, 2]
+    path.write_text('{"schema": "zq-trace/2", "i": 1}\n{"schema": "zq-tr\n[1, 2]\n{"schema": "other"}\n'
+                    '{"schema": "zq-trace/2", "i": 2}\n')
+    skipped = Counter()
+    assert [r["i"] for r in read_traces([path], skipped)] == [1, 2]
+    assert skipped == {"torn": 1, "foreign": 2}
+
+
+def test_lines_of_the_schema_before_batching_are_skipped_counted_and_warned_about(tmp_path, caplog):
+    """A file appended to across an upgrade: its v1 lines are left out, its v2 lines still read."""
+    assert SCHEMA == "zq-trace/2"
+    path = tmp_path / "upgraded.jsonl"
+    v1 = {"schema": "zq-trace/1", "decision": {"kind": "dispatch"}, "outcome": {"ok": True, "ttft_s": 0.1}}
+    path.write_text("".join(json.dumps(v1 | {"i": i}) + "\n" for i in range(3))
+                    + json.dumps({"schema": SCHEMA, "i": 3}) + "\n")
+    skipped = Counter()
+    with caplog.at_level(logging.WARNING, logger="serve_app.traces"):
+        assert [r["i"] for r in read_traces([path], skipped)] == [3]
+    assert skipped == {"zq-trace/1": 3}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert str(path) in warning and "3 zq-trace/1 lines skipped" in warning and "zq-trace/2" in warning
 
 
 def test_traces_are_off_unless_switched_on():

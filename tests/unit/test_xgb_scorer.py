@@ -1,12 +1,15 @@
-"""The XGBoost scorer: loading and validation, fallback on damaged or foreign files, and decide() with it."""
+"""The XGBoost scorer: loading and validation, fallback on damaged, foreign or v1 files, and decide() with it."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import json
 import logging
 import math
 import pickle
+import resource
 import subprocess
 import sys
 
@@ -16,21 +19,13 @@ import xgboost as xgb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_app.policy import (
-    ActorView,
-    ClusterSnapshot,
-    Dispatch,
-    PolicyConfig,
-    Reject,
-    RequestFeatures,
-    SlotView,
-    Spawn,
-    decide,
-)
+from serve_app import xgb_scorer
+from serve_app.policy import Dispatch, Join, PolicyConfig, Reject, Spawn, decide
 from serve_app.scorer import RULE_SCORER, Candidate
+from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, RowView, SlotView
 from serve_app.xgb_scorer import (
     FEATURE_NAMES,
-    MAX_ROWS,
+    LOG_S_BOUNDS,
     ScorerCard,
     XGBScorer,
     card_path,
@@ -42,27 +37,44 @@ from tests.unit.test_policy import _check_feasible, _scenarios
 
 POLICY = PolicyConfig(short_max_input_tokens=1000, short_max_output_tokens=500, max_hot_short_actors=1,
                       actor_overhead_bytes=0)
+# The feature set before hot actors ran batches ("zq-scorer/1"), as the shipped v1 card names it.
+V1_FEATURES = ("is_cold", "slot_fragmentation", "slot_utilization", "node_num_busy", "input_tokens", "max_tokens",
+               "is_greedy", "top_k", "top_p", "weight_bytes", "kv_bytes_per_token")
+COLUMN = {name: i for i, name in enumerate(FEATURE_NAMES)}
 
 
-def _law(is_cold, utilization, max_tokens):
-    """Synthetic truth: a hot actor starts at once but decodes slowly on a busy slot; a cold one takes 2 s."""
-    ttft = np.where(is_cold == 1, 2.0, 0.1)
-    per_token = np.where(is_cold == 1, 0.01, 0.01 * (1 + 10 * utilization))
-    return ttft, ttft + max_tokens * per_token
+def _law(kind, utilization, batch_rows, kv_read_bytes, max_tokens):
+    """Synthetic truth. Hot: first token at once, but decodes slowly on a busy slot. Cold: 2 s to the first
+    token. Join: a step of the batch first; each step slower by its rows and, mostly, the KV bytes it reads."""
+    join_step = 0.01 * (1 + 0.1 * batch_rows) + kv_read_bytes * 2e-5
+    tpot = np.select([kind == 0, kind == 1], [0.01 * (1 + 10 * utilization), join_step], 0.01)
+    ttft = np.select([kind == 0, kind == 1], [0.1, 0.1 + join_step], 2.0)
+    return ttft, ttft + max_tokens * tpot, tpot
 
 
-def _train(names=FEATURE_NAMES, num_targets=2, seed=0):
+def _train(names=FEATURE_NAMES, num_targets=3, seed=0):
+    """A booster that learnt `_law` (kind 0 hot, 1 join, 2 cold), with `names` for its columns."""
     rng = np.random.default_rng(seed)
-    n = 2000
+    n = 8000
+    kind = rng.integers(0, 3, n)
+    utilization = rng.choice([0.0, 0.9], n)
+    rows = np.where(kind == 1, rng.integers(1, 8, n), 0)
+    tokens = np.where(kind == 1, rng.integers(50, 5000, n), 0)
+    kv_per_token = rng.choice([1, 4], n)
+    max_tokens = rng.integers(1, 200, n)
+    input_tokens = rng.integers(1, 1000, n)
+    kv_read_bytes = (tokens + input_tokens + max_tokens) * kv_per_token  # the step's reads, the request's row in it
+    columns = {"is_cold": kind == 2, "is_join": kind == 1, "slot_utilization": utilization, "batch_rows": rows,
+               "batch_tokens": tokens, "batch_kv_read_bytes": kv_read_bytes,
+               "input_tokens": input_tokens, "max_tokens": max_tokens,
+               "kv_bytes_per_token": kv_per_token}
     x = np.zeros((n, len(names)), dtype=np.float32)
-    x[:, 0] = rng.integers(0, 2, n)  # is_cold
-    x[:, 2] = rng.choice([0.0, 0.9], n)  # slot_utilization
-    x[:, 4] = rng.integers(1, 1000, n)  # input_tokens
-    x[:, 5] = rng.integers(1, 200, n)  # max_tokens
-    ttft, total = _law(x[:, 0], x[:, 2], x[:, 5])
-    y = np.log(np.stack([ttft, total], 1))[:, :num_targets]
-    params = {"max_depth": 4, "eta": 0.3, "tree_method": "hist", "nthread": 1}
-    return xgb.train(params, xgb.DMatrix(x, y, feature_names=list(names)), 60)
+    for name, values in columns.items():  # by position, so a renamed or shorter set still gets the law's columns
+        if COLUMN[name] < len(names):
+            x[:, COLUMN[name]] = values
+    y = np.log(np.stack(_law(kind, utilization, rows, kv_read_bytes, max_tokens), 1))[:, :num_targets]
+    params = {"max_depth": 5, "eta": 0.3, "tree_method": "hist", "nthread": 1}
+    return xgb.train(params, xgb.DMatrix(x, y, feature_names=list(names)), 200)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +91,12 @@ def scorer(model_path):
     return s
 
 
-def _features(input_tokens=100, max_tokens=100, **kw) -> RequestFeatures:
-    return RequestFeatures("m", input_tokens, max_tokens, 1000, 1, 0, **kw)
+def _features(input_tokens=100, max_tokens=100, kv_bytes_per_token=1, **kw) -> RequestFeatures:
+    return RequestFeatures("m", input_tokens, max_tokens, 1000, kv_bytes_per_token, 0, **kw)
+
+
+def _join(batch_rows=2, batch_tokens=500):
+    return Candidate("join", "c", "j", 10_000, 1, 0.0, 0.0, 1, batch_rows, batch_tokens)
 
 
 def _candidates(utilization=0.0):
@@ -92,39 +108,75 @@ def _snap(hot_utilization):
                            (ActorView("h", "m", "a", "idle", "short", True, 1000),), 1)
 
 
+def _batch_snap(row_tpot_target=None):
+    """A busy hot actor running 2 rows of 250 positions on slot a; slot b is free."""
+    rows = tuple(RowView(250, 250, row_tpot_target, 0.0) for _ in range(2))
+    return ClusterSnapshot((SlotView("a", "n", 10_000, 1500, 1), SlotView("b", "n", 10_000, 0, 0)),
+                           (ActorView("j", "m", "a", "busy", "short", True, 1500, 1000, rows),), 1)
+
+
 # ---------------------------------------------------------------- loading
 
 
 def test_a_valid_model_loads_and_predicts_the_law_it_learnt(scorer):
-    hot, cold = scorer.predict(_features(max_tokens=100), _candidates(utilization=0.0))
+    hot, join, cold = scorer.predict(_features(max_tokens=100), [_candidates()[0], _join(2, 500), _candidates()[1]])
     assert hot.ttft_s == pytest.approx(0.1, rel=0.1) and cold.ttft_s == pytest.approx(2.0, rel=0.1)
+    assert hot.tpot_s == pytest.approx(0.01, rel=0.15) and cold.tpot_s == pytest.approx(0.01, rel=0.15)
     assert hot.total_s == pytest.approx(1.1, rel=0.15) and cold.total_s == pytest.approx(3.0, rel=0.15)
-    assert scorer.card.feature_names == FEATURE_NAMES and scorer.uses_fast_path
+    step = 0.01 * 1.2 + (500 + 200) * 2e-5  # two rows, their 500 positions and the request's 200, 1 byte each
+    assert join.tpot_s == pytest.approx(step, rel=0.15) and join.ttft_s == pytest.approx(0.1 + step, rel=0.15)
+    assert join.total_s == pytest.approx(0.1 + 101 * step, rel=0.15)
+    assert scorer.card.schema == "zq-scorer/2" and scorer.card.feature_names == FEATURE_NAMES
+    assert scorer.card.targets == ("log_ttft_s", "log_total_s", "log_tpot_s")
 
 
-def test_the_fast_path_predicts_what_inplace_predict_does(model_path, scorer):
-    plain = XGBScorer.from_file(model_path, use_fast_path=False)
-    rng = np.random.default_rng(1)
-    for num_rows in [1, 2, 16, MAX_ROWS] + [int(n) for n in rng.integers(1, 20, 40)]:
-        f = _features(int(rng.integers(1, 3000)), int(rng.integers(1, 500)), temperature=0.0)
-        cands = [Candidate(str(rng.choice(["hot", "cold"])), f"s{i}", None, 1, 0, float(rng.random()),
-                           float(rng.random()), int(rng.integers(0, 8))) for i in range(num_rows)]
-        assert scorer.predict(f, cands) == plain.predict(f, cands)
-    big = [_candidates()[1]] * (MAX_ROWS + 1)  # more rows than the fast path's buffer
-    assert scorer.predict(_features(), big) == plain.predict(_features(), big)
+def test_a_join_is_predicted_slower_the_more_kv_its_batch_reads_per_step(scorer):
+    light, heavy = scorer.predict(_features(), [_join(2, 300), _join(2, 4000)])
+    assert light.tpot_s < heavy.tpot_s and light.ttft_s < heavy.ttft_s
+    # The same batch read at 4 bytes a position instead of 1: the memory-aware feature, not the token count.
+    (narrow,), (wide,) = (scorer.predict(_features(kv_bytes_per_token=k), [_join(2, 1000)]) for k in (1, 4))
+    assert wide.tpot_s > 2 * narrow.tpot_s
+
+
+def test_only_the_public_xgboost_api_is_used():
+    """No private names of XGBoost (its `_LIB`, `core._check_call`), no ctypes: nothing a release may move."""
+    tree = ast.parse(inspect.getsource(xgb_scorer))
+    private = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+               and not n.attr.startswith("__")}
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
+    assert not private - {"_booster", "_raw"} and "ctypes" not in imported
 
 
 def test_predictions_are_always_well_formed(scorer):
-    for p in scorer.predict(_features(max_tokens=1), _candidates(0.9) * 4):
-        assert math.isfinite(p.ttft_s) and 0 <= p.ttft_s <= p.total_s
+    extremes = [_features(max_tokens=1), _features(input_tokens=10**6, max_tokens=10**6, kv_bytes_per_token=10**6)]
+    for f in extremes:
+        for p in scorer.predict(f, _candidates(0.9) * 4 + [_join(0, 0), _join(10**4, 10**9)]):
+            assert all(math.isfinite(v) for v in (p.ttft_s, p.total_s, p.tpot_s))
+            assert 0 <= p.ttft_s <= p.total_s and p.tpot_s >= 0
+
+
+def test_outputs_far_outside_any_time_are_clipped_not_overflowed(tmp_path):
+    """A model whose log outputs would overflow exp(): predictions stay finite, within LOG_S_BOUNDS."""
+    x = np.zeros((50, len(FEATURE_NAMES)), dtype=np.float32)
+    y = np.tile([900.0, 800.0, -900.0], (50, 1))  # exp(900) overflows a float
+    wild = xgb.train({"max_depth": 1, "base_score": 0.0, "nthread": 1},
+                     xgb.DMatrix(x, y, feature_names=list(FEATURE_NAMES)), 20)
+    save_model(wild, tmp_path / "wild.ubj", ScorerCard(sha256=""))
+    (p,) = load_scorer(tmp_path / "wild.ubj").predict(_features(), [_candidates()[0]])
+    low, high = (math.exp(b) for b in LOG_S_BOUNDS)
+    assert p.ttft_s == pytest.approx(high) and p.total_s == pytest.approx(high) and p.tpot_s == pytest.approx(low)
 
 
 def test_feature_rows_follow_the_declared_order():
-    f = _features(input_tokens=7, max_tokens=9, temperature=0.0, top_k=40, top_p=0.9)
-    row = feature_matrix(f, [Candidate("cold", "s", None, 1, 0, 0.25, 0.5, 3)])[0]
-    assert dict(zip(FEATURE_NAMES, row.tolist(), strict=True)) == pytest.approx({
-        "is_cold": 1, "slot_fragmentation": 0.25, "slot_utilization": 0.5, "node_num_busy": 3, "input_tokens": 7,
-        "max_tokens": 9, "is_greedy": 1, "top_k": 40, "top_p": 0.9, "weight_bytes": 1000, "kv_bytes_per_token": 1})
+    f = _features(input_tokens=7, max_tokens=9, kv_bytes_per_token=3, temperature=0.0, top_k=40, top_p=0.9)
+    cold, join = feature_matrix(f, [Candidate("cold", "s", None, 1, 0, 0.25, 0.5, 3),
+                                    Candidate("join", "s", "a", 1, 1, 0.25, 0.5, 3, 4, 600)])
+    common = {"input_tokens": 7, "max_tokens": 9, "is_greedy": 1, "top_k": 40, "top_p": 0.9, "weight_bytes": 1000,
+              "kv_bytes_per_token": 3, "slot_fragmentation": 0.25, "slot_utilization": 0.5, "node_num_busy": 3}
+    assert dict(zip(FEATURE_NAMES, cold.tolist(), strict=True)) == pytest.approx(common | {
+        "is_cold": 1, "is_join": 0, "batch_rows": 0, "batch_tokens": 0, "batch_kv_read_bytes": (7 + 9) * 3})
+    assert dict(zip(FEATURE_NAMES, join.tolist(), strict=True)) == pytest.approx(common | {
+        "is_cold": 0, "is_join": 1, "batch_rows": 4, "batch_tokens": 600, "batch_kv_read_bytes": (600 + 16) * 3})
     assert feature_matrix(f, []).shape == (0, len(FEATURE_NAMES))
 
 
@@ -173,7 +225,12 @@ def test_truncated_files_would_abort_the_process_in_xgboost_itself(model_path, t
             "for cut in map(int, sys.argv[2:]):\n"
             "    try:\n        xgb.Booster().load_model(bytearray(raw[:cut]))\n"
             "    except xgb.core.XGBoostError:\n        pass\n")
-    out = subprocess.run([sys.executable, "-c", code, str(model_path), *map(str, cuts)], capture_output=True)
+    # Some truncations make XGBoost allocate without bound (unlimited, the kernel's OOM killer ends it after
+    # minutes, and perhaps others with it): 1.5 GiB of address space makes it a std::bad_alloc within seconds,
+    # which XGBoost turns into an error in some places and into `terminate` in others.
+    limit = 3 << 29
+    out = subprocess.run([sys.executable, "-c", code, str(model_path), *map(str, cuts)], capture_output=True,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)), timeout=120)
     if out.returncode == 0:
         pytest.skip("this XGBoost rejects every truncation cleanly")
     path = _copy(model_path, tmp_path)
@@ -197,8 +254,24 @@ def test_a_model_with_other_features_falls_back(tmp_path, caplog):
     _expect_rule(_save_with_card(_train(fewer), tmp_path / "fewer.ubj"), caplog, "model features")
 
 
-def test_a_model_with_one_target_falls_back(tmp_path, caplog):
-    _expect_rule(_save_with_card(_train(num_targets=1), tmp_path / "one.ubj"), caplog, "predicts shape")
+@pytest.mark.parametrize("num_targets", [1, 2])
+def test_a_model_with_fewer_targets_falls_back(tmp_path, caplog, num_targets):
+    _expect_rule(_save_with_card(_train(num_targets=num_targets), tmp_path / "few.ubj"), caplog, "predicts shape")
+
+
+def test_a_v1_model_from_before_batching_is_refused_with_a_warning(tmp_path, caplog):
+    """The shape of the shipped configs/scorer.ubj + .json: two targets, no batch features, schema 1."""
+    path = tmp_path / "scorer.ubj"
+    raw = bytes(_train(V1_FEATURES, num_targets=2).save_raw(raw_format="ubj"))
+    path.write_bytes(raw)
+    card_path(path).write_text(json.dumps({
+        "sha256": hashlib.sha256(raw).hexdigest(), "schema": "zq-scorer/1", "feature_names": list(V1_FEATURES),
+        "targets": ["log_ttft_s", "log_total_s"], "xgboost_version": xgb.__version__}))
+    _expect_rule(path, caplog, "scorer card schema 'zq-scorer/1', expected 'zq-scorer/2'")
+    assert "retrain" in caplog.records[-1].getMessage()
+    # Its card relabelled as v2: the booster's own features still give it away.
+    card_path(path).write_text(ScorerCard(hashlib.sha256(raw).hexdigest()).to_json())
+    _expect_rule(path, caplog, "model features")
 
 
 def test_a_card_for_another_schema_falls_back(model_path, tmp_path, caplog):
@@ -214,8 +287,8 @@ def test_the_scorer_crosses_processes_as_its_bytes_and_is_checked_again(scorer):
     clone = pickle.loads(pickle.dumps(scorer))
     assert isinstance(clone, XGBScorer)
     assert clone.predict(_features(), _candidates()) == scorer.predict(_features(), _candidates())
-    func, (raw, card_json, fast) = scorer.__reduce__()
-    assert func(raw[:-10], card_json, fast) is RULE_SCORER  # damaged on the way: the rule, not a crash
+    func, (raw, card_json) = scorer.__reduce__()
+    assert func(raw[:-10], card_json) is RULE_SCORER  # damaged on the way: the rule, not a crash
 
 
 def test_only_ubj_files_are_written(tmp_path):
@@ -245,13 +318,30 @@ def test_refuses_at_once_when_every_candidate_would_miss_the_target(scorer):
     assert d.retry_after_s == POLICY.retry_after_s
 
 
+def test_joins_a_busy_batch_when_the_prediction_says_so(scorer):
+    d = decide(_features(), _batch_snap(), POLICY, scorer)
+    assert isinstance(d, Join) and d.actor_name == "j" and d.candidate.batch_rows == 2
+    assert d.candidate.batch_tokens == 500 and d.prediction.ttft_s < 0.5 and d.prediction.tpot_s < 0.1
+
+
+def test_spawns_rather_than_slow_a_running_row_past_its_tpot_target(scorer):
+    # Joining would make every step ~0.02 s; the running rows allow 0.015 s.
+    d = decide(_features(), _batch_snap(row_tpot_target=0.015), POLICY, scorer)
+    assert isinstance(d, Spawn) and d.slot_id == "b"
+    # The request's own TPOT target: the join's predicted step is too slow for it, a fresh actor is not.
+    d = decide(_features(tpot_target_s=0.015), _batch_snap(), POLICY, scorer)
+    assert isinstance(d, Spawn) and d.prediction.tpot_s <= 0.015
+
+
 @settings(max_examples=200, deadline=None)
-@given(_scenarios(), st.floats(0.001, 5.0) | st.none(), st.floats(0.001, 20.0) | st.none())
-def test_never_an_infeasible_candidate_whatever_the_model_says(scorer, scenario, ttft_target, total_target):
+@given(_scenarios(), st.floats(0.001, 5.0) | st.none(), st.floats(0.001, 20.0) | st.none(),
+       st.floats(0.001, 0.5) | st.none())
+def test_never_an_infeasible_candidate_whatever_the_model_says(scorer, scenario, ttft_target, total_target,
+                                                                tpot_target):
     features, snap, policy = scenario
     features = RequestFeatures(features.model, features.input_tokens, features.max_tokens, features.weight_bytes,
                                features.kv_bytes_per_token, features.workspace_bytes,
-                               ttft_target_s=ttft_target, total_target_s=total_target)
+                               ttft_target_s=ttft_target, total_target_s=total_target, tpot_target_s=tpot_target)
     d = decide(features, snap, policy, scorer)
     if isinstance(d, Reject) and d.reason == "latency_target":
         return  # refused for its targets: nothing placed (the feasible set is checked below otherwise)
@@ -272,5 +362,5 @@ def test_candidates_carry_the_load_of_their_node():
             return RULE_SCORER.predict(features, candidates)
 
     decide(_features(), snap, POLICY, Spy())
-    # The idle actor does not load its node; the busy one loads n0's free slot.
-    assert seen == [("n1/s2", 0), ("n0/s1", 1), ("n1/s3", 0)]
+    # The idle actor does not load its node; the busy one loads its own slot (a join) and n0's free one.
+    assert seen == [("n1/s2", 0), ("n0/s0", 1), ("n0/s1", 1), ("n1/s3", 0)]
