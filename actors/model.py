@@ -29,6 +29,7 @@ the positions and cast to the model dtype, logits returned as fp32.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -80,18 +81,40 @@ class RowInput:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for a single bf16 row on the CPU (decode at batch 1).
+    """F.linear, except for a single bf16 row on the CPU (decode at batch 1) where gemv is faster.
 
-    There torch's GEMM path reads the weight at about 2/3 of the speed of its gemv
-    kernel, and decoding is bound by reading weights, so `mv` decodes ~1.4x faster
-    with the same fp32 accumulation. fp32 and fp16 are fastest through F.linear.
+    Which kernel streams a bf16 weight fastest for one row depends on the CPU: where
+    oneDNN has no native bf16 GEMM, torch's gemv (`mv`) decodes ~1.4x faster than
+    F.linear (benchmarks/results/runtime.md); on CPUs with AVX512-BF16 the GEMM is ~1.5x
+    faster than gemv (benchmarks/results/batch.md). `_is_gemv_faster` times both once per
+    process on the first such weight and keeps the answer. Both accumulate in fp32.
     """
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1] and _is_gemv_faster(weight):
         y = torch.mv(weight, x.reshape(-1))
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], -1)
     return F.linear(x, weight, bias)
+
+
+_gemv_choice: list[bool] = []  # decided once per process
+
+
+def _is_gemv_faster(weight: torch.Tensor) -> bool:
+    if not _gemv_choice:
+        x = torch.zeros(weight.shape[1], dtype=weight.dtype)
+        rows = x.view(1, -1)
+
+        def best_of(run) -> float:
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        _gemv_choice.append(best_of(lambda: torch.mv(weight, x)) < best_of(lambda: F.linear(rows, weight)))
+    return _gemv_choice[0]
 
 
 class Linear(nn.Linear):
@@ -157,6 +180,13 @@ class Attention(nn.Module):
             k_all, v_all = seg.caches[layer].update(seg.input_pos, k, v)
             # k, v: [B, H_kv, T, D], the cached positions this chunk may attend to.
             k, v = k_all[:, :, seg.span.start : seg.span.end], v_all[:, :, seg.span.start : seg.span.end]
+        if self.is_gqa and q.shape[2] == 1 and seg.span.mask is None:
+            # One query sees every key of its span: each KV head's G query heads become G
+            # queries of one head ([B, H, 1, D] -> [B, H_kv, G, D]), the same attention with no
+            # K/V expansion. CPU SDPA with enable_gqa is ~8x slower in bf16 (batch.md).
+            bsz, _, _, d = q.shape
+            grouped = q.view(bsz, self.num_kv_heads, self.num_heads // self.num_kv_heads, d)
+            return F.scaled_dot_product_attention(grouped, k, v).view(bsz, self.num_heads, 1, d)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=seg.span.mask, is_causal=seg.span.is_causal, enable_gqa=self.is_gqa
         )

@@ -103,7 +103,7 @@ class Relay:
     async def sse(self, admitted: Admitted) -> AsyncIterator[bytes]:
         """The Messages API's SSE events; a failure after the start is an `error` event."""
         out = sse.SseStream(api.new_message_id(), admitted.model_id, admitted.input_tokens)
-        outcome: Outcome = "cancelled"  # the client left before the end, unless found otherwise
+        outcome: Outcome | None = None  # None until known; the client left before the end, unless found otherwise
         pending = None
         try:
             yield out.start()
@@ -122,17 +122,22 @@ class Relay:
                 elif isinstance(item, Completion):
                     outcome = "complete"
                     self.on_completion(admitted, item)
+                    # Released before the last event leaves: a client that sends its next request the
+                    # moment it reads message_stop finds this row free.
+                    self.on_end(admitted, outcome)
                     yield out.finish(item.stop_reason, item.stop_sequence, item.output_tokens)
                     return
         except (asyncio.CancelledError, GeneratorExit):
             raise  # the client went away
         except BaseException as e:
             outcome = outcome_of(e)
+            self.on_end(admitted, outcome)
             yield out.error(as_api_error(e, admitted.actor_name), admitted.request_id)
         finally:
             if pending is not None:
                 pending.cancel()
-            self.on_end(admitted, outcome)
+            if outcome is None:
+                self.on_end(admitted, "cancelled")
 
     async def _next(self, admitted: Admitted, timeout: float):
         ref = await asyncio.wait_for(admitted.stream.__anext__(), timeout)

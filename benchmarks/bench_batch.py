@@ -1,0 +1,214 @@
+"""Batched decoding against one request at a time, side by side in one run: what a hot actor's batch buys.
+
+    .venv/bin/python -m benchmarks.bench_batch            # ~3 min; writes benchmarks/results/batch.md
+    .venv/bin/python -m benchmarks.bench_batch --quick    # seconds; writes .cache/bench/batch/batch.md
+
+The demo model (`small`: ~100M parameters, bf16, the serving default), the actors' engine
+(`actors/engine.py`) on one torch thread, as an actor runs it. For each batch size B and
+context length, B rows are added, stepped until every row decodes, then `--steps` decode
+steps are timed; the sizes are visited in rotation, `--repeats` times, so a noisy
+neighbour slows every size alike, and each figure is the median over repeats.
+
+- decode tokens/s = B / step time; per-row TPOT = the step time; both as ratios to B = 1
+  at the same context (the issue's goals: tokens/s at 8 >= 4x batch 1, TPOT <= 1.5x).
+- the rule scorer's batching constants (serve_app/scorer.py), fitted: `batch_row_cost`, a
+  step's growth per extra row as a share of a one-row step, at the shortest context
+  (where KV reads are negligible); `kv_read_bytes_per_s`, the extra KV bytes the longest
+  context's steps read over the shortest's, per extra second they took.
+- A joiner's stall: the longest step the running rows see while a long prompt joins
+  them, with the prompt chunked (`prefill_chunk_tokens`) and whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actors.cli import demo_model
+from actors.engine import Engine
+from actors.layer_loader import load_zqs
+from actors.sampling import SamplingParams
+from benchmarks.machine_load import was_busy
+
+log = logging.getLogger("bench_batch")
+
+
+@dataclass(frozen=True)
+class Plan:
+    batch_sizes: tuple[int, ...]
+    contexts: tuple[int, ...]  # prompt tokens per row
+    steps: int
+    repeats: int
+    join_prompt: int  # the joining prompt of the stall measurement
+    chunk: int  # prefill_chunk_tokens
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 30000, (n,), generator=g).tolist()
+
+
+def _null(event) -> None:
+    if isinstance(event, BaseException):
+        raise event
+
+
+def step_time(engine: Engine, batch: int, context: int, steps: int) -> float:
+    """Median seconds of one decode step with `batch` rows of `context` prompt tokens each."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
+    rows = [engine.add(_prompt(context, i), params, _null) for i in range(batch)]
+    while any(r.num_prefilled < len(r.prompt) for r in rows) or any(r.num_out == 0 for r in rows):
+        engine.step()
+    engine.step()  # one decode step untimed: first-touch of this size's buffers
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for r in rows:
+        engine.cancel(r)
+    engine.step()
+    assert not engine.has_work
+    return statistics.median(times)
+
+
+def join_stall(engine: Engine, prompt: int, running: int, steps_before: int = 3) -> float:
+    """The longest step `running` decoding rows see while a `prompt`-token request joins them."""
+    params = SamplingParams(max_tokens=2000, temperature=0.0)
+    rows = [engine.add(_prompt(64, i), params, _null) for i in range(running)]
+    for _ in range(steps_before + 2):
+        engine.step()
+    joiner = engine.add(_prompt(prompt, 99), SamplingParams(max_tokens=4, temperature=0.0), _null)
+    longest = 0.0
+    while joiner.num_out == 0:
+        t0 = time.perf_counter()
+        engine.step()
+        longest = max(longest, time.perf_counter() - t0)
+    for r in [*rows, joiner]:
+        engine.cancel(r)
+    while engine.has_work:
+        engine.step()
+    return longest
+
+
+def measure(plan: Plan, zqs: Path) -> dict:
+    torch.set_num_threads(1)  # the actors' compute_threads
+    model, tokenizer = load_zqs(zqs)
+    out: dict = {"steps": {}, "stall": {}, "kv_bytes_per_token": model.config.kv_bytes_per_token(model.config.dtype)}
+    engines = {chunk: Engine(model, tokenizer, max_batch=max(plan.batch_sizes), prefill_chunk_tokens=chunk)
+               for chunk in (plan.chunk, 1_000_000)}
+    engine = engines[plan.chunk]
+    step_time(engine, 1, 32, 4)  # warm-up
+    for repeat in range(plan.repeats):
+        for context in plan.contexts:
+            for batch in plan.batch_sizes:
+                t = step_time(engine, batch, context, plan.steps)
+                out["steps"].setdefault(f"{context}/{batch}", []).append(t)
+                log.info("repeat %d: context %d, batch %d: %.1f ms a step", repeat, context, batch, t * 1e3)
+        for chunk, e in engines.items():
+            stall = join_stall(e, plan.join_prompt, running=max(plan.batch_sizes) - 1)
+            out["stall"].setdefault(str(chunk), []).append(stall)
+            log.info("repeat %d: a %d-token joiner, chunk %d: longest step %.0f ms", repeat, plan.join_prompt,
+                     chunk, stall * 1e3)
+    return out
+
+
+def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[float, float]) -> str:
+    med = {k: statistics.median(v) for k, v in data["steps"].items()}
+    lines = [
+        "# Batched decoding: tokens/s and TPOT against batch 1",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python "
+        f"{platform.python_version()}, torch {torch.__version__}; 1 torch thread (the actors' setting). "
+        f"Load average {load[0]:.2f} at the start{' (busy: other work shared the machine)' if was_busy(load[0]) else ''}"
+        f", {load[1]:.2f} at the end; {elapsed_s / 60:.1f} min.",
+        "",
+        "Model: the demo's `small` preset (100M parameters, 12 layers, hidden 768, 12 heads / 4 KV heads, vocab "
+        "32000, tied embeddings), bf16, through the actors' engine (`actors/engine.py`). Each row is the median "
+        f"of {plan.repeats} repeats of the median of {plan.steps} timed decode steps; the batch sizes are "
+        "visited in rotation, so a slowed-down machine slows all of them alike.",
+        "",
+        "| context (tokens per row) | batch | step (ms) = per-row TPOT | TPOT / batch 1 | decode tokens/s | tokens/s / batch 1 |",
+        "|--:|--:|--:|--:|--:|--:|",
+    ]
+    for context in plan.contexts:
+        one = med[f"{context}/1"]
+        for batch in plan.batch_sizes:
+            t = med[f"{context}/{batch}"]
+            lines.append(f"| {context} | {batch} | {t * 1e3:.1f} | {t / one:.2f} | {batch / t:.1f} | "
+                         f"{batch / t / (1 / one):.2f} |")
+    short, long = min(plan.contexts), max(plan.contexts)
+    row_cost = statistics.median((med[f"{short}/{b}"] / med[f"{short}/1"] - 1) / (b - 1)
+                                 for b in plan.batch_sizes if b > 1)
+    kv_rates = [b * (long - short) * data["kv_bytes_per_token"] / (med[f"{long}/{b}"] - med[f"{short}/{b}"])
+                for b in plan.batch_sizes if med[f"{long}/{b}"] > med[f"{short}/{b}"]]
+    top = max(plan.batch_sizes)
+    goals = []
+    for context in plan.contexts:
+        one, full = med[f"{context}/1"], med[f"{context}/{top}"]
+        speedup, tpot = top * one / full, full / one
+        goals.append(f"- context {context}: tokens/s at batch {top} = **{speedup:.2f}x** batch 1 "
+                     f"(goal >= 4: {'met' if speedup >= 4 else 'missed'}); per-row TPOT **{tpot:.2f}x** "
+                     f"(goal <= 1.5: {'met' if tpot <= 1.5 else 'missed'}).")
+    stall = {k: statistics.median(v) for k, v in data["stall"].items()}
+    whole = stall[str(1_000_000)]
+    lines += [
+        "",
+        "## Goals",
+        "",
+        *goals,
+        "",
+        "Fitted for the rule scorer (serve_app/scorer.py) and the simulator: a step grows by "
+        f"**{row_cost:.3f}** of a one-row step per extra row at context {short} (`batch_row_cost`, the median "
+        "over batch sizes), and the longer context's extra KV reads cost "
+        + (f"**{statistics.median(kv_rates) / 1e9:.1f} GB/s** (`kv_read_bytes_per_s`; attention's compute on them "
+           "included)." if kv_rates else "nothing measurable."),
+        "",
+        "## A long prompt joining a running batch",
+        "",
+        f"{top - 1} rows decode (64-token prompts) when a {plan.join_prompt}-token prompt joins; the longest "
+        "step they see until the joiner's first token:",
+        "",
+        f"- prompt chunked at {plan.chunk} tokens a step: **{stall[str(plan.chunk)] * 1e3:.0f} ms**",
+        f"- prompt whole in one step: **{whole * 1e3:.0f} ms**",
+        "",
+        "Chunking bounds what a joiner costs the running rows to one step of the chunk's size; the whole "
+        "prompt in one step stalls every running row for all of it.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two sizes, one repeat: a harness check")
+    parser.add_argument("--out", help="default benchmarks/results/batch.md (.cache/bench/batch/batch.md with --quick)")
+    args = parser.parse_args(argv)
+    command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_batch", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    plan = (Plan((1, 8), (128,), 8, 1, 600, 256) if args.quick
+            else Plan((1, 2, 4, 8), (128, 1024), 24, 3, 600, 256))
+    out = Path(args.out or (".cache/bench/batch/batch.md" if args.quick else "benchmarks/results/batch.md"))
+    started, load0 = time.time(), os.getloadavg()[0]
+    data = measure(plan, demo_model(".cache/demo", "small"))
+    text = report(plan, data, command, time.time() - started, (load0, os.getloadavg()[0]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
