@@ -35,6 +35,8 @@ GPU_OVERRIDES: dict[tuple[str | int, ...], Any] = {
     ("args", "models", 0, "demo_dir"): "/models/demo",
     # The shipped scorer learned CPU-slot latencies; on GPUs the rule decides until GPU traces train one.
     ("args", "scorer_path"): None,
+    # ... and the rule's constants were measured on a CPU: on GPUs it keeps its defaults.
+    ("args", "rule_scorer"): {},
 }
 
 
