@@ -261,6 +261,8 @@ class Ingress:
             if decision.http_status == 400:
                 raise errors.invalid_request(decision.message)
             raise errors.overloaded(decision.message, decision.retry_after_s or self.config.policy.retry_after_s)
+        rows = decision.candidate.batch_rows + 1 if decision.candidate is not None else 1
+        self.metrics.batch_rows.observe(rows, tags={"model": model.id})
         actor_request = ActorRequest(request_id, tuple(prompt), sampling, keep_hot=decision.keep_hot)
         if isinstance(decision, Spawn):
             try:

@@ -1,0 +1,56 @@
+"""The batched engine on CUDA: each row's greedy tokens in a batch equal its tokens alone, fp32 and bf16 alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+from actors.checkpoint import load_hf_checkpoint  # noqa: E402
+from actors.engine import Engine, TokenEvent  # noqa: E402
+from actors.sampling import SamplingParams  # noqa: E402
+from actors.tokenizer import Tokenizer  # noqa: E402
+from weights_tool.synth import synthesize  # noqa: E402
+
+PROMPTS = ["Hi", "Tell me about queues, please, in some detail.", "Why do tails matter to users of a service?"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synthesize("tiny-qwen3", tmp_path_factory.mktemp("tiny-qwen3"), dtype="float32", seed=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_joining_at_different_steps_match_their_runs_alone(checkpoint: Path, dtype: torch.dtype) -> None:
+    model, config = load_hf_checkpoint(checkpoint, dtype=dtype, device="cuda")
+    torch.manual_seed(0)
+    model.init_weights(std=0.15)  # logits far from ties, so the comparison is exact, not lucky
+    engine = Engine(model, Tokenizer.from_dir(checkpoint, eos_token_ids=config.eos_token_ids), max_batch=4,
+                    prefill_chunk_tokens=4)
+    engine.eos_token_ids = frozenset()
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (32, 40, 36)]
+    alone = [[e.token_id for e in engine.generate(p, s) if isinstance(e, TokenEvent)]
+             for p, s in zip(prompts, params, strict=True)]
+    got: list[list[int]] = [[], [], []]
+
+    def sink(i):
+        return lambda e: got[i].append(e.token_id) if isinstance(e, TokenEvent) else None
+
+    engine.add(prompts[0], params[0], sink(0))
+    for step in range(1000):
+        if step == 2:
+            engine.add(prompts[1], params[1], sink(1))
+        if step == 7:
+            engine.add(prompts[2], params[2], sink(2))
+        if step > 7 and not engine.has_work:
+            break
+        engine.step()
+    assert got == alone
+    assert engine.kv_bytes() == 0
