@@ -1,4 +1,4 @@
-"""The batched engine on CUDA: each row's greedy tokens in a batch equal its tokens alone, fp32 and bf16 alike."""
+"""The batched engine on CUDA: each row's greedy tokens in a batch equal its tokens alone (fp32)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synthesize("tiny-qwen3", tmp_path_factory.mktemp("tiny-qwen3"), dtype="float32", seed=4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_joining_at_different_steps_match_their_runs_alone(checkpoint: Path, dtype: torch.dtype) -> None:
-    model, config = load_hf_checkpoint(checkpoint, dtype=dtype, device="cuda")
+def test_rows_joining_at_different_steps_match_their_runs_alone(checkpoint: Path) -> None:
+    model, config = load_hf_checkpoint(checkpoint, dtype=torch.float32, device="cuda")
     torch.manual_seed(0)
     model.init_weights(std=0.15)  # logits far from ties, so the comparison is exact, not lucky
     engine = Engine(model, Tokenizer.from_dir(checkpoint, eos_token_ids=config.eos_token_ids), max_batch=4,
