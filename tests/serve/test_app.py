@@ -271,6 +271,23 @@ def test_actor_killed_mid_stream_ends_the_stream_with_an_error_event(zq, ray_clu
     assert "message_stop" not in events
 
 
+def test_back_to_back_requests_from_one_client_all_complete(zq):
+    """The next request follows the moment the last one's final byte arrives: the row it held is free."""
+    _wait_free_slot(zq)
+    statuses = []
+    with httpx.Client(headers={"x-api-key": KEY}, timeout=60) as client:
+        for i in range(100):
+            body = _body(max_tokens=2, stream=bool(i % 2))
+            if body["stream"]:
+                with client.stream("POST", f"{zq}/v1/messages", json=body) as s:
+                    events = [line for line in s.iter_lines() if line.startswith("event: ")]
+                    statuses.append((s.status_code, events[-1] if events else None))
+            else:
+                r = client.post(f"{zq}/v1/messages", json=body)
+                statuses.append((r.status_code, "event: message_stop" if r.status_code == 200 else r.text))
+    assert statuses == [(200, "event: message_stop")] * 100, [s for s in statuses if s[0] != 200][:3]
+
+
 def test_client_disconnect_frees_its_row_and_reservation_and_a_hot_actor_stays(zq, ray_cluster):
     ray = ray_cluster
     _wait_free_slot(zq)
