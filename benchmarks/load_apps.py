@@ -1,7 +1,18 @@
-"""The two apps under load: deploy each on the benchmark's Serve instance, warm it, settle it, remove it.
+"""The three systems under load: deploy each on the benchmark's Serve instance, warm it, settle it, remove it.
 
-Both are built from the same builder arguments (zeroqueue's `configs/serve.yaml` args),
-so they serve the same model on the same slots; each runs alone while it is measured.
+All are built from the same builder arguments (zeroqueue's args in `benchmarks/load.yaml`),
+so they serve the same model on the same slots with the same batched engine; each runs
+alone while it is measured.
+
+- `zeroqueue`: serve_app's ingress, no queue (503 at once).
+- `queue-unbounded`: benchmarks/baseline, Serve's default unbounded queue in front of one
+  replica per slot taking `max_batch` requests at once.
+- `queue-bounded`: the same, with Serve's `max_queued_requests` = slots x max_batch: one
+  more full batch per replica may wait, beyond which Serve itself answers 503. A careful
+  operator picks about that: the last request in a full queue waits for about one batch's
+  service time (a full batch turns over once in c / X seconds, X the saturation throughput,
+  ~1-2 s on this machine), within a 2 s TTFT SLO, while a longer queue only adds requests
+  that will miss it.
 """
 
 from __future__ import annotations
@@ -18,8 +29,12 @@ log = logging.getLogger(__name__)
 
 # zeroqueue's registry and request actors live here, away from any other cluster user's.
 NAMESPACE = "zeroqueue-bench-load"
-ZEROQUEUE, BASELINE = "zeroqueue", "baseline"
-APPS = (ZEROQUEUE, BASELINE)
+ZEROQUEUE, UNBOUNDED, BOUNDED = "zeroqueue", "queue-unbounded", "queue-bounded"
+# The order they run in: the unbounded baseline first, since its measured capacity sets
+# every offered load.
+RUN_ORDER = (UNBOUNDED, ZEROQUEUE, BOUNDED)
+# The order reports list them in.
+SYSTEMS = (ZEROQUEUE, UNBOUNDED, BOUNDED)
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,18 @@ class Probe:
                 "messages": [{"role": "user", "content": self.prompts[cls]}]}
 
 
+def bounded_queue(args: dict[str, Any]) -> int:
+    """The bounded baseline's `max_queued_requests`: slots x max_batch (one more full batch per replica)."""
+    return places(args)
+
+
+def places(args: dict[str, Any]) -> int:
+    """c: requests the slots run at once, slots x max_batch (CPU slots: this benchmark runs on CPUs)."""
+    from serve_app.policy import PolicyConfig
+
+    return int(args.get("slots", {}).get("num_cpu_slots", 2)) * PolicyConfig(**args.get("policy", {})).max_batch
+
+
 def deploy(app: str, args: dict[str, Any]) -> None:
     """Build and run `app` at route `/`; returns once its replicas are up."""
     from ray import serve
@@ -44,9 +71,11 @@ def deploy(app: str, args: dict[str, Any]) -> None:
 
         built = build_app({**args, "namespace": NAMESPACE})
     else:
+        from benchmarks.baseline.app import UNBOUNDED as SERVE_UNBOUNDED
         from benchmarks.baseline.app import build_app
 
-        built = build_app(args)
+        bound = SERVE_UNBOUNDED if app == UNBOUNDED else bounded_queue(args)
+        built = build_app({**args, "baseline": {"max_queued_requests": bound}})
     t0 = time.monotonic()
     serve.run(built, name=app, route_prefix="/")
     log.info("%s deployed in %.1f s", app, time.monotonic() - t0)
@@ -72,8 +101,8 @@ def kill_namespace_actors() -> None:
 
 
 def warm_up(base: str, probe: Probe, slots: int) -> None:
-    """`slots` short requests at once: every baseline replica has run the model once, and
-    zeroqueue holds its hot actor, as each app stands between requests in steady use."""
+    """`slots` short requests at once: the app answers and has run the model; the closed-loop
+    capacity measurement that follows warms every row (and spawns zeroqueue's hot actors)."""
     with ThreadPoolExecutor(slots) as pool:
         statuses = list(pool.map(_post, [base] * slots, [probe.body("short")] * slots))
     log.info("warm-up: %s", statuses)
@@ -82,16 +111,16 @@ def warm_up(base: str, probe: Probe, slots: int) -> None:
 def settle(app: str, base: str, probe: Probe, fast_s: float, slots: int, deadline_s: float = 90.0) -> float:
     """Wait until the app is idle again after a scenario (nothing of it carries into the next); returns the wait.
 
-    zeroqueue says so itself (/health: no actor starting or busy). The baseline cannot,
-    so `slots` short requests at once must all come back within `fast_s`: none of them
-    waited behind leftover work on any replica.
+    zeroqueue says so itself (/health: no request running on any row, no actor starting).
+    The baselines cannot, so `slots` short requests at once must all come back within
+    `fast_s`: none of them waited behind leftover work on any replica.
     """
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
         if app == ZEROQUEUE:
             try:
-                actors = httpx.get(f"{base}/health", timeout=5).json()["actors"]
-                idle = actors.get("busy", 0) == 0 and actors.get("starting", 0) == 0
+                health = httpx.get(f"{base}/health", timeout=5).json()
+                idle = health["rows"] == 0 and health["actors"].get("starting", 0) == 0
             except (httpx.HTTPError, ValueError, KeyError):
                 idle = False
         else:

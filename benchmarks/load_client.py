@@ -1,17 +1,25 @@
-"""The load client: replays one open-loop arrival schedule against one app, with locust, and records every request.
+"""The load client: replays one open-loop arrival schedule, or runs one closed loop, against one app; records every request.
 
 Run by `bench_load` in a process of its own (locust's gevent monkey-patching must not
 reach the Ray driver), on loopback or, for the lossy scenario, inside a network namespace:
 
     python -m benchmarks.load_client --host http://127.0.0.1:8790 --schedule S.json --records R.jsonl
 
-Locust is used as a library: one `User` (a bounded population of one) replays the
-schedule, starting each request in its own greenlet at its arrival time — open loop, so
-a slow answer never delays the next arrival. The run is bounded in time (locust's run
-time: the schedule plus one request deadline), in request count (the schedule) and in
-concurrency (`--max-in-flight`; an arrival beyond it is recorded as `client_overflow` and
-not sent). Every request streams (SSE) so that the time to first token is measured at the
-first `content_block_delta`. One JSON line per request goes to the records file as it ends.
+Locust is used as a library, with one `User` (a bounded population of one) driving
+greenlets. Two modes, chosen by the schedule file:
+
+- open loop (`arrivals`): each request starts in its own greenlet at its arrival time, so
+  a slow answer never delays the next arrival. Bounded in concurrency (`--max-in-flight`;
+  an arrival beyond it is recorded as `client_overflow` and not sent).
+- closed loop (`closed_loop`: clients, duration, mix, seed): that many clients, each
+  sending its next request as soon as its last one ended, for the duration; the class of
+  each is drawn from the mix. A 503 is retried (the same request) after its
+  `retry-after-ms`, capped at `max_retry_wait_s` so the loop stays closed: this measures
+  the most a system completes with every place busy (bench_load's capacity).
+
+Both are bounded in time (the schedule plus one request deadline). Every request streams
+(SSE) so that the time to first token is measured at the first `content_block_delta`. One
+JSON line per request (each retry is a request) goes to the records file as it ends.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -49,7 +58,7 @@ class ClientConfig:
 CONFIG: ClientConfig | None = None  # set by main() before the runner starts
 
 
-class OpenLoopClient(User):
+class LoadClient(User):
     fixed_count = 1
 
     def on_start(self) -> None:
@@ -65,7 +74,16 @@ class OpenLoopClient(User):
         self.out.close()
 
     @task
-    def replay(self) -> None:
+    def drive(self) -> None:
+        if "closed_loop" in self.config.schedule:
+            self._closed_loop()
+        else:
+            self._open_loop()
+        # Quit from another greenlet: the runner's quit kills this one.
+        gevent.spawn(self.environment.runner.quit)
+        raise StopUser()
+
+    def _open_loop(self) -> None:
         cfg, sched = self.config, self.config.schedule
         group = Group()
         t0 = time.time() + 0.2
@@ -79,18 +97,44 @@ class OpenLoopClient(User):
             group.spawn(self._one, a, t0)
         group.join(timeout=cfg.timeout_s + 5)  # every request has met its deadline by then
         group.kill()
-        # Quit from another greenlet: the runner's quit kills this one.
-        gevent.spawn(self.environment.runner.quit)
-        raise StopUser()
 
     def _one(self, a: dict, t0: float) -> None:
+        self._send(a["i"], a["cls"], a["seed"], a["t"], t0)
+
+    def _closed_loop(self) -> None:
+        loop = self.config.schedule["closed_loop"]
+        names = [c for c, _ in loop["mix"]]
+        weights = [w for _, w in loop["mix"]]
+        t0 = time.time()
+        end = t0 + loop["duration_s"]
+        counter = iter(range(10**9))
+
+        def client(k: int) -> None:
+            rng = random.Random(f"{loop['seed']}/{k}")
+            while time.time() < end:
+                cls, seed = rng.choices(names, weights)[0], rng.getrandbits(63)
+                while time.time() < end:  # the same request until it is admitted
+                    record, retry_after_s = self._send(next(counter), cls, seed, time.time() - t0, t0)
+                    if not record.rejected:
+                        break
+                    wait = loop["max_retry_wait_s"] if retry_after_s is None else retry_after_s
+                    gevent.sleep(min(wait, loop["max_retry_wait_s"]))
+
+        group = Group()
+        for k in range(loop["clients"]):
+            group.spawn(client, k)
+        group.join(timeout=loop["duration_s"] + self.config.timeout_s + 5)
+        group.kill()
+
+    def _send(self, index: int, cls: str, seed: int, t_sched: float, t0: float) -> tuple[Record, float | None]:
+        """One request, streamed to its end; its record is written. Returns it and a 503's retry-after (s)."""
         cfg, sched = self.config, self.config.schedule
-        body = {"model": sched["model"], "max_tokens": sched["max_tokens"][a["cls"]], "stream": True,
-                "seed": a["seed"], "messages": [{"role": "user", "content": sched["prompts"][a["cls"]]}]}
+        body = {"model": sched["model"], "max_tokens": sched["max_tokens"][cls], "stream": True,
+                "seed": seed, "messages": [{"role": "user", "content": sched["prompts"][cls]}]}
         target = sched.get("ttft_target_s")
         headers = {"x-zq-ttft-target-s": f"{target:g}"} if target else None
         sent = time.time()
-        first = server_start = server_dispatch = None
+        first = server_start = server_dispatch = retry_after_s = None
         status, error, tokens = "connection", None, 0
         response = None
         deadline = gevent.Timeout(cfg.timeout_s)
@@ -103,6 +147,7 @@ class OpenLoopClient(User):
             server_dispatch = _header_time(response, "X-Request-Dispatch-Time")
             if response.status_code != 200:
                 error = _error_type(response.content)
+                retry_after_s = _retry_after_s(response)
             else:
                 first, tokens, error = _read_stream(response)
         except gevent.Timeout as t:
@@ -116,13 +161,15 @@ class OpenLoopClient(User):
             if response is not None:
                 response.close()  # on a timeout this disconnects, and the server cancels the request
         end = time.time()
-        self._write(Record(cfg.app, cfg.scenario, a["i"], a["cls"], a["t"], sent - t0 - a["t"], sent, first, end,
-                           status, error, tokens, server_start, server_dispatch))
+        record = Record(cfg.app, cfg.scenario, index, cls, t_sched, max(0.0, sent - t0 - t_sched), sent, first,
+                        end, status, error, tokens, server_start, server_dispatch)
+        self._write(record)
         self.environment.events.request.fire(
-            request_type="POST", name=a["cls"], response_time=(end - sent) * 1000, response_length=tokens,
+            request_type="POST", name=cls, response_time=(end - sent) * 1000, response_length=tokens,
             exception=None if status == "200" and error is None else RuntimeError(f"{status} {error}"),
             context={},
         )
+        return record, retry_after_s
 
     def _write(self, record: Record) -> None:
         self.out.write(json.dumps(asdict(record)) + "\n")
@@ -150,6 +197,16 @@ def _read_stream(response) -> tuple[float | None, int, str | None]:
     return first, tokens, error
 
 
+def _retry_after_s(response) -> float | None:
+    """A refusal's precise delay (`retry-after-ms`), else its `retry-after` seconds; None if neither parses."""
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            return float(response.headers[name]) * scale
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
 def _header_time(response, name: str) -> float | None:
     value = response.headers.get(name)
     return float(value) if value else None
@@ -175,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True)
     p.add_argument("--app", required=True)
     p.add_argument("--scenario", required=True)
-    p.add_argument("--schedule", required=True, help="JSON: model, prompts, max_tokens, arrivals")
+    p.add_argument("--schedule", required=True,
+                   help="JSON: model, prompts, max_tokens, and arrivals (open loop) or closed_loop")
     p.add_argument("--records", required=True, help="JSON lines, appended")
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--max-in-flight", type=int, default=1000)
@@ -184,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.schedule) as f:
         sched = json.load(f)
     CONFIG = ClientConfig(args.app, args.scenario, sched, args.records, args.timeout_s, args.max_in_flight)
-    env = Environment(user_classes=[OpenLoopClient], host=args.host.rstrip("/"), stop_timeout=args.timeout_s + 10)
+    env = Environment(user_classes=[LoadClient], host=args.host.rstrip("/"), stop_timeout=args.timeout_s + 10)
     runner = env.create_local_runner()
-    run_time = sched["duration_s"] + args.timeout_s + 15  # the schedule, its last deadline, a margin
+    duration = sched["closed_loop"]["duration_s"] if "closed_loop" in sched else sched["duration_s"]
+    run_time = duration + args.timeout_s + 15  # the schedule, its last deadline, a margin
     runner.start(1, spawn_rate=1)
     gevent.spawn_later(run_time, runner.quit)
     runner.greenlet.join()

@@ -1,7 +1,9 @@
-"""The load report's figures: latency CDFs per scenario, app and class; the burst over time."""
+"""The load report's figures: goodput, refusals and P99 TTFT against offered load; the burst over time."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -9,59 +11,55 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on a benchmark machine
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.ticker import LogLocator, NullFormatter  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
-from benchmarks.load_apps import APPS  # noqa: E402
-from benchmarks.load_scenarios import CLASSES  # noqa: E402
-from benchmarks.load_stats import Record, timeline  # noqa: E402
+from benchmarks.load_apps import SYSTEMS  # noqa: E402
+from benchmarks.load_stats import Record, Summary, timeline  # noqa: E402
 
-COLORS = {"zeroqueue": "tab:blue", "baseline": "tab:red"}
+COLORS = {"zeroqueue": "tab:blue", "queue-unbounded": "tab:red", "queue-bounded": "tab:orange"}
+MARKERS = {"zeroqueue": "o", "queue-unbounded": "s", "queue-bounded": "^"}
 
 
 def _records(run: dict[str, Any], app: str) -> list[Record]:
     return [Record(**r) for r in run["records"] if r["app"] == app]
 
 
-def _cdf(ax, values: list[float], offered: int, **style) -> None:
-    """Step CDF over *offered* requests: it tops out at the completed share."""
-    if not values or not offered:
-        return
-    xs = sorted(values)
-    ys = [(i + 1) / offered for i in range(len(xs))]
-    ax.step(xs, ys, where="post", **style)
-
-
-def plot_cdfs(data: dict[str, Any], path: Path) -> None:
-    runs = [(n, r) for n, r in data["runs"].items() if r["records"]]
-    if not runs:
-        return
-    classes = list(CLASSES)
-    fig, axes = plt.subplots(len(runs), len(classes), figsize=(4.2 * len(classes), 3.0 * len(runs)), squeeze=False)
-    for row, (name, run) in enumerate(runs):
-        for col, cls in enumerate(classes):
-            ax = axes[row][col]
-            for app in APPS:
-                recs = [r for r in _records(run, app) if r.cls == cls]
-                done = [r for r in recs if r.ok]
-                _cdf(ax, [r.e2e for r in done], len(recs), color=COLORS[app], label=f"{app} e2e")
-                _cdf(ax, [r.ttft for r in done if r.ttft is not None], len(recs), color=COLORS[app],
-                     linestyle="--", alpha=0.7, label=f"{app} TTFT")
-            ax.set_xscale("log")
-            ax.set_xlim(0.05, 1.2 * data["plan"]["timeout_s"])  # the same scale everywhere
-            ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.xaxis.set_major_locator(LogLocator(base=10))
-            ax.set_ylim(0, 1.02)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.set_title(f"{name}: {cls}", fontsize=10)
-            if col == 0:
-                ax.set_ylabel("share of offered done")
-            if row == len(runs) - 1:
-                ax.set_xlabel("seconds")
-    handles = [Line2D([], [], color=COLORS[app], linestyle=ls, label=f"{app} {what}")
-               for app in APPS for ls, what in (("-", "end to end"), ("--", "TTFT"))]
-    fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+def plot_sweep(points: Mapping[float, Mapping[str, Mapping[str, Summary]]],
+               floor_rows: Sequence[tuple[float, ...]], capacity_rps: float, path: Path) -> None:
+    """Four panels against offered load (x the unbounded queue's measured capacity), one line per system:
+    goodput, refusal rate (with the Erlang-B floor), P99 TTFT of short requests and of all."""
+    loads = sorted(points)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+    (good, refused), (short, every) = axes
+    for s in SYSTEMS:
+        xs = [f for f in loads if s in points[f]]
+        if not xs:
+            continue
+        style = {"color": COLORS[s], "marker": MARKERS[s], "label": s}
+        good.plot(xs, [points[f][s]["all"].goodput_rps for f in xs], **style)
+        refused.plot(xs, [100 * points[f][s]["all"].rejection_rate for f in xs], **style)
+        for ax, cls in ((short, "short"), (every, "all")):
+            ys = [points[f][s][cls].ttft.p99 if cls in points[f][s] else math.nan for f in xs]
+            ax.plot(xs, ys, **style)
+    good.plot(loads, [f * capacity_rps for f in loads], color="gray", linestyle=":", label="offered")
+    refused.plot([row[0] for row in floor_rows], [100 * row[3] for row in floor_rows], color="black",
+                 linestyle="--", label="Erlang-B, full-batch hold c/X")
+    refused.plot([row[0] for row in floor_rows], [100 * row[4] for row in floor_rows], color="black",
+                 linestyle=":", label="Erlang-B, batch-1 hold (the lowest floor)")
+    good.set_ylabel("goodput, req/s within the SLO")
+    refused.set_ylabel("refused (503), % of offered")
+    short.set_ylabel("P99 TTFT, short requests, s")
+    every.set_ylabel("P99 TTFT, all requests, s")
+    for ax in (short, every):
+        ax.set_yscale("log")
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(f"offered load, × queue-unbounded's measured capacity ({capacity_rps:.2f} req/s)")
+    for ax in axes.flat:
+        ax.axvline(1.0, color="gray", linewidth=0.6)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("zeroqueue against Serve's queue in front of the same batched engine (tails: completed requests)")
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -72,7 +70,7 @@ def plot_burst(data: dict[str, Any], path: Path) -> None:
     duration = sum(p["duration_s"] for p in sc["phases"])
     bound = data["plan"]["reject_bound_s"]
     fig, (top, mid, low) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    for app in APPS:
+    for app in SYSTEMS:
         recs = _records(run, app)
         if not recs:
             continue
@@ -89,7 +87,7 @@ def plot_burst(data: dict[str, Any], path: Path) -> None:
         low.step(xs, [b.rejected for b in bins], where="post", color=COLORS[app], label=f"{app}: 503 refused")
         low.step(xs, [b.failed for b in bins], where="post", color=COLORS[app], linestyle=":",
                  label=f"{app}: failed / abandoned")
-        if app == APPS[0]:
+        if app == SYSTEMS[0]:
             low.step(xs, [b.offered for b in bins], where="post", color="gray", alpha=0.5, label="offered")
     mid.axhline(bound, color="black", linewidth=0.8, linestyle="--", label=f"refusal bound {bound:g} s")
     for ax in (top, mid, low):

@@ -1,21 +1,22 @@
-"""What the load benchmark offers both apps: request classes, load scenarios, and their arrival schedules.
+"""What the load benchmark offers every system: request classes, load scenarios, and their arrival schedules.
 
 Load is open-loop: each scenario is a fixed schedule of arrival times (a Poisson process
 whose rate follows the scenario's phases, drawn once from a seed), and the client sends
 every request at its time whether or not earlier ones have been answered. A closed loop
 (N users, each waiting for its answer before sending again) would let a slow server slow
 its own arrivals, so a queue could never grow past N and its delay would go unmeasured.
-Both apps get the very same schedule: the same arrivals, classes, prompts and seeds, so
-the same tokens are generated and the work is identical.
+Every system gets the very same schedule: the same arrivals, classes, prompts and seeds,
+so the same tokens are generated and the work is identical.
 
-Rates are multiples of the machine's capacity for a scenario's mix, measured before
-the run (`capacity_rps`): slots / mean hot service time.
+Rates are multiples of a capacity measured live in the same run (load_sweep: the
+unbounded baseline's closed-loop saturation throughput for the mix). The sweep's steady
+points are built in load_sweep; the extra scenarios (`--extras`) are here.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks.load_stats import Slo
@@ -33,17 +34,16 @@ class RequestClass:
     output_tokens: int  # max_tokens; random weights almost never sample end-of-turn first
 
 
-# Scaled so that on one core a short request takes a fraction of a second and a long one a
-# few seconds (the demo model decodes ~40 ms/token in bf16). The long prompt is longer
-# than zeroqueue's short lane allows (512 tokens in configs/serve.yaml), so long requests
-# take zeroqueue's long lane: dedicated actors, never the hot short ones.
+# Scaled so that on one core a short request takes about a tenth of a second and a long one
+# a second and a half (the demo model decodes ~16.5 ms/token in bf16 at batch 1,
+# benchmarks/results/batch.md). benchmarks/load.yaml puts all three in zeroqueue's short
+# lane, so every batch row of every system can take any of them.
 CLASSES: dict[str, RequestClass] = {
     "short": RequestClass("short", 24, 4),
     "medium": RequestClass("medium", 96, 12),
     "long": RequestClass("long", 600, 64),
 }
 MIXED = (("short", 0.4), ("medium", 0.5), ("long", 0.1))  # the issue's mix
-MEDIUM_ONLY = (("medium", 1.0),)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Scenario:
     lossy: bool = False  # the client reaches the server through a netem link
     spike: tuple[float, float] | None = None  # the overload window (s from the start), if any
     # Sent as x-zq-ttft-target-s on every request: the client states its TTFT SLO. zeroqueue
-    # refuses at once what it predicts would miss it; the baseline has no way to act on it.
+    # refuses at once what it predicts would miss it; the baselines have no way to act on it.
     ttft_target_s: float | None = None
 
     @property
@@ -102,39 +102,32 @@ def burst_phases(ramp_s: float, base_s: float, spike_s: float, tail_s: float,
 
 
 SLO_TTFT_S = Slo().ttft_s
-MIXED_SLO_TITLE = f"mixed lengths at 0.9×, the client stating its {SLO_TTFT_S:g} s TTFT SLO (x-zq-ttft-target-s)"
+EXTRAS = ("burst", "lossy", "slo")  # `--extras`: scenarios beside the sweep, outside its time budget
 
 
-def scenarios(quick: bool) -> tuple[Scenario, ...]:
-    """The scenarios of one run, in the order each app meets them.
+def extra_scenarios(names: Sequence[str], quick: bool) -> tuple[Scenario, ...]:
+    """The scenarios `--extras` names, in a fixed order, at multiples of the same measured capacity.
 
-    Full: ~6 minutes of offered load per app. Quick: the burst and the two mixed loads,
-    short, to check the harness end to end in a few minutes.
+    burst: 0.5x with a 10x spike (how fast refusals come back when everything overflows);
+    lossy: 0.5x through a lossy link (netem, where this machine allows it); slo: 0.9x with
+    the client stating its TTFT SLO (`x-zq-ttft-target-s`), which zeroqueue acts on and the
+    baselines cannot.
     """
+    unknown = set(names) - set(EXTRAS)
+    if unknown:
+        raise ValueError(f"unknown extras {sorted(unknown)}; known: {', '.join(EXTRAS)}")
     if quick:
-        burst = burst_phases(2, 2, 2, 4)
-        return (
-            Scenario("burst", "burst: 0.5× base, 10× spike", MIXED, burst, spike=(4.0, 6.0)),
-            Scenario("mixed", "mixed lengths at 0.9×", MIXED, steady(12, 0.9)),
-            Scenario("mixed-slo", MIXED_SLO_TITLE, MIXED, steady(12, 0.9), ttft_target_s=SLO_TTFT_S),
-            Scenario("overload", "mixed lengths at 2×", MIXED, steady(8, 2.0)),
-        )
-    burst = burst_phases(10, 15, 5, 25)
-    return (
-        Scenario("steady", "steady: medium requests at 0.9×", MEDIUM_ONLY, steady(75, 0.9)),
-        Scenario("burst", "burst: 0.5× base, 10× spike", MIXED, burst, spike=(25.0, 30.0)),
-        Scenario("mixed", "mixed lengths at 0.9×", MIXED, steady(120, 0.9)),
-        Scenario("mixed-slo", MIXED_SLO_TITLE, MIXED, steady(120, 0.9), ttft_target_s=SLO_TTFT_S),
-        Scenario("overload", "mixed lengths at 2×", MIXED, steady(60, 2.0)),
-        Scenario("lossy", "mixed lengths at 0.5× over a lossy link", MIXED, steady(45, 0.5), lossy=True),
-    )
-
-
-def capacity_rps(mix: Sequence[tuple[str, float]], service_s: Mapping[str, float], slots: int) -> float:
-    """Requests per second `slots` hot slots can finish for this mix: slots / mean service time."""
-    total = sum(w for _, w in mix)
-    mean = sum(w * service_s[c] for c, w in mix) / total
-    return slots / mean
+        burst, spike, steady_s = burst_phases(2, 2, 2, 4), (4.0, 6.0), 8.0
+    else:
+        burst, spike, steady_s = burst_phases(10, 15, 5, 25), (25.0, 30.0), 45.0
+    all_ = {
+        "burst": Scenario("burst", "burst: 0.5× base, 10× spike", MIXED, burst, spike=spike),
+        "lossy": Scenario("lossy", "mixed lengths at 0.5× over a lossy link", MIXED, steady(steady_s, 0.5),
+                          lossy=True),
+        "slo": Scenario("slo", f"mixed lengths at 0.9×, the client stating its {SLO_TTFT_S:g} s TTFT SLO "
+                        "(x-zq-ttft-target-s)", MIXED, steady(2 * steady_s, 0.9), ttft_target_s=SLO_TTFT_S),
+    }
+    return tuple(all_[n] for n in EXTRAS if n in names)
 
 
 @dataclass(frozen=True)

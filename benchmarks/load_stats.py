@@ -8,7 +8,7 @@ Conventions:
   are counted beside them, never inside them — which is why every tail figure travels
   with its rejection rate: a tail can look good because requests were refused.
 - Rates (throughput, goodput) are per second of the offered-load window, the same
-  denominator for both apps, whatever happens after the window.
+  denominator for every system, whatever happens after the window.
 - A request is *good* when it completed within the SLO (`Slo`): TTFT and end to end.
 """
 
@@ -18,9 +18,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-# A hot actor starts computing within milliseconds of dispatch; a fresh one needs a Ray
-# worker process (seconds on a CPU node) before it can.
-COLD_START_S = 0.25
+# A fresh actor needs a Ray worker process before it computes: ~1.6 s from spawn to start
+# on this 2-core machine (benchmarks/results/cold_start.md). A request joining a hot actor's
+# batch waits only for the running step to end, which stays well under a second even when
+# the step prefills a 256-token chunk of a long prompt on a busy core; so anything slower
+# than this between dispatch and compute start was a cold start.
+COLD_START_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -77,11 +80,18 @@ class Record:
         return None if self.server_start is None else self.server_start - self.sent
 
     @property
+    def placed(self) -> float | None:
+        """zeroqueue's decision to compute start: a join's wait for the running step, or a cold start."""
+        if self.server_dispatch is None or self.server_start is None:
+            return None
+        return self.server_start - self.server_dispatch
+
+    @property
     def cold(self) -> bool:
         """Started on a fresh actor: from zeroqueue's dispatch to compute start took longer than a hot
         actor ever does (a Ray worker process start and the first layers' load)."""
-        return (self.server_dispatch is not None and self.server_start is not None
-                and self.server_start - self.server_dispatch > COLD_START_S)
+        placed = self.placed
+        return placed is not None and placed > COLD_START_S
 
     @property
     def outcome(self) -> str:
@@ -161,14 +171,20 @@ class Summary:
     tpot: Tail = Tail(math.nan, math.nan, math.nan, 0)
     wait: Tail = Tail(math.nan, math.nan, math.nan, 0)
     dispatch: Tail = Tail(math.nan, math.nan, math.nan, 0)
+    placed: Tail = Tail(math.nan, math.nan, math.nan, 0)
     reject_answer: Tail = Tail(math.nan, math.nan, math.nan, 0)  # how fast 503s came back
     reject_answer_max: float = math.nan
+    reject_answers: tuple[float, ...] = ()  # every 503's answer time, sorted
     throughput_rps: float = math.nan
     goodput_rps: float = math.nan
 
     @property
     def rejection_rate(self) -> float:
         return ratio(self.rejected, self.offered)
+
+    def reject_slower_than(self, bound_s: float) -> int:
+        """How many 503s took longer than `bound_s` to come back."""
+        return sum(t > bound_s for t in self.reject_answers)
 
     @property
     def failure_rate(self) -> float:
@@ -197,8 +213,10 @@ def summarise(records: Sequence[Record], window_s: float, slo: Slo, service_s: M
         tpot=Tail.of(r.tpot for r in done),
         wait=Tail.of(r.wait for r in done),
         dispatch=Tail.of(r.dispatch for r in done),
+        placed=Tail.of(r.placed for r in done),
         reject_answer=Tail.of(r.e2e for r in rejected),
         reject_answer_max=max((r.e2e for r in rejected), default=math.nan),
+        reject_answers=tuple(sorted(r.e2e for r in rejected)),
         throughput_rps=len(done) / window_s,
         goodput_rps=good / window_s,
     )
@@ -241,3 +259,23 @@ def timeline(records: Sequence[Record], duration_s: float, bin_s: float = 1.0) -
                         percentile(ttfts, 50), max(ttfts, default=math.nan),
                         percentile([r.e2e for r in g if r.ok], 50)))
     return bins
+
+
+def closed_loop_rate(records: Sequence[Record], warmup_s: float, window_s: float) -> tuple[int, float]:
+    """(completed requests, their rate) over a closed loop's measured window.
+
+    A closed-loop record's `t_sched` is when it was sent, in seconds from the loop's start,
+    so the loop's clock is `sent - lag - t_sched`. A request counts when it *ended* inside
+    [warmup_s, warmup_s + window_s): completions per second while every client was busy,
+    which is the saturation throughput. The warm-up (hot actors spawned, first batches,
+    caches touched) is left out.
+    """
+    if not window_s > 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    n = 0
+    for r in records:
+        if r.ok:
+            t0 = r.sent - r.lag - r.t_sched
+            if warmup_s <= r.end - t0 < warmup_s + window_s:
+                n += 1
+    return n, n / window_s

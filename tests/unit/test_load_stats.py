@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from benchmarks.load_scenarios import MIXED, Phase, Scenario, capacity_rps, prompt_of, schedule, steady
-from benchmarks.load_stats import Record, Slo, Tail, by_class, percentile, ratio, summarise, timeline
+from benchmarks.load_scenarios import MIXED, Phase, Scenario, prompt_of, schedule, steady
+from benchmarks.load_stats import (
+    Record,
+    Slo,
+    Tail,
+    by_class,
+    closed_loop_rate,
+    percentile,
+    ratio,
+    summarise,
+    timeline,
+)
 
 
 def rec(cls="short", sent=100.0, ttft=0.1, e2e=0.5, status="200", error=None, tokens=5, t=0.0, start=None,
@@ -56,7 +67,7 @@ def test_slo_and_goodput():
     service = {"short": 0.2, "long": 2.0}
     assert slo.e2e_s(0.2) == 1.0 and slo.e2e_s(2.0) == 6.0
     records = [
-        rec("short", e2e=0.9, dispatch=100.01, start=101.0),  # good, though it started cold
+        rec("short", e2e=0.9, dispatch=100.01, start=101.05),  # good, though it started cold (> 1 s placing)
         rec("short", e2e=1.1),  # too slow end to end
         rec("short", ttft=1.5, e2e=0.95 + 1),  # TTFT over
         rec("long", ttft=0.5, e2e=5.9),  # good
@@ -85,10 +96,28 @@ def test_timeline_bins_by_arrival():
     assert math.isnan(bins[1].ttft_p50)
 
 
-def test_capacity_is_slots_over_the_mean_service_time():
-    service = {"short": 0.2, "medium": 0.6, "long": 3.0}
-    # mean = 0.4*0.2 + 0.5*0.6 + 0.1*3.0 = 0.68 s
-    assert capacity_rps(MIXED, service, slots=2) == pytest.approx(2 / 0.68)
+def test_closed_loop_rate_counts_completions_ending_in_the_window():
+    # The loop started at epoch 100; t_sched is each request's send time from then.
+    def sent_at(t, e2e, status="200"):
+        return replace(rec(sent=100.0 + t, e2e=e2e, status=status, error=None if status == "200" else "x"), t_sched=t)
+
+    records = [
+        sent_at(0.0, 1.5),  # ends at 1.5: in the warm-up
+        sent_at(1.0, 1.5),  # ends at 2.5: counted
+        sent_at(5.0, 4.0),  # ends at 9.0: counted
+        sent_at(9.0, 2.0),  # ends at 11.0: after the window
+        sent_at(3.0, 0.01, status="503"),  # refused: never counted
+    ]
+    assert closed_loop_rate(records, warmup_s=2.0, window_s=8.0) == (2, 0.25)
+    with pytest.raises(ValueError):
+        closed_loop_rate(records, 1.0, 0.0)
+
+
+def test_refusals_slower_than_a_bound_are_counted():
+    records = [rec(status="503", error="overloaded_error", ttft=None, e2e=e) for e in (0.01, 0.2, 0.3, 0.9)]
+    s = summarise(records, 1.0, Slo(), {"short": 0.1})
+    assert s.reject_answers == pytest.approx((0.01, 0.2, 0.3, 0.9))
+    assert s.reject_slower_than(0.25) == 2 and s.reject_slower_than(1.0) == 0
 
 
 def test_load_follows_the_phases():

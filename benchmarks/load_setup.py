@@ -1,0 +1,132 @@
+"""What the load benchmark learns before Ray starts: the config, the model, the machine, the scorer, each class's hot service time."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.load_scenarios import CLASSES
+
+log = logging.getLogger(__name__)
+
+ZEROQUEUE_BUILDER = "serve_app.app:build_app"
+
+
+def app_args(config_path: str) -> dict[str, Any]:
+    """The builder args of the zeroqueue app in a `serve run` config; every system is built from them."""
+    config = yaml.safe_load(Path(config_path).read_text())
+    (app,) = [a for a in config["applications"] if a["import_path"] == ZEROQUEUE_BUILDER]
+    return app["args"]
+
+
+def model_facts(args: dict[str, Any]) -> tuple[str, str, dict[str, Any], Any]:
+    """(model id, .zqs path, the facts the report states, the tokenizer)."""
+    from actors.layer_loader import open_zqs
+    from serve_app.config import AppArgs, ingress_config, resolve_model_path
+
+    parsed = AppArgs.model_validate(args)
+    spec = ingress_config(parsed).models[0]
+    path = resolve_model_path(spec)
+    reader, config, tokenizer = open_zqs(path)
+    reader.close()
+    facts = {"id": spec.id, "preset": parsed.models[0].demo_preset, "params_m": config.num_params() / 1e6,
+             "layers": config.num_layers, "hidden": config.hidden_size, "heads": config.num_heads,
+             "kv_heads": config.num_kv_heads, "vocab": config.vocab_size, "dtype": config.dtype,
+             "file_mb": path.stat().st_size / 1e6}
+    return spec.id, str(path), facts, tokenizer
+
+
+def scorer_used(args: dict[str, Any]) -> str:
+    """Which scorer zeroqueue's router will decide with, and why: the ingress runs this same loader on
+    the same file, and logs the same warning when it falls back to the rule."""
+    from serve_app.config import AppArgs, ingress_config
+    from serve_app.scorer import RuleScorer
+    from serve_app.xgb_scorer import load_scorer
+
+    config = ingress_config(AppArgs.model_validate(args))
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    xgb_log = logging.getLogger("serve_app.xgb_scorer")
+    handler = Keep(logging.WARNING)
+    xgb_log.addHandler(handler)
+    try:
+        scorer = load_scorer(config.scorer_path)
+    finally:
+        xgb_log.removeHandler(handler)
+    if isinstance(scorer, RuleScorer):
+        why = f" ({'; '.join(warnings)})" if warnings else " (no scorer_path)"
+        return f"the rule scorer, {config.rule_scorer}{why}"
+    return f"the XGBoost scorer {config.scorer_path}"
+
+
+def calibrate(zqs_path: str, prompts: dict[str, str], threads: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Each class's service time alone on a hot model (batch 1): prompt in, last token out, the actors'
+    thread count. It sets each class's end-to-end SLO; capacity is measured live, not from this."""
+    import torch
+
+    from actors.engine import Engine, GenerationRequest, Message
+    from actors.layer_loader import load_zqs
+    from actors.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_zqs(zqs_path, num_threads=1)
+    engine = Engine(model, tokenizer)
+    out = {}
+    for name, cls in CLASSES.items():
+        params = SamplingParams(max_tokens=cls.output_tokens, seed=1)
+        prompt = engine.prepare(GenerationRequest((Message("user", prompts[name]),), params))
+        _time_generation(engine, prompt, replace(params, max_tokens=2))  # warm-up: first-call allocations
+        times = [_time_generation(engine, prompt, params) for _ in range(repeats)]
+        out[name] = {"service_s": statistics.median(times), "input_tokens": len(prompt),
+                     "output_tokens": cls.output_tokens}
+        log.info("calibration %s: %d prompt tokens, %d out, %.3f s", name, len(prompt), cls.output_tokens,
+                 out[name]["service_s"])
+    return out
+
+
+def _time_generation(engine, prompt: list[int], params) -> float:
+    t0 = time.perf_counter()
+    for _ in engine.generate(prompt, params):
+        pass
+    return time.perf_counter() - t0
+
+
+def lanes(args: dict[str, Any], calibration: dict[str, dict[str, float]]) -> dict[str, str]:
+    """The zeroqueue lane each class takes under the config's policy."""
+    from serve_app.policy import PolicyConfig
+
+    policy = PolicyConfig(**args.get("policy", {}))
+    return {c: policy.lane(int(v["input_tokens"]), int(v["output_tokens"])) for c, v in calibration.items()}
+
+
+def machine() -> dict[str, Any]:
+    from importlib.metadata import version
+
+    import ray
+    import torch
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    # The locust version from its metadata: importing locust would monkey-patch this process.
+    return {"cores": os.cpu_count(), "cpu": cpu, "mem_gib": round(mem, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "ray": ray.__version__, "locust": version("locust"),
+            "loadavg_start": os.getloadavg()}

@@ -1,0 +1,102 @@
+"""The load report's tables: per-point summaries in, markdown rows out. Pure: no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from benchmarks.load_apps import SYSTEMS, ZEROQUEUE
+from benchmarks.load_goals import f_, pct
+from benchmarks.load_scenarios import CLASSES
+from benchmarks.load_stats import Record, Summary, Tail, by_class, closed_loop_rate
+
+# label (a load, or a scenario's name) -> system -> class (and "all") -> Summary
+Table = Mapping[Any, Mapping[str, Mapping[str, Summary]]]
+
+
+def _label(key: Any) -> str:
+    return f"{key:g}×" if isinstance(key, float) else str(key)
+
+
+def _tail(t: Tail) -> str:
+    return f"{f_(t.p50)} / {f_(t.p99)} / {f_(t.p999)} (n {t.n})"
+
+
+def floor_table(rows: Sequence[tuple[float, float, float, float, float]], refused: Table) -> list[str]:
+    """(load, offered req/s, A in Erlangs, floor, floor at batch-1 hold) per point, beside each system's refusal rate."""
+    lines = ["| load | offered req/s | A (Erlangs) | Erlang-B floor B(c, A) | floor at batch-1 hold | "
+             + " | ".join(f"{s} refused" for s in SYSTEMS) + " |", "|--:|--:|--:|--:|--:|" + "--:|" * len(SYSTEMS)]
+    for load, rate, erlangs, floor, strict in rows:
+        cells = []
+        for s in SYSTEMS:
+            x = refused.get(load, {}).get(s, {}).get("all")
+            cells.append("–" if x is None else f"{pct(x.rejection_rate)} ({x.rejected}/{x.offered})")
+        lines.append(f"| {load:g}× | {rate:.2f} | {erlangs:.2f} | {pct(floor)} | {pct(strict)} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
+def throughput_table(table: Table, classes: Sequence[str] = ("all",)) -> list[str]:
+    lines = ["| load | class | system | offered | done | refused (503) | other failures | throughput req/s | "
+             "goodput req/s | 503 answered in: P99 / max s | started cold |",
+             "|---|---|---|--:|--:|--:|--:|--:|--:|---|--:|"]
+    for key, per_system in table.items():
+        for cls in classes:
+            for s in SYSTEMS:
+                x = per_system.get(s, {}).get(cls)
+                if x is None:
+                    continue
+                answered = f"{f_(x.reject_answer.p99)} / {f_(x.reject_answer_max)}" if x.rejected else "–"
+                lines.append(
+                    f"| {_label(key)} | {cls} | {s} | {x.offered} | {x.completed} | {x.rejected} "
+                    f"({pct(x.rejection_rate)}) | {x.offered - x.completed - x.rejected} ({pct(x.failure_rate)}) | "
+                    f"{f_(x.throughput_rps, 2)} | {f_(x.goodput_rps, 2)} | {answered} | "
+                    f"{x.cold if s == ZEROQUEUE else '–'} |")
+    return lines
+
+
+def latency_table(table: Table, cls: str) -> list[str]:
+    lines = ["| load | system | refused | TTFT P50 / P99 / P99.9 s | e2e P50 / P99 / P99.9 s | TTFT P99/P50 | "
+             "e2e P99/P50 | TPOT P50 / P99 ms | wait P50 / P99 s |",
+             "|---|---|--:|---|---|--:|--:|---|---|"]
+    for key, per_system in table.items():
+        for s in SYSTEMS:
+            x = per_system.get(s, {}).get(cls)
+            if x is None:
+                continue
+            lines.append(
+                f"| {_label(key)} | {s} | {pct(x.rejection_rate)} | {_tail(x.ttft)} | {_tail(x.e2e)} | "
+                f"{f_(x.ttft.spread, 2)} | {f_(x.e2e.spread, 2)} | {f_(1000 * x.tpot.p50, 1)} / "
+                f"{f_(1000 * x.tpot.p99, 1)} | {f_(x.wait.p50)} / {f_(x.wait.p99)} |")
+    return lines
+
+
+def failures(table: Table) -> list[str]:
+    """Every outcome other than a completion, per point and system: 503s, timeouts, errors."""
+    lines = []
+    for key, per_system in table.items():
+        for s in SYSTEMS:
+            x = per_system.get(s, {}).get("all")
+            if x is not None and x.failures:
+                lines.append(f"- {_label(key)}, {s}: " + ", ".join(f"{k}: {v}" for k, v in x.failures.items()))
+    return lines
+
+
+def capacity_table(capacity: Mapping[str, Mapping[str, Any]], slo, service: Mapping[str, float],
+                   reference_rps: float) -> list[str]:
+    """Each system's closed-loop saturation throughput, and what its requests met while it ran full."""
+    lines = ["| system | clients | warm-up + window s | completed in window | saturation req/s | × queue-unbounded | "
+             "503s (retried) | TTFT P50 / P99 s | e2e P50 / P99 s |",
+             "|---|--:|---|--:|--:|--:|--:|---|---|"]
+    for s in SYSTEMS:
+        cap = capacity.get(s)
+        if cap is None:
+            continue
+        records = [Record(**r) for r in cap["records"]]
+        done, rps = closed_loop_rate(records, cap["warmup_s"], cap["window_s"])
+        x = by_class(records, list(CLASSES), cap["warmup_s"] + cap["window_s"], slo, service)["all"]
+        lines.append(
+            f"| {s} | {cap['clients']} | {cap['warmup_s']:g} + {cap['window_s']:g} | {done} | {rps:.2f} | "
+            f"{f_(rps / reference_rps if reference_rps else float('nan'), 2)} | {x.rejected} | "
+            f"{f_(x.ttft.p50)} / {f_(x.ttft.p99)} | {f_(x.e2e.p50)} / {f_(x.e2e.p99)} |")
+    return lines
