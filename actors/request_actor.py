@@ -91,13 +91,18 @@ class ActorConfig:
     # On CPU slots the actors' compute shares cores with the proxy, ingress and registry;
     # a lower priority keeps admission and refusals fast however busy the slots are.
     cpu_nice: int = 10
-    # At most one chunk per interval is sent; 0 sends every token on its own.
-    stream_interval_s: float = 0.005
+    # After the first token, at most one chunk per interval is sent (tokens sampled meanwhile
+    # ride together); 0 sends every token on its own. Each chunk is a Ray object to the
+    # ingress and an SSE event on to the proxy: on a 2-core node their handling competes
+    # with the batch's steps (benchmarks/results/load.md).
+    stream_interval_s: float = 0.05
     # Keep activation memory freed inside a request for the next layer, on huge pages
     # (actors/heap.py); a hot actor gives it back once idle this long, so back-to-back
     # requests do not page-fault their working set in again.
     is_freed_memory_retained: bool = True
     idle_trim_after_s: float = 2.0
+    # Memory reports to the node's telemetry agent while rows come and go: at most this often.
+    memory_report_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk_tokens < 1:
@@ -174,6 +179,7 @@ class RequestActor:
         self._peak = PeakMemory(is_cuda)
         self._reporter = AgentReporter(self.name, config.namespace, is_cuda)
         self._reporter.report(self._weight_bytes)
+        self._reported_at = time.monotonic()
         self._stream_open = True
         self._is_loaded = False  # every group resident (then cached: it never goes back)
         self._cold: _Cold | None = None  # the first request's part in loading; set once it arrives
@@ -253,24 +259,31 @@ class RequestActor:
     # ---- internals -------------------------------------------------------------------
 
     async def _relay(self, request: ActorRequest, stream: RowStream, arrival: float, is_cold: bool):
-        """The row's engine events as the actor's stream items, tokens sent meanwhile coalesced."""
+        """The row's engine events as the actor's stream items: `Started` and the first token at once,
+        later tokens coalesced into one chunk per `stream_interval_s`."""
         interval = self.config.stream_interval_s
+        loop = asyncio.get_running_loop()
+        next_send = 0.0  # loop time before which no further chunk leaves
+        num_tokens = 0
         while True:
             items = [await stream.get()]
-            if interval:
-                # Chunks sent faster than this only cost the relay (a Ray object each),
-                # so tokens sampled meanwhile travel together.
-                await asyncio.sleep(interval)
+            wait = next_send - loop.time()
+            if wait > 0 and not isinstance(items[0], FinishEvent):
+                await asyncio.sleep(wait)
             items += stream.get_ready()
             for item in _coalesce([self._item(request, event, arrival, is_cold) for event in items]):
                 yield item
                 if isinstance(item, Completion):
                     return
+                if isinstance(item, TextChunk):
+                    num_tokens = item.num_output_tokens
+            if num_tokens:  # the first token went out as it came; later ones wait their turn
+                next_send = loop.time() + interval
 
     def _item(self, request: ActorRequest, event, arrival: float, is_cold: bool):
         if isinstance(event, StartEvent):
             self._state.enter(Phase.PREFILL if is_cold else Phase.DECODE)
-            self._reporter.report(self._accounted_bytes())  # the row's KV cache is in place now
+            self._report_memory()  # the row's KV cache is in place now
             return Started(request.request_id, event.time, is_cold)
         if isinstance(event, TokenEvent):
             if event.num_output_tokens == 1 and is_cold:
@@ -384,7 +397,7 @@ class RequestActor:
             self._exit()  # a failed step, or a cold load nobody waits for any more
             return
         if self._engine.num_rows:
-            self._reporter.report(self._accounted_bytes())
+            self._report_memory()
             return
         if not self._keep_hot:
             self._exit()
@@ -394,7 +407,16 @@ class RequestActor:
             self._stream_open = False
         self._idle_trimmer.request_ended()  # the batch's activations go back if no request follows
         self._state.enter(Phase.IDLE)
-        self._reporter.report(self._accounted_bytes())
+        self._report_memory(is_due=True)
+
+    def _report_memory(self, is_due: bool = False) -> None:
+        """Weights plus the rows' caches to the node's agent, at most every `memory_report_s` while
+        rows come and go (a report per row start and end would cost the batch's steps), and
+        always when `is_due` (the batch drained: the figure the node keeps while idle)."""
+        now = time.monotonic()
+        if is_due or now - self._reported_at >= self.config.memory_report_s:
+            self._reported_at = now
+            self._reporter.report(self._accounted_bytes())
 
     def _exit(self) -> None:
         import ray

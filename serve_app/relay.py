@@ -140,8 +140,7 @@ class Relay:
                 self.on_end(admitted, "cancelled")
 
     async def _next(self, admitted: Admitted, timeout: float):
-        ref = await asyncio.wait_for(admitted.stream.__anext__(), timeout)
-        item = await asyncio.wait_for(_await(ref), timeout)
+        item = await asyncio.wait_for(_next_item(admitted.stream), timeout)
         if isinstance(item, TextChunk):
             admitted.num_chunks += 1
             if admitted.num_chunks == 1:
@@ -149,7 +148,9 @@ class Relay:
         return item
 
 
-async def _await(ref):
+async def _next_item(stream):
+    """The stream's next item: one deadline covers its arrival and its value."""
+    ref = await stream.__anext__()
     return await ref
 
 
