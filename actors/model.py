@@ -29,7 +29,6 @@ the positions and cast to the model dtype, logits returned as fp32.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,36 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.arena import move_parameters_to_huge_pages
+from actors.attention import Attention, AttentionSpan, Segment
 from actors.kv_cache import KVCache
-from actors.rope import apply_rope, rope_inv_freq, rope_tables
+from actors.layers import Linear, RMSNorm, linear
+from actors.rope import rope_inv_freq, rope_tables
 from weights_tool.architecture import ModelConfig, layer_index
 
 WaitLayer = Callable[[int], None]
 EMBEDDINGS_GROUP = -1
-
-
-@dataclass(frozen=True)
-class AttentionSpan:
-    """What every layer's attention reads in one forward: keys at cached positions [start, end), masked so."""
-
-    start: int
-    end: int
-    mask: torch.Tensor | None  # [S, T] bool, True where query i may attend to key j; None: all of them
-    is_causal: bool  # queries and keys are the same positions: SDPA's built-in causal mask
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One sequence's tokens inside a forward: [offset, offset + length) of the flattened tokens.
-
-    `caches` holds one KVCache per layer (None: no cache, the chunk attends to itself).
-    """
-
-    offset: int
-    length: int
-    input_pos: torch.Tensor  # [length] positions of these tokens in their own sequence
-    span: AttentionSpan
-    caches: Sequence[KVCache] | None
 
 
 @dataclass(frozen=True)
@@ -78,118 +55,6 @@ class RowInput:
     start_pos: int
     num_tokens: int
     needs_logits: bool = True  # a prefill chunk before the prompt's last one needs none
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for a single bf16 row on the CPU (decode at batch 1) where gemv is faster.
-
-    Which kernel streams a bf16 weight fastest for one row depends on the CPU: where
-    oneDNN has no native bf16 GEMM, torch's gemv (`mv`) decodes ~1.4x faster than
-    F.linear (benchmarks/results/runtime.md); on CPUs with AVX512-BF16 the GEMM is ~1.5x
-    faster than gemv (benchmarks/results/batch.md). `_is_gemv_faster` times both once per
-    process on the first such weight and keeps the answer. Both accumulate in fp32.
-    """
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1] and _is_gemv_faster(weight):
-        y = torch.mv(weight, x.reshape(-1))
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], -1)
-    return F.linear(x, weight, bias)
-
-
-_gemv_choice: list[bool] = []  # decided once per process
-
-
-def _is_gemv_faster(weight: torch.Tensor) -> bool:
-    if not _gemv_choice:
-        x = torch.zeros(weight.shape[1], dtype=weight.dtype)
-        rows = x.view(1, -1)
-
-        def best_of(run) -> float:
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        _gemv_choice.append(best_of(lambda: torch.mv(weight, x)) < best_of(lambda: F.linear(rows, weight)))
-    return _gemv_choice[0]
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameter names) through `linear`, created uninitialised."""
-
-    def reset_parameters(self) -> None:
-        """Leave the weights as allocated: a loader or `init_weights` writes them."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # As HF: normalise in fp32, cast back, then scale in the model dtype.
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = Linear(h, self.num_heads * d, bias=config.has_qkv_bias, dtype=dtype)
-        self.k_proj = Linear(h, self.num_kv_heads * d, bias=config.has_qkv_bias, dtype=dtype)
-        self.v_proj = Linear(h, self.num_kv_heads * d, bias=config.has_qkv_bias, dtype=dtype)
-        self.o_proj = Linear(self.num_heads * d, h, bias=config.has_o_bias, dtype=dtype)
-        # Qwen3: RMSNorm over head_dim of each q and k head, before RoPE.
-        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if config.has_qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if config.has_qk_norm else None
-        self.is_gqa = self.num_heads != self.num_kv_heads
-
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: Sequence[Segment], layer: int
-    ) -> torch.Tensor:
-        # x: [B, S, hidden]
-        bsz, seq_len, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq_len, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(bsz, seq_len, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(bsz, seq_len, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # q: [B, H, S, D]; k, v: [B, H_kv, S, D]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if len(segments) == 1:
-            y = self._attend(q, k, v, segments[0], layer)
-        else:  # rows of a batch: each attends to its own cache only
-            y = torch.cat([self._attend(*(t[:, :, s.offset : s.offset + s.length] for t in (q, k, v)), s, layer)
-                           for s in segments], dim=2)
-        return self.o_proj(y.transpose(1, 2).reshape(bsz, seq_len, self.num_heads * self.head_dim))
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment, layer: int) -> torch.Tensor:
-        # q: [B, H, n, D]; k, v: [B, H_kv, n, D], this segment's tokens
-        if seg.caches is not None:
-            k_all, v_all = seg.caches[layer].update(seg.input_pos, k, v)
-            # k, v: [B, H_kv, T, D], the cached positions this chunk may attend to.
-            k, v = k_all[:, :, seg.span.start : seg.span.end], v_all[:, :, seg.span.start : seg.span.end]
-        if self.is_gqa and q.shape[2] == 1 and seg.span.mask is None:
-            # One query sees every key of its span: each KV head's G query heads become G
-            # queries of one head ([B, H, 1, D] -> [B, H_kv, G, D]), the same attention with no
-            # K/V expansion. CPU SDPA with enable_gqa is ~8x slower in bf16 (batch.md).
-            bsz, _, _, d = q.shape
-            grouped = q.view(bsz, self.num_kv_heads, self.num_heads // self.num_kv_heads, d)
-            return F.scaled_dot_product_attention(grouped, k, v).view(bsz, self.num_heads, 1, d)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=seg.span.mask, is_causal=seg.span.is_causal, enable_gqa=self.is_gqa
-        )
 
 
 class MLP(nn.Module):

@@ -42,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.actor_config import ActorConfig
 from actors.batch_runner import BatchRunner, RowStream
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
 from actors.engine import BatchFullError, Engine, FinishEvent, StartEvent, TokenEvent
@@ -61,67 +62,6 @@ from actors.peak_memory import PeakMemory
 from actors.telemetry_agent import AgentReporter
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ActorConfig:
-    """How request actors are placed and how they load; one per deployment, from YAML."""
-
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0  # 1 (or a fraction) on GPU clusters
-    resources: tuple[tuple[str, float], ...] = ()  # e.g. (("zq_slot", 1.0),) for CPU slots
-    namespace: str = "zeroqueue"
-    load_threads: int = 1
-    # Threads for torch's compute; on a CPU node loading and compute share the cores.
-    compute_threads: int = 1
-    # Rows a hot actor runs at once (the policy's max_batch: the ingress sets both from one value).
-    max_batch: int = 8
-    # Prompt tokens one step may add while other rows decode: a joiner's prompt is chunked so
-    # that running rows wait at most one step of this size (actors/scheduler.py).
-    prefill_chunk_tokens: int = 256
-    first_layers: int | None = None  # None: derived per request (see cold_start)
-    # Every group resident before prefill starts: load-then-compute, the cold-start
-    # benchmark's baseline (first_layers = L still streams the table and the final group).
-    is_load_then_compute: bool = False
-    # Prefill compute rate used to derive first_layers; measured by bench_cold_start.
-    prefill_flops_per_s: float = 2.0e10
-    # Load rate assumed before the stream has finished its first layer.
-    initial_load_bytes_per_s: float = 1.0e9
-    load_timeout_s: float = 300.0
-    # On CPU slots the actors' compute shares cores with the proxy, ingress and registry;
-    # a lower priority keeps admission and refusals fast however busy the slots are.
-    cpu_nice: int = 10
-    # After the first token, at most one chunk per interval is sent (tokens sampled meanwhile
-    # ride together); 0 sends every token on its own. Each chunk is a Ray object to the
-    # ingress and an SSE event on to the proxy: on a 2-core node their handling competes
-    # with the batch's steps (benchmarks/results/load.md).
-    stream_interval_s: float = 0.05
-    # Keep activation memory freed inside a request for the next layer, on huge pages
-    # (actors/heap.py); a hot actor gives it back once idle this long, so back-to-back
-    # requests do not page-fault their working set in again.
-    is_freed_memory_retained: bool = True
-    idle_trim_after_s: float = 2.0
-    # Memory reports to the node's telemetry agent while rows come and go: at most this often.
-    memory_report_s: float = 0.25
-
-    def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.prefill_chunk_tokens < 1:
-            raise ValueError(f"ActorConfig needs max_batch >= 1 and prefill_chunk_tokens >= 1, got "
-                             f"{self.max_batch}, {self.prefill_chunk_tokens}")
-
-    def actor_options(self, name: str) -> dict:
-        return {
-            "name": name,
-            "namespace": self.namespace,
-            "lifetime": "detached",
-            "num_cpus": self.num_cpus,
-            "num_gpus": self.num_gpus,
-            "resources": dict(self.resources),
-            "max_restarts": 0,
-            "max_task_retries": 0,
-            # One `generate` per row, plus status / release / shutdown beside them.
-            "max_concurrency": self.max_batch + 4,
-        }
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.request_actor import ActorConfig
+from actors.actor_config import ActorConfig
 from serve_app.latency_targets import MAX_TARGET_S
 from serve_app.policy import PolicyConfig
 from serve_app.scorer import RuleScorer

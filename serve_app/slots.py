@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from actors.request_actor import ActorConfig
+from actors.actor_config import ActorConfig
 from actors.telemetry import NodeTelemetry, TelemetryConfig
 from actors.telemetry_agent import cluster_snapshot, ensure_agents
 from serve_app.config import SlotArgs

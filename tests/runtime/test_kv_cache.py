@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from actors.kv_cache import KVCache, kv_cache_bytes
-from actors.model import RowInput, Transformer, linear
+from actors.layers import linear
+from actors.model import RowInput, Transformer
 from weights_tool.architecture import ModelConfig
 
 VOCAB = 256

@@ -1,0 +1,69 @@
+"""The model's building blocks beside attention: a linear layer whose CPU kernel is chosen by speed, and RMSNorm."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except for a single bf16 row on the CPU (decode at batch 1) where gemv is faster.
+
+    Which kernel streams a bf16 weight fastest for one row depends on the CPU: where
+    oneDNN has no native bf16 GEMM, torch's gemv (`mv`) decodes ~1.4x faster than
+    F.linear (benchmarks/results/runtime.md); on CPUs with AVX512-BF16 the GEMM is ~1.5x
+    faster than gemv (benchmarks/results/batch.md). `_is_gemv_faster` times both once per
+    process on the first such weight and keeps the answer. Both accumulate in fp32.
+    """
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1] and _is_gemv_faster(weight):
+        y = torch.mv(weight, x.reshape(-1))
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], -1)
+    return F.linear(x, weight, bias)
+
+
+_gemv_choice: list[bool] = []  # decided once per process
+
+
+def _is_gemv_faster(weight: torch.Tensor) -> bool:
+    if not _gemv_choice:
+        x = torch.zeros(weight.shape[1], dtype=weight.dtype)
+        rows = x.view(1, -1)
+
+        def best_of(run) -> float:
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        _gemv_choice.append(best_of(lambda: torch.mv(weight, x)) < best_of(lambda: F.linear(rows, weight)))
+    return _gemv_choice[0]
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameter names) through `linear`, created uninitialised."""
+
+    def reset_parameters(self) -> None:
+        """Leave the weights as allocated: a loader or `init_weights` writes them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # As HF: normalise in fp32, cast back, then scale in the model dtype.
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
