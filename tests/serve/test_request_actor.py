@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -287,8 +288,7 @@ def test_cancelling_one_row_leaves_the_others_untouched(ray_cluster, tiny_zqs):
 def test_back_to_back_requests_never_find_a_hot_actor_busy(ray_cluster, tiny_zqs):
     """The row leaves before its Completion is sent: the next request may follow at once."""
     ray = ray_cluster
-    config = ActorConfig(namespace=CONFIG.namespace, num_cpus=1, load_threads=1, compute_threads=1, max_batch=1)
-    name, actor = _loaded_hot_actor(ray, tiny_zqs, config)
+    name, actor = _loaded_hot_actor(ray, tiny_zqs, replace(CONFIG, max_batch=1))
     for i in range(40):
         _, done = _consume(ray, actor.generate.remote(_request(tiny_zqs, max_tokens=2, seed=i, keep_hot=True)))
         assert done.output_tokens == 2
@@ -300,8 +300,7 @@ def test_a_full_batch_refuses_the_extra_request_at_once(ray_cluster, tiny_zqs):
     from ray.exceptions import RayTaskError
 
     ray = ray_cluster
-    config = ActorConfig(namespace=CONFIG.namespace, num_cpus=1, load_threads=1, compute_threads=1, max_batch=2)
-    name, actor = _loaded_hot_actor(ray, tiny_zqs, config)
+    name, actor = _loaded_hot_actor(ray, tiny_zqs, replace(CONFIG, max_batch=2))
     running = [actor.generate.remote(_request(tiny_zqs, max_tokens=1500, seed=s, keep_hot=True)) for s in (1, 2)]
     for g in running:
         ray.get(next(g))  # both rows started
