@@ -24,7 +24,7 @@ def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability:
         f"- **Cluster**: {cfg.num_slots} accelerator slots ({cfg.slots_per_node} per node), one actor or replica "
         f"per slot, each running up to **{cfg.max_batch} requests at once as one batch** in every system. A "
         f"decode step of b rows takes 1 + {cal.batch_row_cost:g} × (b − 1) one-row steps ({_f(full)}× for a full "
-        f"batch of {cfg.max_batch}; the figure is a placeholder until benchmarks/results/batch.md measures it). A "
+        f"batch of {cfg.max_batch}; the per-row figure is benchmarks/results/batch.md's, at context 128). A "
         "request that joins a running batch waits for its next step boundary (one step of the batch with it in "
         "it), then prefills at its hot speed; while it decodes, every change in the batch's size changes its "
         "speed (sim_model.py has the model and what it leaves out).",
@@ -33,8 +33,8 @@ def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability:
         "of the slot-time the mix needs in full batches. Every arrival builds its `RequestFeatures` and a "
         "`ClusterSnapshot` and calls the real `serve_app.policy.decide` (rule scorer), which commits as "
         "`RegistryState` does: Dispatch → an idle hot actor runs it alone; Join → it becomes one more row of a "
-        "busy hot actor of its own lane (the rule scorer picks, among the first "
-        f"{policy.max_candidates} such actors in spawn order, the batch with the fewest rows and KV positions); "
+        "busy hot actor of its own lane (the rule scorer picks, among the "
+        f"{policy.max_candidates} least loaded such actors, the batch with the fewest rows and KV positions); "
         "Spawn → a fresh actor cold-starts on a free slot"
         + (" (there is none: every slot holds a hot actor)" if num_free == 0 else "")
         + "; Reject → answered at once with 503 and counted. A short request may take an idle long-lane actor "
@@ -196,11 +196,7 @@ def goals_text(cfg: SimConfig, results: list[PointResult], floor: dict[str, Clas
     if z_lo.slowdown_p99 > f_lo.slowdown_p99 + 0.05:
         lines[-1] += (
             f" At {lo:.1f} zero-queue's tail is the longer one ({_f(z_lo.slowdown_p99)} against "
-            f"{_f(f_lo.slowdown_p99)}; a full batch is {_f(cfg.calibration.slowdown(cfg.max_batch))}): a request "
-            f"joins one of the first {cfg.policy().max_candidates} busy hot actors in spawn order "
-            "(`decide`'s candidate window; a reading of policy.py, not a measurement), so the earliest actors' "
-            "batches fill up while later actors run one row, whereas the queue's power of two choices spreads "
-            "rows evenly.")
+            f"{_f(f_lo.slowdown_p99)}; a full batch is {_f(cfg.calibration.slowdown(cfg.max_batch))}).")
     lines[-1] += (" Where zero-queue's tail is short under overload it is partly because requests were refused "
                   "(the rejection columns).")
     lines.append("")
@@ -289,9 +285,10 @@ def not_modelled_text(cfg: SimConfig) -> list[str]:
     cal = cfg.calibration
     return [
         "## What the simulation does not model", "",
-        f"- **The batch's step time is a placeholder**: + {cal.batch_row_cost:g} of a one-row step per extra row "
-        "(sim_calibration.py), until benchmarks/results/batch.md measures it. A row's step cost does not grow "
-        "with its context (KV reads), a joining row's prefill runs at its hot speed and is not charged to the "
+        f"- **The batch's step time is one figure**: + {cal.batch_row_cost:g} of a one-row step per extra row "
+        "(sim_calibration.py), benchmarks/results/batch.md's fit at 128-token contexts. A row's step cost does not "
+        "grow with its context here, though batch.md measures that it does (1,024-token rows made a batch of 8 "
+        "2.2x slower than one row, against 1.4x at 128 tokens), a joining row's prefill runs at its hot speed and is not charged to the "
         "running rows (the engine chunks it into their steps), and the wait for a step boundary is charged as a "
         "whole step. The rule scorer that ranks joins has its own constants (serve_app/scorer.py), not these.",
         _memory_text(cfg),
