@@ -64,8 +64,10 @@ def _judge(points: Points, loads: list[float], systems: tuple[str, ...],
     return met, [f"{f:g}×: {text}" for f, _, text in results], failed
 
 
-def judge(points: Points, floors: Mapping[float, float], reject_bound_s: float) -> list[Goal]:
-    """Every goal, in the issue's order. `floors`: the Erlang-B refusal floor at each load."""
+def judge(points: Points, floors: Mapping[float, float], reject_bound_s: float,
+          own_floors: Mapping[float, float] | None = None) -> list[Goal]:
+    """Every goal, in the issue's order. `floors`: the Erlang-B refusal floor at each load; `own_floors`: the
+    same at zeroqueue's own measured hold time (what its lower capacity alone would refuse)."""
     # The sweep's loads the goal covers (a load that did not run leaves the goal unjudged).
     under = sorted({f for f in (*LOADS, *points) if f <= UNDERLOAD_MAX + 1e-9})
     over = list(OVERLOAD_LOADS)
@@ -80,7 +82,7 @@ def judge(points: Points, floors: Mapping[float, float], reject_bound_s: float) 
 
     met, figs, failed = _judge(points, under, (ZEROQUEUE,), refused)
     goals.append(Goal("1a. zeroqueue's refusals at ≤ 0.7× capacity", f"≤ {pct(MAX_UNDERLOAD_REFUSED)} refused",
-                      "; ".join(figs), met, _why_refused(points, floors, failed)))
+                      "; ".join(figs), met, _why_refused(points, floors, failed, own_floors or {})))
 
     def goodput(f: float) -> tuple[bool | None, str]:
         best = max(sys_(f, UNBOUNDED).goodput_rps, sys_(f, BOUNDED).goodput_rps)
@@ -152,14 +154,19 @@ def _refused_caveat(points: Points, loads: list[float]) -> str:
                                                                          for f, r in refused)
 
 
-def _why_refused(points: Points, floors: Mapping[float, float], failed: list[float]) -> str:
+def _why_refused(points: Points, floors: Mapping[float, float], failed: list[float],
+                 own_floors: Mapping[float, float]) -> str:
     parts = []
     for f in failed:
         x = points[f][ZEROQUEUE]["all"]
-        floor = floors.get(f, math.nan)
-        parts.append(f"at {f:g}× it refused {pct(x.rejection_rate)} where no queue-free system could refuse less "
-                     f"than {pct(floor)} (Erlang-B): {pct(max(0.0, x.rejection_rate - floor))} is the system's own "
-                     f"doing; {x.cold} completed requests started on a fresh actor")
+        floor, own = floors.get(f, math.nan), own_floors.get(f, math.nan)
+        text = (f"at {f:g}× it refused {pct(x.rejection_rate)} where no queue-free system could refuse less "
+                f"than {pct(floor)} (Erlang-B): {pct(max(0.0, x.rejection_rate - floor))} is the system's own doing")
+        if not math.isnan(own):
+            text += (f" — {pct(max(0.0, own - floor))} of it its lower capacity (the floor at zeroqueue's own "
+                     f"measured hold is {pct(own)}), {pct(max(0.0, x.rejection_rate - max(own, floor)))} its "
+                     "admission")
+        parts.append(f"{text}; {x.cold} completed requests started on a fresh actor")
     return "; ".join(parts)
 
 

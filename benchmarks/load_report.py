@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from benchmarks.load_apps import BOUNDED, SYSTEMS, UNBOUNDED, ZEROQUEUE
 from benchmarks.load_goals import Goal, judge
 from benchmarks.load_netem import Impairment
 from benchmarks.load_scenarios import CLASSES, MIXED
-from benchmarks.load_stats import Record, Slo, Summary, by_class
+from benchmarks.load_stats import Record, Slo, Summary, by_class, closed_loop_rate
 from benchmarks.load_sweep import hold_time_s, refusal_floor_at
 from benchmarks.machine_load import was_busy
 
@@ -37,25 +38,32 @@ def summaries(data: dict[str, Any]) -> tuple[Summaries, Summaries]:
     return dict(sorted(points.items())), extras
 
 
-def floors(data: dict[str, Any]) -> list[tuple[float, float, float, float, float]]:
-    """(load, offered req/s, A, Erlang-B floor, the floor at batch-1 hold) per sweep point.
+def floors(data: dict[str, Any]) -> list[tuple[float, float, float, float, float, float]]:
+    """(load, offered req/s, A, Erlang-B floor, the floor at batch-1 hold, the floor at zeroqueue's own
+    full-batch hold) per sweep point.
 
     The floor is the issue's: c = slots x max_batch places, each held c / X seconds, X the
     unbounded queue's measured saturation throughput (Little's law with the engine full).
     Below full load a batch runs fewer rows and each step is faster, so requests hold their
     place for less than c / X and a system can refuse less than that figure. The second
     figure holds each request for its class's service time *alone* (batch 1, in-process),
-    the least time any request can hold a place: the lowest the floor can be.
+    the least time any request can hold a place: the lowest the floor can be. The third
+    holds each request c / X_zq, X_zq zeroqueue's own measured saturation throughput: the
+    floor its engines allow, given what its control plane costs them.
     """
     c, x = data["places"], data["sweep"]["capacity_rps"]
     hold = hold_time_s(c, x)
+    zq = data["capacity"].get(ZEROQUEUE)
+    x_zq = (closed_loop_rate([Record(**r) for r in zq["records"]], zq["warmup_s"], zq["window_s"])[1]
+            if zq else math.nan)
     alone_s = sum(share * data["calibration"][cls]["service_s"] for cls, share in MIXED)
     out = []
     for run in data["runs"].values():
         if run["load"] is None:
             continue
         rate = run["arrivals"] / run["scenario"]["phases"][0]["duration_s"]  # as offered, not as planned
-        out.append((run["load"], rate, rate * hold, refusal_floor_at(c, rate, x), refusal_floor(c, rate, alone_s)))
+        own = refusal_floor_at(c, rate, x_zq) if x_zq > 0 else math.nan
+        out.append((run["load"], rate, rate * hold, refusal_floor_at(c, rate, x), refusal_floor(c, rate, alone_s), own))
     return sorted(out)
 
 
@@ -65,7 +73,8 @@ def write_report(data: dict[str, Any], out: Path) -> str:
 
     points, extras = summaries(data)
     floor_rows = floors(data) if "sweep" in data else []
-    gs = judge(points, {row[0]: row[3] for row in floor_rows}, data["plan"]["reject_bound_s"])
+    gs = judge(points, {row[0]: row[3] for row in floor_rows}, data["plan"]["reject_bound_s"],
+               {row[0]: row[5] for row in floor_rows})
     sweep_png = out.with_name(f"{out.stem}_sweep.png")
     burst_png = out.with_name(f"{out.stem}_burst.png")
     if points:
@@ -109,8 +118,12 @@ def _document(data, points: Summaries, extras: Summaries, floor_rows, gs: list[G
               "and faster, requests hold their places for less, and a system can refuse less than that figure. The "
               "column beside it holds each request only for its class's service time alone (batch 1, in-process), "
               "the least any request can hold a place: the lowest the floor can be at that rate. The two bracket "
-              "the physics: near the first at overload (batches full), near the second at light load. A queue "
-              "refuses less than either by making requests wait; the unbounded one never refuses.", "",
+              "the physics: near the first at overload (batches full), near the second at light load. The third "
+              "holds each request c / X_zq, X_zq zeroqueue's own measured saturation throughput: the floor its "
+              "engines allow once its control plane (ingress, registry, the extra hop to the actor) has taken its "
+              "share of the same cores; between the first and the third is that capacity, beyond the third its "
+              "admission. A queue refuses less than any of them by making requests wait; the unbounded one never "
+              "refuses.", "",
               *tables.floor_table(floor_rows, points), ""]
     if points:
         lines += [f"![goodput, refusals and P99 TTFT against offered load]({sweep_png.name})", "",

@@ -22,16 +22,18 @@ def _tail(t: Tail) -> str:
     return f"{f_(t.p50)} / {f_(t.p99)} / {f_(t.p999)} (n {t.n})"
 
 
-def floor_table(rows: Sequence[tuple[float, float, float, float, float]], refused: Table) -> list[str]:
-    """(load, offered req/s, A in Erlangs, floor, floor at batch-1 hold) per point, beside each system's refusal rate."""
+def floor_table(rows: Sequence[tuple[float, float, float, float, float, float]], refused: Table) -> list[str]:
+    """(load, offered req/s, A in Erlangs, floor, floor at batch-1 hold, floor at zeroqueue's own hold) per point,
+    beside each system's refusal rate."""
     lines = ["| load | offered req/s | A (Erlangs) | Erlang-B floor B(c, A) | floor at batch-1 hold | "
-             + " | ".join(f"{s} refused" for s in SYSTEMS) + " |", "|--:|--:|--:|--:|--:|" + "--:|" * len(SYSTEMS)]
-    for load, rate, erlangs, floor, strict in rows:
+             "floor at zeroqueue's own hold | " + " | ".join(f"{s} refused" for s in SYSTEMS) + " |",
+             "|--:|--:|--:|--:|--:|--:|" + "--:|" * len(SYSTEMS)]
+    for load, rate, erlangs, floor, strict, own in rows:
         cells = []
         for s in SYSTEMS:
             x = refused.get(load, {}).get(s, {}).get("all")
             cells.append("–" if x is None else f"{pct(x.rejection_rate)} ({x.rejected}/{x.offered})")
-        lines.append(f"| {load:g}× | {rate:.2f} | {erlangs:.2f} | {pct(floor)} | {pct(strict)} | "
+        lines.append(f"| {load:g}× | {rate:.2f} | {erlangs:.2f} | {pct(floor)} | {pct(strict)} | {pct(own)} | "
                      + " | ".join(cells) + " |")
     return lines
 
