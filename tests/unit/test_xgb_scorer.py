@@ -60,7 +60,7 @@ def _train(names=FEATURE_NAMES, num_targets=3, seed=0):
     utilization = rng.choice([0.0, 0.9], n)
     rows = np.where(kind == 1, rng.integers(1, 8, n), 0)
     tokens = np.where(kind == 1, rng.integers(50, 5000, n), 0)
-    kv_per_token = rng.choice([1, 4], n)
+    kv_per_token = rng.choice([1, 4, 512], n)  # 512: the tiny test model's, which the app test serves
     max_tokens = rng.integers(1, 200, n)
     input_tokens = rng.integers(1, 1000, n)
     kv_read_bytes = (tokens + input_tokens + max_tokens) * kv_per_token  # the step's reads, the request's row in it
