@@ -46,6 +46,8 @@ def plot_sweep(points: Mapping[float, Mapping[str, Mapping[str, Summary]]],
                  linestyle="--", label="Erlang-B, full-batch hold c/X")
     refused.plot([row[0] for row in floor_rows], [100 * row[4] for row in floor_rows], color="black",
                  linestyle=":", label="Erlang-B, batch-1 hold (the lowest floor)")
+    refused.plot([row[0] for row in floor_rows], [100 * row[5] for row in floor_rows], color="tab:blue",
+                 linestyle="--", linewidth=1, label="Erlang-B, zeroqueue's own full-batch hold")
     good.set_ylabel("goodput, req/s within the SLO")
     refused.set_ylabel("refused (503), % of offered")
     short.set_ylabel("P99 TTFT, short requests, s")
