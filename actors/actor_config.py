@@ -48,8 +48,6 @@ class ActorConfig:
     # requests do not page-fault their working set in again.
     is_freed_memory_retained: bool = True
     idle_trim_after_s: float = 2.0
-    # Memory reports to the node's telemetry agent while rows come and go: at most this often.
-    memory_report_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk_tokens < 1:

@@ -156,9 +156,9 @@ class Engine:
         """
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
-        if len(prompt) + params.max_tokens > self.max_context:
-            raise ContextWindowError(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed the "
-                                     f"context window of {self.max_context}")
+        # Checked again here, not only by build_prompt: a row too long for its cache would fail the
+        # step, and with it every other row of the batch.
+        check_context_window(len(prompt), params.max_tokens, self.max_context)
         with self._lock:
             if self.num_rows >= self.max_batch:
                 raise BatchFullError(f"the batch already runs {self.max_batch} rows")
@@ -202,9 +202,10 @@ class Engine:
         rows, tokens, inputs = [], [], []
         for row, (_, n) in zip(self._rows, plan, strict=True):
             if row.num_prefilled < len(row.prompt):
-                chunk = row.prompt[row.num_prefilled : row.num_prefilled + n]
                 start = row.num_prefilled
-                needs_logits = row.num_prefilled + n == len(row.prompt)
+                chunk = row.prompt[start : start + n]
+                row.num_prefilled += n  # a failing step ends every row (fail_all): no rollback needed
+                needs_logits = row.num_prefilled == len(row.prompt)
             else:
                 chunk, start, needs_logits = [row.last_token], row.position, True
             tokens += chunk
@@ -213,9 +214,6 @@ class Engine:
                 rows.append(row)
         logits = self.model.forward_rows(torch.tensor(tokens, dtype=torch.long, device=self.device), inputs,
                                          wait_layer)
-        for row, (_, n) in zip(list(self._rows), plan, strict=True):
-            if row.num_prefilled < len(row.prompt):
-                row.num_prefilled += n
         # One host sync for the whole step: each row samples on its own generator, then all ids come back.
         ids = torch.cat([sample(logits[i : i + 1], r.params, r.generator) for i, r in enumerate(rows)]).tolist()
         now = time.time()
@@ -261,22 +259,20 @@ class Engine:
             text += row.stops.flush()
         event = TokenEvent(token_id, text, row.num_out, now)
         if matched is not None:
-            stop = ("stop_sequence", matched)
+            self._leave(row, "stop_sequence", matched, event)
         elif is_eos:
-            stop = ("end_turn", None)
+            self._leave(row, "end_turn", None, event)
         elif is_last:
-            stop = ("max_tokens", None)
+            self._leave(row, "max_tokens", None, event)
         else:
             row.emit(event)
-            return
-        self._rows.remove(row)
-        row.caches = None  # freed before anyone hears the row ended
-        row.emit(event)
-        row.emit(self._finish_event(row, stop))
 
-    def _leave(self, row: Row, reason: str, sequence: str | None) -> None:
+    def _leave(self, row: Row, reason: str, sequence: str | None, last: TokenEvent | None = None) -> None:
+        """The row ends: out of the batch, its cache freed, before anyone hears it (its last token, its finish)."""
         self._rows.remove(row)
         row.caches = None
+        if last is not None:
+            row.emit(last)
         row.emit(self._finish_event(row, (reason, sequence)))
 
     def _drop(self, row: Row) -> None:
@@ -338,13 +334,18 @@ def build_prompt(tokenizer: Tokenizer, request: GenerationRequest, max_context: 
     if not request.messages:
         raise ValueError("messages must not be empty")
     prompt = tokenizer.encode_chat(_as_dicts(request.messages), system=request.system)
-    need = len(prompt) + request.sampling.max_tokens
+    check_context_window(len(prompt), request.sampling.max_tokens, max_context)
+    return prompt
+
+
+def check_context_window(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """Raise ContextWindowError unless the prompt plus max_tokens fits the context window."""
+    need = prompt_tokens + max_tokens
     if need > max_context:
         raise ContextWindowError(
-            f"prompt is {len(prompt)} tokens and max_tokens is {request.sampling.max_tokens}: "
+            f"prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}: "
             f"{need} exceeds the context window of {max_context}"
         )
-    return prompt
 
 
 def _as_dicts(messages: tuple[Message, ...]) -> list[dict[str, str]]:

@@ -83,7 +83,6 @@ _MAX_TRANSITIONS = 256  # a hot actor alternates DECODE and IDLE for as long as 
 class _Cold:
     """The first request's part in loading: the gate its prefill passes through, and when layer 0 began."""
 
-    request_id: str
     first_layers: int
     wait_layer: WaitLayer
     marks: dict[str, float]
@@ -119,7 +118,6 @@ class RequestActor:
         self._peak = PeakMemory(is_cuda)
         self._reporter = AgentReporter(self.name, config.namespace, is_cuda)
         self._reporter.report(self._weight_bytes)
-        self._reported_at = time.monotonic()
         self._stream_open = True
         self._is_loaded = False  # every group resident (then cached: it never goes back)
         self._cold: _Cold | None = None  # the first request's part in loading; set once it arrives
@@ -154,11 +152,9 @@ class RequestActor:
         is_cold = self._cold is None  # the actor's first request: it paid for loading the weights
         if not is_cold and not self._loaded():
             raise ActorBusyError(f"{self.name} is loading; it serves one request until its weights are in")
-        if self._engine.num_rows >= self.config.max_batch:
-            raise ActorBusyError(f"{self.name} already runs {self.config.max_batch} requests")
         arrival = time.time()
         if is_cold:
-            self._cold = _Cold(request.request_id, 0, lambda i: None, {})  # claimed before the first await
+            self._cold = _Cold(0, lambda i: None, {})  # claimed before the first await
         stream: RowStream | None = None
         completion = None
         try:
@@ -204,7 +200,7 @@ class RequestActor:
         interval = self.config.stream_interval_s
         loop = asyncio.get_running_loop()
         next_send = 0.0  # loop time before which no further chunk leaves
-        num_tokens = 0
+        has_sent_token = False
         while True:
             items = [await stream.get()]
             wait = next_send - loop.time()
@@ -215,15 +211,14 @@ class RequestActor:
                 yield item
                 if isinstance(item, Completion):
                     return
-                if isinstance(item, TextChunk):
-                    num_tokens = item.num_output_tokens
-            if num_tokens:  # the first token went out as it came; later ones wait their turn
+                has_sent_token |= isinstance(item, TextChunk)
+            if has_sent_token:  # the first token went out as it came; later ones wait their turn
                 next_send = loop.time() + interval
 
     def _item(self, request: ActorRequest, event, arrival: float, is_cold: bool):
         if isinstance(event, StartEvent):
             self._state.enter(Phase.PREFILL if is_cold else Phase.DECODE)
-            self._report_memory()  # the row's KV cache is in place now
+            self._reporter.report(self._accounted_bytes())  # the row's KV cache is in place now
             return Started(request.request_id, event.time, is_cold)
         if isinstance(event, TokenEvent):
             if event.num_output_tokens == 1 and is_cold:
@@ -263,7 +258,7 @@ class RequestActor:
             if i == 0 and "first_layer_compute_start" not in marks:
                 marks["first_layer_compute_start"] = time.time()
 
-        return _Cold(request.request_id, first_layers, wait_layer, marks)
+        return _Cold(first_layers, wait_layer, marks)
 
     def _weight_gate(self) -> WaitLayer | None:
         """Asked by the stepping thread before each step: the cold gate until every weight is resident."""
@@ -337,7 +332,7 @@ class RequestActor:
             self._exit()  # a failed step, or a cold load nobody waits for any more
             return
         if self._engine.num_rows:
-            self._report_memory()
+            self._reporter.report(self._accounted_bytes())
             return
         if not self._keep_hot:
             self._exit()
@@ -347,16 +342,7 @@ class RequestActor:
             self._stream_open = False
         self._idle_trimmer.request_ended()  # the batch's activations go back if no request follows
         self._state.enter(Phase.IDLE)
-        self._report_memory(is_due=True)
-
-    def _report_memory(self, is_due: bool = False) -> None:
-        """Weights plus the rows' caches to the node's agent, at most every `memory_report_s` while
-        rows come and go (a report per row start and end would cost the batch's steps), and
-        always when `is_due` (the batch drained: the figure the node keeps while idle)."""
-        now = time.monotonic()
-        if is_due or now - self._reported_at >= self.config.memory_report_s:
-            self._reported_at = now
-            self._reporter.report(self._accounted_bytes())
+        self._reporter.report(self._accounted_bytes())
 
     def _exit(self) -> None:
         import ray
