@@ -63,7 +63,7 @@ def cluster(num_slots: int, seed: int) -> ClusterSnapshot:
         slots.append(SlotView(slot_id, node, 80 * GiB, reserved + num_rows * GiB, 1, rng.random() * 0.5,
                               rng.random()))
         actors.append(ActorView(f"zq-{MODEL}-{i:012x}", MODEL, slot_id, state, rng.choice(["short", "long"]),
-                                state == "idle" or rng.random() < 0.3, reserved + num_rows * GiB, reserved, rows))
+                                state == "idle" or rng.random() < 0.3, reserved, rows))
     return ClusterSnapshot(tuple(slots), tuple(actors), 1)
 
 

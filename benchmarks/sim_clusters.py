@@ -86,7 +86,7 @@ class RegistryCluster:
             # As if a first request had spawned it and finished: idle, hot, only its resident bytes held.
             name, request = actor_name(self._next_seq), f"prewarm-{self._next_seq}"
             self._next_seq += 1
-            row = RowReservation(request, 0, 1, None, 0.0, math.inf)
+            row = RowReservation(request, 1, None, 0.0, math.inf)
             if not self.state.try_spawn(Spawn(slot_name(slot), lane, True, resident_bytes, resident_bytes), name,
                                         MODEL, row, 0.0):
                 raise ValueError(f"cannot prewarm an actor on slot {slot}")
@@ -182,9 +182,8 @@ class IncrementalCluster:
 
     def _actor_view(self, a: _Actor) -> ActorView:
         if a.view is None:
-            rows = tuple(a.rows.values())
             a.view = ActorView(a.name, MODEL, self.names[a.slot], a.state, a.lane, a.is_hot,  # type: ignore[arg-type]
-                               a.resident + sum(r.request_bytes for r in rows), a.resident, rows)
+                               a.resident, tuple(a.rows.values()))
         return a.view
 
     def snapshot(self, features: RequestFeatures) -> RestrictedSnapshot:

@@ -125,11 +125,11 @@ class _Slot:
 @dataclass
 class RowReservation:
     request_id: str
-    request_bytes: int
     num_tokens: int
     tpot_target_s: float | None
     predicted_end: float
     busy_deadline: float
+    request_bytes: int = 0  # set by the commit, from the decision's reservation
 
     def view(self) -> RowView:
         return RowView(self.request_bytes, self.num_tokens, self.tpot_target_s, self.predicted_end)
@@ -154,7 +154,7 @@ class _Actor:
 
     def view(self) -> ActorView:
         return ActorView(self.name, self.model, self.slot_id, self.state, self.lane, self.is_hot,
-                         self.reserved_bytes, self.resident_bytes, tuple(r.view() for r in self.rows.values()))
+                         self.resident_bytes, tuple(r.view() for r in self.rows.values()))
 
 
 class RegistryState:
@@ -295,8 +295,8 @@ class RegistryState:
             return Reject(decision.reason, wait, decision.message)
         is_cold = isinstance(decision, Spawn)
         predicted_total = decision.prediction.total_s if decision.prediction is not None else 0.0
-        row = RowReservation(request_id, decision.reserve_bytes, features.num_tokens, features.tpot_target_s,
-                   now + predicted_total, now + policy.busy_timeout_s(features, is_cold))
+        row = RowReservation(request_id, features.num_tokens, features.tpot_target_s, now + predicted_total,
+                             now + policy.busy_timeout_s(features, is_cold))
         if isinstance(decision, Spawn):
             is_committed = self.try_spawn(decision, spawn_name, features.model, row, now)
         elif isinstance(decision, Join):

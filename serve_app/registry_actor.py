@@ -119,7 +119,7 @@ class RegistryActor:
         """Commit a Spawn decided elsewhere (racing replicas in tests); its row holds no prediction."""
         with self._lock:
             now = time.time()
-            row = RowReservation(request_id, decision.reserve_bytes, 0, None, now, now + busy_timeout_s)
+            row = RowReservation(request_id, 0, None, now, now + busy_timeout_s)
             return self._state.try_spawn(decision, actor_name, model, row, now)
 
     def actor_started(self, actor_name: str) -> bool:

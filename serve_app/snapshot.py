@@ -97,9 +97,13 @@ class ActorView:
     state: ActorState
     lane: Lane
     is_hot: bool  # stays (idle) after its current rows, or is idle now
-    reserved_bytes: int  # resident + every row's bytes
     resident_bytes: int = 0  # weights + per-process overhead
     rows: tuple[RowView, ...] = ()
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Resident plus every row's bytes."""
+        return self.resident_bytes + sum(r.request_bytes for r in self.rows)
 
     @property
     def num_rows(self) -> int:

@@ -35,7 +35,7 @@ def _actor(name, slot_id, state="idle", lane="short", model="m", is_hot=True, re
     """An actor; a busy or starting one runs `rows` rows (default 1) of `row_tokens` KV positions each."""
     num_rows = (0 if state == "idle" else 1) if rows is None else rows
     views = tuple(RowView(row_tokens, row_tokens, tpot, 0.0) for _ in range(num_rows))
-    return ActorView(name, model, slot_id, state, lane, is_hot, reserved + num_rows * row_tokens, reserved, views)
+    return ActorView(name, model, slot_id, state, lane, is_hot, reserved, views)
 
 
 def _snap(slots, actors=()) -> ClusterSnapshot:
@@ -394,7 +394,7 @@ def _scenarios(draw):
                      for _ in range(num_rows))
         actors.append(ActorView(f"a{i}", draw(st.sampled_from(["m", "m2"])), draw(st.sampled_from(slots)).slot_id,
                                 state, draw(st.sampled_from(["short", "long"])),
-                                state == "idle" or draw(st.booleans()), 100 + 10 * num_rows, 100, rows))
+                                state == "idle" or draw(st.booleans()), 100, rows))
     features = _features(input_tokens=draw(st.integers(1, 20)), max_tokens=draw(st.integers(1, 20)),
                          weight_bytes=draw(st.integers(0, 3000)), kv_bytes_per_token=draw(st.integers(0, 30)),
                          workspace_bytes=draw(st.integers(0, 300)))

@@ -28,7 +28,7 @@ def _spawn(slot_id="s0", reserve=600, resident=None, keep_hot=True, lane="short"
 
 def _row(request_id="r", deadline=10.0, end=0.0, tokens=0, tpot=None) -> RowReservation:
     """A row; its bytes are set by the commit from the decision."""
-    return RowReservation(request_id, 0, tokens, tpot, end, deadline)
+    return RowReservation(request_id, tokens, tpot, end, deadline)
 
 
 def _slot(reg, slot_id="s0"):

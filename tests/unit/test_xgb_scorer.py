@@ -112,7 +112,7 @@ def _batch_snap(row_tpot_target=None):
     """A busy hot actor running 2 rows of 250 positions on slot a; slot b is free."""
     rows = tuple(RowView(250, 250, row_tpot_target, 0.0) for _ in range(2))
     return ClusterSnapshot((SlotView("a", "n", 10_000, 1500, 1), SlotView("b", "n", 10_000, 0, 0)),
-                           (ActorView("j", "m", "a", "busy", "short", True, 1500, 1000, rows),), 1)
+                           (ActorView("j", "m", "a", "busy", "short", True, 1000, rows),), 1)
 
 
 # ---------------------------------------------------------------- loading
