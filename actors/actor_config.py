@@ -40,8 +40,7 @@ class ActorConfig:
     # After the first token, at most one chunk per interval is sent (tokens sampled meanwhile
     # ride together); 0 sends every token on its own. Each chunk is a Ray object to the
     # ingress and an SSE event on to the proxy, whose handling competes with the batch's
-    # steps on a CPU node; a longer interval delays the last token by as much (a 50 ms one
-    # added ~50 ms to every end-to-end time in benchmarks/results/load.md's first run).
+    # steps on a CPU node; a longer interval delays a request's last token by up to as much.
     stream_interval_s: float = 0.02
     # Keep activation memory freed inside a request for the next layer, on huge pages
     # (actors/heap.py); a hot actor gives it back once idle this long, so back-to-back

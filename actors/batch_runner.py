@@ -99,5 +99,5 @@ class BatchRunner:
             try:
                 self.engine.step(self._wait_layer() if self._wait_layer is not None else None)
             except BaseException as e:  # every row of the batch hears it
-                log.exception("a batch step failed; its %d rows end with the error", len(self.engine._rows))
+                log.exception("a batch step failed; its %d rows end with the error", self.engine.num_rows)
                 self.engine.fail_all(e)

@@ -1,6 +1,6 @@
 """Batched decoding against one request at a time, side by side in one run: what a hot actor's batch buys.
 
-    .venv/bin/python -m benchmarks.bench_batch            # ~3 min; writes benchmarks/results/batch.md
+    .venv/bin/python -m benchmarks.bench_batch            # ~1.5 min; writes benchmarks/results/batch.md
     .venv/bin/python -m benchmarks.bench_batch --quick    # seconds; writes .cache/bench/batch/batch.md
 
 The demo model (`small`: ~100M parameters, bf16, the serving default), the actors' engine
@@ -17,6 +17,10 @@ neighbour slows every size alike, and each figure is the median over repeats.
   context's steps read over the shortest's, per extra second they took.
 - A joiner's stall: the longest step the running rows see while a long prompt joins
   them, with the prompt chunked (`prefill_chunk_tokens`) and whole.
+- The two CPU kernel choices the runtime makes (actors/layers.py, actors/attention.py):
+  one bf16 row through `torch.mv` against `F.linear` on the model's MLP weight, and one
+  decode query's attention over 1,024 cached positions with SDPA's `enable_gqa` against
+  the query heads folded onto their KV head; each the best of 200-call medians.
 """
 
 from __future__ import annotations
@@ -101,6 +105,39 @@ def join_stall(engine: Engine, prompt: int, running: int, steps_before: int = 3)
     return longest
 
 
+def _call_us(run, calls: int = 200, repeats: int = 5) -> float:
+    """Microseconds a call, the best of `repeats` medians of `calls` timed calls."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        best = min(best, statistics.median(times))
+    return best * 1e6
+
+
+def kernels(model) -> dict[str, float]:
+    """The runtime's two CPU kernel choices, timed on this model's shapes (see the module docstring)."""
+    import torch.nn.functional as F
+
+    weight = model.model.layers[0].mlp.gate_proj.weight  # [intermediate, hidden]
+    row = torch.randn(weight.shape[1]).to(weight.dtype)
+    attn = model.model.layers[0].self_attn
+    h, h_kv, d, positions = attn.num_heads, attn.num_kv_heads, attn.head_dim, 1024
+    q = torch.randn(1, h, 1, d).to(weight.dtype)
+    k, v = (torch.randn(1, h_kv, positions, d).to(weight.dtype) for _ in range(2))
+    folded = q.view(1, h_kv, h // h_kv, d)
+    return {
+        "mv_us": _call_us(lambda: torch.mv(weight, row)),
+        "linear_us": _call_us(lambda: F.linear(row.view(1, -1), weight)),
+        "sdpa_gqa_us": _call_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+        "sdpa_folded_us": _call_us(lambda: F.scaled_dot_product_attention(folded, k, v)),
+    }
+
+
 def measure(plan: Plan, zqs: Path) -> dict:
     torch.set_num_threads(1)  # the actors' compute_threads
     model, tokenizer = load_zqs(zqs)
@@ -108,6 +145,7 @@ def measure(plan: Plan, zqs: Path) -> dict:
     engines = {chunk: Engine(model, tokenizer, max_batch=max(plan.batch_sizes), prefill_chunk_tokens=chunk)
                for chunk in (plan.chunk, 1_000_000)}
     engine = engines[plan.chunk]
+    out["kernels"] = kernels(model)
     step_time(engine, 1, 32, 4)  # warm-up
     for repeat in range(plan.repeats):
         for context in plan.contexts:
@@ -163,6 +201,7 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
                      f"(goal >= 4: {'met' if speedup >= 4 else 'missed'}); per-row TPOT **{tpot:.2f}x** "
                      f"(goal <= 1.5: {'met' if tpot <= 1.5 else 'missed'}).")
     stall = {k: statistics.median(v) for k, v in data["stall"].items()}
+    kern = data["kernels"]
     whole = stall[str(1_000_000)]
     lines += [
         "",
@@ -186,6 +225,19 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
         "",
         "Chunking bounds what a joiner costs the running rows to one step of the chunk's size; the whole "
         "prompt in one step stalls every running row for all of it.",
+        "",
+        "## The runtime's CPU kernel choices, on this machine",
+        "",
+        "| kernel | µs a call | the runtime uses |",
+        "|---|--:|---|",
+        f"| one bf16 row × the MLP's gate weight, `torch.mv` | {kern['mv_us']:.0f} | "
+        f"{'this' if kern['mv_us'] < kern['linear_us'] else ''} |",
+        f"| the same, `F.linear` | {kern['linear_us']:.0f} | {'this' if kern['linear_us'] <= kern['mv_us'] else ''} |",
+        f"| one decode query over 1,024 positions, SDPA `enable_gqa` | {kern['sdpa_gqa_us']:.0f} | |",
+        f"| the same, query heads folded onto their KV head | {kern['sdpa_folded_us']:.0f} | this |",
+        "",
+        "`actors/layers.py` times `mv` against `F.linear` once per process and keeps the faster (which one "
+        "wins depends on the CPU); decode attention always folds.",
         "",
     ]
     return "\n".join(lines)

@@ -117,7 +117,7 @@ _COLD_CHECKS = ((1120, 0.719), (2240, 1.215))
 # A decode step's extra time per extra row of the batch, as a share of a one-row step: measured by
 # benchmarks/results/batch.md ('a step grows by ... per extra row at context 128'; the mix's prompts
 # are short, so the KV reads of long contexts are left out). The one place this figure lives.
-_BATCH_ROW_COST = 0.052
+_BATCH_ROW_COST = 0.056
 
 CPU_MEASURED = Calibration(
     name="cpu-measured",

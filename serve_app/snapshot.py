@@ -18,8 +18,6 @@ from typing import Any, Literal
 
 Lane = Literal["short", "long"]
 ActorState = Literal["starting", "busy", "idle"]
-LANES: tuple[Lane, ...] = ("short", "long")
-ACTOR_STATES: tuple[ActorState, ...] = ("starting", "busy", "idle")
 
 
 @dataclass(frozen=True)
