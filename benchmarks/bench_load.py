@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import load_apps
+from benchmarks.cpu_share import CpuSampler
 from benchmarks.load_netem import Impairment, lossy_link, probe
 from benchmarks.load_report import write_report
 from benchmarks.load_scenarios import CLASSES, MIXED, Scenario, extra_scenarios, prompt_of, schedule
@@ -141,12 +142,19 @@ class Harness:
         path.write_text(json.dumps(self.common | {"closed_loop": {
             "clients": clients, "duration_s": duration, "mix": MIXED, "seed": p.seed,
             "max_retry_wait_s": p.max_retry_wait_s}}))
-        records = self.client(system, "capacity", path, duration)
+        with CpuSampler() as cpu:  # where the CPU went while the system ran full
+            records = self.client(system, "capacity", path, duration)
         done, rps = closed_loop_rate([Record(**r) for r in records], p.capacity_warmup_s, p.capacity_window_s)
+        cpu_window_s, cpu_s = 0.0, {}
+        if records:
+            r = Record(**records[0])
+            start = r.sent - r.lag - r.t_sched + p.capacity_warmup_s  # the loop's clock, as closed_loop_rate reads it
+            cpu_window_s, cpu_s = cpu.between(start, start + p.capacity_window_s)
         log.info("%s: saturation %.2f req/s (%d completed in the %.0f s window, %d clients)", system, rps, done,
                  p.capacity_window_s, clients)
         return {"clients": clients, "warmup_s": p.capacity_warmup_s, "window_s": p.capacity_window_s,
-                "completed_in_window": done, "rps": rps, "records": records}
+                "completed_in_window": done, "rps": rps, "records": records,
+                "cpu_window_s": cpu_window_s, "cpu_s": cpu_s}
 
     def client(self, app: str, scenario: str, sched_path: Path, duration_s: float,
                base: str | None = None, prefix: tuple[str, ...] = ()) -> list[dict]:

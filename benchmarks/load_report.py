@@ -222,6 +222,12 @@ def _capacity(data: dict[str, Any]) -> list[str]:
         f"{plan['max_retry_wait_s'] * 1000:g} ms later, so the loop stays closed. Saturation throughput = requests "
         f"completed in the window after the warm-up / the window.", "",
         *tables.capacity_table(capacity, slo, service, sweep["capacity_rps"]), "",
+        *(["CPU per completed request (ms), by process, over each system's capacity window (every process's "
+           "user + system time, read every 0.5 s; `benchmarks/cpu_share.py` names the roles). A baseline "
+           "replica's figure holds its engine and its own HTTP handling; zeroqueue's engines are its request "
+           "actors, and its ingress and registry are the control plane the baselines do not have. On CPU slots "
+           "all of it comes out of the same cores.", "", *tables.cpu_table(capacity), ""]
+          if tables.cpu_table(capacity) else []),
         f"Offered loads are fractions of **{UNBOUNDED}'s {sweep['capacity_rps']:.2f} req/s**, the same "
         "schedules for every system. Each point lasts to hold about "
         f"{plan['budget']['target_n']} requests (clamped to {plan['budget']['min_s']:g}–{plan['budget']['max_s']:g} s)"

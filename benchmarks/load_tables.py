@@ -102,3 +102,19 @@ def capacity_table(capacity: Mapping[str, Mapping[str, Any]], slo, service: Mapp
             f"{f_(rps / reference_rps if reference_rps else float('nan'), 2)} | {x.rejected} | "
             f"{f_(x.ttft.p50)} / {f_(x.ttft.p99)} | {f_(x.e2e.p50)} / {f_(x.e2e.p99)} |")
     return lines
+
+
+def cpu_table(capacity: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """CPU ms per completed request, by process role, while each system ran full (benchmarks/cpu_share.py)."""
+    measured = {s: capacity[s] for s in SYSTEMS if capacity.get(s, {}).get("cpu_s")}
+    if not measured:
+        return []
+    roles = sorted({r for cap in measured.values() for r in cap["cpu_s"]},
+                   key=lambda r: -max(cap["cpu_s"].get(r, 0.0) for cap in measured.values()))
+    lines = ["| system | " + " | ".join(roles) + " | all | cores busy |", "|---|" + "--:|" * (len(roles) + 2)]
+    for s, cap in measured.items():
+        requests = cap["rps"] * cap["cpu_window_s"]
+        per = {r: 1000 * cap["cpu_s"].get(r, 0.0) / requests for r in roles}
+        lines.append(f"| {s} | " + " | ".join(f"{per[r]:.1f}" for r in roles)
+                     + f" | {sum(per.values()):.1f} | {sum(cap['cpu_s'].values()) / cap['cpu_window_s']:.2f} |")
+    return lines
