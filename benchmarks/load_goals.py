@@ -163,9 +163,10 @@ def _why_refused(points: Points, floors: Mapping[float, float], failed: list[flo
         text = (f"at {f:g}× it refused {pct(x.rejection_rate)} where no queue-free system could refuse less "
                 f"than {pct(floor)} (Erlang-B): {pct(max(0.0, x.rejection_rate - floor))} is the system's own doing")
         if not math.isnan(own):
-            text += (f" — {pct(max(0.0, own - floor))} of it its lower capacity (the floor at zeroqueue's own "
-                     f"measured hold is {pct(own)}), {pct(max(0.0, x.rejection_rate - max(own, floor)))} its "
-                     "admission")
+            excess = max(0.0, x.rejection_rate - floor)
+            capacity = min(excess, max(0.0, own - floor))
+            text += (f" — {pct(capacity)} of it its lower capacity (the floor at zeroqueue's own measured hold is "
+                     f"{pct(own)}), {pct(excess - capacity)} its admission")
         parts.append(f"{text}; {x.cold} completed requests started on a fresh actor")
     return "; ".join(parts)
 
