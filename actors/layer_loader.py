@@ -15,7 +15,8 @@ in before the first decode step (its input is a new token) and before the logits
 tied model; callers wait on group -1 when they wait on the final group.
 
 The stream starts as soon as the model is allocated; the tokenizer is built while the
-first layers load.
+first layers load. A warm actor (`warm_layers=N`) loads the whole table and layers
+0..N-1, then holds until `stream.resume()`: its request's prompt rows are already in.
 """
 
 from __future__ import annotations
@@ -91,8 +92,12 @@ def open_zqs(path: str | Path) -> tuple[ShardReader, ModelConfig, Tokenizer]:
     return reader, config, tokenizer
 
 
-def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2) -> StreamedModel:
-    """Start loading `path` into a fresh model on `device`; returns once the stream has started."""
+def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2,
+               warm_layers: int | None = None) -> StreamedModel:
+    """Start loading `path` into a fresh model on `device`; returns once the stream has started.
+
+    `warm_layers=N` loads the embeddings and the first N layers only, then holds (module doc).
+    """
     reader, config = _open_header(path)
     try:
         device = torch.device(device)
@@ -110,12 +115,18 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
         is_embedding_raw = _is_raw(reader, EMBEDDING_TENSOR)
         layers_first = [*range(config.num_layers), EMBEDDINGS_GROUP, config.num_layers]
         order = layers_first if is_embedding_raw else None
+        hold_after = None
+        if warm_layers is not None:
+            if not 0 <= warm_layers <= config.num_layers:
+                raise ValueError(f"warm_layers must be in 0..{config.num_layers}, got {warm_layers}")
+            order, hold_after = None, 1 + warm_layers  # the table, then layers 0..N-1: in file order
         if device.type == "cuda":
-            stream: LayerStream = CudaLayerStream(reader, dests, num_threads=num_threads, order=order)
+            stream: LayerStream = CudaLayerStream(reader, dests, num_threads=num_threads, order=order,
+                                                  hold_after=hold_after)
         else:
             # Flat byte views of the parameters: the stream writes the weights where they live.
             views = {name: t.reshape(-1).view(torch.uint8).numpy() for name, t in dests.items()}
-            stream = LayerStream(reader, views, num_threads=num_threads, order=order)
+            stream = LayerStream(reader, views, num_threads=num_threads, order=order, hold_after=hold_after)
     except BaseException:
         reader.close()
         raise

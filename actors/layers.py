@@ -46,6 +46,15 @@ def _is_gemv_faster(weight: torch.Tensor) -> bool:
     return _gemv_choice[0]
 
 
+def warm_up_kernels(params: dict[str, torch.Tensor]) -> None:
+    """Make the once-per-process kernel choice on a resident layer's weights, ahead of a request."""
+    for weight in params.values():
+        if weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            with torch.no_grad():
+                _is_gemv_faster(weight.detach())
+            return
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameter names) through `linear`, created uninitialised."""
 

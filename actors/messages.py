@@ -20,6 +20,7 @@ class ActorBusyError(RuntimeError):
 class Phase(str, Enum):
     STARTING = "STARTING"
     LOADING = "LOADING"
+    WARM = "WARM"  # a warm actor's first layers are resident; it waits for its request
     PREFILL = "PREFILL"
     DECODE = "DECODE"
     IDLE = "IDLE"

@@ -2,8 +2,8 @@
 
 Lifecycle (queryable through `status()`, every transition time-stamped):
 
-    STARTING -> LOADING (k of L layers) -> PREFILL -> DECODE <-> IDLE -> EXITED
-                                                           \\-> EXITED
+    STARTING -> LOADING (k of L layers) [-> WARM] -> PREFILL -> DECODE <-> IDLE -> EXITED
+                                                                     \\-> EXITED
 
 Cold. The actor starts streaming its `.zqs` file the moment it is constructed, so loading
 overlaps the request's trip to the actor. Its first request is the only one it takes
@@ -13,6 +13,13 @@ prompt length) and layer i's compute waits only for layer i. Layer 0 needs only 
 prompt's embedding rows, read on their own where the file stores the table raw
 (actors/layer_loader.py); the whole table, and its checksum, is waited for before the
 first token, so once a first token exists every weight is resident.
+
+Warm. Created with `warm_layers=N`, the actor is started ahead of any request: it imports
+everything, allocates the model, builds the tokenizer and loads the embeddings and layers
+0..N-1, then holds the stream (`ready()` returns then; phase WARM). Its first request is
+served exactly as a cold one, except that the process is up and the first N layers are
+in: the stream resumes the moment the request arrives, and prefill starts at once when
+N covers what the prompt needs (`cold_start.choose_first_layers`).
 
 Hot. Once loaded, the actor runs a batch of up to `max_batch` requests (actors/engine.py,
 stepped on one thread by actors/batch_runner.py): each `generate` call is one row with its
@@ -47,6 +54,7 @@ from actors.batch_runner import BatchRunner, RowStream
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
 from actors.engine import BatchFullError, Engine, FinishEvent, StartEvent, TokenEvent
 from actors.heap import IdleTrimmer, retain_freed_memory
+from actors.layers import warm_up_kernels
 from actors.messages import (
     ActorBusyError,
     ActorRequest,
@@ -89,7 +97,8 @@ class _Cold:
 
 
 class RequestActor:
-    def __init__(self, zqs_path: str, config: ActorConfig, device: str | None = None):
+    def __init__(self, zqs_path: str, config: ActorConfig, device: str | None = None,
+                 warm_layers: int | None = None):
         import torch
 
         from actors.layer_loader import stream_zqs
@@ -107,7 +116,9 @@ class RequestActor:
             device = "cuda" if config.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         if device == "cpu" and config.cpu_nice:
             os.nice(config.cpu_nice)
-        self._streamed = stream_zqs(zqs_path, device=device, num_threads=config.load_threads)
+        self._streamed = stream_zqs(zqs_path, device=device, num_threads=config.load_threads,
+                                    warm_layers=warm_layers)
+        self._warm_layers = warm_layers
         self._model = self._streamed.model
         self._engine = Engine(self._model, self._streamed.tokenizer, max_batch=config.max_batch,
                               prefill_chunk_tokens=config.prefill_chunk_tokens)
@@ -143,6 +154,14 @@ class RequestActor:
             num_rows=self._engine.num_rows,
         )
 
+    async def ready(self, timeout_s: float | None = None) -> ActorStatus:
+        """Return once a warm actor holds the embeddings and its first layers (at once for a loaded one)."""
+        if self._warm_layers is not None and self._cold is None:
+            await asyncio.to_thread(self._wait_warm, timeout_s)
+            if self._cold is None:  # no request was bound meanwhile
+                self._state.enter(Phase.WARM)
+        return self.status()
+
     # ---- serving ---------------------------------------------------------------------
 
     async def generate(self, request: ActorRequest):
@@ -155,6 +174,7 @@ class RequestActor:
         arrival = time.time()
         if is_cold:
             self._cold = _Cold(0, lambda i: None, {})  # claimed before the first await
+            self._streamed.stream.resume()  # a warm actor's held layers: from now on
         stream: RowStream | None = None
         completion = None
         try:
@@ -259,6 +279,14 @@ class RequestActor:
                 marks["first_layer_compute_start"] = time.time()
 
         return _Cold(first_layers, wait_layer, marks)
+
+    def _wait_warm(self, timeout_s: float | None) -> None:
+        stream = self._streamed.stream
+        stream.wait(EMBEDDINGS_GROUP, timeout_s)
+        for i in range(self._warm_layers):
+            stream.wait(i, timeout_s)
+        if self._warm_layers:  # the first request's kernel choice, made ahead of it
+            warm_up_kernels(self._model.group_parameters(0))
 
     def _weight_gate(self) -> WaitLayer | None:
         """Asked by the stepping thread before each step: the cold gate until every weight is resident."""
@@ -371,11 +399,12 @@ def new_actor_name(model: str) -> str:
     return f"zq-{model}-{uuid.uuid4().hex[:12]}"
 
 
-def spawn(zqs_path: str, config: ActorConfig, name: str):
-    """Create the detached actor; its loading starts at once."""
+def spawn(zqs_path: str, config: ActorConfig, name: str, warm_layers: int | None = None):
+    """Create the detached actor; its loading starts at once (up to `warm_layers` layers for a warm one)."""
     import ray
 
-    return ray.remote(RequestActor).options(**config.actor_options(name)).remote(zqs_path, config)
+    return ray.remote(RequestActor).options(**config.actor_options(name)).remote(
+        zqs_path, config, warm_layers=warm_layers)
 
 
 def _own_name() -> str:

@@ -6,6 +6,10 @@ loader that reads the prompt's embedding rows on its own streams the layers firs
 `num_threads` threads; `wait(i)` returns once group i is in place (and only group i's error is raised
 there: the other groups still load). `close()` stops the threads within one 4 MiB read.
 
+`hold_after=k` loads only the first k groups of the order, then holds until `resume()`:
+a warm actor keeps the embeddings and its first layers resident, ahead of any request,
+and streams the rest only once a request is bound to it.
+
 `LayerStream` decodes into caller-owned host buffers and needs no torch.
 `CudaLayerStream` decodes into a small ring of pinned staging buffers and copies them to
 caller-owned CUDA tensors on a side stream; `wait(i)` then makes the caller's current
@@ -46,6 +50,7 @@ class LayerStream:
         num_threads: int = 2,
         verify: bool = True,
         order: Sequence[int] | None = None,
+        hold_after: int | None = None,
     ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {num_threads}")
@@ -57,12 +62,17 @@ class LayerStream:
             if sorted(order) != self._order:
                 raise ValueError(f"order must list each group -1..{self.num_layers} once, got {list(order)}")
             self._order = list(order)
+        if hold_after is not None and not 0 <= hold_after <= len(self._order):
+            raise ValueError(f"hold_after must be in 0..{len(self._order)}, got {hold_after}")
         self._groups = {i: reader.group(group_name(i, self.num_layers)) for i in self._order}
         self._prepare(destinations)  # checks every destination before any thread starts
 
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._resumed = threading.Condition(self._lock)
         self._next = 0
+        self._limit = len(self._order) if hold_after is None else hold_after  # groups a thread may start
+        self._held_s = 0.0  # how long the threads were held with nothing to load
         self._done = {i: threading.Event() for i in self._order}
         self._errors: dict[int, BaseException] = {}
         self._ready_at: dict[int, float] = {}
@@ -88,17 +98,37 @@ class LayerStream:
         with self._lock:
             return dict(self._ready_at)
 
+    def resume(self) -> None:
+        """Load the groups held back by `hold_after`; a no-op once everything may load."""
+        with self._lock:
+            held = self._order[: self._limit]
+            if self._limit < len(self._order) and all(i in self._ready_at for i in held):
+                # The threads stood still from the last held group's arrival until now: not load time.
+                last = max((self._ready_at[i] for i in held), default=0.0)
+                self._held_s = time.perf_counter() - self._start - last
+            self._limit = len(self._order)
+            self._resumed.notify_all()
+
+    @property
+    def is_held(self) -> bool:
+        """True while groups wait for `resume()`."""
+        with self._lock:
+            return self._limit < len(self._order)
+
     def throughput(self) -> float:
         """Bytes per second over the groups loaded so far (decompressed bytes delivered)."""
         with self._lock:
             if not self._ready_at:
                 return 0.0
             loaded = sum(self._groups[i].size for i in self._ready_at)
-            return loaded / max(max(self._ready_at.values()), 1e-9)
+            last = max(self._ready_at.values())
+            return loaded / max(last - self._held_s if last > self._held_s else last, 1e-9)
 
     def close(self) -> None:
         """Stop the threads (each finishes at most its current read) and fail unfinished waits."""
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
+            self._resumed.notify_all()  # held threads wake to see the stop
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
@@ -137,7 +167,9 @@ class LayerStream:
     def _work(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                if self._next == len(self._order):
+                while self._next == self._limit < len(self._order) and not self._stop.is_set():
+                    self._resumed.wait()
+                if self._next == len(self._order) or self._stop.is_set():
                     return
                 index = self._order[self._next]
                 self._next += 1
@@ -183,6 +215,7 @@ class CudaLayerStream(LayerStream):
         num_threads: int = 2,
         verify: bool = True,
         order: Sequence[int] | None = None,
+        hold_after: int | None = None,
         slot_bytes: int = 32 << 20,
         num_slots: int | None = None,
     ) -> None:
@@ -190,7 +223,8 @@ class CudaLayerStream(LayerStream):
         self._num_slots = num_slots or num_threads + 1
         if slot_bytes < 1 or self._num_slots < 1:
             raise ValueError("slot_bytes and num_slots must be positive")
-        super().__init__(reader, destinations, num_threads=num_threads, verify=verify, order=order)
+        super().__init__(reader, destinations, num_threads=num_threads, verify=verify, order=order,
+                         hold_after=hold_after)
 
     def wait(self, index: int, timeout: float | None = None) -> None:
         """Return once group `index`'s copies are queued; the caller's current stream then waits on them."""

@@ -311,3 +311,23 @@ def test_a_full_batch_refuses_the_extra_request_at_once(ray_cluster, tiny_zqs):
     _wait_rows(ray, actor, 0)
     ray.get(actor.release.remote())
     _wait_gone(ray, name)
+
+
+@pytest.mark.parametrize("warm_layers", [1, 8])
+def test_warm_actor_holds_its_first_layers_then_serves_as_a_fresh_actor(ray_cluster, layered_zqs, warm_layers):
+    ray = ray_cluster
+    request = _request(layered_zqs, seed=11)
+    name = new_actor_name("layered")
+    warm = spawn(str(layered_zqs), CONFIG, name, warm_layers=warm_layers)
+    status = ray.get(warm.ready.remote(60.0), timeout=60)
+    assert status.phase == Phase.WARM and status.num_layers == 8
+    time.sleep(0.3)  # held: nothing more streams in until a request is bound
+    assert ray.get(warm.status.remote()).num_layers_resident == warm_layers
+    chunks, done = _consume(ray, warm.generate.remote(request))
+    assert done.is_cold  # its first request: the rest of the weights streamed in for it
+    fresh_name = new_actor_name("layered")
+    fresh = spawn(str(layered_zqs), CONFIG, fresh_name)
+    fresh_chunks, _ = _consume(ray, fresh.generate.remote(ActorRequest("fresh", request.prompt_ids, request.sampling)))
+    assert _token_ids(chunks) == _token_ids(fresh_chunks) and len(_token_ids(chunks)) == 16
+    _wait_gone(ray, name)  # bound without keep_hot: it exits after its request, as a cold actor does
+    _wait_gone(ray, fresh_name)

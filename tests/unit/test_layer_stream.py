@@ -196,3 +196,51 @@ def test_an_order_must_name_every_group_once(zqs: Path, order: list[int]) -> Non
     with ShardReader(zqs) as r, pytest.raises(ValueError, match="each group"):
         LayerStream(r, empty_destinations(r), order=order)
     assert stream_threads() == []
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_hold_after_loads_a_prefix_until_resumed(zqs: Path, num_threads: int) -> None:
+    expected = expected_bytes(zqs)
+    with ShardReader(zqs) as r:
+        dests = empty_destinations(r)
+        with LayerStream(r, dests, num_threads=num_threads, hold_after=2) as stream:
+            stream.wait(-1, timeout=10)
+            stream.wait(0, timeout=10)
+            assert stream.is_held
+            with pytest.raises(TimeoutError):
+                stream.wait(1, timeout=0.2)  # held: nothing beyond the prefix starts
+            assert not stream.is_ready(NUM_LAYERS)
+            stream.resume()
+            assert not stream.is_held
+            for i in ALL_GROUPS:
+                stream.wait(i, timeout=10)
+        assert {n: d.tobytes() for n, d in dests.items()} == expected
+    assert stream_threads() == []
+
+
+def test_throughput_leaves_out_the_time_held(zqs: Path) -> None:
+    with SlowReader(zqs, delay=0.02) as r, LayerStream(r, empty_destinations(r), num_threads=1, hold_after=1) as stream:
+        stream.wait(-1, timeout=10)
+        time.sleep(0.5)  # far longer than loading the rest takes
+        stream.resume()
+        stream.wait(NUM_LAYERS, timeout=10)
+        loaded = sum(r.group(g.name).size for g in r.groups)
+        # Over the ~0.1 s the five slowed reads take, not over the 0.5 s held besides.
+        assert stream.throughput() > loaded / 0.4
+
+
+def test_close_releases_a_held_stream(zqs: Path) -> None:
+    with ShardReader(zqs) as r:
+        stream = LayerStream(r, empty_destinations(r), num_threads=2, hold_after=1)
+        stream.wait(-1, timeout=10)
+        start = time.perf_counter()
+        stream.close()
+        assert time.perf_counter() - start < 1.0
+        assert stream_threads() == []
+        with pytest.raises(LayerStreamClosed):
+            stream.wait(0, timeout=1)
+
+
+def test_hold_after_must_fit_the_order(zqs: Path) -> None:
+    with ShardReader(zqs) as r, pytest.raises(ValueError, match="hold_after"):
+        LayerStream(r, empty_destinations(r), hold_after=len(ALL_GROUPS) + 1)
