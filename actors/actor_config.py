@@ -26,6 +26,10 @@ class ActorConfig:
     # that running rows wait at most one step of this size (actors/scheduler.py).
     prefill_chunk_tokens: int = 256
     first_layers: int | None = None  # None: derived per request (see cold_start)
+    # A warm actor's layers resident before any request (serve_app/warm_pool.py); None: derived
+    # by cold_start.choose_first_layers for a prompt of `warm_prompt_tokens`.
+    warm_layers: int | None = None
+    warm_prompt_tokens: int = 64
     # Every group resident before prefill starts: load-then-compute, the cold-start
     # benchmark's baseline (first_layers = L still streams the table and the final group).
     is_load_then_compute: bool = False
@@ -35,8 +39,11 @@ class ActorConfig:
     initial_load_bytes_per_s: float = 1.0e9
     load_timeout_s: float = 300.0
     # On CPU slots the actors' compute shares cores with the proxy, ingress and registry;
-    # a lower priority keeps admission and refusals fast however busy the slots are.
-    cpu_nice: int = 10
+    # a lower priority keeps admission and refusals fast however busy the slots are. Set
+    # from the worker's first Python instruction (actors/priority.py), so the torch import
+    # of a starting actor is already below them; Ray runs every worker's main thread at
+    # nice 15, so 19 puts the actors below all of Ray's own.
+    cpu_nice: int = 19
     # After the first token, at most one chunk per interval is sent (tokens sampled meanwhile
     # ride together); 0 sends every token on its own. Each chunk is a Ray object to the
     # ingress and an SSE event on to the proxy, whose handling competes with the batch's
@@ -49,12 +56,17 @@ class ActorConfig:
     idle_trim_after_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.prefill_chunk_tokens < 1:
-            raise ValueError(f"ActorConfig needs max_batch >= 1 and prefill_chunk_tokens >= 1, got "
-                             f"{self.max_batch}, {self.prefill_chunk_tokens}")
+        if self.warm_layers is not None and self.warm_layers < 0:
+            raise ValueError(f"ActorConfig.warm_layers must be >= 0, got {self.warm_layers}")
+        if self.max_batch < 1 or self.prefill_chunk_tokens < 1 or self.warm_prompt_tokens < 1:
+            raise ValueError(f"ActorConfig needs max_batch, prefill_chunk_tokens and warm_prompt_tokens >= 1, "
+                             f"got {self.max_batch}, {self.prefill_chunk_tokens}, {self.warm_prompt_tokens}")
 
     def actor_options(self, name: str) -> dict:
-        return {
+        from actors.priority import runtime_env_for
+
+        runtime_env = runtime_env_for(self.cpu_nice) if self.num_gpus == 0 else {}
+        return ({"runtime_env": runtime_env} if runtime_env else {}) | {
             "name": name,
             "namespace": self.namespace,
             "lifetime": "detached",

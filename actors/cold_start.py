@@ -67,3 +67,19 @@ def stall_seconds(num_layers: int, first_layers: int, load_s_per_layer: float, c
             t = ready
         t += compute_s_per_layer
     return stalled
+
+
+def warm_layers(config, load_bytes_per_s: float, flops_per_s: float, prompt_tokens: int) -> int:
+    """A warm actor's first layers: `choose_first_layers` for a typical prompt of `prompt_tokens`.
+
+    `config` is a `weights_tool.architecture.ModelConfig` (duck-typed: no torch here); the
+    load rate is the one assumed before a stream has measured its own.
+    """
+    if load_bytes_per_s <= 0:
+        raise ValueError("load_bytes_per_s must be positive")
+    shapes = config.layer_tensor_shapes(0)
+    params_per_layer = sum(math.prod(shape) for shape in shapes.values())
+    layer_bytes = config.weight_bytes() * params_per_layer / config.num_params()
+    t_compute = estimate_prefill_layer_seconds(params_per_layer, config.num_heads, config.head_dim, prompt_tokens,
+                                               flops_per_s)
+    return choose_first_layers(config.num_layers, layer_bytes / load_bytes_per_s, t_compute)

@@ -96,3 +96,4 @@ class ActorStatus:
     accounted_bytes: int  # weights, plus the KV caches of the rows running
     load_bytes_per_s: float
     num_rows: int = 0  # requests running or joining
+    resident_fraction: float = 0.0  # share of the weight bytes loaded

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections import deque
@@ -67,6 +66,7 @@ from actors.messages import (
 )
 from actors.model import EMBEDDINGS_GROUP, WaitLayer
 from actors.peak_memory import PeakMemory
+from actors.priority import lower_threads
 from actors.telemetry_agent import AgentReporter
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class RequestActor:
         if device is None:
             device = "cuda" if config.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         if device == "cpu" and config.cpu_nice:
-            os.nice(config.cpu_nice)
+            lower_threads(config.cpu_nice)  # a no-op where the worker's setup hook did it (actor_options)
         self._streamed = stream_zqs(zqs_path, device=device, num_threads=config.load_threads,
                                     warm_layers=warm_layers)
         self._warm_layers = warm_layers
@@ -152,6 +152,7 @@ class RequestActor:
             accounted_bytes=self._accounted_bytes(),
             load_bytes_per_s=stream.throughput(),
             num_rows=self._engine.num_rows,
+            resident_fraction=stream.resident_fraction(),
         )
 
     async def ready(self, timeout_s: float | None = None) -> ActorStatus:

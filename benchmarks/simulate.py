@@ -84,7 +84,9 @@ class SimConfig:
     seed: int = 0
 
     def base_policy(self) -> PolicyConfig:
-        return PolicyConfig(actor_overhead_bytes=self.calibration.actor_overhead_bytes, max_batch=self.max_batch)
+        # No eviction: the simulated clusters do not retire idle actors for a request (sim_clusters.py).
+        return PolicyConfig(actor_overhead_bytes=self.calibration.actor_overhead_bytes, max_batch=self.max_batch,
+                            is_eviction_enabled=False)
 
     @property
     def num_hot(self) -> tuple[int, int]:

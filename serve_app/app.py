@@ -6,11 +6,18 @@ Per request (`POST /v1/messages`):
   2. `registry.admit(features)`: the pure `decide()` and the reservation it implies, in
      one atomic call on the shared registry actor (no replica can over-commit a slot or a
      batch);
-  3. act: call the idle hot actor, add a row to a hot actor's batch, or create a detached
-     actor on the reserved slot — or answer 503 `overloaded_error` at once, with the
-     registry's predicted `retry-after` / `retry-after-ms`;
+  3. act: call the idle hot actor, add a row to a hot actor's batch, bind a warm actor, or
+     create a detached actor on the reserved slot (first killing the idle actors the
+     decision evicts) — or answer 503 `overloaded_error` at once, with the registry's
+     predicted `retry-after` / `retry-after-ms`. An actor found dead before it started the
+     request (a warm or idle one that died unseen) is given up and the request decided
+     once more;
   4. relay the actor's stream as JSON or SSE (serve_app/relay.py), then tell the registry
      how it ended (complete, cancelled, failed): exactly once, releasing just that row.
+
+Warm pools (serve_app/warm_filler.py) are refilled on a background thread, never awaited
+by a request. When Serve stops the replica (`serve shutdown`, the app deleted), `__del__`
+detaches it from the registry; the last replica to go takes every actor with it.
 
 Nothing here waits for capacity: every await is on work already placed, and has a deadline.
 The registry decides with the XGBoost scorer when `scorer_path` names a usable model (else
@@ -34,6 +41,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from actors.cold_start import warm_layers
 from actors.layer_loader import open_zqs
 from actors.messages import ActorRequest, Completion
 from actors.request_actor import RequestActor, new_actor_name
@@ -44,12 +52,14 @@ from serve_app.errors import ApiError
 from serve_app.latency_targets import request_targets
 from serve_app.memory import ModelNumbers, request_features
 from serve_app.metrics import IngressMetrics
-from serve_app.policy import Reject, Spawn
+from serve_app.policy import Bind, Reject, Spawn
 from serve_app.prompt import prompt_for
 from serve_app.registry_actor import RegistryConfig, get_registry
-from serve_app.relay import Admitted, Outcome, Relay
+from serve_app.relay import ActorLost, Admitted, Outcome, Relay
 from serve_app.scorer import RuleScorer
 from serve_app.slots import SlotRefresher
+from serve_app.warm_filler import WarmFiller
+from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 from serve_app.xgb_scorer import load_scorer
 
 log = logging.getLogger(__name__)
@@ -67,6 +77,11 @@ class LoadedModel:
     ttft_target_s: float | None = None
     total_target_s: float | None = None
     tpot_target_s: float | None = None
+    warm_layers: int = 0  # a warm actor's layers resident before its request
+
+
+# Requests an actor found dead before it started them are decided again, this many times.
+MAX_ATTEMPTS = 2
 
 
 def _timing(t: float) -> str:
@@ -103,29 +118,50 @@ class Ingress:
         self.relay = Relay(config.token_timeout_s, config.ping_interval_s, self._observe, self._ended,
                            self._first_token)
         self._releasing: set[asyncio.Task] = set()  # rows given up, released once their stream has ended
+        self.replica_id = _replica_id()
+        ray.get(self.registry.attach.remote(self.replica_id), timeout=30)
         # Slots (and their telemetry) are kept current in the background: GPU workers may
         # join after the ingress starts, and a restarted registry comes back empty.
         self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor,
                                             slot_refresh_s=config.slot_refresh_s,
-                                            telemetry_refresh_s=config.telemetry_refresh_s)
+                                            telemetry_refresh_s=config.telemetry_refresh_s,
+                                            replica_id=self.replica_id)
         self.slot_refresher.start()
         self._handles: dict[str, Any] = {}
         # One remote class for every spawn: `ray.remote()` per spawn would export the class anew each time.
         self._actor_class = ray.remote(RequestActor)
+        policy = config.policy
+        self.warm_filler = WarmFiller(
+            self.registry,
+            [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes) for m in self.models.values()],
+            {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in self.models},
+            self._create_warm, new_actor_name, refresh_s=config.warm_refresh_s,
+            ready_timeout_s=config.actor.load_timeout_s)
+        self.warm_filler.start()
         log.info("zeroqueue ingress: models %s, %d slots", list(self.models), len(self.slot_refresher.slots))
 
-    @staticmethod
-    def _load_model(spec) -> LoadedModel:
+    async def __del__(self) -> None:
+        """Serve stops this replica: stop refilling, and detach (the last replica takes every actor with it)."""
+        self.warm_filler.stop()
+        try:
+            await asyncio.wait_for(self.registry.detach.remote(self.replica_id), timeout=30)
+        except Exception:  # the registry shut itself down while answering, or is gone already
+            log.info("registry detach of %s ended without an answer", self.replica_id)
+
+    def _load_model(self, spec) -> LoadedModel:
         path = resolve_model_path(spec)
         reader, config, tokenizer = open_zqs(path)  # header only: config + tokenizer
         reader.close()
+        actor = self.config.actor
+        num_warm = actor.warm_layers if actor.warm_layers is not None else warm_layers(
+            config, actor.initial_load_bytes_per_s, actor.prefill_flops_per_s, actor.warm_prompt_tokens)
         window = config.max_position_embeddings
         return LoadedModel(
             id=spec.id, display_name=spec.display_name, zqs_path=str(path), tokenizer=tokenizer,
             numbers=ModelNumbers.from_config(config),
             max_context=min(window, spec.max_context) if spec.max_context else window,
             created_at=path.stat().st_mtime, ttft_target_s=spec.ttft_target_s, total_target_s=spec.total_target_s,
-            tpot_target_s=spec.tpot_target_s,
+            tpot_target_s=spec.tpot_target_s, warm_layers=min(num_warm, config.num_layers),
         )
 
     # ---- HTTP ------------------------------------------------------------------------
@@ -249,6 +285,21 @@ class Ingress:
         features = request_features(model.id, model.numbers, len(prompt), req.max_tokens, self.config.policy,
                                     ttft_target_s, total_target_s, req.temperature, req.top_k, req.top_p,
                                     tpot_target_s)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                return await self._place(model, features, ActorRequest(request_id, tuple(prompt), sampling),
+                                         arrival)
+            except ActorLost as lost:
+                # Nothing ran: the actor (a warm or idle one) was dead before it started the request. Its
+                # row was released as failed, which forgot and killed it; decide again on what is left.
+                log.warning("request %s: %s (attempt %d of %d)", request_id, lost.message, attempt, MAX_ATTEMPTS)
+                if attempt == MAX_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _place(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float) -> Admitted:
+        """One decision and the action it names; raises ActorLost if the actor was dead before it started."""
+        request_id = actor_request.request_id
         spawn_name = new_actor_name(model.id)
         decision = await self.registry.admit.remote(features, spawn_name, request_id,
                                                     self.slot_refresher.take_stats())
@@ -263,7 +314,8 @@ class Ingress:
             raise errors.overloaded(decision.message, decision.retry_after_s or self.config.policy.retry_after_s)
         rows = decision.candidate.batch_rows + 1 if decision.candidate is not None else 1
         self.metrics.batch_rows.observe(rows, tags={"model": model.id})
-        actor_request = ActorRequest(request_id, tuple(prompt), sampling, keep_hot=decision.keep_hot)
+        actor_request = ActorRequest(request_id, actor_request.prompt_ids, actor_request.sampling,
+                                     keep_hot=decision.keep_hot)
         if isinstance(decision, Spawn):
             try:
                 # Creating a named actor makes blocking GCS calls: off the event loop, so that
@@ -272,13 +324,17 @@ class Ingress:
             except Exception:
                 self.registry.remove.remote(spawn_name)  # nothing was started: give the slot back
                 raise
-        else:  # Dispatch or Join: a row on a hot actor
+            tier = "cold"
+        else:  # Dispatch, Join or Bind: an actor that exists
             name, handle = decision.actor_name, await self._handle(decision.actor_name)
+            tier = "warm" if isinstance(decision, Bind) else "hot"
+            if isinstance(decision, Bind):
+                self.warm_filler.wake()  # its pool is one short now
         stream = handle.generate.remote(actor_request)
         dispatch_time = time.time()
         self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
         self.metrics.queue_wait.observe(dispatch_time - arrival, tags={"model": model.id})
-        admitted = Admitted(request_id, model.id, name, decision.keep_hot, isinstance(decision, Spawn), len(prompt),
+        admitted = Admitted(request_id, model.id, name, decision.keep_hot, tier, len(actor_request.prompt_ids),
                             stream, started=None, arrival=arrival, dispatch_time=dispatch_time,
                             features=features, decision=decision)
         await self.relay.first(admitted, self.config.start_timeout_s)
@@ -303,12 +359,32 @@ class Ingress:
                 yield event
 
     def _spawn(self, name: str, model: LoadedModel, decision: Spawn):
-        options = self.config.actor.actor_options(name)
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.slot_refresher.slot_nodes[decision.slot_id], soft=False)
-        handle = self._actor_class.options(**options).remote(model.zqs_path, self.config.actor)
+        for evicted in decision.evict:  # forgotten by the registry already; gone before the new actor starts
+            self._kill(evicted)
+            self.metrics.evictions.inc(tags={"model": model.id, "state": "evicted"})
+        handle = self._create(name, model, decision.slot_id)
         if decision.keep_hot:
             self._handles[name] = handle
         return handle
+
+    def _create_warm(self, name: str, fill: WarmFill):
+        """The warm filler's thread: a warm actor of `fill.model` on its slot."""
+        model = self.models[fill.model]
+        handle = self._create(name, model, fill.slot_id, model.warm_layers)
+        self._handles[name] = handle
+        return handle
+
+    def _create(self, name: str, model: LoadedModel, slot_id: str, warm_layers: int | None = None):
+        options = self.config.actor.actor_options(name)
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.slot_refresher.slot_nodes[slot_id], soft=False)
+        return self._actor_class.options(**options).remote(model.zqs_path, self.config.actor, warm_layers=warm_layers)
+
+    def _kill(self, name: str) -> None:
+        handle = self._handles.pop(name, None)
+        try:
+            ray.kill(handle or ray.get_actor(name, namespace=self.config.actor.namespace), no_restart=True)
+        except ValueError:  # gone already
+            pass
 
     async def _handle(self, name: str):
         handle = self._handles.get(name)
@@ -321,15 +397,14 @@ class Ingress:
         admitted.completion = done
         t, model = done.timings, admitted.model_id
         if t.first_token is not None:
-            self.metrics.ttft.observe(t.first_token - admitted.arrival,
-                                      tags={"model": model, "kind": "cold" if admitted.is_cold else "hot"})
-            if admitted.is_cold:
+            self.metrics.ttft.observe(t.first_token - admitted.arrival, tags={"model": model, "kind": admitted.tier})
+            if admitted.tier == "cold":
                 self.metrics.cold_start.observe(t.first_token - t.actor_start, tags={"model": model})
         if t.last_token is not None and done.output_tokens > 1:
             self.metrics.tpot.observe((t.last_token - t.first_token) / (done.output_tokens - 1), tags={"model": model})
 
     def _first_token(self, admitted: Admitted) -> None:
-        if admitted.is_cold:  # every weight is resident now: starting -> busy, and it may batch
+        if admitted.tier != "hot":  # every weight is resident now: starting -> busy, and it may batch
             self.registry.actor_started.remote(admitted.actor_name)
 
     def _ended(self, admitted: Admitted, outcome: Outcome) -> None:
@@ -364,6 +439,7 @@ class Ingress:
 
     def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
         self.registry.finish.remote(admitted.actor_name, admitted.request_id, outcome)
+        self.warm_filler.wake()  # a slot may have come free for a pool
 
     def _trace(self, request_id: str, model: str, arrival: float, features, decision, outcome) -> None:
         if self.traces is None:
@@ -372,6 +448,15 @@ class Ingress:
             self.traces.write(traces.trace_record(request_id, model, arrival, features, decision, outcome))
         except Exception:
             log.exception("trace of request %s not recorded", request_id)
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # constructed outside a Serve replica (tests of the class itself)
+        import uuid
+
+        return f"ingress-{uuid.uuid4().hex[:12]}"
 
 
 async def _drain(stream) -> None:

@@ -88,6 +88,8 @@ class AppArgs(_Strict):
     slot_refresh_s: float = Field(default=10.0, gt=0)
     # How often slot fragmentation and utilisation are copied from the telemetry agents.
     telemetry_refresh_s: float = Field(default=1.0, gt=0)
+    # How often the warm pools are checked besides the moments a row ends or a warm actor is bound.
+    warm_refresh_s: float = Field(default=1.0, gt=0)
     num_replicas: int = Field(default=1, ge=1)
     max_ongoing_requests: int = Field(default=512, ge=1)
     # The XGBoost scorer (serve_app/xgb_scorer.py); None, or a missing or invalid file: the rule.
@@ -131,6 +133,7 @@ class IngressConfig:
     ping_interval_s: float
     slot_refresh_s: float
     telemetry_refresh_s: float
+    warm_refresh_s: float = 1.0
     scorer_path: str | None = None
     traces: TraceConfig | None = None  # None: off
     rule_scorer: RuleScorer = RuleScorer()
@@ -148,7 +151,11 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         actor_fields["resources"] = tuple(sorted(dict(actor_fields["resources"]).items()))
     if "max_batch" in actor_fields:
         raise ValueError("actor.max_batch is set from policy.max_batch; set it there, once")
-    policy = PolicyConfig(**args.policy)
+    policy_fields = dict(args.policy)
+    for name in ("hot_overrides", "warm_overrides"):  # YAML gives lists; the frozen config keeps tuples
+        if name in policy_fields:
+            policy_fields[name] = tuple(tuple(x) for x in policy_fields[name])
+    policy = PolicyConfig(**policy_fields)
     return IngressConfig(
         models=tuple(
             ModelSpec(m.id, m.zqs_path, m.demo_preset, m.demo_dir, m.display_name or m.id, m.max_context,
@@ -166,6 +173,7 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         ping_interval_s=args.ping_interval_s,
         slot_refresh_s=args.slot_refresh_s,
         telemetry_refresh_s=args.telemetry_refresh_s,
+        warm_refresh_s=args.warm_refresh_s,
         scorer_path=args.scorer_path,
         rule_scorer=RuleScorer(**args.rule_scorer),
         traces=TraceConfig(args.traces.path, args.traces.max_bytes) if args.traces.enabled else None,

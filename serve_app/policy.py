@@ -1,7 +1,7 @@
 """The zero-queue decision: run a request now — alone on an idle hot actor, as a new row of a hot
-actor's batch, or on a fresh actor — or refuse it now.
+actor's batch, on a warm actor, or on a fresh actor — or refuse it now.
 
-`decide(features, snapshot, policy, scorer) -> Dispatch | Join | Spawn | Reject` is a pure
+`decide(features, snapshot, policy, scorer) -> Dispatch | Join | Bind | Spawn | Reject` is a pure
 function of its arguments (stdlib only: no Ray, no torch), so the ingress, the registry
 and the simulator all call the same code.
 
@@ -19,8 +19,15 @@ and the simulator all call the same code.
      `max_batch` rows, whose slot has `dispatch_bytes` free — the `max_candidates` least
      loaded of them (fewest rows, then fewest KV positions). The request becomes one more
      row; it waits for nothing but the actor's next step boundary.
+   - warm: warm actors of the model filled for the request's lane (started ahead of any
+     request, their first layers resident: warm_pool.py) whose slot has `dispatch_bytes`
+     free. Binding one skips the process start; the rest of its weights stream in while
+     its first layers compute.
    - cold: the first `max_candidates` slots, in snapshot order, with `spawn_bytes` free
      and fewer than `max_actors_per_slot` actors.
+   A warm actor filled for the other lane is bound only where the request would otherwise
+   pay a process start (the best candidate is cold) or be refused: a lane's warm actors are
+   there for its own requests first.
 3. The scorer predicts TTFT, total time and TPOT per candidate; the fastest (TTFT, then
    total, then candidate order) that meets the request's latency targets wins — and a
    join must also keep every row already running within its own TPOT target, since the
@@ -28,10 +35,13 @@ and the simulator all call the same code.
    its prediction. Predictions that are malformed (wrong count, NaN, negative, ttft >
    total) or a scorer that raises fall back to the rule scorer for this decision: a
    scorer only ranks what is feasible.
-4. No candidate: `too_large` when `spawn_bytes` exceeds every slot's total (it can never
-   fit: the ingress answers 400 invalid_request_error), else `no_capacity` (503
-   overloaded_error). The registry fills in `retry_after_s` from its own prediction of
-   when a fitting place frees up (retry_after.py).
+4. No candidate: eviction, if a slot held only by idle hot or warm actors (of any model
+   or lane) would fit a fresh actor once they are gone — a Spawn that names the actors to
+   retire (`evict`), fewest hot ones first, then fewest actors. Else `too_large` when
+   `spawn_bytes` exceeds every slot's total (it can never fit: the ingress answers 400
+   invalid_request_error), else `no_capacity` (503 overloaded_error). The registry fills
+   in `retry_after_s` from its own prediction of when a fitting place frees up
+   (retry_after.py).
 
 Memory-aware batching (which batch a row joins). A decode step reads every weight once
 for the whole batch and, per row, that row's KV cache: step time ~ weights read + the
@@ -84,6 +94,16 @@ class PolicyConfig:
     max_hot_long_actors: int = 0  # 0: long requests get dedicated actors that exit
     # Per-model exceptions: (model, max_hot_short_actors, max_hot_long_actors).
     hot_overrides: tuple[tuple[str, int, int], ...] = ()
+    # Warm actors kept per model and lane, started ahead of requests (warm_pool.py).
+    num_warm_short_actors: int = 0
+    num_warm_long_actors: int = 0
+    # Per-model exceptions: (model, num_warm_short_actors, num_warm_long_actors).
+    warm_overrides: tuple[tuple[str, int, int], ...] = ()
+    # Retire idle hot or warm actors for a request that has nowhere else to go (module doc, 4).
+    is_eviction_enabled: bool = True
+    # An idle hot actor retires after this long idle; a model's warm actors retire (and are
+    # not refilled) once the model has had no request for this long. None: never.
+    max_idle_s: float | None = None
     # Rows a hot actor runs at once; 1 turns joining off (a hot actor serves one request).
     max_batch: int = 8
     # A CUDA context with cuBLAS handles takes a few hundred MB per process; measure and set.
@@ -105,7 +125,8 @@ class PolicyConfig:
                      "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PolicyConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_hot_short_actors", "max_hot_long_actors", "actor_overhead_bytes"):
+        for name in ("max_hot_short_actors", "max_hot_long_actors", "actor_overhead_bytes",
+                     "num_warm_short_actors", "num_warm_long_actors"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("retry_after_s", "min_retry_after_s", "max_retry_after_s", "max_load_s",
@@ -115,9 +136,12 @@ class PolicyConfig:
         if not self.min_retry_after_s <= self.retry_after_s <= self.max_retry_after_s:
             raise ValueError("PolicyConfig needs min_retry_after_s <= retry_after_s <= max_retry_after_s, got "
                              f"{self.min_retry_after_s}, {self.retry_after_s}, {self.max_retry_after_s}")
-        for model, short, long in self.hot_overrides:
-            if short < 0 or long < 0:
-                raise ValueError(f"PolicyConfig.hot_overrides for {model!r} must be >= 0, got ({short}, {long})")
+        for field_name in ("hot_overrides", "warm_overrides"):
+            for model, short, long in getattr(self, field_name):
+                if short < 0 or long < 0:
+                    raise ValueError(f"PolicyConfig.{field_name} for {model!r} must be >= 0, got ({short}, {long})")
+        if self.max_idle_s is not None and not self.max_idle_s > 0:
+            raise ValueError(f"PolicyConfig.max_idle_s must be > 0 or None, got {self.max_idle_s}")
 
     def lane(self, input_tokens: int, max_tokens: int) -> Lane:
         if input_tokens <= self.short_max_input_tokens and max_tokens <= self.short_max_output_tokens:
@@ -129,6 +153,12 @@ class PolicyConfig:
             if name == model:
                 return short if lane == "short" else long
         return self.max_hot_short_actors if lane == "short" else self.max_hot_long_actors
+
+    def num_warm(self, model: str, lane: Lane) -> int:
+        for name, short, long in self.warm_overrides:
+            if name == model:
+                return short if lane == "short" else long
+        return self.num_warm_short_actors if lane == "short" else self.num_warm_long_actors
 
     def busy_timeout_s(self, features: RequestFeatures, is_cold: bool) -> float:
         """How long a reservation may be held before the registry reclaims it (and kills the actor).
@@ -174,6 +204,19 @@ class Join:
 
 
 @dataclass(frozen=True)
+class Bind:
+    """Run on a warm actor: its process is up and its first layers are in; it serves this request."""
+
+    actor_name: str
+    slot_id: str
+    lane: Lane  # the request's lane, which the actor takes from now on
+    keep_hot: bool  # the actor stays hot after this request
+    reserve_bytes: int  # added to the slot while the request runs (= dispatch_bytes)
+    candidate: Candidate | None = field(default=None, compare=False)
+    prediction: Prediction | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class Spawn:
     slot_id: str
     lane: Lane
@@ -182,6 +225,7 @@ class Spawn:
     resident_bytes: int  # the part that stays reserved while the actor idles hot
     candidate: Candidate | None = field(default=None, compare=False)
     prediction: Prediction | None = field(default=None, compare=False)
+    evict: tuple[str, ...] = ()  # idle hot or warm actors on the slot retired to make room
 
     def __post_init__(self) -> None:
         if not 0 <= self.resident_bytes <= self.reserve_bytes:
@@ -201,7 +245,7 @@ class Reject:
         return 400 if self.reason == "too_large" else 503
 
 
-Decision = Dispatch | Join | Spawn | Reject
+Decision = Dispatch | Join | Bind | Spawn | Reject
 
 
 # ---------------------------------------------------------------- the decision
@@ -218,19 +262,34 @@ def decide(
     lane = policy.lane(features.input_tokens, features.max_tokens)
     hot, hot_lanes = _hot_candidates(features, lane, snapshot, policy.max_candidates)
     joins, running_tpot = _join_candidates(features, lane, snapshot, policy)
+    warm = _warm_candidates(features, (lane,), snapshot, policy.max_candidates)
     cold = _cold_candidates(features, snapshot, policy)
-    candidates = hot + joins + cold
-    if not candidates:
-        return _no_candidate(features, snapshot, policy)
+    candidates = hot + joins + warm + cold
+    model = features.model
+    keep_new_hot = snapshot.hot_count(model, lane) < policy.max_hot(model, lane)
 
-    predictions = _predict(scorer, features, candidates)
-    limits = [None] * len(hot) + running_tpot + [None] * len(cold)
-    best = _fastest(features, predictions, limits)
+    best, predictions = None, []
+    if candidates:
+        predictions = _predict(scorer, features, candidates)
+        limits = [None] * len(hot) + running_tpot + [None] * (len(warm) + len(cold))
+        best = _fastest(features, predictions, limits)
+    if best is None or candidates[best].kind == "cold":
+        # The other lane's warm actors: better than a process start or a refusal.
+        other = _warm_candidates(features, tuple(x for x in ("short", "long") if x != lane), snapshot,
+                                 policy.max_candidates)
+        if other:
+            other_predictions = _predict(scorer, features, other)
+            i = _fastest(features, other_predictions, [None] * len(other))
+            if i is not None:
+                return Bind(other[i].actor_name, other[i].slot_id, lane, keep_new_hot, features.dispatch_bytes,
+                            other[i], other_predictions[i])
+    if not candidates:
+        return _evict_or_reject(features, snapshot, policy, keep_new_hot, scorer)
     if best is None:
         fastest = min(p.ttft_s for p in predictions)
         return Reject("latency_target", policy.retry_after_s,
                       f"no placement meets the latency targets (fastest predicted TTFT {fastest:.3f}s)")
-    chosen, predicted, model = candidates[best], predictions[best], features.model
+    chosen, predicted = candidates[best], predictions[best]
     if best < len(hot):
         actor_lane = hot_lanes[best]
         # The idle actor is already counted among the hot ones: keep it unless over the limit.
@@ -238,8 +297,9 @@ def decide(
         return Dispatch(chosen.actor_name, chosen.slot_id, lane, keep_hot, features.dispatch_bytes, chosen, predicted)
     if best < len(hot) + len(joins):
         return Join(chosen.actor_name, chosen.slot_id, lane, features.dispatch_bytes, chosen, predicted)
-    keep_hot = snapshot.hot_count(model, lane) < policy.max_hot(model, lane)
-    return Spawn(chosen.slot_id, lane, keep_hot, features.spawn_bytes, features.resident_bytes, chosen, predicted)
+    if chosen.kind == "warm":
+        return Bind(chosen.actor_name, chosen.slot_id, lane, keep_new_hot, features.dispatch_bytes, chosen, predicted)
+    return Spawn(chosen.slot_id, lane, keep_new_hot, features.spawn_bytes, features.resident_bytes, chosen, predicted)
 
 
 def _hot_lanes(lane: Lane) -> tuple[Lane, ...]:
@@ -249,7 +309,8 @@ def _hot_lanes(lane: Lane) -> tuple[Lane, ...]:
 def _candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | None) -> Candidate:
     return Candidate(kind, slot.slot_id, actor.name if actor else None, slot.free_bytes, slot.num_actors,
                      slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
-                     actor.num_rows if actor else 0, actor.batch_tokens if actor else 0)
+                     actor.num_rows if actor else 0, actor.batch_tokens if actor else 0,
+                     actor.resident_fraction if actor else 0.0)
 
 
 def _hot_candidates(
@@ -289,6 +350,21 @@ def _join_candidates(features: RequestFeatures, lane: Lane, snapshot: ClusterSna
             [actor.min_tpot_target_s for *_, actor, _ in chosen])
 
 
+def _warm_candidates(features: RequestFeatures, lanes: Sequence[Lane], snapshot: ClusterSnapshot,
+                     limit: int) -> list[Candidate]:
+    """Warm actors of the model filled for `lanes`, whose slot has room for the request."""
+    need = features.dispatch_bytes
+    out: list[Candidate] = []
+    for lane in lanes:
+        for actor in snapshot.warm_actors(features.model, lane):
+            slot = snapshot.slot(actor.slot_id)
+            if slot is not None and slot.free_bytes >= need:
+                out.append(_candidate("warm", snapshot, slot, actor))
+                if len(out) == limit:
+                    return out
+    return out
+
+
 def _cold_candidates(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig) -> list[Candidate]:
     """First fit: slots in snapshot order with room for a fresh actor, up to max_candidates."""
     need, max_actors, limit = features.spawn_bytes, policy.max_actors_per_slot, policy.max_candidates
@@ -299,6 +375,30 @@ def _cold_candidates(features: RequestFeatures, snapshot: ClusterSnapshot, polic
             if len(out) == limit:
                 break
     return out
+
+
+def _evict_or_reject(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig,
+                     keep_hot: bool, scorer: Scorer) -> Spawn | Reject:
+    """A fresh actor on a slot freed by retiring its idle hot or warm actors, else the refusal."""
+    need, best, best_key = features.spawn_bytes, None, None
+    for slot in snapshot.slots if policy.is_eviction_enabled else ():
+        actors = snapshot.actors_on_slot(slot.slot_id)
+        if not actors or any(a.state not in ("idle", "warm", "warming") for a in actors):
+            continue  # nothing to retire, or something running there
+        freed = sum(a.reserved_bytes for a in actors)
+        if slot.free_bytes + freed < need or slot.num_actors - len(actors) >= policy.max_actors_per_slot:
+            continue
+        key = (sum(a.state == "idle" for a in actors), len(actors))
+        if best_key is None or key < best_key:
+            best, best_key = (slot, actors), key
+    if best is None:
+        return _no_candidate(features, snapshot, policy)
+    slot, actors = best
+    candidate = _candidate("cold", snapshot, slot, None)
+    prediction = _predict(scorer, features, [candidate])[0]
+    return Spawn(slot.slot_id, policy.lane(features.input_tokens, features.max_tokens), keep_hot,
+                 features.spawn_bytes, features.resident_bytes, candidate, prediction,
+                 evict=tuple(a.name for a in actors))
 
 
 def _no_candidate(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig) -> Reject:

@@ -11,6 +11,9 @@ whole life, plus, per row (one running request), that request's KV cache + works
 A slot's `reserved_bytes` is always the sum over its actors (`check_invariants`).
 Lifecycle of an actor:
 
+    try_warm      -> "warming"   (resident reserved; a warm actor started ahead of requests)
+    warm_ready    -> "warm"      (its embeddings and first layers are in; it may be bound)
+    try_bind      -> "starting"  (a warm actor takes its request; the rest of its weights stream in)
     try_spawn     -> "starting"  (resident + its first row reserved; it is loading)
     actor_started -> "busy"      (its first token: every weight is resident, it may batch)
     try_dispatch  -> "busy"      (an "idle" actor takes a row)
@@ -19,6 +22,8 @@ Lifecycle of an actor:
                      left the actor goes "idle" if hot, else is forgotten (it exits itself)
     finish(row, "failed"), or a cancelled "starting" actor, or remove
                   -> forgotten with everything it held, and reported to be killed
+    a Spawn that names actors to `evict` (idle hot or warm ones on its slot)
+                  -> those are forgotten in the same commit; the ingress kills them
 
 An actor that exits after its last row is forgotten at `finish`, before its process has
 quite gone: a new actor on that slot takes seconds to start before it allocates, so the
@@ -36,8 +41,9 @@ lists as alive:
   - expired: an actor with a row past its `busy_deadline` — the replica that ran the
     request crashed or the actor hung. Forgotten, and reported for the caller to kill:
     releasing only the reservation would leave a live actor holding uncounted memory;
-  - retired: idle for more than `max_idle_s` (None: never) — reported to be killed, so
-    idle hot actors of one model do not hold slots forever from another;
+  - retired: idle hot actors idle for more than `max_idle_s` (None: never), and warm
+    actors of a model that has had no request for as long (warm_pool.py) — reported to
+    be killed, so idle actors of one model do not hold slots forever from another;
   - orphans: alive request actors the registry does not know (a registry restart, a
     replica that created an actor after its reservation was reclaimed, an actor still
     exiting after `finish`) — reported to be killed: nothing reserves their memory.
@@ -53,7 +59,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from serve_app.policy import Decision, Dispatch, Join, PolicyConfig, Reject, Spawn, decide
+from serve_app.policy import Bind, Decision, Dispatch, Join, PolicyConfig, Reject, Spawn, decide
 from serve_app.retry_after import retry_after_s
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import (
@@ -65,6 +71,7 @@ from serve_app.snapshot import (
     RowView,
     SlotView,
 )
+from serve_app.warm_pool import WarmFill, WarmSpec, is_model_active, plan_fills
 
 Outcome = Literal["complete", "cancelled", "failed"]
 
@@ -147,6 +154,7 @@ class _Actor:
     spawned_at: float
     rows: dict[str, RowReservation] = field(default_factory=dict)  # request id -> row, in admission order
     idle_since: float | None = None
+    resident_fraction: float = 1.0  # a warm actor's share of its weights in; 0 while warming
 
     @property
     def reserved_bytes(self) -> int:
@@ -154,7 +162,7 @@ class _Actor:
 
     def view(self) -> ActorView:
         return ActorView(self.name, self.model, self.slot_id, self.state, self.lane, self.is_hot,
-                         self.resident_bytes, tuple(r.view() for r in self.rows.values()))
+                         self.resident_bytes, tuple(r.view() for r in self.rows.values()), self.resident_fraction)
 
 
 class RegistryState:
@@ -175,6 +183,7 @@ class RegistryState:
         self._actor_views: dict[str, ActorView] = {}
         self._version = 0
         self._snapshot: ClusterSnapshot | None = None
+        self._last_request_at: dict[str, float] = {}  # model -> its latest admission (or its pool's first fill)
 
     # ---- slots -----------------------------------------------------------------------
 
@@ -223,7 +232,9 @@ class RegistryState:
             assert a.slot_id in self._slots, f"actor {a.name} is on unknown slot {a.slot_id}"
             assert a.resident_bytes >= 0 and all(r.request_bytes >= 0 for r in a.rows.values()), (
                 f"actor {a.name} has negative bytes")
-            assert (a.state == "idle") == (not a.rows), f"actor {a.name} is {a.state} with {len(a.rows)} rows"
+            assert (a.state in ("idle", "warm", "warming")) == (not a.rows), (
+                f"actor {a.name} is {a.state} with {len(a.rows)} rows")
+            assert a.state not in ("warm", "warming") or not a.is_hot, f"warm actor {a.name} is marked hot"
             assert a.state != "starting" or len(a.rows) == 1, f"starting actor {a.name} has {len(a.rows)} rows"
             assert len(a.rows) <= self.max_batch, f"actor {a.name} runs {len(a.rows)} rows > {self.max_batch}"
             assert len(a.rows) <= 1 or a.is_hot, f"actor {a.name} batches rows but is not hot"
@@ -277,6 +288,63 @@ class RegistryState:
             return False
         return self._add_row(actor, decision.slot_id, decision.reserve_bytes, row)
 
+    def try_bind(self, decision: Bind, row: RowReservation) -> bool:
+        """Give a warm actor its request, if it is still warm and the row fits."""
+        actor = self._actors.get(decision.actor_name)
+        if actor is None or actor.state != "warm":
+            return False
+        if not self._add_row(actor, decision.slot_id, decision.reserve_bytes, row):
+            return False
+        actor.state, actor.lane, actor.is_hot = "starting", decision.lane, decision.keep_hot
+        self._touch_actor(actor)
+        return True
+
+    def try_warm(self, fill: WarmFill, actor_name: str, now: float) -> bool:
+        """Reserve a warm actor's resident bytes on its slot, if they still fit."""
+        if actor_name in self._actors:
+            raise ValueError(f"actor {actor_name} is already registered")
+        slot = self._slots.get(fill.slot_id)
+        if slot is None or slot.free_bytes < fill.resident_bytes or slot.num_actors >= self.max_actors_per_slot:
+            return False
+        actor = _Actor(actor_name, fill.model, slot.slot_id, fill.lane, "warming", False, fill.resident_bytes, now,
+                       resident_fraction=0.0)
+        self._actors[actor_name] = actor
+        slot.reserved_bytes += fill.resident_bytes
+        slot.num_actors += 1
+        self._touch_slot(slot)
+        self._touch_actor(actor)
+        return True
+
+    def fill_warm(self, specs: list[WarmSpec], policy: PolicyConfig, names: dict[str, list[str]],
+                  now: float) -> list[tuple[str, WarmFill]]:
+        """Plan the warm actors each active model's pool misses and commit them; (name, fill) each.
+
+        `names[model]` offers fresh actor names; a model whose pool is asked for the first
+        time starts its idle clock now.
+        """
+        for spec in specs:
+            self._last_request_at.setdefault(spec.model, now)
+        active = {m for m, t in self._last_request_at.items() if is_model_active(t, now, policy)}
+        committed = []
+        offered = {model: list(reversed(n)) for model, n in names.items()}
+        for fill in plan_fills(self.snapshot(), specs, policy, active):
+            pool = offered.get(fill.model)
+            if not pool:
+                continue
+            name = pool.pop()
+            if self.try_warm(fill, name, now):
+                committed.append((name, fill))
+        return committed
+
+    def warm_ready(self, actor_name: str, resident_fraction: float) -> bool:
+        """A warming actor holds its first layers: it may be bound from now on."""
+        actor = self._actors.get(actor_name)
+        if actor is None or actor.state != "warming":
+            return False
+        actor.state, actor.resident_fraction = "warm", min(1.0, max(0.0, resident_fraction))
+        self._touch_actor(actor)
+        return True
+
     def admit(self, features: RequestFeatures, policy: PolicyConfig, spawn_name: str, request_id: str,
               now: float, scorer: Scorer = RULE_SCORER) -> Decision:
         """`decide` on the current state and commit it in the same call; a Spawn is named `spawn_name`.
@@ -286,6 +354,7 @@ class RegistryState:
         if policy.max_actors_per_slot != self.max_actors_per_slot or policy.max_batch != self.max_batch:
             raise ValueError(f"policy (max_actors_per_slot={policy.max_actors_per_slot}, max_batch="
                              f"{policy.max_batch}) != the registry's ({self.max_actors_per_slot}, {self.max_batch})")
+        self._last_request_at[features.model] = now
         snapshot = self.snapshot()
         decision = decide(features, snapshot, policy, scorer)
         if isinstance(decision, Reject):
@@ -293,12 +362,15 @@ class RegistryState:
                 return decision
             wait = retry_after_s(features, snapshot, policy, now)
             return Reject(decision.reason, wait, decision.message)
-        is_cold = isinstance(decision, Spawn)
+        is_cold = isinstance(decision, (Spawn, Bind))  # its weights may still be streaming in
         predicted_total = decision.prediction.total_s if decision.prediction is not None else 0.0
         row = RowReservation(request_id, features.num_tokens, features.tpot_target_s, now + predicted_total,
                              now + policy.busy_timeout_s(features, is_cold))
         if isinstance(decision, Spawn):
-            is_committed = self.try_spawn(decision, spawn_name, features.model, row, now)
+            is_committed = self._evict(decision.evict) and self.try_spawn(decision, spawn_name, features.model,
+                                                                          row, now)
+        elif isinstance(decision, Bind):
+            is_committed = self.try_bind(decision, row)
         elif isinstance(decision, Join):
             is_committed = self.try_join(decision, row)
         else:
@@ -348,6 +420,15 @@ class RegistryState:
         self._forget(actor)
         return True
 
+    def _evict(self, names: tuple[str, ...]) -> bool:
+        """Forget actors a Spawn retires, if every one is still idle or warm (all or none)."""
+        actors = [self._actors.get(n) for n in names]
+        if any(a is None or a.state not in ("idle", "warm", "warming") for a in actors):
+            return False
+        for a in actors:
+            self._forget(a)
+        return True
+
     def reconcile(self, alive: set[str], now: float) -> ReconcileReport:
         """Match the registry to Ray's alive request actors, listed at `now` (see the module doc)."""
         orphans = tuple(sorted(name for name in alive if name not in self._actors))
@@ -360,8 +441,7 @@ class RegistryState:
                 ghosts.append(actor.name)
             elif any(now > r.busy_deadline for r in actor.rows.values()):
                 expired.append(actor.name)
-            elif (self.max_idle_s is not None and actor.idle_since is not None
-                  and now - actor.idle_since > self.max_idle_s):
+            elif self._is_retired(actor, now):
                 retired.append(actor.name)
             else:
                 continue
@@ -370,6 +450,14 @@ class RegistryState:
         return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released)
 
     # ---- internals -------------------------------------------------------------------
+
+    def _is_retired(self, actor: _Actor, now: float) -> bool:
+        if self.max_idle_s is None:
+            return False
+        if actor.state in ("warm", "warming"):
+            last = self._last_request_at.get(actor.model, actor.spawned_at)
+            return now - max(last, actor.spawned_at) > self.max_idle_s
+        return actor.idle_since is not None and now - actor.idle_since > self.max_idle_s
 
     def _add_row(self, actor: _Actor, slot_id: str, reserve_bytes: int, row: RowReservation) -> bool:
         slot = self._slots[actor.slot_id]

@@ -20,6 +20,13 @@ shows none) and kills every running request actor as an orphan at its first pass
 nothing reserves their memory any more. Calls are not retried (`max_task_retries=0`): a
 commit is not idempotent, so a call that fails is answered as an error.
 
+Ingress replicas attach. Each replica `attach`es when it starts and again with every slot
+refresh (a heartbeat), and `detach`es from its `__del__` when Serve stops it. When the
+last replica detaches — `serve shutdown`, or the app deleted — or the last one has not
+been heard from for `replica_lease_s` (a crashed cluster's leftovers), the registry kills
+every request actor (warm, hot or running) and telemetry agent in its actor namespace,
+then itself: nothing it placed outlives the app.
+
 Time. Callers pass durations (`busy_timeout_s`); the deadline is this actor's
 `time.time()` plus the duration, so replicas' clocks never meet.
 """
@@ -46,6 +53,7 @@ from serve_app.registry import (
 )
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
+from serve_app.warm_pool import WarmFill, WarmSpec
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +68,13 @@ class RegistryConfig:
     # An actor is committed before it is created; creation shows in Ray's table within
     # milliseconds, so this only has to outlast a slow ingress between commit and spawn.
     spawn_grace_s: float = 10.0
-    max_idle_s: float | None = None  # idle hot actors older than this are killed; None: never
+    # An ingress replica not heard from for this long is gone; with none left, everything goes.
+    replica_lease_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if not self.reconcile_interval_s > 0:
-            raise ValueError(f"reconcile_interval_s must be > 0, got {self.reconcile_interval_s}")
+        if not self.reconcile_interval_s > 0 or not self.replica_lease_s > 0:
+            raise ValueError(f"reconcile_interval_s and replica_lease_s must be > 0, got "
+                             f"{self.reconcile_interval_s}, {self.replica_lease_s}")
 
 
 class RegistryActor:
@@ -72,8 +82,9 @@ class RegistryActor:
         self._config = config
         self._policy = policy
         self._scorer = scorer or RULE_SCORER
-        self._state = RegistryState(policy.max_actors_per_slot, config.spawn_grace_s, config.max_idle_s,
+        self._state = RegistryState(policy.max_actors_per_slot, config.spawn_grace_s, policy.max_idle_s,
                                     policy.max_batch)
+        self._replicas: dict[str, float] = {}  # attached ingress replica -> when last heard from
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="zq-registry-reconcile", daemon=True)
@@ -122,6 +133,15 @@ class RegistryActor:
             row = RowReservation(request_id, 0, None, now, now + busy_timeout_s)
             return self._state.try_spawn(decision, actor_name, model, row, now)
 
+    def fill_warm(self, specs: list[WarmSpec], names: dict[str, list[str]]) -> list[tuple[str, WarmFill]]:
+        """Commit the warm actors the pools miss; the caller creates them (warm_filler.py)."""
+        with self._lock:
+            return self._state.fill_warm(specs, self._policy, names, time.time())
+
+    def warm_ready(self, actor_name: str, resident_fraction: float) -> bool:
+        with self._lock:
+            return self._state.warm_ready(actor_name, resident_fraction)
+
     def actor_started(self, actor_name: str) -> bool:
         with self._lock:
             return self._state.actor_started(actor_name)
@@ -137,6 +157,31 @@ class RegistryActor:
     def remove(self, actor_name: str) -> bool:
         with self._lock:
             return self._state.remove(actor_name)
+
+    # ---- ingress replicas --------------------------------------------------------------
+
+    def attach(self, replica_id: str) -> None:
+        with self._lock:
+            self._replicas[replica_id] = time.time()
+
+    def detach(self, replica_id: str) -> bool:
+        """A replica stops; True if it was the last, and everything the registry placed is gone."""
+        with self._lock:
+            self._replicas.pop(replica_id, None)
+            is_last = not self._replicas
+        if is_last:
+            self._shut_down()
+        return is_last
+
+    def _shut_down(self) -> None:
+        """Kill every actor of this deployment's namespace, then this registry."""
+        self._stop.set()
+        c = self._config
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["namespace"] == c.actor_namespace and a["name"].startswith("zq-") and a["name"] != c.name:
+                self._kill(a["name"])
+        log.info("registry %s: the last ingress replica is gone; every actor it placed was killed", c.name)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ---- reconciling -----------------------------------------------------------------
 
@@ -161,8 +206,19 @@ class RegistryActor:
         while not self._stop.wait(self._config.reconcile_interval_s):
             try:
                 self.reconcile_now()
+                if self._is_lease_over(time.time()):
+                    self._shut_down()
             except Exception:  # a GCS hiccup must not end the loop
                 log.exception("reconcile pass failed")
+
+    def _is_lease_over(self, now: float) -> bool:
+        """True once every replica that ever attached has been silent for `replica_lease_s`."""
+        with self._lock:
+            if not self._replicas:
+                return False  # none attached yet (tests drive the registry directly), or already shut down
+            lease = self._config.replica_lease_s
+            self._replicas = {r: t for r, t in self._replicas.items() if now - t <= lease}
+            return not self._replicas
 
     def _alive_request_actors(self) -> set[str]:
         c = self._config

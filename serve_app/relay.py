@@ -35,6 +35,10 @@ Outcome = Literal["complete", "cancelled", "failed"]
 BUSY_RETRY_AFTER_S = 0.1
 
 
+class ActorLost(ApiError):
+    """The actor was dead before it started the request: nothing ran, so the ingress may place it again."""
+
+
 @dataclass
 class Admitted:
     """A request that holds a row on an actor and the actor's stream."""
@@ -43,7 +47,7 @@ class Admitted:
     model_id: str
     actor_name: str
     keep_hot: bool
-    is_cold: bool
+    tier: str  # "hot" (an idle or batching actor), "warm" (a bound warm actor) or "cold" (a fresh one)
     input_tokens: int
     stream: Any  # ray ObjectRefGenerator
     started: Started | None
@@ -74,7 +78,10 @@ class Relay:
             raise
         except BaseException as e:
             self.on_end(admitted, outcome_of(e))
-            raise as_api_error(e, admitted.actor_name) from None
+            error = as_api_error(e, admitted.actor_name)
+            if isinstance(e, ray.exceptions.RayActorError):
+                raise ActorLost(error.status, error.type, error.message, error.headers) from None
+            raise error from None
         admitted.started = first
         return first
 

@@ -17,6 +17,8 @@ model predictions are malformed:
     hot:  tpot = step_s(1, request tokens);                 ttft = prefill_s
     join: tpot = step_s(rows + 1, batch tokens + request's); ttft = tpot + prefill_s
           (the next step boundary, then its prompt; the batch keeps decoding beside it)
+    warm: tpot = step_s(1, request tokens);  ttft = (1 - resident_fraction) * weight_bytes / load_bytes_per_s
+                                                   + prefill_s  (the process is up; the rest streams in)
     cold: tpot = step_s(1, request tokens);  ttft = actor_start_s + weight_bytes / load_bytes_per_s + prefill_s
     total_s = ttft + max_tokens * tpot
 
@@ -26,7 +28,8 @@ constants are placeholders of the right order for a small model, not measurement
 rule does not look at the slot, so every cold candidate gets the same prediction and
 every hot one is faster than any join, and any join than any cold one; with ties kept in
 candidate order, `decide` reduces to "the first idle hot actor, else the batch with the
-fewest rows and KV positions, else the first slot that fits" (first fit).
+fewest rows and KV positions, else the first slot that fits" (first fit). A warm actor
+is faster than a cold one, and faster than a join when most of its weights are in.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     from serve_app.snapshot import RequestFeatures
 
-CandidateKind = Literal["hot", "join", "cold"]
+CandidateKind = Literal["hot", "join", "warm", "cold"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Candidate:
     node_num_busy: int = 0  # actors starting or busy on the slot's node: they share its host
     batch_rows: int = 0  # rows the actor runs now (join); 0 for an idle or a fresh actor
     batch_tokens: int = 0  # KV positions those rows read per step, at most
+    resident_fraction: float = 0.0  # share of the weights already loaded: 1 hot or join, a warm actor's N/L-ish
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,9 @@ class RuleScorer:
             if c.kind == "join":
                 tpot = self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
                 ttft = tpot + prefill_s
+            elif c.kind == "warm":
+                to_load = max(0.0, 1.0 - c.resident_fraction) * features.weight_bytes
+                tpot, ttft = alone, to_load / self.load_bytes_per_s + prefill_s
             else:
                 tpot, ttft = alone, prefill_s if c.kind == "hot" else cold_ttft_s
             out.append(Prediction(ttft, ttft + features.max_tokens * tpot, tpot))

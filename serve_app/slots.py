@@ -7,7 +7,7 @@ scheduler, a hidden queue — so discovery checks that the node has the resource
 every slot's actor at once.
 
 `SlotRefresher` keeps the registry current on one background thread: it re-registers
-the slots every `slot_refresh_s` (GPU workers may join after the ingress starts; a
+the slots (and re-attaches its replica: registry_actor.py) every `slot_refresh_s` (GPU workers may join after the ingress starts; a
 restarted registry comes back empty) and, every `telemetry_refresh_s`, copies each
 slot's device fragmentation and utilisation EWMA from the node telemetry agents into
 the registry, where the scorer sees them: the ingress hands the latest figures to the
@@ -96,8 +96,9 @@ class SlotRefresher:
     """Registers the slots now, then keeps them and their telemetry current in the background."""
 
     def __init__(self, registry: Any, args: SlotArgs, actor: ActorConfig, *,
-                 slot_refresh_s: float, telemetry_refresh_s: float) -> None:
+                 slot_refresh_s: float, telemetry_refresh_s: float, replica_id: str | None = None) -> None:
         self._registry, self._args, self._actor = registry, args, actor
+        self._replica_id = replica_id
         self._slot_refresh_s, self._telemetry_refresh_s = slot_refresh_s, telemetry_refresh_s
         self.slots: list[SlotSpec] = []
         self.slot_nodes: dict[str, str] = {}  # slot id -> node id, for pinning a spawn
@@ -109,6 +110,8 @@ class SlotRefresher:
         slots = discover_slots(self._args, self._actor)
         self.slots, self.slot_nodes = slots, {s.slot_id: s.node_id for s in slots}
         ray.get(self._registry.register_slots.remote(self.slots), timeout=30)
+        if self._replica_id is not None:  # the replica's heartbeat: the registry outlives no app
+            self._registry.attach.remote(self._replica_id)
         # Idempotent: agents already running are returned as they are; new nodes get one.
         self._agents = ensure_agents(TelemetryConfig(), namespace=self._actor.namespace)
 

@@ -5,7 +5,9 @@ pure `decide()` (policy.py) reads them, the simulator builds its own.
 
 Actors. An actor is "starting" from its spawn until its first token (its weights are
 still streaming in; it serves that one request), then "busy" while it runs rows, and
-"idle" with none. A hot actor (`is_hot`) stays after its rows end and may run up to the
+"idle" with none. A warm actor is started ahead of any request: "warming" until its
+embeddings and first layers are resident (`resident_fraction` of its weights), then
+"warm"; a request bound to it makes it "starting", as a spawn would. A hot actor (`is_hot`) stays after its rows end and may run up to the
 policy's `max_batch` rows at once; each row is one request, holding its KV cache and
 workspace (`RequestFeatures.dispatch_bytes`) on the actor's slot while it runs.
 """
@@ -17,7 +19,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 Lane = Literal["short", "long"]
-ActorState = Literal["starting", "busy", "idle"]
+ActorState = Literal["warming", "warm", "starting", "busy", "idle"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class ActorView:
     is_hot: bool  # stays (idle) after its current rows, or is idle now
     resident_bytes: int = 0  # weights + per-process overhead
     rows: tuple[RowView, ...] = ()
+    resident_fraction: float = 1.0  # share of the weight bytes loaded (a warm actor's first layers)
 
     @property
     def reserved_bytes(self) -> int:
@@ -136,6 +139,14 @@ class ClusterSnapshot:
     def idle_actors(self, model: str, lane: Lane) -> list[ActorView]:
         return self._by_state.get((model, lane, "idle"), [])
 
+    def warm_actors(self, model: str, lane: Lane) -> list[ActorView]:
+        """Warm actors of a model filled for a lane, ready to be bound."""
+        return self._by_state.get((model, lane, "warm"), [])
+
+    def warm_count(self, model: str, lane: Lane) -> int:
+        """Warm actors of a model and lane, the warming ones included: the pool's size."""
+        return len(self.warm_actors(model, lane)) + len(self._by_state.get((model, lane, "warming"), []))
+
     def busy_hot_actors(self, model: str, lane: Lane) -> list[ActorView]:
         """Busy actors that stay hot: the ones a request may join."""
         return [a for a in self._by_state.get((model, lane, "busy"), []) if a.is_hot]
@@ -147,7 +158,7 @@ class ClusterSnapshot:
         return self._hot_counts.get((model, lane), 0)
 
     def num_busy_on_node(self, node_id: str) -> int:
-        """Actors starting or busy on a node: they share its host (and, on CPU slots, its cores)."""
+        """Actors starting, busy or warming on a node: they share its host (and, on CPU slots, its cores)."""
         return self._busy_by_node.get(node_id, 0)
 
     @cached_property
@@ -184,7 +195,7 @@ class ClusterSnapshot:
     def _busy_by_node(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for a in self.actors:
-            slot = self._slots_by_id.get(a.slot_id) if a.state != "idle" else None
+            slot = self._slots_by_id.get(a.slot_id) if a.state not in ("idle", "warm") else None
             if slot is not None:
                 counts[slot.node_id] = counts.get(slot.node_id, 0) + 1
         return counts

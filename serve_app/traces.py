@@ -5,15 +5,16 @@ candidate and what the scorer predicted for it, or the refusal), and, for admitt
 requests, the measured outcome. Off unless the app config switches it on
 (`traces: {enabled: true}`).
 
-A line (schema "zq-trace/2"; times are seconds, measured from the request's arrival at
+A line (schema "zq-trace/3"; times are seconds, measured from the request's arrival at
 the ingress; `null` where a value does not apply):
 
-    {"schema": "zq-trace/2", "time": <arrival, epoch s>, "request_id": "req_…", "model": "zq-demo",
+    {"schema": "zq-trace/3", "time": <arrival, epoch s>, "request_id": "req_…", "model": "zq-demo",
      "features": {"input_tokens", "max_tokens", "temperature", "top_k", "top_p", "weight_bytes",
                   "kv_bytes_per_token", "workspace_bytes", "actor_overhead_bytes",
                   "ttft_target_s", "total_target_s", "tpot_target_s"},
-     "decision": {"kind": "dispatch" | "join" | "spawn" | "reject", "reason", "slot_id", "lane", "keep_hot",
-                  "reserve_bytes", "candidate": {Candidate's fields, batch_rows and batch_tokens included},
+     "decision": {"kind": "dispatch" | "join" | "bind" | "spawn" | "reject", "reason", "slot_id", "lane",
+                  "keep_hot", "reserve_bytes", "tier": "hot" | "join" | "warm" | "cold", "evict": [actor names],
+                  "candidate": {Candidate's fields, batch_rows, batch_tokens and resident_fraction included},
                   "predicted": {"ttft_s", "total_s", "tpot_s"}},
      "outcome": null for refusals, else {"ok", "error", "dispatch_s", "load_s", "ttft_s", "total_s", "tpot_s",
                 "output_tokens", "stop_reason", "is_cold", "first_layers", "reserved_bytes", "peak_bytes"}}
@@ -28,7 +29,13 @@ requests only). `peak_bytes` is the request's peak as the actor measured it
 set); `reserved_bytes` is what the registry reserved for the request, which the ingress
 knows exactly.
 
-Older lines. "zq-trace/1" lines were recorded before hot actors ran batches. They could
+`tier` is where the request ran: an idle hot actor, a hot actor's batch, a bound warm actor
+(its process up, its first layers in) or a fresh actor; `evict` names the idle hot or
+warm actors a spawn retired to make room (empty otherwise).
+
+Older lines. "zq-trace/2" lines were recorded before warm actors existed: no request
+ran on one, and a scorer trained on them could not rank a warm candidate. "zq-trace/1"
+lines were recorded before hot actors ran batches. They could
 be converted (no batch fields means an empty batch, and TPOT follows from total - TTFT),
 but their timings are the old runtime's, and a scorer trained on them would predict a
 system that no longer runs. `read_traces` skips them, with one warning per file that says
@@ -57,7 +64,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "zq-trace/2"
+SCHEMA = "zq-trace/3"
 SCHEMA_FAMILY = "zq-trace/"  # another version of this schema: counted as such when skipped
 
 
@@ -159,7 +166,7 @@ def features_record(features: Any) -> dict[str, Any]:
 
 
 def decision_record(decision: Any) -> dict[str, Any]:
-    """A `Dispatch`, `Join`, `Spawn` or `Reject` (duck-typed) as the trace stores it."""
+    """A `Dispatch`, `Join`, `Bind`, `Spawn` or `Reject` (duck-typed) as the trace stores it."""
     kind = type(decision).__name__.lower()
     if kind == "reject":
         return {"kind": kind, "reason": decision.reason, "retry_after_s": decision.retry_after_s}
@@ -167,6 +174,7 @@ def decision_record(decision: Any) -> dict[str, Any]:
     return {
         "kind": kind, "slot_id": decision.slot_id, "lane": decision.lane, "keep_hot": decision.keep_hot,
         "reserve_bytes": decision.reserve_bytes,
+        "tier": None if candidate is None else candidate.kind, "evict": list(getattr(decision, "evict", ())),
         "candidate": None if candidate is None else asdict(candidate),
         "predicted": None if predicted is None else {"ttft_s": predicted.ttft_s, "total_s": predicted.total_s,
                                                      "tpot_s": predicted.tpot_s},
@@ -212,7 +220,7 @@ def trace_record(request_id: str, model: str, arrival: float, features: Any, dec
 
 
 def read_traces(paths: Iterable[str | Path], skipped: Counter | None = None) -> Iterator[dict[str, Any]]:
-    """Every well-formed "zq-trace/2" record of the files, in order.
+    """Every well-formed "zq-trace/3" record of the files, in order.
 
     A torn or foreign line is skipped; so is a line of another zq-trace version, with a
     warning per file (see the module docstring). `skipped`, if given, counts the lines

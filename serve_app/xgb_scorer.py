@@ -9,8 +9,9 @@ predicts it in one `Booster.inplace_predict` call: no DMatrix per request, one b
 call per decision (one booster per target would be three calls, each with a fixed cost
 that dwarfs the trees: see benchmarks/results/decision.md).
 
-Features (schema "zq-scorer/2"). Per candidate: its kind (`is_cold`, `is_join`; both 0
-for an idle hot actor), the slot's telemetry and its node's load, and the batch a join
+Features (schema "zq-scorer/3"). Per candidate: its kind (`is_cold`, `is_join`, `is_warm`;
+all 0 for an idle hot actor) and the share of its weights already resident
+(`resident_fraction`: 1 on a hot actor, a warm actor's first layers, 0 on a fresh one), the slot's telemetry and its node's load, and the batch a join
 would enter: `batch_rows`, `batch_tokens` (KV positions those rows read per step, at most)
 and `batch_kv_read_bytes` = (batch_tokens + the request's own input + max_tokens) x its
 kv_bytes_per_token: the KV bytes one step reads once the request runs there (for an idle
@@ -61,10 +62,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "zq-scorer/2"
+SCHEMA = "zq-scorer/3"
 # Candidate columns first, then the request's (the same for every row of one decision).
-CANDIDATE_FEATURES = ("is_cold", "is_join", "slot_fragmentation", "slot_utilization", "node_num_busy",
-                      "batch_rows", "batch_tokens", "batch_kv_read_bytes")
+CANDIDATE_FEATURES = ("is_cold", "is_join", "is_warm", "resident_fraction", "slot_fragmentation",
+                      "slot_utilization", "node_num_busy", "batch_rows", "batch_tokens", "batch_kv_read_bytes")
 REQUEST_FEATURES = ("input_tokens", "max_tokens", "is_greedy", "top_k", "top_p", "weight_bytes",
                     "kv_bytes_per_token")
 FEATURE_NAMES = CANDIDATE_FEATURES + REQUEST_FEATURES
@@ -86,8 +87,9 @@ def request_columns(f: RequestFeatures) -> list[float]:
 
 def candidate_columns(c: Candidate, f: RequestFeatures) -> list[float]:
     kv_read_bytes = (c.batch_tokens + f.input_tokens + f.max_tokens) * f.kv_bytes_per_token
-    return [1.0 if c.kind == "cold" else 0.0, 1.0 if c.kind == "join" else 0.0, float(c.slot_fragmentation),
-            float(c.slot_utilization), float(c.node_num_busy), float(c.batch_rows), float(c.batch_tokens),
+    resident = 1.0 if c.kind in ("hot", "join") else float(c.resident_fraction)
+    return [1.0 if c.kind == "cold" else 0.0, 1.0 if c.kind == "join" else 0.0, 1.0 if c.kind == "warm" else 0.0,
+            resident, float(c.slot_fragmentation), float(c.slot_utilization), float(c.node_num_busy), float(c.batch_rows), float(c.batch_tokens),
             float(kv_read_bytes)]
 
 
@@ -129,7 +131,7 @@ class ScorerCard:
             raise ScorerLoadError(f"unreadable scorer card: {e}") from None
         if card.schema != SCHEMA:
             raise ScorerLoadError(f"scorer card schema {card.schema!r}, expected {SCHEMA!r}: a model of another "
-                                  "feature set; retrain it (python -m serve_app.train_scorer) on zq-trace/2 traces")
+                                  "feature set; retrain it (python -m serve_app.train_scorer) on zq-trace/3 traces")
         if card.feature_names != FEATURE_NAMES:
             raise ScorerLoadError(f"scorer card features {list(card.feature_names)} != {list(FEATURE_NAMES)}")
         if card.targets != TARGETS:

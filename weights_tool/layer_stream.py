@@ -115,6 +115,13 @@ class LayerStream:
         with self._lock:
             return self._limit < len(self._order)
 
+    def resident_fraction(self) -> float:
+        """Share of the file's decompressed bytes loaded so far."""
+        with self._lock:
+            total = sum(g.size for g in self._groups.values())
+            loaded = sum(self._groups[i].size for i in self._ready_at if i not in self._errors)
+        return loaded / total if total else 1.0
+
     def throughput(self) -> float:
         """Bytes per second over the groups loaded so far (decompressed bytes delivered)."""
         with self._lock:

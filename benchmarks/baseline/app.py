@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.batch_runner import BatchRunner, RowStream
 from actors.engine import FinishEvent, StartEvent, TokenEvent
+from actors.priority import lower_threads
 from serve_app import api, errors, sse
 from serve_app.config import AppArgs, ingress_config, resolve_model_path
 from serve_app.errors import ApiError
@@ -93,7 +93,7 @@ class QueuedModel:
             retain_freed_memory()  # as zeroqueue's actors do; the replica never trims (favours it)
         device = config.device if config.device != "cuda" or torch.cuda.is_available() else "cpu"
         if device == "cpu" and config.cpu_nice:
-            os.nice(config.cpu_nice)  # the priority zeroqueue's CPU actors compute at
+            lower_threads(config.cpu_nice)  # the priority zeroqueue's CPU actors compute at
         model, tokenizer = load_zqs(config.zqs_path, device=device, num_threads=config.load_threads)
         engine = Engine(model, tokenizer, max_context=config.max_context, max_batch=config.max_batch,
                         prefill_chunk_tokens=config.prefill_chunk_tokens)

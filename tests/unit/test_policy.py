@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve_app.memory import ModelNumbers, request_features, workspace_bytes
-from serve_app.policy import Dispatch, Join, PolicyConfig, Reject, Spawn, decide
+from serve_app.policy import Bind, Dispatch, Join, PolicyConfig, Reject, Spawn, decide
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction, RuleScorer
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, RowView, SlotView
 
@@ -188,10 +188,12 @@ def test_long_requests_never_take_a_short_lane_hot_actor_and_are_not_kept_hot():
     snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b")], [_actor("short-hot", "a")])
     d = decide(long, snap, POLICY)
     assert d == Spawn("b", "long", False, long.spawn_bytes, long.resident_bytes)
-    # Nowhere to spawn: refused rather than placed on the short lane's actor.
+    # Nowhere to spawn: never placed on the short lane's actor, which is retired for it instead.
     snap = _snap([_slot("a", reserved=1000, num_actors=1)], [_actor("short-hot", "a")])
-    assert decide(long, snap, POLICY).reason == "no_capacity"
-    assert decide(_features(max_tokens=51), snap, POLICY).reason == "no_capacity"
+    assert decide(long, snap, POLICY) == Spawn("a", "long", False, long.spawn_bytes, long.resident_bytes,
+                                               evict=("short-hot",))
+    busy = _snap([_slot("a", reserved=1100, num_actors=1)], [_actor("short-busy", "a", state="busy", rows=1)])
+    assert decide(long, busy, POLICY).reason == "no_capacity"  # a running actor is never evicted
 
 
 def test_short_requests_prefer_short_lane_actors_then_take_an_idle_long_lane_one():
@@ -388,13 +390,14 @@ def _scenarios(draw):
         slots.append(SlotView(f"s{i}", "n", total, draw(st.integers(0, total)), draw(st.integers(0, 2))))
     actors = []
     for i in range(draw(st.integers(0, 6)) if slots else 0):
-        state = draw(st.sampled_from(["starting", "busy", "idle"]))
-        num_rows = {"idle": 0, "starting": 1, "busy": draw(st.integers(1, 4))}[state]
+        state = draw(st.sampled_from(["starting", "busy", "idle", "warm", "warming"]))
+        num_rows = {"idle": 0, "warm": 0, "warming": 0, "starting": 1, "busy": draw(st.integers(1, 4))}[state]
         rows = tuple(RowView(10, draw(st.integers(1, 40)), draw(st.one_of(st.none(), st.floats(0.001, 1))), 0.0)
                      for _ in range(num_rows))
         actors.append(ActorView(f"a{i}", draw(st.sampled_from(["m", "m2"])), draw(st.sampled_from(slots)).slot_id,
                                 state, draw(st.sampled_from(["short", "long"])),
-                                state == "idle" or draw(st.booleans()), 100, rows))
+                                state == "idle" or (state not in ("warm", "warming") and draw(st.booleans())),
+                                100, rows, draw(st.floats(0.0, 1.0))))
     features = _features(input_tokens=draw(st.integers(1, 20)), max_tokens=draw(st.integers(1, 20)),
                          weight_bytes=draw(st.integers(0, 3000)), kv_bytes_per_token=draw(st.integers(0, 30)),
                          workspace_bytes=draw(st.integers(0, 300)))
@@ -421,9 +424,33 @@ def _feasible(features, snap, policy):
     return hot, joins, cold
 
 
+def _warm_and_evictable(features, snap, policy):
+    """Warm actors of the model that fit (any lane), and slots whose idle or warm actors could all be retired."""
+    free = {s.slot_id: s.total_bytes - s.reserved_bytes for s in snap.slots}
+    warm = [a.name for a in snap.actors
+            if a.model == features.model and a.state == "warm" and free[a.slot_id] >= features.dispatch_bytes]
+    evictable = {}
+    for s in snap.slots:
+        on_slot = [a for a in snap.actors if a.slot_id == s.slot_id]
+        if on_slot and all(a.state in ("idle", "warm", "warming") for a in on_slot) and (
+                free[s.slot_id] + sum(a.reserved_bytes for a in on_slot) >= features.spawn_bytes
+                and s.num_actors - len(on_slot) < policy.max_actors_per_slot):
+            evictable[s.slot_id] = tuple(a.name for a in on_slot)
+    return warm, evictable
+
+
 def _check_feasible(d, features, snap, policy):
     hot, joins, cold = _feasible(features, snap, policy)
-    if isinstance(d, Dispatch):
+    warm, evictable = _warm_and_evictable(features, snap, policy)
+    has_targets = any(t is not None for t in (features.ttft_target_s, features.total_target_s, features.tpot_target_s))
+    usable_warm = [] if has_targets else warm  # a warm actor predicted to miss the request's targets is passed by
+    if isinstance(d, Bind):
+        actor = next(a for a in snap.actors if a.name == d.actor_name)
+        assert d.actor_name in warm and d.slot_id == actor.slot_id and d.reserve_bytes == features.dispatch_bytes
+    elif isinstance(d, Spawn) and d.evict:
+        assert not hot and not joins and not cold and not usable_warm, "evicted with a place to go"
+        assert evictable.get(d.slot_id) == d.evict and d.reserve_bytes == features.spawn_bytes
+    elif isinstance(d, Dispatch):
         actor = next(a for a in snap.actors if a.name == d.actor_name)
         assert d.actor_name in hot and d.slot_id == actor.slot_id and d.reserve_bytes == features.dispatch_bytes
     elif isinstance(d, Join):
@@ -432,9 +459,10 @@ def _check_feasible(d, features, snap, policy):
     elif isinstance(d, Spawn):
         assert d.slot_id in cold and d.reserve_bytes == features.spawn_bytes
     elif d.reason == "latency_target":  # only a running row's TPOT target can refuse with no target of its own
-        assert joins and not hot and not cold
+        assert joins and not hot and not cold and not usable_warm
     else:
-        assert not hot and not joins and not cold, f"rejected ({d.reason}) with feasible {hot} {joins} {cold}"
+        assert not hot and not joins and not cold and not usable_warm and not evictable, (
+            f"rejected ({d.reason}) with feasible {hot} {joins} {cold} {warm} {evictable}")
         is_too_large = bool(snap.slots) and features.spawn_bytes > max(s.total_bytes for s in snap.slots)
         assert d.reason == ("too_large" if is_too_large else "no_capacity")
     return hot, joins, cold
@@ -461,8 +489,11 @@ def test_with_the_rule_scorer_the_decision_is_the_first_hot_actor_else_first_fit
     allowed = [a for a in joins if a.min_tpot_target_s is None
                or RULE_SCORER.step_s(a.num_rows + 1, a.batch_tokens + features.num_tokens,
                                      features.kv_bytes_per_token) <= a.min_tpot_target_s]
+    warm, _ = _warm_and_evictable(features, snap, policy)
     if hot:
         assert isinstance(d, Dispatch) and d.actor_name == hot[0]
+    elif isinstance(d, Bind):  # a warm actor: faster than any allowed join by the rule, or the only place left
+        assert d.actor_name in warm
     elif allowed:  # the batch whose step the new row slows the least
         assert isinstance(d, Join)
         lightest = min((a.num_rows, a.batch_tokens) for a in allowed)
@@ -472,7 +503,7 @@ def test_with_the_rule_scorer_the_decision_is_the_first_hot_actor_else_first_fit
             RULE_SCORER.step_s(a.num_rows + 1, a.batch_tokens + features.num_tokens, features.kv_bytes_per_token)
             for a in allowed)
     elif cold:
-        assert isinstance(d, Spawn) and d.slot_id == cold[0]
+        assert isinstance(d, Spawn) and d.slot_id == cold[0] and not warm
 
 
 # ---------------------------------------------------------------- purity

@@ -7,10 +7,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from serve_app.policy import Dispatch, Join, PolicyConfig, Reject, Spawn
+from serve_app.policy import Bind, Dispatch, Join, PolicyConfig, Reject, Spawn
 from serve_app.registry import RegistryState, RowReservation, SlotSpec, is_request_actor_name
 from serve_app.scorer import RuleScorer
 from serve_app.snapshot import RequestFeatures
+from serve_app.warm_pool import WarmFill, WarmSpec
 
 POLICY = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=1,
                       actor_overhead_bytes=0, max_actors_per_slot=1, max_batch=8)
@@ -276,15 +277,20 @@ def test_request_actor_names_are_told_apart_from_other_zeroqueue_actors():
 
 
 class RegistryMachine(RuleBasedStateMachine):
-    """Random spawn / dispatch / join / finish / reconcile / remove / admit; the books must always balance."""
+    """Random spawn / dispatch / join / warm fill / bind / finish / reconcile / remove / admit; the books
+    must always balance, and no warm pool may exceed its size."""
 
     @initialize(totals=st.lists(st.integers(0, 3000), min_size=1, max_size=4), max_actors=st.integers(1, 2),
-                max_batch=st.integers(1, 4))
-    def setup(self, totals, max_actors, max_batch):
-        self.reg = RegistryState(max_actors_per_slot=max_actors, spawn_grace_s=5.0, max_batch=max_batch)
+                max_batch=st.integers(1, 4), num_warm=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+                max_idle_s=st.one_of(st.none(), st.floats(1, 30)))
+    def setup(self, totals, max_actors, max_batch, num_warm, max_idle_s):
+        self.reg = RegistryState(max_actors_per_slot=max_actors, spawn_grace_s=5.0, max_batch=max_batch,
+                                 max_idle_s=max_idle_s)
         self.reg.register_slots(SlotSpec(f"s{i}", "n", t) for i, t in enumerate(totals))
         self.policy = PolicyConfig(short_max_input_tokens=10, short_max_output_tokens=10, max_hot_short_actors=1,
-                                   actor_overhead_bytes=0, max_actors_per_slot=max_actors, max_batch=max_batch)
+                                   actor_overhead_bytes=0, max_actors_per_slot=max_actors, max_batch=max_batch,
+                                   num_warm_short_actors=num_warm[0], num_warm_long_actors=num_warm[1],
+                                   max_idle_s=max_idle_s)
         self.now = 0.0
         self.num_names = 0
 
@@ -336,6 +342,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def admit(self, input_tokens, max_tokens, weight, kv):
         f = RequestFeatures("m", input_tokens, max_tokens, weight, kv, 0)
         free_before = sum(s.free_bytes for s in self.reg.snapshot().slots)
+        held = {a.name: a.reserved_bytes for a in self.reg.snapshot().actors}
         d = self.reg.admit(f, self.policy, self._name(), self._name(), self.now)
         free_after = sum(s.free_bytes for s in self.reg.snapshot().slots)
         if isinstance(d, Reject):
@@ -343,7 +350,40 @@ class RegistryMachine(RuleBasedStateMachine):
             assert d.retry_after_s is None or (
                 self.policy.min_retry_after_s <= d.retry_after_s <= self.policy.max_retry_after_s)
         else:
-            assert free_before - free_after == d.reserve_bytes
+            evicted = getattr(d, "evict", ())
+            assert all(self._view(n) is None for n in evicted)
+            assert free_before - free_after == d.reserve_bytes - sum(held[n] for n in evicted)
+            if isinstance(d, Bind):
+                assert self._view(d.actor_name).state == "starting"
+
+    @rule(resident=st.integers(0, 1500), model=st.sampled_from(["m", "m2"]))
+    def fill_warm(self, resident, model):
+        free_before = sum(s.free_bytes for s in self.reg.snapshot().slots)
+        names = {model: [self._name() for _ in range(4)]}
+        fills = self.reg.fill_warm([WarmSpec(model, resident)], self.policy, names, self.now)
+        for name, fill in fills:
+            view = self._view(name)
+            assert view.state == "warming" and not view.is_hot and view.reserved_bytes == resident
+            assert fill == WarmFill(model, view.lane, view.slot_id, resident)
+        assert free_before - sum(s.free_bytes for s in self.reg.snapshot().slots) == resident * len(fills)
+
+    @rule(i=st.integers(-1, 20), fraction=st.floats(0, 1))
+    def warm_ready(self, i, fraction):
+        name = self._pick(i)
+        view = self._view(name)
+        assert self.reg.warm_ready(name, fraction) == (view is not None and view.state == "warming")
+
+    @rule(i=st.integers(-1, 20), reserve=st.integers(0, 1500), keep_hot=st.booleans(), ttl=st.floats(0, 50))
+    def bind(self, i, reserve, keep_hot, ttl):
+        name = self._pick(i)
+        actor = self._view(name)
+        slot_id = actor.slot_id if actor else "s0"
+        expected = actor is not None and actor.state == "warm" and self._free(slot_id) >= reserve
+        row = _row(self._name(), self.now + ttl)
+        assert self.reg.try_bind(Bind(name, slot_id, "long", keep_hot, reserve), row) == expected
+        if expected:
+            view = self._view(name)
+            assert view.state == "starting" and view.lane == "long" and view.is_hot == keep_hot
 
     @rule(i=st.integers(-1, 20))
     def started(self, i):
@@ -394,6 +434,13 @@ class RegistryMachine(RuleBasedStateMachine):
     @invariant()
     def books_balance(self):
         self.reg.check_invariants()
+
+    @invariant()
+    def no_pool_exceeds_its_size(self):
+        snap = self.reg.snapshot()
+        for model in ("m", "m2"):
+            for lane in ("short", "long"):
+                assert snap.warm_count(model, lane) <= self.policy.num_warm(model, lane)
 
 
 TestRegistryMachine = RegistryMachine.TestCase

@@ -44,7 +44,8 @@ def _service(n, hot=0.5, cold=3.0, decode=4.5, step_s=0.0, batch_row_cost=0.0) -
 
 
 def _policy(**kw) -> PolicyConfig:
-    return PolicyConfig(actor_overhead_bytes=CPU_MEASURED.actor_overhead_bytes, **kw)
+    # The simulator's clusters model no eviction (benchmarks/sim_clusters.py).
+    return PolicyConfig(actor_overhead_bytes=CPU_MEASURED.actor_overhead_bytes, is_eviction_enabled=False, **kw)
 
 
 def _resident(policy: PolicyConfig) -> int:

@@ -151,16 +151,16 @@ def test_two_writers_on_one_file_never_tear_a_line(tmp_path):
 
 def test_read_traces_skips_torn_and_foreign_lines(tmp_path):
     path = tmp_path / "mixed.jsonl"
-    path.write_text('{"schema": "zq-trace/2", "i": 1}\n{"schema": "zq-tr\n[1, 2]\n{"schema": "other"}\n'
-                    '{"schema": "zq-trace/2", "i": 2}\n')
+    path.write_text('{"schema": "zq-trace/3", "i": 1}\n{"schema": "zq-tr\n[1, 2]\n{"schema": "other"}\n'
+                    '{"schema": "zq-trace/3", "i": 2}\n')
     skipped = Counter()
     assert [r["i"] for r in read_traces([path], skipped)] == [1, 2]
     assert skipped == {"torn": 1, "foreign": 2}
 
 
 def test_lines_of_the_schema_before_batching_are_skipped_counted_and_warned_about(tmp_path, caplog):
-    """A file appended to across an upgrade: its v1 lines are left out, its v2 lines still read."""
-    assert SCHEMA == "zq-trace/2"
+    """A file appended to across an upgrade: its older lines are left out, its current lines still read."""
+    assert SCHEMA == "zq-trace/3"
     path = tmp_path / "upgraded.jsonl"
     v1 = {"schema": "zq-trace/1", "decision": {"kind": "dispatch"}, "outcome": {"ok": True, "ttft_s": 0.1}}
     path.write_text("".join(json.dumps(v1 | {"i": i}) + "\n" for i in range(3))
@@ -170,7 +170,7 @@ def test_lines_of_the_schema_before_batching_are_skipped_counted_and_warned_abou
         assert [r["i"] for r in read_traces([path], skipped)] == [3]
     assert skipped == {"zq-trace/1": 3}
     (warning,) = [r.getMessage() for r in caplog.records]
-    assert str(path) in warning and "3 zq-trace/1 lines skipped" in warning and "zq-trace/2" in warning
+    assert str(path) in warning and "3 zq-trace/1 lines skipped" in warning and "zq-trace/3" in warning
 
 
 def test_traces_are_off_unless_switched_on():

@@ -157,7 +157,7 @@ def test_too_few_rows_is_an_error_not_a_model(tmp_path, trace_file):
 
 def test_traces_from_before_batching_are_refused_with_the_reason(tmp_path, trace_file, caplog):
     old = tmp_path / "v1.jsonl"
-    old.write_text("".join(line.replace('"schema": "zq-trace/2"', '"schema": "zq-trace/1"')
+    old.write_text("".join(line.replace('"schema": "zq-trace/3"', '"schema": "zq-trace/1"')
                            for line in trace_file.read_text().splitlines(keepends=True)))
     with caplog.at_level(logging.WARNING):
         assert train_scorer.main([str(old), "-o", str(tmp_path / "s.ubj")]) == 1

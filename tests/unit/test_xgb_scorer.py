@@ -126,7 +126,7 @@ def test_a_valid_model_loads_and_predicts_the_law_it_learnt(scorer):
     step = 0.01 * 1.2 + (500 + 200) * 2e-5  # two rows, their 500 positions and the request's 200, 1 byte each
     assert join.tpot_s == pytest.approx(step, rel=0.15) and join.ttft_s == pytest.approx(0.1 + step, rel=0.15)
     assert join.total_s == pytest.approx(0.1 + 101 * step, rel=0.15)
-    assert scorer.card.schema == "zq-scorer/2" and scorer.card.feature_names == FEATURE_NAMES
+    assert scorer.card.schema == "zq-scorer/3" and scorer.card.feature_names == FEATURE_NAMES
     assert scorer.card.targets == ("log_ttft_s", "log_total_s", "log_tpot_s")
 
 
@@ -169,14 +169,20 @@ def test_outputs_far_outside_any_time_are_clipped_not_overflowed(tmp_path):
 
 def test_feature_rows_follow_the_declared_order():
     f = _features(input_tokens=7, max_tokens=9, kv_bytes_per_token=3, temperature=0.0, top_k=40, top_p=0.9)
-    cold, join = feature_matrix(f, [Candidate("cold", "s", None, 1, 0, 0.25, 0.5, 3),
-                                    Candidate("join", "s", "a", 1, 1, 0.25, 0.5, 3, 4, 600)])
+    cold, join, warm = feature_matrix(f, [Candidate("cold", "s", None, 1, 0, 0.25, 0.5, 3),
+                                          Candidate("join", "s", "a", 1, 1, 0.25, 0.5, 3, 4, 600),
+                                          Candidate("warm", "s", "w", 1, 1, 0.25, 0.5, 3, 0, 0, 0.4)])
     common = {"input_tokens": 7, "max_tokens": 9, "is_greedy": 1, "top_k": 40, "top_p": 0.9, "weight_bytes": 1000,
               "kv_bytes_per_token": 3, "slot_fragmentation": 0.25, "slot_utilization": 0.5, "node_num_busy": 3}
     assert dict(zip(FEATURE_NAMES, cold.tolist(), strict=True)) == pytest.approx(common | {
-        "is_cold": 1, "is_join": 0, "batch_rows": 0, "batch_tokens": 0, "batch_kv_read_bytes": (7 + 9) * 3})
+        "is_cold": 1, "is_join": 0, "is_warm": 0, "resident_fraction": 0, "batch_rows": 0, "batch_tokens": 0,
+        "batch_kv_read_bytes": (7 + 9) * 3})
     assert dict(zip(FEATURE_NAMES, join.tolist(), strict=True)) == pytest.approx(common | {
-        "is_cold": 0, "is_join": 1, "batch_rows": 4, "batch_tokens": 600, "batch_kv_read_bytes": (600 + 16) * 3})
+        "is_cold": 0, "is_join": 1, "is_warm": 0, "resident_fraction": 1, "batch_rows": 4, "batch_tokens": 600,
+        "batch_kv_read_bytes": (600 + 16) * 3})
+    assert dict(zip(FEATURE_NAMES, warm.tolist(), strict=True)) == pytest.approx(common | {
+        "is_cold": 0, "is_join": 0, "is_warm": 1, "resident_fraction": 0.4, "batch_rows": 0, "batch_tokens": 0,
+        "batch_kv_read_bytes": (7 + 9) * 3})
     assert feature_matrix(f, []).shape == (0, len(FEATURE_NAMES))
 
 
@@ -267,7 +273,7 @@ def test_a_v1_model_from_before_batching_is_refused_with_a_warning(tmp_path, cap
     card_path(path).write_text(json.dumps({
         "sha256": hashlib.sha256(raw).hexdigest(), "schema": "zq-scorer/1", "feature_names": list(V1_FEATURES),
         "targets": ["log_ttft_s", "log_total_s"], "xgboost_version": xgb.__version__}))
-    _expect_rule(path, caplog, "scorer card schema 'zq-scorer/1', expected 'zq-scorer/2'")
+    _expect_rule(path, caplog, "scorer card schema 'zq-scorer/1', expected 'zq-scorer/3'")
     assert "retrain" in caplog.records[-1].getMessage()
     # Its card relabelled as v2: the booster's own features still give it away.
     card_path(path).write_text(ScorerCard(hashlib.sha256(raw).hexdigest()).to_json())

@@ -1,0 +1,85 @@
+"""The warm pool's plan: which warm actors to start, and on which slots (pure: no Ray).
+
+A warm actor is started ahead of any request (actors/request_actor.py, `warm_layers`): its
+process is up, its model allocated, its tokenizer built and its embeddings and first N
+layers resident, so a request bound to it (policy.Bind) skips the process start. Each
+model keeps `policy.num_warm(model, lane)` of them per lane, warming ones included.
+
+Placement is first fit over the slots with room for the actor's resident bytes (weights
++ per-process overhead: reserved exactly as any actor's) and fewer than
+`max_actors_per_slot` actors — the same room a fresh actor needs, so a refill takes a
+slot only where a spawn could have gone, and eviction (policy.py) gives it back to a
+request that needs it.
+
+Idleness. A model's warm actors exist to catch its next request: once the model has had
+no request for `policy.max_idle_s`, its warm actors retire and the pool is not refilled
+until a request comes (`is_model_active`); the registry starts that clock when the pool
+is first asked for, so a fresh deployment fills its pools at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from serve_app.policy import PolicyConfig
+from serve_app.snapshot import ClusterSnapshot, Lane
+
+LANES: tuple[Lane, ...] = ("short", "long")
+
+
+@dataclass(frozen=True)
+class WarmSpec:
+    """What a warm actor of one model holds while it waits."""
+
+    model: str
+    resident_bytes: int  # weights + per-process overhead
+
+    def __post_init__(self) -> None:
+        if self.resident_bytes < 0:
+            raise ValueError(f"{self.model}: resident_bytes must be >= 0, got {self.resident_bytes}")
+
+
+@dataclass(frozen=True)
+class WarmFill:
+    """One warm actor to start: committed in the registry before it is created."""
+
+    model: str
+    lane: Lane
+    slot_id: str
+    resident_bytes: int
+
+
+def is_model_active(last_request_at: float, now: float, policy: PolicyConfig) -> bool:
+    return policy.max_idle_s is None or now - last_request_at <= policy.max_idle_s
+
+
+def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: PolicyConfig,
+               active_models: set[str]) -> list[WarmFill]:
+    """The warm actors missing from each active model's pool, each on the first slot that fits."""
+    added_bytes: dict[str, int] = {}
+    added_actors: dict[str, int] = {}
+    fills: list[WarmFill] = []
+    for spec in specs:
+        if spec.model not in active_models:
+            continue
+        for lane in LANES:
+            missing = policy.num_warm(spec.model, lane) - snapshot.warm_count(spec.model, lane)
+            for _ in range(max(0, missing)):
+                slot_id = _first_fit(snapshot, spec.resident_bytes, policy.max_actors_per_slot,
+                                     added_bytes, added_actors)
+                if slot_id is None:
+                    break
+                added_bytes[slot_id] = added_bytes.get(slot_id, 0) + spec.resident_bytes
+                added_actors[slot_id] = added_actors.get(slot_id, 0) + 1
+                fills.append(WarmFill(spec.model, lane, slot_id, spec.resident_bytes))
+    return fills
+
+
+def _first_fit(snapshot: ClusterSnapshot, need: int, max_actors: int, added_bytes: dict[str, int],
+               added_actors: dict[str, int]) -> str | None:
+    for slot in snapshot.slots:
+        free = slot.free_bytes - added_bytes.get(slot.slot_id, 0)
+        if free >= need and slot.num_actors + added_actors.get(slot.slot_id, 0) < max_actors:
+            return slot.slot_id
+    return None

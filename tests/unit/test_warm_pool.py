@@ -1,0 +1,121 @@
+"""Warm actors in the decision and the registry: the pool's plan, binding, lanes, eviction and idleness."""
+
+from __future__ import annotations
+
+from serve_app.policy import Bind, PolicyConfig, Spawn, decide
+from serve_app.registry import RegistryState, RowReservation, SlotSpec
+from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, SlotView
+from serve_app.warm_pool import WarmFill, WarmSpec, plan_fills
+
+POLICY = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=1,
+                      actor_overhead_bytes=0, max_actors_per_slot=1, num_warm_short_actors=1,
+                      num_warm_long_actors=1, max_idle_s=60.0)
+
+
+def _features(input_tokens=10, max_tokens=10, model="m") -> RequestFeatures:
+    return RequestFeatures(model, input_tokens, max_tokens, 1000, 1, 0)
+
+
+def _slot(slot_id, reserved=0, num_actors=0) -> SlotView:
+    return SlotView(slot_id, "node", 10_000, reserved, num_actors)
+
+
+def _warm(name, slot_id, lane="short", model="m", state="warm", fraction=0.5) -> ActorView:
+    return ActorView(name, model, slot_id, state, lane, False, 1000, (), fraction)
+
+
+def _snap(slots, actors=()) -> ClusterSnapshot:
+    return ClusterSnapshot(tuple(slots), tuple(actors), 1)
+
+
+def test_the_plan_fills_each_lane_to_its_size_first_fit_and_skips_idle_models():
+    snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b"), _slot("c")], [_warm("w", "a")])
+    fills = plan_fills(snap, [WarmSpec("m", 1000), WarmSpec("idle", 1000)], POLICY, active_models={"m"})
+    assert fills == [WarmFill("m", "long", "b", 1000)]  # the short pool already has its one
+    assert plan_fills(snap, [WarmSpec("m", 20_000)], POLICY, {"m"}) == []  # no slot holds it
+
+
+def test_a_warm_actor_of_the_lane_is_bound_rather_than_a_process_started():
+    snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b")], [_warm("w", "a")])
+    d = decide(_features(), snap, POLICY)
+    assert d == Bind("w", "a", "short", True, _features().dispatch_bytes)
+    assert d.prediction.ttft_s < decide(_features(), _snap([_slot("b")]), POLICY).prediction.ttft_s
+
+
+def test_the_other_lanes_warm_actor_is_bound_only_in_place_of_a_process_start_or_a_refusal():
+    long = _features(input_tokens=500)
+    other_lane = _snap([_slot("a", reserved=1000, num_actors=1)], [_warm("w", "a", lane="short")])
+    assert isinstance(decide(long, other_lane, POLICY), Bind)  # else: refused, or evicted for a cold start
+    with_hot = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1)],
+                     [_warm("w", "a", lane="long"),
+                      ActorView("hot", "m", "b", "idle", "short", True, 1000)])
+    assert decide(_features(), with_hot, POLICY).actor_name == "hot"  # the long lane keeps its warm actor
+
+
+def test_eviction_retires_warm_actors_before_idle_hot_ones_and_never_a_running_one():
+    other_model = _features(model="m2")
+    snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1),
+                  _slot("c", reserved=1100, num_actors=1)],
+                 [ActorView("hot", "m", "a", "idle", "short", True, 1000), _warm("w", "b"),
+                  ActorView("busy", "m", "c", "busy", "short", True, 1000)])
+    d = decide(other_model, snap, POLICY)
+    assert isinstance(d, Spawn) and d.slot_id == "b" and d.evict == ("w",)
+
+
+def test_a_bound_warm_actor_serves_then_goes_like_a_spawned_one_and_the_pool_refills():
+    reg = RegistryState(max_idle_s=60.0)
+    reg.register_slots([SlotSpec("a", "n", 10_000), SlotSpec("b", "n", 10_000)])
+    short_only = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=0,
+                              actor_overhead_bytes=0, num_warm_short_actors=1)
+    [(name, fill)] = reg.fill_warm([WarmSpec("m", 1000)], short_only, {"m": ["w1", "w2"]}, now=0.0)
+    assert (name, fill.slot_id) == ("w1", "a") and reg.warm_ready("w1", 0.4)
+    d = reg.admit(_features(), short_only, "spawned", "r1", now=1.0)
+    assert d == Bind("w1", "a", "short", False, _features().dispatch_bytes)
+    reg.check_invariants()
+    [(refill, _)] = reg.fill_warm([WarmSpec("m", 1000)], short_only, {"m": ["w2"]}, now=1.5)
+    assert refill == "w2" and _view(reg, "w2").slot_id == "b"  # on the free slot, while w1 serves
+    assert reg.actor_started("w1") and not reg.finish("w1", "r1", "complete", now=2.0)
+    assert _view(reg, "w1") is None  # not kept hot: it exits, as a spawned actor does
+    assert reg.fill_warm([WarmSpec("m", 1000)], short_only, {"m": ["w3"]}, now=2.5) == []  # full
+    reg.check_invariants()
+
+
+def test_a_models_warm_actors_retire_once_it_is_idle_and_are_not_refilled_until_it_is_asked_for():
+    reg = RegistryState(max_idle_s=60.0)
+    reg.register_slots([SlotSpec("a", "n", 10_000)])
+    policy = PolicyConfig(actor_overhead_bytes=0, max_hot_short_actors=0, num_warm_short_actors=1, max_idle_s=60.0)
+    reg.fill_warm([WarmSpec("m", 1000)], policy, {"m": ["w1"]}, now=0.0)
+    reg.warm_ready("w1", 1.0)
+    assert reg.reconcile({"w1"}, now=59.0).retired == ()
+    assert reg.reconcile({"w1"}, now=61.0).retired == ("w1",)
+    assert reg.fill_warm([WarmSpec("m", 1000)], policy, {"m": ["w2"]}, now=62.0) == []  # idle model: no refill
+    reg.admit(_features(), policy, "s1", "r1", now=63.0)  # a request: the model is active again
+    assert [n for n, _ in reg.fill_warm([WarmSpec("m", 1000)], policy, {"m": ["w3"]}, now=64.0)] == []  # slot taken
+    reg.finish("s1", "r1", "complete", now=65.0)
+    assert [n for n, _ in reg.fill_warm([WarmSpec("m", 1000)], policy, {"m": ["w4"]}, now=66.0)] == ["w4"]
+
+
+def test_a_warm_actor_that_dies_before_it_is_bound_is_dropped_and_its_slot_refilled():
+    reg = RegistryState(spawn_grace_s=5.0)
+    reg.register_slots([SlotSpec("a", "n", 10_000)])
+    policy = PolicyConfig(actor_overhead_bytes=0, num_warm_short_actors=1)
+    reg.fill_warm([WarmSpec("m", 1000)], policy, {"m": ["w1"]}, now=0.0)
+    reg.warm_ready("w1", 1.0)
+    assert reg.reconcile(set(), now=10.0).ghosts == ("w1",)
+    assert [n for n, _ in reg.fill_warm([WarmSpec("m", 1000)], policy, {"m": ["w2"]}, now=10.5)] == ["w2"]
+    reg.check_invariants()
+
+
+def _view(reg, name):
+    return next((a for a in reg.snapshot().actors if a.name == name), None)
+
+
+def test_rows_of_a_bound_actor_are_reserved_like_a_spawns(tmp_path):
+    reg = RegistryState()
+    reg.register_slots([SlotSpec("a", "n", 10_000)])
+    policy = PolicyConfig(actor_overhead_bytes=0, num_warm_short_actors=1)
+    reg.fill_warm([WarmSpec("m", 1000)], policy, {"m": ["w1"]}, now=0.0)
+    reg.warm_ready("w1", 1.0)
+    assert reg.try_bind(Bind("w1", "a", "short", True, 30), RowReservation("r", 20, None, 1.0, 99.0))
+    assert _view(reg, "w1").reserved_bytes == 1030
+    reg.check_invariants()
