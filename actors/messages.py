@@ -97,3 +97,4 @@ class ActorStatus:
     load_bytes_per_s: float
     num_rows: int = 0  # requests running or joining
     resident_fraction: float = 0.0  # share of the weight bytes loaded
+    pid: int = 0  # the actor's process (benchmarks read its resident set)

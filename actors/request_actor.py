@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -153,6 +154,7 @@ class RequestActor:
             load_bytes_per_s=stream.throughput(),
             num_rows=self._engine.num_rows,
             resident_fraction=stream.resident_fraction(),
+            pid=os.getpid(),
         )
 
     async def ready(self, timeout_s: float | None = None) -> ActorStatus:

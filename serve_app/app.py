@@ -80,8 +80,9 @@ class LoadedModel:
     warm_layers: int = 0  # a warm actor's layers resident before its request
 
 
-# Requests an actor found dead before it started them are decided again, this many times.
-MAX_ATTEMPTS = 2
+# A request whose actor is found dead before starting it is decided again, up to this many tries in all
+# (a warm pool lost at once, its node gone, costs one try per dead actor the registry still lists).
+MAX_ATTEMPTS = 3
 
 
 def _timing(t: float) -> str:
@@ -266,6 +267,8 @@ class Ingress:
         headers = {
             "X-Request-Dispatch-Time": _timing(admitted.dispatch_time),
             "X-Request-Start-Time": _timing(admitted.started.time),
+            # Where it ran: "hot" (an idle or batching actor), "warm" (a bound warm actor) or "cold".
+            "X-Request-Tier": admitted.tier,
         }
         if req.stream:
             return StreamingResponse(self.relay.sse(admitted), media_type="text/event-stream",
