@@ -33,10 +33,12 @@ class ActorConfig:
     # Every group resident before prefill starts: load-then-compute, the cold-start
     # benchmark's baseline (first_layers = L still streams the table and the final group).
     is_load_then_compute: bool = False
-    # Prefill compute rate used to derive first_layers; measured by bench_cold_start.
-    prefill_flops_per_s: float = 2.0e10
-    # Load rate assumed before the stream has finished its first layer.
-    initial_load_bytes_per_s: float = 1.0e9
+    # Prefill compute rate used to derive first_layers (and a warm actor's layers), and the load
+    # rate assumed before a stream has measured its own: bench_cold_start's figures for the
+    # `small` bf16 model on one thread of the 2-core CPU machine (524 GFLOP/s, 0.55 GB/s);
+    # measure and set them per deployment.
+    prefill_flops_per_s: float = 5.2e11
+    initial_load_bytes_per_s: float = 5.5e8
     load_timeout_s: float = 300.0
     # On CPU slots the actors' compute shares cores with the proxy, ingress and registry;
     # a lower priority keeps admission and refusals fast however busy the slots are. Set

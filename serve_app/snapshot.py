@@ -161,6 +161,19 @@ class ClusterSnapshot:
         """Actors starting, busy or warming on a node: they share its host (and, on CPU slots, its cores)."""
         return self._busy_by_node.get(node_id, 0)
 
+    def num_starting_on_node(self, node_id: str) -> int:
+        """Actors loading for a request on a node (spawned or bound, before their first token)."""
+        return self._starting_by_node.get(node_id, 0)
+
+    @cached_property
+    def _starting_by_node(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for a in self.actors:
+            slot = self._slots_by_id.get(a.slot_id) if a.state == "starting" else None
+            if slot is not None:
+                counts[slot.node_id] = counts.get(slot.node_id, 0) + 1
+        return counts
+
     @cached_property
     def max_total_bytes(self) -> int:
         return max((s.total_bytes for s in self.slots), default=0)

@@ -9,7 +9,10 @@ Placement is first fit over the slots with room for the actor's resident bytes (
 + per-process overhead: reserved exactly as any actor's) and fewer than
 `max_actors_per_slot` actors — the same room a fresh actor needs, so a refill takes a
 slot only where a spawn could have gone, and eviction (policy.py) gives it back to a
-request that needs it.
+request that needs it. A refill waits while a request's actor on the same node is still
+"starting" (loading its weights, before its first token): a process start and a load
+take the node's host CPU, which that request's load and prefill need now; the pool is
+for the next request, not worth this one's first token.
 
 Idleness. A model's warm actors exist to catch its next request: once the model has had
 no request for `policy.max_idle_s`, its warm actors retire and the pool is not refilled
@@ -79,6 +82,8 @@ def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: Pol
 def _first_fit(snapshot: ClusterSnapshot, need: int, max_actors: int, added_bytes: dict[str, int],
                added_actors: dict[str, int]) -> str | None:
     for slot in snapshot.slots:
+        if snapshot.num_starting_on_node(slot.node_id):
+            continue
         free = slot.free_bytes - added_bytes.get(slot.slot_id, 0)
         if free >= need and slot.num_actors + added_actors.get(slot.slot_id, 0) < max_actors:
             return slot.slot_id

@@ -72,9 +72,12 @@ def test_a_bound_warm_actor_serves_then_goes_like_a_spawned_one_and_the_pool_ref
     d = reg.admit(_features(), short_only, "spawned", "r1", now=1.0)
     assert d == Bind("w1", "a", "short", False, _features().dispatch_bytes)
     reg.check_invariants()
+    # No refill while w1 loads for its request: a process start would take the node's CPU from it.
+    assert reg.fill_warm([WarmSpec("m", 1000)], short_only, {"m": ["w2"]}, now=1.2) == []
+    assert reg.actor_started("w1")  # its first token: the rest of its weights are in
     [(refill, _)] = reg.fill_warm([WarmSpec("m", 1000)], short_only, {"m": ["w2"]}, now=1.5)
-    assert refill == "w2" and _view(reg, "w2").slot_id == "b"  # on the free slot, while w1 serves
-    assert reg.actor_started("w1") and not reg.finish("w1", "r1", "complete", now=2.0)
+    assert refill == "w2" and _view(reg, "w2").slot_id == "b"  # on the free slot, while w1 decodes
+    assert not reg.finish("w1", "r1", "complete", now=2.0)
     assert _view(reg, "w1") is None  # not kept hot: it exits, as a spawned actor does
     assert reg.fill_warm([WarmSpec("m", 1000)], short_only, {"m": ["w3"]}, now=2.5) == []  # full
     reg.check_invariants()
