@@ -8,11 +8,12 @@ deciding, then drives it over HTTP with closed-loop clients in phases of 1 to 6 
 `drive`): input ~8 to ~1000 tokens and max_tokens 1 to 200 (log-uniform), greedy or
 sampled, with or without top_k / top_p. A short request runs alone on the short lane's
 idle hot actor, or joins its batch as one more row while it is busy (the higher phases
-trace batches of several rows, so the scorer's batch features vary); cold starts come
-from long-lane prompts (over 512 tokens) and from phases that start by retiring the hot
-actor; when both slots are taken some requests are refused, and the refusals are traced
-too. Writes `benchmarks/traces/<name>.jsonl` (schema zq-trace/2, serve_app/traces.py)
-and prints how many requests each decision kind took.
+trace batches of several rows, so the scorer's batch features vary); warm binds and cold
+starts come from long-lane prompts (over 512 tokens) and from phases that start by
+retiring every actor (the warm pool's refill races the first requests, so some bind a
+warm actor and some start cold); when both slots are taken some requests are refused, and
+the refusals are traced too. Writes `benchmarks/traces/<name>.jsonl` (schema zq-trace/3,
+serve_app/traces.py) and prints how many requests each decision kind took.
 
 Shapes are seeded; the timings are this machine's, whatever else it is doing.
 """
@@ -94,7 +95,7 @@ def wait_until(predicate, timeout_s: float) -> bool:
 
 
 def retire_hot_actors(ray, client, base: str) -> None:
-    """Kill the idle actors, and wait until the registry has forgotten them."""
+    """Kill the idle actors (warm ones too), and wait until the registry has forgotten the hot ones."""
     for name in request_actors(ray):
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))
@@ -102,8 +103,8 @@ def retire_hot_actors(ray, client, base: str) -> None:
             pass
 
     def free() -> bool:
-        h = client.get(f"{base}/health").json()
-        return not h["actors"] and h["slots"]["free"] == h["slots"]["total"]
+        h = client.get(f"{base}/health").json()  # warm actors of the refilled pool may be there already
+        return not any(h["actors"].get(state) for state in ("starting", "busy", "idle"))
 
     # The registry forgets a vanished actor once its spawn grace (10 s) is over.
     wait_until(free, 30)
@@ -175,7 +176,7 @@ def _lines(path: Path) -> int:
 
 
 def decision_kinds(path: Path) -> Counter:
-    """Requests per decision kind (dispatch, join, spawn, reject) in a trace file."""
+    """Requests per decision kind (dispatch, join, bind, spawn, reject) in a trace file."""
     from serve_app.traces import read_traces
 
     return Counter((r.get("decision") or {}).get("kind") for r in read_traces([path]))
