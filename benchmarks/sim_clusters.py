@@ -41,7 +41,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from serve_app.policy import Decision, Dispatch, Join, PolicyConfig, Reject, Spawn, decide
+from serve_app.decisions import Decision, Dispatch, Join, Reject, Spawn
+from serve_app.policy import PolicyConfig, decide
 from serve_app.registry import RegistryState, RowReservation, SlotSpec
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import ActorView, ClusterSnapshot, Lane, RequestFeatures, RowView, SlotView

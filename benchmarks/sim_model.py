@@ -56,8 +56,9 @@ import numpy as np
 
 from benchmarks.sim_calibration import ServiceTimes, Workload
 from benchmarks.sim_clusters import MODEL
+from serve_app.decisions import Decision, Join, Reject, Spawn
 from serve_app.memory import ModelNumbers, request_features
-from serve_app.policy import Decision, Join, PolicyConfig, Reject, Spawn
+from serve_app.policy import PolicyConfig
 from serve_app.snapshot import RequestFeatures
 
 REJECT_REASONS = ("no_capacity", "too_large", "latency_target")

@@ -48,11 +48,11 @@ from actors.request_actor import RequestActor, new_actor_name
 from actors.tokenizer import Tokenizer
 from serve_app import api, errors, sse, traces
 from serve_app.config import AppArgs, IngressConfig, ingress_config, resolve_model_path
+from serve_app.decisions import Bind, Reject, Spawn
 from serve_app.errors import ApiError
 from serve_app.latency_targets import request_targets
 from serve_app.memory import ModelNumbers, request_features
 from serve_app.metrics import IngressMetrics
-from serve_app.policy import Bind, Reject, Spawn
 from serve_app.prompt import prompt_for
 from serve_app.registry_actor import RegistryConfig, get_registry
 from serve_app.relay import ActorLost, Admitted, Outcome, Relay

@@ -59,7 +59,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from serve_app.policy import Bind, Decision, Dispatch, Join, PolicyConfig, Reject, Spawn, decide
+from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
+from serve_app.policy import PolicyConfig, decide
 from serve_app.retry_after import retry_after_s
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import (

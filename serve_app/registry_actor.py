@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import ray
 
-from serve_app.policy import Decision, PolicyConfig, Spawn
+from serve_app.decisions import Decision, Spawn
+from serve_app.policy import PolicyConfig
 from serve_app.registry import (
     REQUEST_ACTOR_PATTERN,
     Outcome,

@@ -26,8 +26,8 @@ import ray
 
 from actors.messages import ActorBusyError, Completion, Started, TextChunk
 from serve_app import api, errors, sse
+from serve_app.decisions import Decision
 from serve_app.errors import ApiError
-from serve_app.policy import Decision
 from serve_app.snapshot import RequestFeatures
 
 Outcome = Literal["complete", "cancelled", "failed"]

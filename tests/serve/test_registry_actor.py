@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from serve_app.policy import PolicyConfig, Reject, Spawn, decide
+from serve_app.decisions import Reject, Spawn
+from serve_app.policy import PolicyConfig, decide
 from serve_app.registry import SlotSpec
 from serve_app.registry_actor import RegistryConfig, get_registry
 from serve_app.snapshot import RequestFeatures

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from serve_app.decisions import Bind, Dispatch, Join, Reject, Spawn
 from serve_app.memory import ModelNumbers, request_features, workspace_bytes
-from serve_app.policy import Bind, Dispatch, Join, PolicyConfig, Reject, Spawn, decide
+from serve_app.policy import PolicyConfig, decide
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction, RuleScorer
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, RowView, SlotView
 
@@ -510,7 +511,8 @@ def test_with_the_rule_scorer_the_decision_is_the_first_hot_actor_else_first_fit
 
 
 def test_the_policy_modules_import_neither_ray_nor_torch():
-    code = ("import sys, serve_app.policy, serve_app.memory, serve_app.scorer, serve_app.registry, "
+    code = ("import sys, serve_app.policy, serve_app.decisions, serve_app.warm_pool, serve_app.memory, "
+            "serve_app.scorer, serve_app.registry, "
             "serve_app.snapshot, serve_app.retry_after; "
             "print(sorted(m for m in ('ray', 'torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

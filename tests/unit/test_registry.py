@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from serve_app.policy import Bind, Dispatch, Join, PolicyConfig, Reject, Spawn
+from serve_app.decisions import Bind, Dispatch, Join, Reject, Spawn
+from serve_app.policy import PolicyConfig
 from serve_app.registry import RegistryState, RowReservation, SlotSpec, is_request_actor_name
 from serve_app.scorer import RuleScorer
 from serve_app.snapshot import RequestFeatures

@@ -12,8 +12,9 @@ import pytest
 
 from actors.messages import Completion, Timings
 from serve_app.config import AppArgs, ingress_config
-from serve_app.policy import Join, Reject, RequestFeatures, Spawn
+from serve_app.decisions import Join, Reject, Spawn
 from serve_app.scorer import Candidate, Prediction
+from serve_app.snapshot import RequestFeatures
 from serve_app.traces import (
     SCHEMA,
     TraceConfig,

@@ -11,7 +11,7 @@ import pytest
 
 from actors.messages import Completion, Timings
 from serve_app import train_scorer
-from serve_app.policy import Dispatch, Join, Reject, Spawn
+from serve_app.decisions import Dispatch, Join, Reject, Spawn
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction
 from serve_app.snapshot import RequestFeatures
 from serve_app.traces import outcome_record, read_traces, trace_record

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from serve_app.policy import Bind, PolicyConfig, Spawn, decide
+from serve_app.decisions import Bind, Spawn
+from serve_app.policy import PolicyConfig, decide
 from serve_app.registry import RegistryState, RowReservation, SlotSpec
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, SlotView
 from serve_app.warm_pool import WarmFill, WarmSpec, plan_fills

@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve_app import xgb_scorer
-from serve_app.policy import Dispatch, Join, PolicyConfig, Reject, Spawn, decide
+from serve_app.decisions import Dispatch, Join, Reject, Spawn
+from serve_app.policy import PolicyConfig, decide
 from serve_app.scorer import RULE_SCORER, Candidate
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, RowView, SlotView
 from serve_app.xgb_scorer import (
