@@ -241,12 +241,20 @@ def _run_systems(plan: Plan, args: dict[str, Any], work: Path, model_id: str, pr
                     scenarios = _plan_sweep(plan, data, harness, cap["rps"], left_s, per_system_s, extras)
                 for s in scenarios:
                     run = data["runs"][s.name]
-                    run["settle_s"][system] = load_apps.settle(system, harness.base, probe_req, fast_s, slots)
+                    if s.is_fresh:  # deployed again, not warmed: its actors start under the scenario
+                        _record_counters(system, data)
+                        load_apps.undeploy(system)
+                        load_apps.deploy(system, args)
+                        load_apps.wait_ready(harness.base)
+                        run["settle_s"][system] = 0.0
+                    else:
+                        run["settle_s"][system] = load_apps.settle(system, harness.base, probe_req, fast_s, slots)
                     records = harness.scenario(system, s, data["netem_error"])
                     run["records"] += records
                     log.info("%s/%s: %d records (%.1f min so far)", system, s.name, len(records),
                              (time.time() - data["started"]) / 60)
             finally:
+                _record_counters(system, data)
                 load_apps.undeploy(system)
     finally:
         try:
@@ -254,6 +262,24 @@ def _run_systems(plan: Plan, args: dict[str, Any], work: Path, model_id: str, pr
         finally:
             load_apps.kill_namespace_actors()
             ray.shutdown()
+
+
+def _record_counters(system: str, data: dict[str, Any]) -> None:
+    """zeroqueue's registry counts (decisions by kind, evictions, spawns while a warm actor fitted), summed
+    over its deployments; best effort: a registry already gone leaves the figures as they are."""
+    if system != load_apps.ZEROQUEUE:
+        return
+    import ray
+
+    try:
+        registry = ray.get_actor("zq-registry", namespace=load_apps.NAMESPACE)
+        counts = ray.get(registry.counters.remote(), timeout=10)
+    except Exception:
+        log.warning("zeroqueue's registry counters could not be read")
+        return
+    total = data.setdefault("registry_counters", {})
+    for k, v in counts.items():
+        total[k] = total.get(k, 0) + v
 
 
 def _exit_on_sigterm() -> None:

@@ -134,7 +134,7 @@ class LoadClient(User):
         target = sched.get("ttft_target_s")
         headers = {"x-zq-ttft-target-s": f"{target:g}"} if target else None
         sent = time.time()
-        first = server_start = server_dispatch = retry_after_s = None
+        first = server_start = server_dispatch = retry_after_s = tier = None
         status, error, tokens = "connection", None, 0
         response = None
         deadline = gevent.Timeout(cfg.timeout_s)
@@ -145,6 +145,7 @@ class LoadClient(User):
             status = str(response.status_code)
             server_start = _header_time(response, "X-Request-Start-Time")
             server_dispatch = _header_time(response, "X-Request-Dispatch-Time")
+            tier = response.headers.get("X-Request-Tier")
             if response.status_code != 200:
                 error = _error_type(response.content)
                 retry_after_s = _retry_after_s(response)
@@ -162,7 +163,7 @@ class LoadClient(User):
                 response.close()  # on a timeout this disconnects, and the server cancels the request
         end = time.time()
         record = Record(cfg.app, cfg.scenario, index, cls, t_sched, max(0.0, sent - t0 - t_sched), sent, first,
-                        end, status, error, tokens, server_start, server_dispatch)
+                        end, status, error, tokens, server_start, server_dispatch, tier)
         self._write(record)
         self.environment.events.request.fire(
             request_type="POST", name=cls, response_time=(end - sent) * 1000, response_length=tokens,

@@ -108,6 +108,7 @@ def _document(data, points: Summaries, extras: Summaries, floor_rows, gs: list[G
               for g in gs]
     notes = [f"- {g.name.split('.')[0]}: {g.note}" for g in gs if g.note]
     lines += ["", "Why, where a goal was missed (from this run's figures):", "", *notes] if notes else []
+    lines += _warm(data, points, extras)
     x = data["sweep"]["capacity_rps"]
     lines += ["", "## Refusals against the Erlang-B floor", "",
               f"B(c, A) with c = slots × max_batch = {data['places']} places and A = offered rate × (c / X), X = "
@@ -245,3 +246,34 @@ def _capacity(data: dict[str, Any]) -> list[str]:
                      f"{lag} |")
     return [*lines, "", "Client lag: how late the client sent a request against its schedule, over all systems "
             "(TTFT is measured from the send, so it does not include it).", ""]
+
+
+WARM_REFUSAL_BOUND_S = 0.25
+
+
+def _warm(data: dict[str, Any], points: Summaries, extras: Summaries) -> list[str]:
+    """zeroqueue's process starts against its warm actors, and its refusals while actors start."""
+    counts = data.get("registry_counters")
+    if counts is None:
+        return []
+    zq = [per[ZEROQUEUE]["all"] for per in [*points.values(), *extras.values()] if ZEROQUEUE in per]
+    cold, warm = sum(x.cold for x in zq), sum(x.warm for x in zq)
+    spared = counts.get("spawn_with_warm_available", 0)
+    lines = ["", "## Warm actors and process starts (zeroqueue)", "",
+             f"Over every scenario: {warm} completed requests were bound to a warm actor (no process start), {cold} "
+             f"started on a fresh actor (`X-Request-Tier`). The registry decided {counts.get('bind', 0)} binds, "
+             f"{counts.get('spawn', 0)} spawns ({counts.get('evicted', 0)} actors evicted for them), "
+             f"{counts.get('join', 0)} joins, {counts.get('dispatch', 0)} dispatches and {counts.get('reject', 0)} "
+             f"refusals (warm-up and capacity windows included).", "",
+             f"- no request pays a process start while a warm actor of its model was available on a fitting slot: "
+             f"**{spared}** spawns were decided with one there ({'met' if spared == 0 else 'missed'})"]
+    fresh = extras.get("coldburst", {}).get(ZEROQUEUE, {}).get("all")
+    if fresh is not None:
+        slow = fresh.reject_slower_than(WARM_REFUSAL_BOUND_S)
+        answered = (f"{fresh.rejected} refusals, P99 {fresh.reject_answer.p99:.3f} s, slowest "
+                    f"{fresh.reject_answer_max:.3f} s, {slow} over {WARM_REFUSAL_BOUND_S} s" if fresh.rejected
+                    else "no refusal")
+        lines.append(f"- every refusal answered within {WARM_REFUSAL_BOUND_S} s while actors start (the cold burst: "
+                     f"10× from the first second of a fresh deployment; {fresh.cold} started cold, {fresh.warm} "
+                     f"bound warm): {answered} ({'met' if slow == 0 else 'missed'})")
+    return lines

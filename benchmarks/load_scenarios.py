@@ -68,6 +68,9 @@ class Scenario:
     # Sent as x-zq-ttft-target-s on every request: the client states its TTFT SLO. zeroqueue
     # refuses at once what it predicts would miss it; the baselines have no way to act on it.
     ttft_target_s: float | None = None
+    # Each system is deployed afresh right before it (no warm-up): zeroqueue's actors start
+    # while the scenario runs, and every refusal meanwhile shows whether admission kept its CPU.
+    is_fresh: bool = False
 
     @property
     def duration_s(self) -> float:
@@ -102,13 +105,15 @@ def burst_phases(ramp_s: float, base_s: float, spike_s: float, tail_s: float,
 
 
 SLO_TTFT_S = Slo().ttft_s
-EXTRAS = ("burst", "lossy", "slo")  # `--extras`: scenarios beside the sweep, outside its time budget
+EXTRAS = ("burst", "coldburst", "lossy", "slo")  # `--extras`: scenarios beside the sweep, outside its budget
 
 
 def extra_scenarios(names: Sequence[str], quick: bool) -> tuple[Scenario, ...]:
     """The scenarios `--extras` names, in a fixed order, at multiples of the same measured capacity.
 
     burst: 0.5x with a 10x spike (how fast refusals come back when everything overflows);
+    coldburst: a 10x spike from the first second of a freshly deployed system, then 0.5x
+    (zeroqueue's warm and cold actors start under it: how fast refusals come back then);
     lossy: 0.5x through a lossy link (netem, where this machine allows it); slo: 0.9x with
     the client stating its TTFT SLO (`x-zq-ttft-target-s`), which zeroqueue acts on and the
     baselines cannot.
@@ -118,10 +123,14 @@ def extra_scenarios(names: Sequence[str], quick: bool) -> tuple[Scenario, ...]:
         raise ValueError(f"unknown extras {sorted(unknown)}; known: {', '.join(EXTRAS)}")
     if quick:
         burst, spike, steady_s = burst_phases(2, 2, 2, 4), (4.0, 6.0), 8.0
+        cold = (Phase(2, 10.0, 10.0), Phase(4, 0.5, 0.5))
     else:
         burst, spike, steady_s = burst_phases(10, 15, 5, 25), (25.0, 30.0), 45.0
+        cold = (Phase(5, 10.0, 10.0), Phase(10, 0.5, 0.5))
     all_ = {
         "burst": Scenario("burst", "burst: 0.5× base, 10× spike", MIXED, burst, spike=spike),
+        "coldburst": Scenario("coldburst", "cold burst: 10× from the first second of a fresh deployment, then "
+                              "0.5×", MIXED, cold, spike=(0.0, cold[0].duration_s), is_fresh=True),
         "lossy": Scenario("lossy", "mixed lengths at 0.5× over a lossy link", MIXED, steady(steady_s, 0.5),
                           lossy=True),
         "slo": Scenario("slo", f"mixed lengths at 0.9×, the client stating its {SLO_TTFT_S:g} s TTFT SLO "

@@ -45,6 +45,7 @@ class Record:
     server_start: float | None  # X-Request-Start-Time: the server began computing it
     # X-Request-Dispatch-Time (zeroqueue only): the ingress decided and acted on it.
     server_dispatch: float | None = None
+    tier: str | None = None  # X-Request-Tier (zeroqueue only): "hot", "warm" or "cold"
 
     @property
     def ok(self) -> bool:
@@ -88,10 +89,18 @@ class Record:
 
     @property
     def cold(self) -> bool:
-        """Started on a fresh actor: from zeroqueue's dispatch to compute start took longer than a hot
-        actor ever does (a Ray worker process start and the first layers' load)."""
+        """Started on a fresh actor: as the server says (`tier`), or, in records without it, from
+        zeroqueue's dispatch to compute start taking longer than a hot actor ever does (a Ray
+        worker process start and the first layers' load)."""
+        if self.tier is not None:
+            return self.tier == "cold"
         placed = self.placed
         return placed is not None and placed > COLD_START_S
+
+    @property
+    def warm(self) -> bool:
+        """Bound to a warm actor (zeroqueue): its process was up, its first layers in."""
+        return self.tier == "warm"
 
     @property
     def outcome(self) -> str:
@@ -165,6 +174,7 @@ class Summary:
     rejected: int
     good: int
     cold: int = 0  # completed requests that started on a fresh actor (zeroqueue)
+    warm: int = 0  # completed requests bound to a warm actor (zeroqueue)
     failures: dict[str, int] = field(default_factory=dict)  # outcome -> count, rejections included
     ttft: Tail = Tail(math.nan, math.nan, math.nan, 0)
     e2e: Tail = Tail(math.nan, math.nan, math.nan, 0)
@@ -207,6 +217,7 @@ def summarise(records: Sequence[Record], window_s: float, slo: Slo, service_s: M
         rejected=len(rejected),
         good=good,
         cold=sum(r.cold for r in done),
+        warm=sum(r.warm for r in done),
         failures=dict(sorted(failures.items())),
         ttft=Tail.of(r.ttft for r in done),
         e2e=Tail.of(r.e2e for r in done),

@@ -40,7 +40,7 @@ def floor_table(rows: Sequence[tuple[float, float, float, float, float, float]],
 
 def throughput_table(table: Table, classes: Sequence[str] = ("all",)) -> list[str]:
     lines = ["| load | class | system | offered | done | refused (503) | other failures | throughput req/s | "
-             "goodput req/s | 503 answered in: P99 / max s | started cold |",
+             "goodput req/s | 503 answered in: P99 / max s | started cold / warm |",
              "|---|---|---|--:|--:|--:|--:|--:|--:|---|--:|"]
     for key, per_system in table.items():
         for cls in classes:
@@ -53,7 +53,7 @@ def throughput_table(table: Table, classes: Sequence[str] = ("all",)) -> list[st
                     f"| {_label(key)} | {cls} | {s} | {x.offered} | {x.completed} | {x.rejected} "
                     f"({pct(x.rejection_rate)}) | {x.offered - x.completed - x.rejected} ({pct(x.failure_rate)}) | "
                     f"{f_(x.throughput_rps, 2)} | {f_(x.goodput_rps, 2)} | {answered} | "
-                    f"{x.cold if s == ZEROQUEUE else '–'} |")
+                    f"{f'{x.cold} / {x.warm}' if s == ZEROQUEUE else '–'} |")
     return lines
 
 

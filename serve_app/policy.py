@@ -35,9 +35,10 @@ and the simulator all call the same code.
    its prediction. Predictions that are malformed (wrong count, NaN, negative, ttft >
    total) or a scorer that raises fall back to the rule scorer for this decision: a
    scorer only ranks what is feasible.
-4. No candidate: eviction, if a slot held only by idle hot or warm actors (of any model
-   or lane) would fit a fresh actor once they are gone — a Spawn that names the actors to
-   retire (`evict`), fewest hot ones first, then fewest actors. Else `too_large` when
+4. No candidate: eviction, if a slot held only by idle hot or warm actors would fit a
+   fresh actor once they are gone — a Spawn that names the actors to retire (`evict`),
+   fewest hot ones first, then fewest actors. A warm (or warming) actor of the request's
+   own model is never retired for it: it is further along than a fresh actor would be. Else `too_large` when
    `spawn_bytes` exceeds every slot's total (it can never fit: the ingress answers 400
    invalid_request_error), else `no_capacity` (503 overloaded_error). The registry fills
    in `retry_after_s` from its own prediction of when a fitting place frees up
@@ -308,6 +309,8 @@ def _evict_or_reject(features: RequestFeatures, snapshot: ClusterSnapshot, polic
         actors = snapshot.actors_on_slot(slot.slot_id)
         if not actors or any(a.state not in ("idle", "warm", "warming") for a in actors):
             continue  # nothing to retire, or something running there
+        if any(a.state != "idle" and a.model == features.model for a in actors):
+            continue  # its own model's warm actor is further along than a fresh one would be
         freed = sum(a.reserved_bytes for a in actors)
         if slot.free_bytes + freed < need or slot.num_actors - len(actors) >= policy.max_actors_per_slot:
             continue

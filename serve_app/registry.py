@@ -55,6 +55,7 @@ wrapper adds a timeout to its own `time.time()`), so replicas' clocks never mix.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -185,6 +186,9 @@ class RegistryState:
         self._version = 0
         self._snapshot: ClusterSnapshot | None = None
         self._last_request_at: dict[str, float] = {}  # model -> its latest admission (or its pool's first fill)
+        # Decisions by kind, actors evicted, and spawns decided while a warm actor of the model fitted
+        # (a process start the warm pool was there to spare): what benchmarks and /health report.
+        self.counters: Counter[str] = Counter()
 
     # ---- slots -----------------------------------------------------------------------
 
@@ -359,6 +363,7 @@ class RegistryState:
         snapshot = self.snapshot()
         decision = decide(features, snapshot, policy, scorer)
         if isinstance(decision, Reject):
+            self.counters["reject"] += 1
             if decision.retry_after_s is None:
                 return decision
             wait = retry_after_s(features, snapshot, policy, now)
@@ -378,6 +383,10 @@ class RegistryState:
             is_committed = self.try_dispatch(decision, row)
         if not is_committed:
             raise RuntimeError(f"{decision} was decided on the current state but failed to commit")
+        self.counters[type(decision).__name__.lower()] += 1
+        if isinstance(decision, Spawn):
+            self.counters["evicted"] += len(decision.evict)
+            self.counters["spawn_with_warm_available"] += _has_fitting_warm(snapshot, features)
         return decision
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -491,3 +500,10 @@ class RegistryState:
     def _changed(self) -> None:
         self._version += 1
         self._snapshot = None
+
+
+def _has_fitting_warm(snapshot: ClusterSnapshot, features: RequestFeatures) -> bool:
+    """A warm actor of the request's model, on a slot with room for its row, in either lane."""
+    return any(
+        (slot := snapshot.slot(a.slot_id)) is not None and slot.free_bytes >= features.dispatch_bytes
+        for lane in ("short", "long") for a in snapshot.warm_actors(features.model, lane))

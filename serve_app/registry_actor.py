@@ -107,6 +107,11 @@ class RegistryActor:
         with self._lock:
             return self._state.snapshot()
 
+    def counters(self) -> dict[str, int]:
+        """Decisions by kind, evictions, and spawns decided while a fitting warm actor was there."""
+        with self._lock:
+            return dict(self._state.counters)
+
     def check_invariants(self) -> None:
         with self._lock:
             self._state.check_invariants()

@@ -159,3 +159,12 @@ def test_prompt_of_cuts_to_the_token_count():
         assert len(tok.encode_chat([{"role": "user", "content": prompt_of(tok, n)}])) == n
     with pytest.raises(ValueError):
         prompt_of(tok, 3)
+
+
+def test_the_servers_tier_says_cold_or_warm_and_older_records_fall_back_to_the_timing():
+    from dataclasses import replace
+
+    slow = rec(start=102.5, dispatch=100.02)  # 2.5 s from dispatch to compute start
+    assert slow.cold and not slow.warm  # no tier: the timing says cold
+    assert not replace(slow, tier="warm").cold and replace(slow, tier="warm").warm
+    assert replace(rec(start=100.05, dispatch=100.02), tier="cold").cold  # the server's word wins

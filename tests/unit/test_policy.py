@@ -433,7 +433,8 @@ def _warm_and_evictable(features, snap, policy):
     evictable = {}
     for s in snap.slots:
         on_slot = [a for a in snap.actors if a.slot_id == s.slot_id]
-        if on_slot and all(a.state in ("idle", "warm", "warming") for a in on_slot) and (
+        if on_slot and all(a.state in ("idle", "warm", "warming") for a in on_slot) and not any(
+                a.state != "idle" and a.model == features.model for a in on_slot) and (
                 free[s.slot_id] + sum(a.reserved_bytes for a in on_slot) >= features.spawn_bytes
                 and s.num_actors - len(on_slot) < policy.max_actors_per_slot):
             evictable[s.slot_id] = tuple(a.name for a in on_slot)

@@ -53,6 +53,12 @@ def test_the_other_lanes_warm_actor_is_bound_only_in_place_of_a_process_start_or
     assert decide(_features(), with_hot, POLICY).actor_name == "hot"  # the long lane keeps its warm actor
 
 
+def test_a_warming_actor_of_the_requests_own_model_is_never_evicted_for_it():
+    snap = _snap([_slot("a", reserved=1000, num_actors=1)], [_warm("w", "a", state="warming", lane="long")])
+    assert decide(_features(), snap, POLICY).reason == "no_capacity"  # refused at once; the pool is nearly up
+    assert decide(_features(model="m2"), snap, POLICY).evict == ("w",)  # another model's: retired
+
+
 def test_eviction_retires_warm_actors_before_idle_hot_ones_and_never_a_running_one():
     other_model = _features(model="m2")
     snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1),
@@ -82,6 +88,7 @@ def test_a_bound_warm_actor_serves_then_goes_like_a_spawned_one_and_the_pool_ref
     assert _view(reg, "w1") is None  # not kept hot: it exits, as a spawned actor does
     assert reg.fill_warm([WarmSpec("m", 1000)], short_only, {"m": ["w3"]}, now=2.5) == []  # full
     reg.check_invariants()
+    assert reg.counters["bind"] == 1 and reg.counters["spawn_with_warm_available"] == 0
 
 
 def test_a_models_warm_actors_retire_once_it_is_idle_and_are_not_refilled_until_it_is_asked_for():
