@@ -17,7 +17,7 @@ def test_the_section_counts_starts_and_judges_both_goals():
     data = {"registry_counters": {"bind": 2, "spawn": 1, "spawn_with_warm_available": 0, "join": 7, "reject": 3}}
     text = "\n".join(_warm(data, {0.5: _zq(cold=1, warm=2)}, {"coldburst": _zq(warm=2, rejected=3,
                                                                                   answers=(0.01, 0.02, 0.3))}))
-    assert "2 completed requests were bound to a warm actor" in text and "1 started on a fresh actor" in text
+    assert "4 completed requests were bound to a warm actor" in text and "1 started on a fresh actor" in text
     assert "**0** spawns were decided with one there (met)" in text
     assert "3 refusals" in text and "1 over 0.25 s (missed)" in text
 
