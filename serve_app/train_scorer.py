@@ -2,7 +2,7 @@
 
     python -m serve_app.train_scorer TRACES... -o configs/scorer.ubj [--report benchmarks/results/scorer_eval.md]
 
-Rows are the admitted requests (dispatched, joined or spawned) that completed (`ok`) with
+Rows are the admitted requests (dispatched, joined, bound to a warm actor or spawned) that completed (`ok`) with
 a measured TTFT, total and TPOT; features are built by `xgb_scorer.feature_matrix` from
 the trace's features and chosen candidate (the very code the ingress runs per request),
 targets are log TTFT, log total and log TPOT seconds. A seeded split holds out
@@ -69,8 +69,8 @@ PARAMS = {"objective": "reg:squarederror", "tree_method": "hist", "max_depth": 4
           "min_child_weight": 2, "subsample": 0.9, "nthread": 1}
 MAX_ROUNDS = 150  # fewer trees, faster requests; early stopping usually stops well before
 MEASURED = tuple(t.removeprefix("log_") for t in TARGETS)  # ttft_s, total_s, tpot_s: a Sample's fields
-ADMITTED = ("dispatch", "join", "spawn")
-KINDS = ("hot", "join", "cold")  # decide's candidate order: on a tie the earlier kind wins
+ADMITTED = ("dispatch", "join", "bind", "spawn")
+KINDS = ("hot", "join", "warm", "cold")  # decide's candidate order: on a tie the earlier kind wins
 
 
 @dataclass(frozen=True)
@@ -164,25 +164,32 @@ def shape_of(s: Sample) -> tuple[int, int]:
     return int(math.log(s.features.input_tokens, 4) + 1e-9), int(math.log(s.features.max_tokens, 4) + 1e-9)
 
 
-def as_kind(candidate: Candidate, kind: str, joined: Sequence[Sample]) -> Candidate:
-    """The recorded candidate as `kind`: an idle or a fresh actor has no batch; a join enters
-    the median batch that requests of this shape joined (`joined`)."""
+def as_kind(candidate: Candidate, kind: str, groups: dict[str, list[Sample]]) -> Candidate:
+    """The recorded candidate as `kind`: an idle, a warm or a fresh actor has no batch; a join
+    enters the median batch that requests of this shape joined, a warm actor holds the median
+    share of its weights that the warm actors they were bound to held (`groups`, by kind)."""
     if kind == candidate.kind:
         return candidate
-    if kind != "join":
-        return replace(candidate, kind=kind, batch_rows=0, batch_tokens=0)
-    return replace(candidate, kind=kind, batch_rows=round(statistics.median(s.candidate.batch_rows for s in joined)),
-                   batch_tokens=round(statistics.median(s.candidate.batch_tokens for s in joined)))
+    if kind == "join":
+        joined = groups["join"]
+        return replace(candidate, kind=kind, resident_fraction=1.0,
+                       batch_rows=round(statistics.median(s.candidate.batch_rows for s in joined)),
+                       batch_tokens=round(statistics.median(s.candidate.batch_tokens for s in joined)))
+    resident = {"hot": 1.0, "cold": 0.0}.get(kind)
+    if resident is None:
+        resident = statistics.median(s.candidate.resident_fraction for s in groups["warm"])
+    return replace(candidate, kind=kind, batch_rows=0, batch_tokens=0, resident_fraction=resident)
 
 
 def hindsight(scorer: Scorer, held_out: Sequence[Sample], measured: Sequence[Sample]) -> tuple[float, int, int]:
     """The share of held-out requests whose fastest-ranked kind is the kind measured fastest for their shape.
 
-    Kinds are hot (an idle hot actor), join (a row of a busy hot actor's batch) and cold.
+    Kinds are hot (an idle hot actor), join (a row of a busy hot actor's batch), warm (a
+    bound warm actor) and cold.
     For each held-out request, the scorer predicts (TTFT, total) for the request's own
     features on one candidate per kind measured for its shape (its recorded candidate with
     the kind set, see `as_kind`) and ranks them as `decide` does: lower TTFT, then lower
-    total, then hot before join before cold. Hindsight's choice is the kind with the lowest
+    total, then hot, join, warm, cold. Hindsight's choice is the kind with the lowest
     median measured TTFT (then total) over every traced request of the same shape
     (`shape_of`) — every request, since the trace of one request measures only the kind it
     ran on. Requests whose shape was measured on one kind only are left out. Returns
@@ -202,7 +209,7 @@ def hindsight(scorer: Scorer, held_out: Sequence[Sample], measured: Sequence[Sam
             continue
         kinds = list(groups)  # in KINDS order, so min() keeps decide's tie order
         truth = min(kinds, key=lambda k: median_key(groups[k]))
-        predicted = scorer.predict(s.features, [as_kind(s.candidate, k, groups.get("join", ())) for k in kinds])
+        predicted = scorer.predict(s.features, [as_kind(s.candidate, k, groups) for k in kinds])
         choice = kinds[min(range(len(kinds)), key=lambda i: (predicted[i].ttft_s, predicted[i].total_s))]
         compared += 1
         matches += choice == truth
@@ -267,9 +274,10 @@ def report_markdown(command: str, traces: Sequence[str], rows: Sequence[Sample],
     lines += [
         "", "## Hindsight share", "",
         "For each held-out request the scorer predicts (TTFT, total) on one candidate per kind — an idle hot "
-        "actor, a row joining a busy hot actor's batch, a fresh actor — among the kinds measured for the "
-        "request's shape: the request's own features and recorded slot statistics with the kind set (no batch "
-        "for hot and cold; for a join, the median batch that requests of this shape joined). It ranks them as "
+        "actor, a row joining a busy hot actor's batch, a bound warm actor, a fresh actor — among the kinds "
+        "measured for the request's shape: the request's own features and recorded slot statistics with the kind "
+        "set (no batch for hot, warm and cold; for a join, the median batch that requests of this shape joined; "
+        "for a warm actor, the median share of weights the bound warm actors held). It ranks them as "
         "`decide` does. Hindsight's choice is the kind with the lowest median *measured* TTFT (then total) over "
         "every traced request of the same shape (power-of-four buckets of input tokens and of max_tokens: 1–3, "
         "4–15, 16–63, …); a trace measures only the kind its request ran on, so the other kinds' times come "

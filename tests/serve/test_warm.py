@@ -15,14 +15,10 @@ PORT = 8767
 POOL = 2  # the tiny model's short-lane warm actors: one per slot
 
 
-@pytest.fixture(scope="module")
-def zq(ray_cluster, tiny_zqs, layered_zqs):
-    from ray import serve
-
+def _build(tiny_zqs, layered_zqs):
     from serve_app.app import build_app
 
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    app = build_app({
+    return build_app({
         "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}, {"id": OTHER, "zqs_path": str(layered_zqs)}],
         "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},
         # No hot actors: a bound warm actor serves its one request and exits, so the pool refills.
@@ -32,7 +28,14 @@ def zq(ray_cluster, tiny_zqs, layered_zqs):
         "namespace": NAMESPACE,
         "warm_refresh_s": 0.2,
     })
-    serve.run(app, name=APP, route_prefix="/")
+
+
+@pytest.fixture(scope="module")
+def zq(ray_cluster, tiny_zqs, layered_zqs):
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(_build(tiny_zqs, layered_zqs), name=APP, route_prefix="/")
     yield f"http://127.0.0.1:{PORT}"
     serve.shutdown()
 
@@ -141,4 +144,14 @@ def test_deleting_the_app_leaves_no_actor_and_no_registry_behind(zq, ray_cluster
     _wait_for(lambda: _pool_full(ray), what="the warm pool to fill")
     assert _named(ray)  # warm actors, the registry and a telemetry agent
     serve.delete(APP)
+    _wait_for(lambda: not _named(ray), timeout=30, what="every actor of the app to be gone")
+
+
+def test_serve_shutdown_leaves_no_actor_and_no_registry_behind(zq, ray_cluster, tiny_zqs, layered_zqs):
+    ray = ray_cluster
+    from ray import serve
+
+    serve.run(_build(tiny_zqs, layered_zqs), name=APP, route_prefix="/")  # again, after the test above deleted it
+    _wait_for(lambda: _pool_full(ray), what="the warm pool to fill")
+    serve.shutdown()
     _wait_for(lambda: not _named(ray), timeout=30, what="every actor of the app to be gone")
