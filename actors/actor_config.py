@@ -41,10 +41,10 @@ class ActorConfig:
     initial_load_bytes_per_s: float = 5.5e8
     load_timeout_s: float = 300.0
     # On CPU slots the actors' compute shares cores with the proxy, ingress and registry;
-    # a lower priority keeps admission and refusals fast however busy the slots are. Set
-    # from the worker's first Python instruction (actors/priority.py), so the torch import
-    # of a starting actor is already below them; Ray runs every worker's main thread at
-    # nice 15, so 19 puts the actors below all of Ray's own.
+    # a lower priority keeps admission and refusals fast however busy the slots are. The
+    # worker's interpreter is started under it (actors/priority.py), so a starting actor's
+    # imports are already below them; Ray runs other workers' main threads at nice 15, so
+    # 19 puts the actors below all of Ray's own.
     cpu_nice: int = 19
     # After the first token, at most one chunk per interval is sent (tokens sampled meanwhile
     # ride together); 0 sends every token on its own. Each chunk is a Ray object to the

@@ -1,38 +1,38 @@
-"""Run an actor's worker process at a lower CPU priority before its class is imported.
+"""Run request actors' worker processes at a lowered CPU priority from their first instruction.
 
-The actor module pulls in torch (about 1 s of CPU); calling `os.nice` in `__init__` comes
-after that import, so it would compete at full priority. Ray 2.60 runs a worker's setup
-hook after connecting and before the actor class is deserialized, so the hook is the
-earliest place the worker runs our code. A per-actor `worker_process_setup_hook` field is
-silently ignored (only `ray.init` turns it into the env var that `default_worker` reads),
-so `runtime_env_for` sets that env var itself.
+On CPU slots a starting actor competes with the proxy, the ingress and the registry for the
+same cores: its interpreter start, `import ray` and `import torch` take over a second of
+CPU before `__init__` runs, and a nice set there (or in a worker setup hook, which runs
+after Ray has connected) leaves all of that at full priority. So the worker's interpreter
+itself is started under `nice` (runtime_env `py_executable`): every instruction of the
+process, and every thread it starts, runs at that priority. Ray's core worker would then
+"adjust" its main thread to `RAY_worker_niceness` (15 by default) while connecting, raising
+it where it may (as root), so that is set to the same value.
 
-Nice is per thread on Linux: a new thread inherits its creator's value, but `os.nice` and
-`setpriority(PRIO_PROCESS, 0)` change only the calling thread. Ray's core worker has
-started its gRPC/IO threads (nice 0) before the hook runs, so every thread is set by TID.
-The main thread itself is set by Ray (`RAY_worker_niceness`, 15 by default) during connect.
+Two costs, measured when this was chosen: a runtime_env gives the actor a worker process
+of its own rather than a pooled one (~0.25 s more per start than a fresh plain worker), and
+Ray's runtime-env setup step for it still runs at normal priority (~0.3 s of CPU).
+
+`lower_threads` lowers every thread of the calling process in place (nice is per thread on
+Linux: a new thread inherits its creator's value): the actor calls it in `__init__`, a
+no-op when its worker started niced, the fallback when it did not (a driver's own actor).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 log = logging.getLogger(__name__)
 
-NICE_ENV = "ZQ_ACTOR_NICE"
-# What `ray.init(runtime_env={"worker_process_setup_hook": ...})` sets; default_worker runs it.
-_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 
-
-def lower_priority() -> None:
-    """The setup hook: every current thread's nice to at least $ZQ_ACTOR_NICE (default 10); never raises."""
-    try:
-        target = int(os.environ.get(NICE_ENV, "10"))
-    except ValueError:
-        log.warning("%s=%r is not an integer; priority left as it is", NICE_ENV, os.environ.get(NICE_ENV))
-        return
-    lower_threads(target)
+def runtime_env_for(nice: int, python: str | None = None) -> dict:
+    """The actor option `runtime_env` that starts its worker process at `nice` ({} for 0: Ray's default)."""
+    if nice <= 0:
+        return {}
+    return {"py_executable": f"nice -n {int(nice)} {python or sys.executable}",
+            "env_vars": {"RAY_worker_niceness": str(int(nice))}}
 
 
 def lower_threads(target: int) -> None:
@@ -50,15 +50,3 @@ def lower_threads(target: int) -> None:
             continue
         except OSError as e:
             log.warning("could not set thread %d to nice %d: %s", tid, target, e)
-
-
-def runtime_env_for(nice: int) -> dict:
-    """The actor option `runtime_env` that starts its worker at `nice` ({} for 0: Ray's default)."""
-    if nice <= 0:
-        return {}
-    return {"env_vars": {
-        # Ray's core worker applies this to the main thread while connecting, before the hook.
-        "RAY_worker_niceness": str(nice),
-        _HOOK_ENV: f"{__name__}.lower_priority",
-        NICE_ENV: str(nice),
-    }}

@@ -116,7 +116,7 @@ class RequestActor:
         if device is None:
             device = "cuda" if config.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         if device == "cpu" and config.cpu_nice:
-            lower_threads(config.cpu_nice)  # a no-op where the worker's setup hook did it (actor_options)
+            lower_threads(config.cpu_nice)  # a no-op where the worker started niced (actor_options)
         self._streamed = stream_zqs(zqs_path, device=device, num_threads=config.load_threads,
                                     warm_layers=warm_layers)
         self._warm_layers = warm_layers

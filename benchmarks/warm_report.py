@@ -29,7 +29,7 @@ def report(data: dict) -> str:
         f"{meta['repeats']} repeats per configuration, configurations in rotation.", "",
         "## Actors: the caller's call to the first token", "",
         "Each actor is created by the driver with the deployment's options (its worker lowered in priority "
-        "from its setup hook) and serves one request. *Fresh spawn*: the request sent right after the spawn "
+        "from its interpreter's start) and serves one request. *Fresh spawn*: the request sent right after the spawn "
         "call, as the ingress does for a cold start. *Warm, N*: the request sent once the actor's `ready()` "
         "answered (embeddings and layers 0..N-1 resident, the rest held back until the request). Resident: "
         "the warm actor's process resident set (VmRSS) when ready: the interpreter, torch, the allocated "

@@ -47,6 +47,7 @@ class WarmFiller:
 
     def start(self) -> None:
         if self.is_enabled:
+            self._wake.set()  # the first round at once: the pool fills as the deployment comes up
             self._thread.start()
 
     def wake(self) -> None:
