@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from benchmarks.cpu_share import CpuSampler, cpu_by_role, role_of
@@ -23,11 +25,24 @@ def test_cpu_is_charged_per_role_between_two_readings_for_processes_in_both():
     assert cpu_by_role(before, after) == {"engines": 4.5, "ingress": 0.5}
 
 
+def _until(predicate) -> None:
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline, "the sampler took no reading"
+        time.sleep(0.005)
+
+
 def test_the_sampler_reads_this_process_and_picks_the_readings_nearest_the_window():
     with CpuSampler(period_s=0.01) as cpu:
-        sum(i * i for i in range(300_000))  # some CPU for this process to be charged
-    seconds, used = cpu.between(cpu.samples[0][0], cpu.samples[-1][0])
-    assert seconds == pytest.approx(cpu.samples[-1][0] - cpu.samples[0][0])
+        _until(lambda: cpu.samples)  # a reading before the work, however late the thread started
+        before = cpu.samples[-1][0]
+        spent = time.process_time()
+        while time.process_time() - spent < 0.05:  # 50 ms of CPU for this process to be charged
+            sum(i * i for i in range(10_000))
+        done = time.time()
+        _until(lambda: cpu.samples[-1][0] > done)  # and one after it
+    seconds, used = cpu.between(before, cpu.samples[-1][0])
+    assert seconds == pytest.approx(cpu.samples[-1][0] - before)
     assert sum(used.values()) > 0
 
 
