@@ -330,7 +330,9 @@ class Ingress:
             tier = "cold"
         else:  # Dispatch, Join or Bind: an actor that exists
             name, handle = decision.actor_name, await self._handle(decision.actor_name)
-            tier = "warm" if isinstance(decision, Bind) else "hot"
+            # A bound actor still warming pays the rest of its process start: cold, as the scorer saw it.
+            tier = ("cold" if decision.candidate is not None and decision.candidate.kind == "cold" else "warm") \
+                if isinstance(decision, Bind) else "hot"
             if isinstance(decision, Bind):
                 self.warm_filler.wake()  # its pool is one short now
         stream = handle.generate.remote(actor_request)

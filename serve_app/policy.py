@@ -27,7 +27,10 @@ and the simulator all call the same code.
      and fewer than `max_actors_per_slot` actors.
    A warm actor filled for the other lane is bound only where the request would otherwise
    pay a process start (the best candidate is cold) or be refused: a lane's warm actors are
-   there for its own requests first.
+   there for its own requests first. Failing those, a *warming* actor of the model (its
+   process starting, for the pool) is bound in place of a fresh one: further along, on a
+   slot the pool already holds — a fresh deployment serves its first requests this way
+   instead of refusing them until its pool is warm.
 3. The scorer predicts TTFT, total time and TPOT per candidate; the fastest (TTFT, then
    total, then candidate order) that meets the request's latency targets wins — and a
    join must also keep every row already running within its own TPOT target, since the
@@ -198,15 +201,18 @@ def decide(
         limits = [None] * len(hot) + running_tpot + [None] * (len(warm) + len(cold))
         best = _fastest(features, predictions, limits)
     if best is None or candidates[best].kind == "cold":
-        # The other lane's warm actors: better than a process start or a refusal.
-        other = _warm_candidates(features, tuple(x for x in ("short", "long") if x != lane), snapshot,
-                                 policy.max_candidates)
-        if other:
-            other_predictions = _predict(scorer, features, other)
-            i = _fastest(features, other_predictions, [None] * len(other))
+        # Better than a process start or a refusal: the other lane's warm actors, then a warming one
+        # (its process is starting already: further along than a fresh actor, if not yet warm).
+        other_lanes = tuple(x for x in ("short", "long") if x != lane)
+        for fallback in (_warm_candidates(features, other_lanes, snapshot, policy.max_candidates),
+                         _warm_candidates(features, ("short", "long"), snapshot, policy.max_candidates, "warming")):
+            if not fallback:
+                continue
+            fallback_predictions = _predict(scorer, features, fallback)
+            i = _fastest(features, fallback_predictions, [None] * len(fallback))
             if i is not None:
-                return Bind(other[i].actor_name, other[i].slot_id, lane, keep_new_hot, features.dispatch_bytes,
-                            other[i], other_predictions[i])
+                return Bind(fallback[i].actor_name, fallback[i].slot_id, lane, keep_new_hot, features.dispatch_bytes,
+                            fallback[i], fallback_predictions[i])
     if not candidates:
         return _evict_or_reject(features, snapshot, policy, keep_new_hot, scorer)
     if best is None:
@@ -275,15 +281,19 @@ def _join_candidates(features: RequestFeatures, lane: Lane, snapshot: ClusterSna
 
 
 def _warm_candidates(features: RequestFeatures, lanes: Sequence[Lane], snapshot: ClusterSnapshot,
-                     limit: int) -> list[Candidate]:
-    """Warm actors of the model filled for `lanes`, whose slot has room for the request."""
+                     limit: int, state: str = "warm") -> list[Candidate]:
+    """Warm (or warming) actors of the model filled for `lanes`, whose slot has room for the request.
+
+    A warming actor's process is still starting: its candidate is scored as a cold one.
+    """
     need = features.dispatch_bytes
+    kind = "warm" if state == "warm" else "cold"
     out: list[Candidate] = []
     for lane in lanes:
-        for actor in snapshot.warm_actors(features.model, lane):
+        for actor in snapshot.warm_actors(features.model, lane, state):
             slot = snapshot.slot(actor.slot_id)
             if slot is not None and slot.free_bytes >= need:
-                out.append(_candidate("warm", snapshot, slot, actor))
+                out.append(_candidate(kind, snapshot, slot, actor))
                 if len(out) == limit:
                     return out
     return out

@@ -13,7 +13,7 @@ Lifecycle of an actor:
 
     try_warm      -> "warming"   (resident reserved; a warm actor started ahead of requests)
     warm_ready    -> "warm"      (its embeddings and first layers are in; it may be bound)
-    try_bind      -> "starting"  (a warm actor takes its request; the rest of its weights stream in)
+    try_bind      -> "starting"  (a warm or warming actor takes its request; the rest streams in)
     try_spawn     -> "starting"  (resident + its first row reserved; it is loading)
     actor_started -> "busy"      (its first token: every weight is resident, it may batch)
     try_dispatch  -> "busy"      (an "idle" actor takes a row)
@@ -294,9 +294,9 @@ class RegistryState:
         return self._add_row(actor, decision.slot_id, decision.reserve_bytes, row)
 
     def try_bind(self, decision: Bind, row: RowReservation) -> bool:
-        """Give a warm actor its request, if it is still warm and the row fits."""
+        """Give a warm (or warming) actor its request, if it is still unbound and the row fits."""
         actor = self._actors.get(decision.actor_name)
-        if actor is None or actor.state != "warm":
+        if actor is None or actor.state not in ("warm", "warming"):
             return False
         if not self._add_row(actor, decision.slot_id, decision.reserve_bytes, row):
             return False
@@ -340,6 +340,15 @@ class RegistryState:
             if self.try_warm(fill, name, now):
                 committed.append((name, fill))
         return committed
+
+    def drop_warming(self, actor_name: str) -> bool:
+        """A warm actor failed before it was ready: forgotten, unless a request was bound to it meanwhile
+        (then that request's own end releases it)."""
+        actor = self._actors.get(actor_name)
+        if actor is None or actor.state != "warming":
+            return False
+        self._forget(actor)
+        return True
 
     def warm_ready(self, actor_name: str, resident_fraction: float) -> bool:
         """A warming actor holds its first layers: it may be bound from now on."""

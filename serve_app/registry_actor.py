@@ -148,6 +148,10 @@ class RegistryActor:
         with self._lock:
             return self._state.warm_ready(actor_name, resident_fraction)
 
+    def drop_warming(self, actor_name: str) -> bool:
+        with self._lock:
+            return self._state.drop_warming(actor_name)
+
     def actor_started(self, actor_name: str) -> bool:
         with self._lock:
             return self._state.actor_started(actor_name)

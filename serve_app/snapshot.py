@@ -139,9 +139,9 @@ class ClusterSnapshot:
     def idle_actors(self, model: str, lane: Lane) -> list[ActorView]:
         return self._by_state.get((model, lane, "idle"), [])
 
-    def warm_actors(self, model: str, lane: Lane) -> list[ActorView]:
-        """Warm actors of a model filled for a lane, ready to be bound."""
-        return self._by_state.get((model, lane, "warm"), [])
+    def warm_actors(self, model: str, lane: Lane, state: ActorState = "warm") -> list[ActorView]:
+        """Warm actors of a model filled for a lane, ready to be bound (or, with "warming", still starting)."""
+        return self._by_state.get((model, lane, state), [])
 
     def warm_count(self, model: str, lane: Lane) -> int:
         """Warm actors of a model and lane, the warming ones included: the pool's size."""

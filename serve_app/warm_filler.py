@@ -91,7 +91,7 @@ class WarmFiller:
                 status = ray.get(ref)
             except Exception as e:  # it died or failed while warming: dropped, and replaced next round
                 log.warning("warm actor %s failed before it was ready (%s); replacing it", name, type(e).__name__)
-                self._registry.remove.remote(name)
+                self._registry.drop_warming.remote(name)  # a request bound to it meanwhile releases it itself
                 continue
             self._registry.warm_ready.remote(name, status.resident_fraction)
 

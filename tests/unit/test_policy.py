@@ -426,10 +426,13 @@ def _feasible(features, snap, policy):
 
 
 def _warm_and_evictable(features, snap, policy):
-    """Warm actors of the model that fit (any lane), and slots whose idle or warm actors could all be retired."""
+    """Warm, then warming, actors of the model that fit (any lane), and slots whose idle or warm actors could
+    all be retired."""
     free = {s.slot_id: s.total_bytes - s.reserved_bytes for s in snap.slots}
     warm = [a.name for a in snap.actors
             if a.model == features.model and a.state == "warm" and free[a.slot_id] >= features.dispatch_bytes]
+    warming = [a.name for a in snap.actors
+               if a.model == features.model and a.state == "warming" and free[a.slot_id] >= features.dispatch_bytes]
     evictable = {}
     for s in snap.slots:
         on_slot = [a for a in snap.actors if a.slot_id == s.slot_id]
@@ -438,7 +441,7 @@ def _warm_and_evictable(features, snap, policy):
                 free[s.slot_id] + sum(a.reserved_bytes for a in on_slot) >= features.spawn_bytes
                 and s.num_actors - len(on_slot) < policy.max_actors_per_slot):
             evictable[s.slot_id] = tuple(a.name for a in on_slot)
-    return warm, evictable
+    return warm + warming, evictable
 
 
 def _check_feasible(d, features, snap, policy):

@@ -368,6 +368,12 @@ class RegistryMachine(RuleBasedStateMachine):
             assert fill == WarmFill(model, view.lane, view.slot_id, resident)
         assert free_before - sum(s.free_bytes for s in self.reg.snapshot().slots) == resident * len(fills)
 
+    @rule(i=st.integers(-1, 20))
+    def drop_warming(self, i):
+        name = self._pick(i)
+        view = self._view(name)
+        assert self.reg.drop_warming(name) == (view is not None and view.state == "warming")
+
     @rule(i=st.integers(-1, 20), fraction=st.floats(0, 1))
     def warm_ready(self, i, fraction):
         name = self._pick(i)
@@ -379,7 +385,7 @@ class RegistryMachine(RuleBasedStateMachine):
         name = self._pick(i)
         actor = self._view(name)
         slot_id = actor.slot_id if actor else "s0"
-        expected = actor is not None and actor.state == "warm" and self._free(slot_id) >= reserve
+        expected = actor is not None and actor.state in ("warm", "warming") and self._free(slot_id) >= reserve
         row = _row(self._name(), self.now + ttl)
         assert self.reg.try_bind(Bind(name, slot_id, "long", keep_hot, reserve), row) == expected
         if expected:

@@ -53,9 +53,13 @@ def test_the_other_lanes_warm_actor_is_bound_only_in_place_of_a_process_start_or
     assert decide(_features(), with_hot, POLICY).actor_name == "hot"  # the long lane keeps its warm actor
 
 
-def test_a_warming_actor_of_the_requests_own_model_is_never_evicted_for_it():
+def test_a_warming_actor_is_bound_in_place_of_a_fresh_one_and_never_evicted_for_its_own_model():
     snap = _snap([_slot("a", reserved=1000, num_actors=1)], [_warm("w", "a", state="warming", lane="long")])
-    assert decide(_features(), snap, POLICY).reason == "no_capacity"  # refused at once; the pool is nearly up
+    d = decide(_features(), snap, POLICY)  # a fresh deployment's first request: its pool is still starting
+    assert isinstance(d, Bind) and d.actor_name == "w" and d.candidate.kind == "cold"  # scored as a start
+    with_slot = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b")],
+                      [_warm("w", "a", state="warming", lane="long")])
+    assert decide(_features(), with_slot, POLICY).actor_name == "w"  # further along than a fresh spawn on b
     assert decide(_features(model="m2"), snap, POLICY).evict == ("w",)  # another model's: retired
 
 
@@ -129,4 +133,15 @@ def test_rows_of_a_bound_actor_are_reserved_like_a_spawns(tmp_path):
     reg.warm_ready("w1", 1.0)
     assert reg.try_bind(Bind("w1", "a", "short", True, 30), RowReservation("r", 20, None, 1.0, 99.0))
     assert _view(reg, "w1").reserved_bytes == 1030
+    reg.check_invariants()
+
+
+def test_a_warming_actor_that_fails_is_dropped_unless_a_request_was_bound_to_it():
+    reg = RegistryState()
+    reg.register_slots([SlotSpec("a", "n", 10_000), SlotSpec("b", "n", 10_000)])
+    policy = PolicyConfig(actor_overhead_bytes=0, num_warm_short_actors=2)
+    reg.fill_warm([WarmSpec("m", 1000)], policy, {"m": ["w1", "w2"]}, now=0.0)
+    assert reg.try_bind(Bind("w1", "a", "short", False, 30), RowReservation("r", 20, None, 1.0, 99.0))
+    assert not reg.drop_warming("w1")  # bound while warming: its request's end releases it
+    assert reg.drop_warming("w2") and _view(reg, "w2") is None
     reg.check_invariants()
