@@ -158,15 +158,15 @@ def _consume(ray: Any, gen: Any) -> tuple[Completion, float]:
     return completion, first_chunk
 
 
-def _wait_gone(ray: Any, name: str, timeout: float = 30.0) -> None:
+def _wait_gone(ray: Any, name: str, timeout: float = 30.0, namespace: str = NAMESPACE) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            ray.get_actor(name, namespace=NAMESPACE)
+            ray.get_actor(name, namespace=namespace)
         except ValueError:
             return
         time.sleep(0.05)
-    raise TimeoutError(f"actor {name} still alive {timeout} s after its release")
+    raise TimeoutError(f"actor {name} still alive {timeout} s after its request ended")
 
 
 def _kill(ray: Any, actor: Any) -> None:

@@ -36,8 +36,8 @@ from actors.layer_loader import open_zqs
 from actors.messages import ActorRequest
 from actors.request_actor import new_actor_name, spawn
 from actors.sampling import SamplingParams
-from benchmarks.bench_cold_start import prompt_of_length
-from benchmarks.bench_warm import NAMESPACE, _first_token, _wait_gone
+from benchmarks.bench_cold_start import _wait_gone, prompt_of_length
+from benchmarks.bench_warm import NAMESPACE, _first_token
 from weights_tool.pack import pack
 from weights_tool.synth import synthesize
 
@@ -67,7 +67,7 @@ def one(ray: Any, zqs: Path, config: ActorConfig, prompt: tuple[int, ...], tier:
             _first_token(ray, actor.generate.remote(request))  # its cold request; the next one is timed
         call = time.time()
         first = _first_token(ray, actor.generate.remote(ActorRequest(f"{name}-t", prompt, ONE_TOKEN)))
-        _wait_gone(ray, name)
+        _wait_gone(ray, name, namespace=NAMESPACE)
         return first - call
     finally:
         try:

@@ -42,7 +42,7 @@ from actors.layer_loader import load_zqs, open_zqs
 from actors.messages import ActorRequest, TextChunk
 from actors.request_actor import new_actor_name, spawn
 from actors.sampling import SamplingParams
-from benchmarks.bench_cold_start import balanced_tokens, prepare_model, prompt_of_length
+from benchmarks.bench_cold_start import _wait_gone, balanced_tokens, prepare_model, prompt_of_length
 
 log = logging.getLogger("bench_warm")
 
@@ -88,17 +88,6 @@ def _first_token(ray: Any, gen: Any) -> float:
     return first
 
 
-def _wait_gone(ray: Any, name: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"actor {name} still alive {timeout} s after its request")
-
-
 def run_actor(ray: Any, zqs: Path, config: ActorConfig, prompt: str, prompt_ids: tuple[int, ...],
               num_warm: int | None) -> ActorRun:
     name = new_actor_name("bench-warm")
@@ -111,7 +100,7 @@ def run_actor(ray: Any, zqs: Path, config: ActorConfig, prompt: str, prompt_ids:
         time.sleep(0.3)  # a request arrives later than the pool filled: nothing of the start is still running
     call = time.time()
     first = _first_token(ray, actor.generate.remote(ActorRequest(name, prompt_ids, ONE_TOKEN)))
-    _wait_gone(ray, name)  # not kept hot: it exits after its one request, as a bound or spawned actor does
+    _wait_gone(ray, name, namespace=NAMESPACE)  # not kept hot: it exits after its one request, as a bound or spawned actor does
     label = FRESH if num_warm is None else f"warm, N={num_warm}"
     return ActorRun(prompt, len(prompt_ids), label, num_warm, first - call, ready_s, rss)
 

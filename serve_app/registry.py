@@ -54,118 +54,34 @@ wrapper adds a timeout to its own `time.time()`), so replicas' clocks never mix.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Literal
 
 from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
 from serve_app.policy import PolicyConfig, decide
+from serve_app.registry_records import (
+    REQUEST_ACTOR_PATTERN,
+    Outcome,
+    ReconcileReport,
+    RowReservation,
+    SlotSpec,
+    _Actor,
+    _Slot,
+    is_request_actor_name,
+)
 from serve_app.retry_after import retry_after_s
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import (
-    ActorState,
     ActorView,
     ClusterSnapshot,
-    Lane,
     RequestFeatures,
-    RowView,
     SlotView,
 )
 from serve_app.warm_pool import WarmFill, WarmSpec, is_model_active, plan_fills
 
-Outcome = Literal["complete", "cancelled", "failed"]
-
-# `actors.request_actor.new_actor_name` makes "zq-{model}-{12 hex}"; the telemetry agents
-# ("zq-telemetry-{12 hex}") and the registry ("zq-registry...") share the prefix and are
-# excluded by name.
-REQUEST_ACTOR_PATTERN = r"^zq-(?!telemetry-|registry).+-[0-9a-f]{12}$"
-
-
-def is_request_actor_name(name: str, pattern: str = REQUEST_ACTOR_PATTERN) -> bool:
-    return re.match(pattern, name) is not None
-
-
-@dataclass(frozen=True)
-class SlotSpec:
-    """One accelerator slot (one GPU, or one CPU slot) as the ingress discovers it."""
-
-    slot_id: str
-    node_id: str
-    total_bytes: int
-    # The device its telemetry comes from: a GPU's NVML index, or the node's CPU (index 0).
-    device_kind: str = "cpu"
-    device_index: int = 0
-
-
-@dataclass(frozen=True)
-class ReconcileReport:
-    ghosts: tuple[str, ...] = ()
-    expired: tuple[str, ...] = ()
-    retired: tuple[str, ...] = ()
-    orphans: tuple[str, ...] = ()
-    released_bytes: int = 0
-
-    @property
-    def to_kill(self) -> tuple[str, ...]:
-        return self.expired + self.retired + self.orphans
-
-
-@dataclass
-class _Slot:
-    slot_id: str
-    node_id: str
-    total_bytes: int
-    reserved_bytes: int = 0
-    num_actors: int = 0
-    fragmentation: float = 0.0
-    utilization: float = 0.0
-
-    @property
-    def free_bytes(self) -> int:
-        return self.total_bytes - self.reserved_bytes
-
-    def view(self) -> SlotView:
-        return SlotView(self.slot_id, self.node_id, self.total_bytes, self.reserved_bytes,
-                        self.num_actors, self.fragmentation, self.utilization)
-
-
-@dataclass
-class RowReservation:
-    request_id: str
-    num_tokens: int
-    tpot_target_s: float | None
-    predicted_end: float
-    busy_deadline: float
-    request_bytes: int = 0  # set by the commit, from the decision's reservation
-
-    def view(self) -> RowView:
-        return RowView(self.request_bytes, self.num_tokens, self.tpot_target_s, self.predicted_end)
-
-
-@dataclass
-class _Actor:
-    name: str
-    model: str
-    slot_id: str
-    lane: Lane
-    state: ActorState
-    is_hot: bool
-    resident_bytes: int
-    spawned_at: float
-    rows: dict[str, RowReservation] = field(default_factory=dict)  # request id -> row, in admission order
-    idle_since: float | None = None
-    resident_fraction: float = 1.0  # a warm actor's share of its weights in; 0 while warming
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self.resident_bytes + sum(r.request_bytes for r in self.rows.values())
-
-    def view(self) -> ActorView:
-        return ActorView(self.name, self.model, self.slot_id, self.state, self.lane, self.is_hot,
-                         self.resident_bytes, tuple(r.view() for r in self.rows.values()), self.resident_fraction)
-
+# Re-exported: the registry's callers name these through this module.
+__all__ = ["REQUEST_ACTOR_PATTERN", "Outcome", "ReconcileReport", "RegistryState", "RowReservation", "SlotSpec",
+           "is_request_actor_name"]
 
 class RegistryState:
     def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
@@ -266,13 +182,8 @@ class RegistryState:
                 or slot.num_actors >= self.max_actors_per_slot):
             return False
         row.request_bytes = decision.reserve_bytes - decision.resident_bytes
-        actor = _Actor(actor_name, model, slot.slot_id, decision.lane, "starting", decision.keep_hot,
-                       decision.resident_bytes, now, {row.request_id: row})
-        self._actors[actor_name] = actor
-        slot.reserved_bytes += decision.reserve_bytes
-        slot.num_actors += 1
-        self._touch_slot(slot)
-        self._touch_actor(actor)
+        self._register(_Actor(actor_name, model, slot.slot_id, decision.lane, "starting", decision.keep_hot,
+                              decision.resident_bytes, now, {row.request_id: row}), slot)
         return True
 
     def try_dispatch(self, decision: Dispatch, row: RowReservation) -> bool:
@@ -311,13 +222,8 @@ class RegistryState:
         slot = self._slots.get(fill.slot_id)
         if slot is None or slot.free_bytes < fill.resident_bytes or slot.num_actors >= self.max_actors_per_slot:
             return False
-        actor = _Actor(actor_name, fill.model, slot.slot_id, fill.lane, "warming", False, fill.resident_bytes, now,
-                       resident_fraction=0.0)
-        self._actors[actor_name] = actor
-        slot.reserved_bytes += fill.resident_bytes
-        slot.num_actors += 1
-        self._touch_slot(slot)
-        self._touch_actor(actor)
+        self._register(_Actor(actor_name, fill.model, slot.slot_id, fill.lane, "warming", False,
+                              fill.resident_bytes, now, resident_fraction=0.0), slot)
         return True
 
     def fill_warm(self, specs: list[WarmSpec], policy: PolicyConfig, names: dict[str, list[str]],
@@ -477,6 +383,14 @@ class RegistryState:
             last = self._last_request_at.get(actor.model, actor.spawned_at)
             return now - max(last, actor.spawned_at) > self.max_idle_s
         return actor.idle_since is not None and now - actor.idle_since > self.max_idle_s
+
+    def _register(self, actor: _Actor, slot: _Slot) -> None:
+        """A new actor on `slot`, holding everything it reserves from now on."""
+        self._actors[actor.name] = actor
+        slot.reserved_bytes += actor.reserved_bytes
+        slot.num_actors += 1
+        self._touch_slot(slot)
+        self._touch_actor(actor)
 
     def _add_row(self, actor: _Actor, slot_id: str, reserve_bytes: int, row: RowReservation) -> bool:
         slot = self._slots[actor.slot_id]

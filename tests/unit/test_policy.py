@@ -516,7 +516,7 @@ def test_with_the_rule_scorer_the_decision_is_the_first_hot_actor_else_first_fit
 
 def test_the_policy_modules_import_neither_ray_nor_torch():
     code = ("import sys, serve_app.policy, serve_app.decisions, serve_app.warm_pool, serve_app.memory, "
-            "serve_app.scorer, serve_app.registry, "
+            "serve_app.scorer, serve_app.registry, serve_app.registry_records, "
             "serve_app.snapshot, serve_app.retry_after; "
             "print(sorted(m for m in ('ray', 'torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,0 +1,104 @@
+"""The registry's records: slots, actors and their rows as `RegistryState` (registry.py) keeps them.
+
+Mutable records behind the registry's lock, each able to give the frozen view a decision
+reads (snapshot.py); and the few names the registry's callers share with it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from serve_app.snapshot import ActorState, ActorView, Lane, RowView, SlotView
+
+Outcome = Literal["complete", "cancelled", "failed"]
+
+# `actors.request_actor.new_actor_name` makes "zq-{model}-{12 hex}"; the telemetry agents
+# ("zq-telemetry-{12 hex}") and the registry ("zq-registry...") share the prefix and are
+# excluded by name.
+REQUEST_ACTOR_PATTERN = r"^zq-(?!telemetry-|registry).+-[0-9a-f]{12}$"
+
+
+def is_request_actor_name(name: str, pattern: str = REQUEST_ACTOR_PATTERN) -> bool:
+    return re.match(pattern, name) is not None
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """One accelerator slot (one GPU, or one CPU slot) as the ingress discovers it."""
+
+    slot_id: str
+    node_id: str
+    total_bytes: int
+    # The device its telemetry comes from: a GPU's NVML index, or the node's CPU (index 0).
+    device_kind: str = "cpu"
+    device_index: int = 0
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    ghosts: tuple[str, ...] = ()
+    expired: tuple[str, ...] = ()
+    retired: tuple[str, ...] = ()
+    orphans: tuple[str, ...] = ()
+    released_bytes: int = 0
+
+    @property
+    def to_kill(self) -> tuple[str, ...]:
+        return self.expired + self.retired + self.orphans
+
+
+@dataclass
+class _Slot:
+    slot_id: str
+    node_id: str
+    total_bytes: int
+    reserved_bytes: int = 0
+    num_actors: int = 0
+    fragmentation: float = 0.0
+    utilization: float = 0.0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.reserved_bytes
+
+    def view(self) -> SlotView:
+        return SlotView(self.slot_id, self.node_id, self.total_bytes, self.reserved_bytes,
+                        self.num_actors, self.fragmentation, self.utilization)
+
+
+@dataclass
+class RowReservation:
+    request_id: str
+    num_tokens: int
+    tpot_target_s: float | None
+    predicted_end: float
+    busy_deadline: float
+    request_bytes: int = 0  # set by the commit, from the decision's reservation
+
+    def view(self) -> RowView:
+        return RowView(self.request_bytes, self.num_tokens, self.tpot_target_s, self.predicted_end)
+
+
+@dataclass
+class _Actor:
+    name: str
+    model: str
+    slot_id: str
+    lane: Lane
+    state: ActorState
+    is_hot: bool
+    resident_bytes: int
+    spawned_at: float
+    rows: dict[str, RowReservation] = field(default_factory=dict)  # request id -> row, in admission order
+    idle_since: float | None = None
+    resident_fraction: float = 1.0  # a warm actor's share of its weights in; 0 while warming
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.resident_bytes + sum(r.request_bytes for r in self.rows.values())
+
+    def view(self) -> ActorView:
+        return ActorView(self.name, self.model, self.slot_id, self.state, self.lane, self.is_hot,
+                         self.resident_bytes, tuple(r.view() for r in self.rows.values()), self.resident_fraction)
