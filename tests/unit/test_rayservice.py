@@ -37,6 +37,8 @@ GPU_OVERRIDES: dict[tuple[str | int, ...], Any] = {
     ("args", "scorer_path"): None,
     # ... and the rule's constants were measured on a CPU: on GPUs it keeps its defaults.
     ("args", "rule_scorer"): {},
+    # The API listens beyond loopback: every route needs the key, read from the head's env (a Secret).
+    ("args", "api_key_env"): "ZQ_API_KEY",
 }
 
 
@@ -187,16 +189,18 @@ def test_serve_config_is_the_same_app_as_serve_yaml(serve_config: dict, local_co
     assert app == expected
 
 
-def test_serve_config_args_are_valid_app_args(serve_config: dict) -> None:
+def test_serve_config_args_are_valid_app_args(serve_config: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     from serve_app.config import AppArgs, ingress_config
 
     (app,) = serve_config["applications"]
+    monkeypatch.setenv(app["args"]["api_key_env"], "from-the-secret")  # as the Secret sets it on the head
     args = AppArgs.model_validate(app["args"])
     # `policy` and `actor` are free-form in AppArgs; building the frozen config checks their keys.
     config = ingress_config(args)
     assert config.slots.kind == "gpu"
     assert config.actor.num_gpus == 1
     assert config.policy.max_actors_per_slot == 1
+    assert config.api_key == "from-the-secret"
 
 
 def test_serve_config_is_valid_for_ray_serve(serve_config: dict) -> None:
@@ -273,3 +277,15 @@ def test_model_files_sit_on_a_volume_every_pod_mounts(manifest: dict, serve_conf
             assert under, f"model {model['id']}: {path} is not on a volume every pod mounts"
             claims.add(under[0])
         assert len(claims) == 1, f"model {model['id']}: pods mount different claims at {path}: {claims}"
+
+
+def test_the_api_key_comes_from_a_secret_on_the_pod_that_runs_the_ingress(manifest: dict, serve_config: dict) -> None:
+    (app,) = serve_config["applications"]
+    head, _ = _groups(manifest)
+    env = {e["name"]: e for c in _containers(head) for e in c.get("env", [])}
+    var = env[app["args"]["api_key_env"]]
+    assert "value" not in var and var["valueFrom"]["secretKeyRef"] == {"name": "zeroqueue-api-key", "key": "api-key"}
+
+
+def test_the_dashboard_and_its_jobs_api_need_rays_token(manifest: dict) -> None:
+    assert manifest["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
