@@ -43,6 +43,10 @@ MAX_MODEL_NAME_CHARS = 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts any unsigned 64-bit value
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's limit for /v1/messages
 MAX_MODELS_PAGE = 1000
+# Bounds that keep a request's parse and admission cheap, far beyond what a real one needs:
+# no served model's context comes near either (each message is at least a few tokens).
+MAX_OUTPUT_TOKENS = 1 << 20
+MAX_MESSAGES = 10_000
 
 # Anthropic features this server does not implement, and for each the values that ask
 # for nothing (a request carrying one of those is served; any other value is refused).
@@ -135,7 +139,7 @@ class _Conversation(BaseModel):
     model_config = _STRICT
 
     model: str = Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)
-    messages: list[InputMessage] = Field(min_length=1)
+    messages: list[InputMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: list[TextBlock] | None = None
     cache_control: dict[str, Any] | None = None
 
@@ -190,7 +194,7 @@ StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_SEQUENCE_C
 class MessagesRequest(_Conversation):
     """`POST /v1/messages`. `max_tokens` is checked against the model's context later."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=MAX_OUTPUT_TOKENS)
     temperature: float = Field(default=1.0, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=1)
@@ -218,6 +222,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as e:
         raise invalid_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:  # the decoder recurses per level of nesting: a body can exhaust the stack
+        raise invalid_request("request body is nested too deeply to be a request") from None
     if not isinstance(body, dict):
         raise invalid_request(f"request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -147,6 +147,14 @@ def test_bad_requests_are_refused_before_any_work(zq, ray_cluster, body, status,
     assert _actors(ray_cluster) <= before  # nothing was started for it
 
 
+def test_a_body_nested_too_deeply_is_a_400_with_its_request_id(zq, ray_cluster):
+    before = _actors(ray_cluster)
+    r = httpx.post(f"{zq}/v1/messages", content=b"[" * 30_000, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 400, r.text  # the JSON decoder's RecursionError was a 500
+    assert r.json()["error"]["type"] == "invalid_request_error" and "nested too deeply" in r.json()["error"]["message"]
+    assert r.json()["request_id"] == r.headers["request-id"] and _actors(ray_cluster) <= before
+
+
 @pytest.mark.parametrize(
     ("method", "path"),
     [("POST", "/v1/messages"), ("POST", "/v1/messages/"), ("POST", "/v1/messages/count_tokens"),

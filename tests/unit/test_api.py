@@ -134,6 +134,18 @@ def test_out_of_range(overrides, expected):
     assert refused(body(**overrides)).startswith(expected)
 
 
+def test_json_nested_too_deeply_is_a_400_not_a_crash():
+    assert "nested too deeply" in refused(b"[" * 100_000)
+    assert "nested too deeply" in refused(b'{"model": "tiny", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+
+def test_max_tokens_and_the_number_of_messages_are_bounded_before_any_work():
+    assert refused(body(max_tokens=10**12)).startswith(
+        f"max_tokens: Input should be less than or equal to {api.MAX_OUTPUT_TOKENS}")
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(api.MAX_MESSAGES + 1)]
+    assert refused(body(messages=turns)).startswith(f"messages: List should have at most {api.MAX_MESSAGES} items")
+
+
 def test_nan_is_not_json():
     raw = b'{"model": "tiny", "max_tokens": 4, "temperature": NaN, "messages": []}'
     assert refused(raw).startswith("request body is not valid JSON: NaN")
