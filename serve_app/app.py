@@ -367,7 +367,7 @@ class Ingress:
         for evicted in decision.evict:  # forgotten by the registry already; gone before the new actor starts
             self._kill(evicted)
             self.metrics.evictions.inc(tags={"model": model.id, "state": "evicted"})
-        handle = self._create(name, model, decision.slot_id)
+        handle = self._create(name, model, decision.slot_id, decision.node_id)
         if decision.keep_hot:
             self._handles[name] = handle
         return handle
@@ -375,13 +375,15 @@ class Ingress:
     def _create_warm(self, name: str, fill: WarmFill):
         """The warm filler's thread: a warm actor of `fill.model` on its slot."""
         model = self.models[fill.model]
-        handle = self._create(name, model, fill.slot_id, model.warm_layers)
+        handle = self._create(name, model, fill.slot_id, fill.node_id, model.warm_layers)
         self._handles[name] = handle
         return handle
 
-    def _create(self, name: str, model: LoadedModel, slot_id: str, warm_layers: int | None = None):
+    def _create(self, name: str, model: LoadedModel, slot_id: str, node_id: str, warm_layers: int | None = None):
+        # The registry's node for the slot: this replica may not have discovered it (another replica's CPU slots).
+        node_id = node_id or self.slot_refresher.slot_nodes[slot_id]
         options = self.config.actor.actor_options(name)
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.slot_refresher.slot_nodes[slot_id], soft=False)
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return self._actor_class.options(**options).remote(model.zqs_path, self.config.actor, warm_layers=warm_layers)
 
     def _kill(self, name: str) -> None:

@@ -68,6 +68,9 @@ class Spawn:
     candidate: Candidate | None = field(default=None, compare=False)
     prediction: Prediction | None = field(default=None, compare=False)
     evict: tuple[str, ...] = ()  # idle hot or warm actors on the slot retired to make room
+    # The slot's node as the registry knows it, where the actor is pinned: any ingress replica can
+    # place it, whichever replica discovered the slot.
+    node_id: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.resident_bytes <= self.reserve_bytes:

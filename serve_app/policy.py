@@ -229,7 +229,8 @@ def decide(
         return Join(chosen.actor_name, chosen.slot_id, lane, features.dispatch_bytes, chosen, predicted)
     if chosen.kind == "warm":
         return Bind(chosen.actor_name, chosen.slot_id, lane, keep_new_hot, features.dispatch_bytes, chosen, predicted)
-    return Spawn(chosen.slot_id, lane, keep_new_hot, features.spawn_bytes, features.resident_bytes, chosen, predicted)
+    return Spawn(chosen.slot_id, lane, keep_new_hot, features.spawn_bytes, features.resident_bytes, chosen, predicted,
+                 node_id=snapshot.slot(chosen.slot_id).node_id)
 
 
 def _hot_lanes(lane: Lane) -> tuple[Lane, ...]:
@@ -334,7 +335,7 @@ def _evict_or_reject(features: RequestFeatures, snapshot: ClusterSnapshot, polic
     prediction = _predict(scorer, features, [candidate])[0]
     return Spawn(slot.slot_id, policy.lane(features.input_tokens, features.max_tokens), keep_hot,
                  features.spawn_bytes, features.resident_bytes, candidate, prediction,
-                 evict=tuple(a.name for a in actors))
+                 evict=tuple(a.name for a in actors), node_id=slot.node_id)
 
 
 def _no_candidate(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig) -> Reject:

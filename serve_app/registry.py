@@ -32,8 +32,9 @@ overlap is harmless, and waiting for Ray to confirm the exit would idle the slot
 Predictions. Each row keeps the end its admission predicted (now + the scorer's total
 time), from which a refusal's retry-after is computed (retry_after.py).
 
-Crashes. `reconcile(alive, now)` compares the registry with the request actors Ray
-lists as alive:
+Crashes. `reconcile(alive, now, alive_nodes)` compares the registry with the request
+actors and the nodes Ray lists as alive (a dead node's slots are removed once its actors
+are forgotten):
   - ghosts: registered, not alive, and spawned more than `spawn_grace_s` ago (an actor
     is committed here before it is created, so a young one may not be listed yet) —
     forgotten with their reservations (the actor died, or its replica crashed before
@@ -354,8 +355,12 @@ class RegistryState:
             self._forget(a)
         return True
 
-    def reconcile(self, alive: set[str], now: float) -> ReconcileReport:
-        """Match the registry to Ray's alive request actors, listed at `now` (see the module doc)."""
+    def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None) -> ReconcileReport:
+        """Match the registry to Ray's alive request actors, listed at `now` (see the module doc).
+
+        With `alive_nodes`, the slots of every other node are removed once no actor holds
+        them (a dead node's actors go as ghosts first): nothing is placed on a node that is gone.
+        """
         orphans = tuple(sorted(name for name in alive if name not in self._actors))
         ghosts, expired, retired = [], [], []
         released = 0
@@ -372,7 +377,13 @@ class RegistryState:
                 continue
             released += actor.reserved_bytes
             self._forget(actor)
-        return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released)
+        lost = tuple(s.slot_id for s in self._slots.values()
+                     if alive_nodes is not None and s.node_id not in alive_nodes and s.num_actors == 0)
+        for slot_id in lost:
+            del self._slots[slot_id]
+            del self._slot_views[slot_id]
+            self._changed()
+        return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released, lost)
 
     # ---- internals -------------------------------------------------------------------
 

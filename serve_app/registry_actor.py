@@ -198,10 +198,13 @@ class RegistryActor:
     def reconcile_now(self) -> ReconcileReport:
         listed_at = time.time()
         alive = self._alive_request_actors()
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         with self._lock:
-            report = self._state.reconcile(alive, listed_at)
+            report = self._state.reconcile(alive, listed_at, alive_nodes)
         for name in report.to_kill:
             self._kill(name)
+        if report.lost_slots:
+            log.warning("reconcile: slots %s removed: their node is gone", report.lost_slots)
         if report.ghosts or report.to_kill:
             log.info("reconcile: ghosts %s, expired %s, retired %s, orphans %s, released %d bytes",
                      report.ghosts, report.expired, report.retired, report.orphans, report.released_bytes)

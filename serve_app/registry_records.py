@@ -43,6 +43,7 @@ class ReconcileReport:
     retired: tuple[str, ...] = ()
     orphans: tuple[str, ...] = ()
     released_bytes: int = 0
+    lost_slots: tuple[str, ...] = ()  # slots of nodes no longer alive, removed
 
     @property
     def to_kill(self) -> tuple[str, ...]:

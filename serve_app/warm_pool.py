@@ -23,10 +23,10 @@ is first asked for, so a fresh deployment fills its pools at once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serve_app.policy import PolicyConfig
-from serve_app.snapshot import ClusterSnapshot, Lane
+from serve_app.snapshot import ClusterSnapshot, Lane, SlotView
 
 LANES: tuple[Lane, ...] = ("short", "long")
 
@@ -51,6 +51,7 @@ class WarmFill:
     lane: Lane
     slot_id: str
     resident_bytes: int
+    node_id: str = field(default="", compare=False)  # where the actor is pinned
 
 
 def is_model_active(last_request_at: float, now: float, policy: PolicyConfig) -> bool:
@@ -69,22 +70,21 @@ def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: Pol
         for lane in LANES:
             missing = policy.num_warm(spec.model, lane) - snapshot.warm_count(spec.model, lane)
             for _ in range(max(0, missing)):
-                slot_id = _first_fit(snapshot, spec.resident_bytes, policy.max_actors_per_slot,
-                                     added_bytes, added_actors)
-                if slot_id is None:
+                slot = _first_fit(snapshot, spec.resident_bytes, policy.max_actors_per_slot, added_bytes, added_actors)
+                if slot is None:
                     break
-                added_bytes[slot_id] = added_bytes.get(slot_id, 0) + spec.resident_bytes
-                added_actors[slot_id] = added_actors.get(slot_id, 0) + 1
-                fills.append(WarmFill(spec.model, lane, slot_id, spec.resident_bytes))
+                added_bytes[slot.slot_id] = added_bytes.get(slot.slot_id, 0) + spec.resident_bytes
+                added_actors[slot.slot_id] = added_actors.get(slot.slot_id, 0) + 1
+                fills.append(WarmFill(spec.model, lane, slot.slot_id, spec.resident_bytes, slot.node_id))
     return fills
 
 
 def _first_fit(snapshot: ClusterSnapshot, need: int, max_actors: int, added_bytes: dict[str, int],
-               added_actors: dict[str, int]) -> str | None:
+               added_actors: dict[str, int]) -> SlotView | None:
     for slot in snapshot.slots:
         if snapshot.num_starting_on_node(slot.node_id):
             continue
         free = slot.free_bytes - added_bytes.get(slot.slot_id, 0)
         if free >= need and slot.num_actors + added_actors.get(slot.slot_id, 0) < max_actors:
-            return slot.slot_id
+            return slot
     return None

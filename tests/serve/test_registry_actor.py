@@ -94,7 +94,7 @@ def test_two_replicas_racing_for_a_slot_with_room_for_one_never_both_win(ray_clu
 
     for i in range(NUM_ROUNDS):
         slot_id = f"race-{i:03d}"
-        ray.get(registry.register_slots.remote([SlotSpec(slot_id, "node", 1000)]))
+        ray.get(registry.register_slots.remote([SlotSpec(slot_id, _node(ray), 1000)]))
         snapshot = ray.get(registry.snapshot.remote())
         commit_at = time.time() + 0.05
         (d0, won0), (d1, won1) = ray.get(
@@ -110,7 +110,7 @@ def test_concurrent_admits_place_one_request_per_free_slot(ray_cluster, make_reg
     registry = make_registry()
     features = RequestFeatures("m", 10, 10, 980, 1, 0)  # exactly 1000 bytes: one per slot
     for i in range(NUM_ROUNDS):
-        ray.get(registry.register_slots.remote([SlotSpec(f"admit-{i:03d}", "node", 1000)]))
+        ray.get(registry.register_slots.remote([SlotSpec(f"admit-{i:03d}", _node(ray), 1000)]))
         barrier, results = threading.Barrier(2), [None, None]
 
         def client(k: int, i=i, barrier=barrier, results=results) -> None:
@@ -131,7 +131,7 @@ def test_concurrent_admits_place_one_request_per_free_slot(ray_cluster, make_reg
 def test_reconcile_forgets_a_dead_actor_and_its_reservation(ray_cluster, make_registry, dummies):
     ray = ray_cluster
     registry = make_registry(spawn_grace_s=0.2)
-    ray.get(registry.register_slots.remote([SlotSpec("slot", "node", 1000)]))
+    ray.get(registry.register_slots.remote([SlotSpec("slot", _node(ray), 1000)]))
     name = dummies()
     assert ray.get(registry.try_spawn.remote(Spawn("slot", "short", True, 600, 500), name, "dummy", 60.0))
     time.sleep(0.3)  # past the grace
@@ -160,10 +160,29 @@ def test_reconcile_kills_an_unknown_request_actor_as_an_orphan(ray_cluster, make
 def test_the_background_loop_reconciles_without_being_asked(ray_cluster, make_registry, dummies):
     ray = ray_cluster
     registry = make_registry(reconcile_interval_s=0.2, spawn_grace_s=0.2)
-    ray.get(registry.register_slots.remote([SlotSpec("slot", "node", 1000)]))
+    ray.get(registry.register_slots.remote([SlotSpec("slot", _node(ray), 1000)]))
     assert ray.get(registry.try_spawn.remote(Spawn("slot", "short", True, 600, 500), "zq-never-0123456789ab",
                                              "m", 60.0))
     orphan = dummies(is_started=False)  # the loop may kill it before it has started
     _wait_until(lambda: not _is_alive(ray, orphan))
     _wait_until(lambda: ray.get(registry.snapshot.remote()).actors == ())  # the ghost is forgotten
     assert _slot(ray, registry, "slot").reserved_bytes == 0
+
+
+def _node(ray) -> str:
+    """This cluster's node: a slot on a node Ray does not list as alive is removed by reconcile."""
+    return ray.get_runtime_context().get_node_id()
+
+
+def test_reconcile_removes_the_slots_of_a_node_that_is_gone(ray_cluster, make_registry):
+    ray = ray_cluster
+    registry = make_registry()
+    gone = "f" * len(_node(ray))  # a node id Ray does not list: a GPU pod replaced, a worker lost
+    ray.get(registry.register_slots.remote([SlotSpec("here", _node(ray), 1000), SlotSpec("gone", gone, 1000)]))
+    report = ray.get(registry.reconcile_now.remote())
+    assert report.lost_slots == ("gone",)
+    assert [s.slot_id for s in ray.get(registry.snapshot.remote()).slots] == ["here"]
+    decision = ray.get(registry.admit.remote(RequestFeatures("m", 10, 10, 980, 1, 0), "zq-m-0123456789ab", "q"))
+    assert isinstance(decision, Spawn) and decision.slot_id == "here"  # never the dead node's (it sorted first)
+    ray.get(registry.remove.remote("zq-m-0123456789ab"))
+    ray.get(registry.check_invariants.remote())

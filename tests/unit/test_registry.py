@@ -452,3 +452,15 @@ class RegistryMachine(RuleBasedStateMachine):
 
 TestRegistryMachine = RegistryMachine.TestCase
 TestRegistryMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_reconcile_removes_a_dead_nodes_slots_once_its_actors_are_forgotten():
+    reg = RegistryState(spawn_grace_s=1.0)
+    reg.register_slots([SlotSpec("a", "n1", 1000), SlotSpec("b", "n2", 1000)])
+    assert reg.try_spawn(_spawn("b", reserve=600), "on-b", "m", _row(), now=0)
+    first = reg.reconcile(set(), now=0.5, alive_nodes={"n1"})  # its actor is young: kept, and so is b
+    assert first.lost_slots == () and [s.slot_id for s in reg.snapshot().slots] == ["a", "b"]
+    second = reg.reconcile(set(), now=2.0, alive_nodes={"n1"})  # now a ghost, then b goes with it
+    assert second.ghosts == ("on-b",) and second.lost_slots == ("b",)
+    assert [s.slot_id for s in reg.snapshot().slots] == ["a"]
+    reg.check_invariants()

@@ -145,3 +145,12 @@ def test_a_warming_actor_that_fails_is_dropped_unless_a_request_was_bound_to_it(
     assert not reg.drop_warming("w1")  # bound while warming: its request's end releases it
     assert reg.drop_warming("w2") and _view(reg, "w2") is None
     reg.check_invariants()
+
+
+def test_spawns_and_fills_carry_their_slots_node_so_any_replica_can_place_them():
+    snap = ClusterSnapshot((SlotView("a", "node-a", 10_000, 0, 0),), (), 1)
+    assert decide(_features(), _snap([]), POLICY).reason == "no_capacity"
+    assert decide(_features(model="m2"), snap, POLICY).node_id == "node-a"
+    [fill] = plan_fills(snap, [WarmSpec("m", 1000)], PolicyConfig(actor_overhead_bytes=0, num_warm_short_actors=1),
+                        {"m"})
+    assert fill.node_id == "node-a"
