@@ -19,7 +19,9 @@ Warm pools (serve_app/warm_filler.py) are refilled on a background thread, never
 by a request. When Serve stops the replica (`serve shutdown`, the app deleted), `__del__`
 detaches it from the registry; the last replica to go takes every actor with it.
 
-Nothing here waits for capacity: every await is on work already placed, and has a deadline.
+Nothing here waits for capacity: every await is on work already placed, and has a deadline;
+the decision's is `registry_timeout_s`, past which (a dead, restarting or stalled registry)
+the request is a 503 at once and whatever its admission may still commit is undone.
 The registry decides with the XGBoost scorer when `scorer_path` names a usable model (else
 the rule); with traces on, every request leaves one JSON line (serve_app/traces.py).
 `build_app(args)` is the app builder `configs/serve.yaml` names by `import_path`.
@@ -304,8 +306,7 @@ class Ingress:
         """One decision and the action it names; raises ActorLost if the actor was dead before it started."""
         request_id = actor_request.request_id
         spawn_name = new_actor_name(model.id)
-        decision = await self.registry.admit.remote(features, spawn_name, request_id,
-                                                    self.slot_refresher.take_stats())
+        decision = await self._admit(features, spawn_name, request_id)
         kind = type(decision).__name__.lower()
         self.metrics.decisions.inc(tags={"model": model.id, "kind": kind})
         if isinstance(decision, Reject):
@@ -344,6 +345,21 @@ class Ingress:
                             features=features, decision=decision)
         await self.relay.first(admitted, self.config.start_timeout_s)
         return admitted
+
+    async def _admit(self, features, spawn_name: str, request_id: str):
+        """The registry's decision, or a 503 at once when it does not answer within `registry_timeout_s`."""
+        try:
+            return await asyncio.wait_for(
+                self.registry.admit.remote(features, spawn_name, request_id, self.slot_refresher.take_stats()),
+                self.config.registry_timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            # Calls from this replica reach the registry in order: if the admission still lands, this
+            # undoes it right after, so nothing stays reserved for a request that was refused.
+            self.registry.abandon.remote(request_id)
+            self.metrics.rejections.inc(tags={"reason": "registry_unavailable"})
+            log.warning("request %s: the registry did not decide in time (%s)", request_id, type(e).__name__)
+            raise errors.overloaded("the admission registry is unavailable; retry shortly",
+                                    self.config.policy.retry_after_s) from None
 
     # ---- Python handles (serve.get_app_handle("zeroqueue")) ---------------------------
 

@@ -84,6 +84,9 @@ class AppArgs(_Strict):
     # Every wait has a deadline: for the actor to start computing, and between tokens.
     start_timeout_s: float = Field(default=300.0, gt=0)
     token_timeout_s: float = Field(default=60.0, gt=0)
+    # The decision: a registry that does not answer within this (dead, restarting, stalled) is
+    # answered 503 with retry-after at once, never a 500 or a hang.
+    registry_timeout_s: float = Field(default=0.25, gt=0)
     ping_interval_s: float = Field(default=5.0, gt=0)
     slot_refresh_s: float = Field(default=10.0, gt=0)
     # How often slot fragmentation and utilisation are copied from the telemetry agents.
@@ -134,6 +137,7 @@ class IngressConfig:
     slot_refresh_s: float
     telemetry_refresh_s: float
     warm_refresh_s: float = 1.0
+    registry_timeout_s: float = 0.25
     scorer_path: str | None = None
     traces: TraceConfig | None = None  # None: off
     rule_scorer: RuleScorer = RuleScorer()
@@ -170,6 +174,7 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         max_body_bytes=args.max_body_bytes,
         start_timeout_s=args.start_timeout_s,
         token_timeout_s=args.token_timeout_s,
+        registry_timeout_s=args.registry_timeout_s,
         ping_interval_s=args.ping_interval_s,
         slot_refresh_s=args.slot_refresh_s,
         telemetry_refresh_s=args.telemetry_refresh_s,

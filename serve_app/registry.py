@@ -339,6 +339,17 @@ class RegistryState:
         self._touch_actor(actor)
         return False
 
+    def abandon(self, request_id: str, now: float) -> tuple[str, bool] | None:
+        """Undo what an admission committed for `request_id`, if anything: its caller gave up on it.
+
+        The row is finished as cancelled (an actor still starting for it is forgotten); returns
+        (the actor's name, whether it must be killed), or None when nothing holds the request.
+        """
+        for actor in self._actors.values():
+            if request_id in actor.rows:
+                return actor.name, self.finish(actor.name, request_id, "cancelled", now)
+        return None
+
     def remove(self, actor_name: str) -> bool:
         actor = self._actors.get(actor_name)
         if actor is None:

@@ -164,6 +164,14 @@ class RegistryActor:
             self._kill(actor_name)
         return must_kill
 
+    def abandon(self, request_id: str) -> bool:
+        """An ingress gave up waiting for `request_id`'s admission: release whatever it committed."""
+        with self._lock:
+            undone = self._state.abandon(request_id, time.time())
+        if undone is not None and undone[1]:
+            self._kill(undone[0])
+        return undone is not None
+
     def remove(self, actor_name: str) -> bool:
         with self._lock:
             return self._state.remove(actor_name)

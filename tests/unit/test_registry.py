@@ -464,3 +464,20 @@ def test_reconcile_removes_a_dead_nodes_slots_once_its_actors_are_forgotten():
     assert second.ghosts == ("on-b",) and second.lost_slots == ("b",)
     assert [s.slot_id for s in reg.snapshot().slots] == ["a"]
     reg.check_invariants()
+
+
+def test_abandon_undoes_whatever_an_admission_committed_for_the_request():
+    reg = _registry(1000, 1000)
+    f = RequestFeatures("m", 10, 10, 500, 1, 0)  # spawn 520 bytes, a row 20
+    spawn = reg.admit(f, POLICY, "cold", "r1", now=0.0)
+    assert isinstance(spawn, Spawn)
+    assert reg.abandon("r1", now=0.1) == ("cold", True)  # never started for anyone: forgotten, killed
+    assert _actor(reg, "cold") is None and _slot(reg, "s0").reserved_bytes == 0
+    reg.admit(f, POLICY, "hot", "r2", now=0.2)
+    reg.actor_started("hot")
+    join = reg.admit(f, POLICY, "unused", "r3", now=0.3)
+    assert isinstance(join, Join)
+    assert reg.abandon("r3", now=0.4) == ("hot", False)  # only the joined row goes
+    assert _actor(reg, "hot").num_rows == 1  # r2 runs on
+    assert reg.abandon("nobody", now=0.5) is None
+    reg.check_invariants()
