@@ -9,9 +9,9 @@ process, and every thread it starts, runs at that priority. Ray's core worker wo
 "adjust" its main thread to `RAY_worker_niceness` (15 by default) while connecting, raising
 it where it may (as root), so that is set to the same value.
 
-Two costs, measured when this was chosen: a runtime_env gives the actor a worker process
-of its own rather than a pooled one (~0.25 s more per start than a fresh plain worker), and
-Ray's runtime-env setup step for it still runs at normal priority (~0.3 s of CPU).
+Two costs: a runtime_env gives the actor a worker process of its own, never a pooled one
+(a start costs a fresh interpreter), and Ray's runtime-env setup step for it still runs at
+normal priority.
 
 `lower_threads` lowers every thread of the calling process in place (nice is per thread on
 Linux: a new thread inherits its creator's value): the actor calls it in `__init__`, a

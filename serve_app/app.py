@@ -121,8 +121,7 @@ class Ingress:
         self.relay = Relay(config.token_timeout_s, config.ping_interval_s, self._observe, self._ended,
                            self._first_token)
         self._releasing: set[asyncio.Task] = set()  # rows given up, released once their stream has ended
-        self.replica_id = _replica_id()
-        ray.get(self.registry.attach.remote(self.replica_id), timeout=30)
+        self.replica_id = _replica_id()  # attached to the registry by the slot refresher, at once and per refresh
         # Slots (and their telemetry) are kept current in the background: GPU workers may
         # join after the ingress starts, and a restarted registry comes back empty.
         self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor,
@@ -328,14 +327,11 @@ class Ingress:
             except Exception:
                 self.registry.remove.remote(spawn_name)  # nothing was started: give the slot back
                 raise
-            tier = "cold"
         else:  # Dispatch, Join or Bind: an actor that exists
             name, handle = decision.actor_name, await self._handle(decision.actor_name)
-            # A bound actor still warming pays the rest of its process start: cold, as the scorer saw it.
-            tier = ("cold" if decision.candidate is not None and decision.candidate.kind == "cold" else "warm") \
-                if isinstance(decision, Bind) else "hot"
             if isinstance(decision, Bind):
                 self.warm_filler.wake()  # its pool is one short now
+        tier = _tier(decision)
         stream = handle.generate.remote(actor_request)
         dispatch_time = time.time()
         self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
@@ -382,8 +378,8 @@ class Ingress:
     def _spawn(self, name: str, model: LoadedModel, decision: Spawn):
         for evicted in decision.evict:  # forgotten by the registry already; gone before the new actor starts
             self._kill(evicted)
-            self.metrics.evictions.inc(tags={"model": model.id, "state": "evicted"})
-        handle = self._create(name, model, decision.slot_id, decision.node_id)
+            self.metrics.evictions.inc(tags={"model": model.id})
+        handle = self._create(name, model, decision.node_id)
         if decision.keep_hot:
             self._handles[name] = handle
         return handle
@@ -391,13 +387,12 @@ class Ingress:
     def _create_warm(self, name: str, fill: WarmFill):
         """The warm filler's thread: a warm actor of `fill.model` on its slot."""
         model = self.models[fill.model]
-        handle = self._create(name, model, fill.slot_id, fill.node_id, model.warm_layers)
+        handle = self._create(name, model, fill.node_id, model.warm_layers)
         self._handles[name] = handle
         return handle
 
-    def _create(self, name: str, model: LoadedModel, slot_id: str, node_id: str, warm_layers: int | None = None):
+    def _create(self, name: str, model: LoadedModel, node_id: str, warm_layers: int | None = None):
         # The registry's node for the slot: this replica may not have discovered it (another replica's CPU slots).
-        node_id = node_id or self.slot_refresher.slot_nodes[slot_id]
         options = self.config.actor.actor_options(name)
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return self._actor_class.options(**options).remote(model.zqs_path, self.config.actor, warm_layers=warm_layers)
@@ -462,7 +457,8 @@ class Ingress:
 
     def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
         self.registry.finish.remote(admitted.actor_name, admitted.request_id, outcome)
-        self.warm_filler.wake()  # a slot may have come free for a pool
+        if outcome != "complete" or not admitted.keep_hot:
+            self.warm_filler.wake()  # its actor exits: a slot may come free for a pool
 
     def _trace(self, request_id: str, model: str, arrival: float, features, decision, outcome) -> None:
         if self.traces is None:
@@ -471,6 +467,17 @@ class Ingress:
             self.traces.write(traces.trace_record(request_id, model, arrival, features, decision, outcome))
         except Exception:
             log.exception("trace of request %s not recorded", request_id)
+
+
+def _tier(decision) -> str:
+    """Where a placed request runs, as X-Request-Tier says: the kind of candidate it was scored as.
+
+    A bound actor still warming was scored as a fresh one (it pays the rest of its process start): cold.
+    """
+    if decision.candidate is None:  # decided outside `decide` (tests)
+        return "cold" if isinstance(decision, Spawn) else "hot"
+    kind = decision.candidate.kind
+    return "hot" if kind == "join" else kind
 
 
 def _replica_id() -> str:

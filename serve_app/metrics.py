@@ -37,7 +37,7 @@ class IngressMetrics:
             boundaries=[1, 2, 3, 4, 6, 8, 12, 16, 32], tag_keys=("model",))
         self.evictions = metrics.Counter(
             "zq_evictions_total", "Idle hot or warm actors retired to make room for a request.",
-            tag_keys=("model", "state"))
+            tag_keys=("model",))
         self.actors = metrics.Gauge("zq_actors", "Request actors by state (registry view).", tag_keys=("state",))
         self.free_slots = metrics.Gauge("zq_free_slots", "Slots with no actor.")
         # Recent dispatch latencies (µs) for /health's jitter figures.

@@ -189,7 +189,7 @@ def decide(
     lane = policy.lane(features.input_tokens, features.max_tokens)
     hot, hot_lanes = _hot_candidates(features, lane, snapshot, policy.max_candidates)
     joins, running_tpot = _join_candidates(features, lane, snapshot, policy)
-    warm = _warm_candidates(features, (lane,), snapshot, policy.max_candidates)
+    warm = warm_candidates(features, (lane,), snapshot, policy.max_candidates)
     cold = _cold_candidates(features, snapshot, policy)
     candidates = hot + joins + warm + cold
     model = features.model
@@ -204,8 +204,8 @@ def decide(
         # Better than a process start or a refusal: the other lane's warm actors, then a warming one
         # (its process is starting already: further along than a fresh actor, if not yet warm).
         other_lanes = tuple(x for x in ("short", "long") if x != lane)
-        for fallback in (_warm_candidates(features, other_lanes, snapshot, policy.max_candidates),
-                         _warm_candidates(features, ("short", "long"), snapshot, policy.max_candidates, "warming")):
+        for fallback in (warm_candidates(features, other_lanes, snapshot, policy.max_candidates),
+                         warm_candidates(features, ("short", "long"), snapshot, policy.max_candidates, "warming")):
             if not fallback:
                 continue
             fallback_predictions = _predict(scorer, features, fallback)
@@ -281,7 +281,7 @@ def _join_candidates(features: RequestFeatures, lane: Lane, snapshot: ClusterSna
             [actor.min_tpot_target_s for *_, actor, _ in chosen])
 
 
-def _warm_candidates(features: RequestFeatures, lanes: Sequence[Lane], snapshot: ClusterSnapshot,
+def warm_candidates(features: RequestFeatures, lanes: Sequence[Lane], snapshot: ClusterSnapshot,
                      limit: int, state: str = "warm") -> list[Candidate]:
     """Warm (or warming) actors of the model filled for `lanes`, whose slot has room for the request.
 

@@ -59,7 +59,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
-from serve_app.policy import PolicyConfig, decide
+from serve_app.policy import PolicyConfig, decide, warm_candidates
 from serve_app.registry_records import (
     REQUEST_ACTOR_PATTERN,
     Outcome,
@@ -78,7 +78,7 @@ from serve_app.snapshot import (
     RequestFeatures,
     SlotView,
 )
-from serve_app.warm_pool import WarmFill, WarmSpec, is_model_active, plan_fills
+from serve_app.warm_pool import LANES, WarmFill, WarmSpec, is_model_active, plan_fills
 
 # Re-exported: the registry's callers name these through this module.
 __all__ = ["REQUEST_ACTOR_PATTERN", "Outcome", "ReconcileReport", "RegistryState", "RowReservation", "SlotSpec",
@@ -302,7 +302,7 @@ class RegistryState:
         self.counters[type(decision).__name__.lower()] += 1
         if isinstance(decision, Spawn):
             self.counters["evicted"] += len(decision.evict)
-            self.counters["spawn_with_warm_available"] += _has_fitting_warm(snapshot, features)
+            self.counters["spawn_with_warm_available"] += bool(warm_candidates(features, LANES, snapshot, 1))
         return decision
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -446,9 +446,3 @@ class RegistryState:
         self._version += 1
         self._snapshot = None
 
-
-def _has_fitting_warm(snapshot: ClusterSnapshot, features: RequestFeatures) -> bool:
-    """A warm actor of the request's model, on a slot with room for its row, in either lane."""
-    return any(
-        (slot := snapshot.slot(a.slot_id)) is not None and slot.free_bytes >= features.dispatch_bytes
-        for lane in ("short", "long") for a in snapshot.warm_actors(features.model, lane))

@@ -101,14 +101,13 @@ class SlotRefresher:
         self._replica_id = replica_id
         self._slot_refresh_s, self._telemetry_refresh_s = slot_refresh_s, telemetry_refresh_s
         self.slots: list[SlotSpec] = []
-        self.slot_nodes: dict[str, str] = {}  # slot id -> node id, for pinning a spawn
         self._agents: dict[str, Any] = {}
         self._pending_stats: dict[str, tuple[float, float]] | None = None
         self.register()
 
     def register(self) -> None:
         slots = discover_slots(self._args, self._actor)
-        self.slots, self.slot_nodes = slots, {s.slot_id: s.node_id for s in slots}
+        self.slots = slots
         ray.get(self._registry.register_slots.remote(self.slots), timeout=30)
         if self._replica_id is not None:  # the replica's heartbeat: the registry outlives no app
             self._registry.attach.remote(self._replica_id)

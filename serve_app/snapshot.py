@@ -159,20 +159,12 @@ class ClusterSnapshot:
 
     def num_busy_on_node(self, node_id: str) -> int:
         """Actors starting, busy or warming on a node: they share its host (and, on CPU slots, its cores)."""
-        return self._busy_by_node.get(node_id, 0)
+        counts = self._states_by_node.get(node_id, {})
+        return sum(n for state, n in counts.items() if state not in ("idle", "warm"))
 
     def num_starting_on_node(self, node_id: str) -> int:
         """Actors loading for a request on a node (spawned or bound, before their first token)."""
-        return self._starting_by_node.get(node_id, 0)
-
-    @cached_property
-    def _starting_by_node(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for a in self.actors:
-            slot = self._slots_by_id.get(a.slot_id) if a.state == "starting" else None
-            if slot is not None:
-                counts[slot.node_id] = counts.get(slot.node_id, 0) + 1
-        return counts
+        return self._states_by_node.get(node_id, {}).get("starting", 0)
 
     @cached_property
     def max_total_bytes(self) -> int:
@@ -205,12 +197,13 @@ class ClusterSnapshot:
         return counts
 
     @cached_property
-    def _busy_by_node(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
+    def _states_by_node(self) -> dict[str, dict[ActorState, int]]:
+        counts: dict[str, dict[ActorState, int]] = {}
         for a in self.actors:
-            slot = self._slots_by_id.get(a.slot_id) if a.state not in ("idle", "warm") else None
+            slot = self._slots_by_id.get(a.slot_id)
             if slot is not None:
-                counts[slot.node_id] = counts.get(slot.node_id, 0) + 1
+                by_state = counts.setdefault(slot.node_id, {})
+                by_state[a.state] = by_state.get(a.state, 0) + 1
         return counts
 
     def __getstate__(self) -> dict[str, Any]:

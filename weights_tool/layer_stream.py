@@ -109,12 +109,6 @@ class LayerStream:
             self._limit = len(self._order)
             self._resumed.notify_all()
 
-    @property
-    def is_held(self) -> bool:
-        """True while groups wait for `resume()`."""
-        with self._lock:
-            return self._limit < len(self._order)
-
     def resident_fraction(self) -> float:
         """Share of the file's decompressed bytes loaded so far."""
         with self._lock:

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.serve.waiting import wait_for
+
 KEY = "zq-test-key-5d1c"
 NAMESPACE = "zq-serve-tests"
 MODEL = "zq-tiny"
@@ -71,15 +73,6 @@ def _body(max_tokens=8, stream=False, text="Why do queues hurt tail latency?", *
 def _post(base, body, headers=None, **kw) -> httpx.Response:
     return httpx.post(f"{base}/v1/messages", json=body, headers={"x-api-key": KEY, **(headers or {})},
                       timeout=60, **kw)
-
-
-def _wait_for(predicate, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_sdk_create_and_stream_work_unmodified(zq):
@@ -204,7 +197,7 @@ def test_no_hidden_queue_a_burst_over_capacity_is_refused_at_once(zq, ray_cluste
     # a hot (long-lane) batch of MAX_BATCH rows on one slot, a dedicated actor (over the hot quota) on the other.
     for name in _actors(ray_cluster):
         ray_cluster.kill(ray_cluster.get_actor(name, namespace=NAMESPACE))
-    _wait_for(lambda: _health(zq)["slots"]["free"] == 2, what="both slots free")
+    wait_for(lambda: _health(zq)["slots"]["free"] == 2, what="both slots free")
     stop = threading.Event()
     holders, statuses = [], []
     for _ in range(MAX_BATCH + 1):  # one at a time: each joins or spawns once the one before computes
@@ -241,12 +234,12 @@ def test_no_hidden_queue_a_burst_over_capacity_is_refused_at_once(zq, ray_cluste
             t.join(60)
         for name in _actors(ray_cluster):  # the long lane's hot actor would hold its slot for the next tests
             ray_cluster.kill(ray_cluster.get_actor(name, namespace=NAMESPACE))
-        _wait_for(lambda: _health(zq)["slots"]["free"] == 2, what="both slots free again")
+        wait_for(lambda: _health(zq)["slots"]["free"] == 2, what="both slots free again")
 
 
 def test_concurrent_requests_share_one_hot_actor_each_getting_its_own_answer(zq, ray_cluster):
     """Rows of one batch: every answer is the one its request gets alone (greedy), none crosses over."""
-    _wait_for(lambda: _health(zq)["actors"].get("busy", 0) == 0, what="earlier requests to end")
+    wait_for(lambda: _health(zq)["actors"].get("busy", 0) == 0, what="earlier requests to end")
     prompts = ["Why do queues hurt tail latency?", "Tell me about batching.", "What is a KV cache?"]
     alone = {p: _post(zq, _body(max_tokens=48, text=p, temperature=0)).json()["content"][0]["text"] for p in prompts}
     actors_before = _actors(ray_cluster)
@@ -259,7 +252,7 @@ def test_concurrent_requests_share_one_hot_actor_each_getting_its_own_answer(zq,
 
 def _wait_free_slot(base) -> None:
     """Earlier tests' actors release their slots asynchronously after their streams end."""
-    _wait_for(lambda: _health(base)["slots"]["free"] >= 1, what="a free slot")
+    wait_for(lambda: _health(base)["slots"]["free"] >= 1, what="a free slot")
 
 
 def test_actor_killed_mid_stream_ends_the_stream_with_an_error_event(zq, ray_cluster):
@@ -309,7 +302,7 @@ def test_client_disconnect_frees_its_row_and_reservation_and_a_hot_actor_stays(z
         h = _health(zq)
         return h["rows"] == 0 and h["actors"].get("busy", 0) == 0 and h["actors"].get("starting", 0) == 0
 
-    _wait_for(nothing_running, what="the row and its reservation to be released")
+    wait_for(nothing_running, what="the row and its reservation to be released")
     actors = _actors(ray)
     statuses = [ray.get(ray.get_actor(n, namespace=NAMESPACE).status.remote()) for n in actors]
     assert all(st.num_rows == 0 for st in statuses)  # the batch let the row go within a step
@@ -328,7 +321,7 @@ def test_registry_forgets_a_crashed_hot_actor(zq, ray_cluster):
         h = httpx.get(f"{zq}/health", headers={"x-api-key": KEY}).json()
         return not h["actors"] and h["slots"]["free"] == 2
 
-    _wait_for(registry_empty, what="reconcile to drop the dead actor")
+    wait_for(registry_empty, what="reconcile to drop the dead actor")
     assert _post(zq, _body(max_tokens=2)).status_code == 200
 
 
@@ -367,7 +360,7 @@ def test_metrics_are_exported_for_prometheus(zq, ray_cluster):
         seen.update(line.split("{")[0] for line in text.splitlines() if line.startswith("ray_zq_"))
         return all(name in seen for name in wanted)
 
-    _wait_for(exported, timeout=30, what=f"metrics {sorted(set(wanted) - seen)}")
+    wait_for(exported, timeout=30, what=f"metrics {sorted(set(wanted) - seen)}")
 
 
 def test_slot_telemetry_reaches_the_registry(zq, ray_cluster):
@@ -387,4 +380,4 @@ def test_slot_telemetry_reaches_the_registry(zq, ray_cluster):
         return len(slots) == 2 and all(s.utilization > 0 for s in slots) and abs(
             slots[0].utilization - device.utilization_ewma) < 0.5
 
-    _wait_for(slots_follow_the_agent, what="slot utilisation from the telemetry agent")
+    wait_for(slots_follow_the_agent, what="slot utilisation from the telemetry agent")

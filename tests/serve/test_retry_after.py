@@ -73,9 +73,8 @@ def test_a_refusal_quotes_the_holders_predicted_end_and_a_retry_then_is_admitted
     assert refused.json()["error"]["type"] == "overloaded_error"
     wait_s = int(refused.headers["retry-after-ms"]) / 1000
     assert row.predicted_end - answered - TOLERANCE_S <= wait_s <= row.predicted_end - sent + TOLERANCE_S
+    # The bound above ties the wait to the holder's predicted end, not to the policy's fixed answer.
     assert int(refused.headers["retry-after"]) == max(1, math.ceil(wait_s - 1e-9))
-    # The configured rule's prediction (~10 s from the holder's admission), not the policy's fixed 1 s.
-    assert wait_s > 2
 
     time.sleep(max(0.0, sent + wait_s - time.time()))
     retried = httpx.post(f"{base}/v1/messages", json=_body(4), timeout=60)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
+
+from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-warm-tests"
 MODEL = "zq-tiny"
@@ -56,12 +56,7 @@ def _named(ray) -> set[str]:
 
 
 def _wait_for(predicate, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    wait_for(predicate, timeout, what)  # the pool's actors take seconds to start
 
 
 def _post(base, model=MODEL, max_tokens=12, seed=5) -> httpx.Response:
