@@ -31,9 +31,10 @@ import torch
 from actors.model import EMBEDDINGS_GROUP, Transformer
 from actors.tokenizer import Tokenizer
 from weights_tool.architecture import ModelConfig
-from weights_tool.format import CODEC_RAW
+from weights_tool.format import CODEC_RAW, ShardFormatError
 from weights_tool.layer_stream import CudaLayerStream, LayerStream
 from weights_tool.reader import ShardReader
+from weights_tool.tensor_table import check_tensor_table
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class StreamedModel:
 
 def open_zqs(path: str | Path) -> tuple[ShardReader, ModelConfig, Tokenizer]:
     """Read and validate the header only: config, tokenizer and tensor table. No frame is touched."""
-    reader, config = _open_header(path)
+    reader, config, _ = _open_header(path)
     try:
         tokenizer = _tokenizer(reader, config)
     except BaseException:
@@ -98,20 +99,13 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
 
     `warm_layers=N` loads the embeddings and the first N layers only, then holds (module doc).
     """
-    reader, config = _open_header(path)
+    reader, config, dtype = _open_header(path)
     try:
         device = torch.device(device)
-        model = Transformer.empty(config, TORCH_DTYPES[_stored_dtype(reader, config)], device)
-        params = {}
-        for group in range(-1, config.num_layers + 1):
-            params.update(model.group_parameters(group))
-        if config.tie_word_embeddings:
-            params.pop("lm_head.weight", None)
-        dests = {name: p.data for name, p in params.items()}
-        # Tensors the model does not use (a tied checkpoint's stored lm_head, rotary
-        # inv_freq) still arrive with their group; they land in a throwaway buffer.
-        for name, size in ((t.name, t.size) for t in reader.tensors.values() if t.name not in dests):
-            dests[name] = torch.empty(size, dtype=torch.uint8, device=device)
+        model = Transformer.empty(config, TORCH_DTYPES[dtype], device)
+        # The header declares exactly the model's tensors (`check_tensor_table`): each lands in its parameter.
+        dests = {name: p.data for group in range(-1, config.num_layers + 1)
+                 for name, p in model.group_parameters(group).items()}
         is_embedding_raw = _is_raw(reader, EMBEDDING_TENSOR)
         layers_first = [*range(config.num_layers), EMBEDDINGS_GROUP, config.num_layers]
         order = layers_first if is_embedding_raw else None
@@ -153,15 +147,21 @@ def load_zqs(
     return streamed.model, streamed.tokenizer
 
 
-def _open_header(path: str | Path) -> tuple[ShardReader, ModelConfig]:
+def _open_header(path: str | Path) -> tuple[ShardReader, ModelConfig, str]:
+    """The validated header: reader, config, and the dtype the model is built in."""
     reader = ShardReader(path)
     try:
         config = ModelConfig.from_hf(reader.config)
-        config.check_tensors({t.name: tuple(t.shape) for t in reader.tensors.values()})
+        # Before anything is allocated: a declared tensor the model does not have, or one
+        # of another shape, would be allocated at whatever size the header claims.
+        try:
+            dtype = check_tensor_table(config, reader.tensors.values())
+        except ShardFormatError as e:
+            raise ShardFormatError(f"{reader.path}: {e}") from None
     except BaseException:
         reader.close()
         raise
-    return reader, config
+    return reader, config, dtype
 
 
 def _tokenizer(reader: ShardReader, config: ModelConfig) -> Tokenizer:
@@ -171,12 +171,3 @@ def _tokenizer(reader: ShardReader, config: ModelConfig) -> Tokenizer:
 def _is_raw(reader: ShardReader, name: str) -> bool:
     t = reader.tensors[name]
     return reader.group(t.group).frames[t.frame].codec == CODEC_RAW
-
-
-def _stored_dtype(reader: ShardReader, config: ModelConfig) -> str:
-    """The one floating dtype the file stores its weights in (the model is built in it)."""
-    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    stored = {t.dtype for t in reader.tensors.values()}
-    if len(stored) != 1 or next(iter(stored)) not in names:
-        raise ValueError(f"{reader.path}: weights must share one of F32/BF16/F16, found {sorted(stored)}")
-    return names[stored.pop()]
