@@ -47,10 +47,17 @@ Writing never blocks the caller: `TraceWriter.write` puts the record on a bounde
 (a full queue drops it, with a warning) and one thread serialises and appends. The file is
 bounded: a line that would take it past `max_bytes` first moves it to `<path>.1` (replacing
 an older one), so traces take at most twice `max_bytes` on disk.
+
+Several ingress replicas may share one path. Each append (check the size, maybe rotate,
+write) holds an exclusive `flock` on `<path>.lock`, so no replica appends to a file another
+has just moved away, and no two rotate the same full file (the second would replace the
+first's `.1` with a nearly empty file). The size checked is the file's own, not a count of
+this replica's lines.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -86,8 +93,10 @@ class TraceWriter:
         self.num_written = 0
         self.num_dropped = 0
         self._queue: queue.Queue = queue.Queue(config.max_pending)
+        self._rotated = self.path.with_name(self.path.name + ".1")
+        self._lock_path = self.path.with_name(self.path.name + ".lock")
         self._fd: int | None = None
-        self._size = 0
+        self._lock_fd: int | None = None
         self._thread = threading.Thread(target=self._run, name="zq-trace-writer", daemon=True)
         self._thread.start()
 
@@ -126,26 +135,37 @@ class TraceWriter:
                 self.num_written += 1
             except Exception:  # a bad record or a full disk costs that line, never the writer
                 log.exception("trace record not written")
-        if self._fd is not None:
-            os.close(self._fd)
+        for fd in (self._fd, self._lock_fd):
+            if fd is not None:
+                os.close(fd)
 
     def _append(self, line: bytes) -> None:
         if len(line) > self.config.max_bytes:
             raise ValueError(f"a {len(line)}-byte trace line exceeds max_bytes")
-        if self._fd is None or self._is_moved():
-            self._open()
-        if self._size + len(line) > self.config.max_bytes:
-            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            self._open()
-        # One write of a whole line to an O_APPEND file: replicas sharing the file never interleave lines.
-        self._size += os.write(self._fd, line)
+        if self._lock_fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Other replicas check, rotate and append under the same lock (module docstring).
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            if self._fd is None or self._is_moved():
+                self._open()
+            if os.fstat(self._fd).st_size + len(line) > self.config.max_bytes:
+                os.replace(self.path, self._rotated)
+                self._open()
+            # One write of the whole line to an O_APPEND file. A short write (a signal, a
+            # nearly full disk) is finished while the lock is held: no other line lands inside it.
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view):]
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _open(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = None  # never a closed fd, should the open below fail
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._size = os.fstat(self._fd).st_size
 
     def _is_moved(self) -> bool:
         """Another replica rotated the file: reopen, so this one follows the new file."""

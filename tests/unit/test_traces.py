@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import threading
 import time
 from collections import Counter
@@ -148,6 +149,78 @@ def test_two_writers_on_one_file_never_tear_a_line(tmp_path):
     for p in (path, path.with_name(path.name + ".1")):
         for line in p.read_text().splitlines():
             assert json.loads(line)["schema"] == SCHEMA
+
+
+# Two replicas sharing a file. Records of one fixed length make the rotation exact: a file
+# moves to .1 when it holds k = max_bytes // line lines and one more would not fit, so .1
+# always holds k lines and the file (total - 1) % k + 1, and the two are the last lines
+# written. A replica that sized the file by its own lines, or appended to a file another
+# had just moved, or moved a file another had just started, breaks these counts.
+ROTATE_BYTES = 1024
+
+
+def _fixed_record(writer: int, i: int) -> dict:
+    return {"schema": SCHEMA, "writer": writer, "i": f"{i:06d}"}
+
+
+LINE_BYTES = len(json.dumps(_fixed_record(0, 0), separators=(",", ":"))) + 1
+
+
+def _assert_rotated_exactly(path, total: int, per_writer: int, num_writers: int = 2) -> None:
+    k = ROTATE_BYTES // LINE_BYTES
+    rotated = path.with_name(path.name + ".1").read_bytes().splitlines()
+    current = path.read_bytes().splitlines()
+    assert total > 2 * k, "the test must force several rotations"
+    assert (len(rotated), len(current)) == (k, (total - 1) % k + 1)
+    records = [json.loads(line) for line in rotated + current]  # every line whole
+    for w in range(num_writers):
+        kept = [int(r["i"]) for r in records if r["writer"] == w]
+        assert kept == list(range(per_writer - len(kept), per_writer)), f"writer {w}: not its newest lines in order"
+
+
+def test_two_writers_taking_turns_rotate_by_the_file_size_not_their_own_count(tmp_path):
+    writers = [_writer(tmp_path, max_bytes=ROTATE_BYTES) for _ in range(2)]
+    n = 60
+    for i in range(n):
+        for k, w in enumerate(writers):
+            assert w.write(_fixed_record(k, i)) and w.flush()
+    for w in writers:
+        w.close()
+    _assert_rotated_exactly(writers[0].path, 2 * n, n)
+
+
+def _write_in_another_process(rotating: str, whole: str, writer: int, n: int, start) -> None:
+    """One replica: the same records to a file that rotates and to one that never does."""
+    writers = [TraceWriter(TraceConfig(rotating, max_bytes=ROTATE_BYTES, max_pending=n + 1)),
+               TraceWriter(TraceConfig(whole, max_bytes=1 << 30, max_pending=n + 1))]
+    start.wait(60)
+    for i in range(n):
+        for w in writers:
+            if not w.write(_fixed_record(writer, i)):
+                raise RuntimeError("record dropped")
+    for w in writers:
+        if not w.flush(60):
+            raise RuntimeError("flush timed out")
+        w.close()
+
+
+def test_two_processes_rotating_one_file_keep_every_line_whole_and_the_newest_lines(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    rotating, whole = tmp_path / "rotating.jsonl", tmp_path / "whole.jsonl"
+    n = 1500
+    start = ctx.Barrier(2)
+    procs = [ctx.Process(target=_write_in_another_process, args=(str(rotating), str(whole), k, n, start))
+             for k in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    lines = [json.loads(line) for line in whole.read_bytes().splitlines()]
+    assert len(lines) == 2 * n
+    for k in range(2):
+        assert [int(r["i"]) for r in lines if r["writer"] == k] == list(range(n))
+    _assert_rotated_exactly(rotating, 2 * n, n)
 
 
 def test_read_traces_skips_torn_and_foreign_lines(tmp_path):
