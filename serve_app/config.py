@@ -87,6 +87,15 @@ class AppArgs(_Strict):
     # The decision: a registry that does not answer within this (dead, restarting, stalled) is
     # answered 503 with retry-after at once, never a 500 or a hang.
     registry_timeout_s: float = Field(default=0.25, gt=0)
+    # How often each replica heartbeats the registry: a restarted or lost registry is noticed
+    # (and re-created, and handed the running rows) within this.
+    registry_heartbeat_s: float = Field(default=1.0, gt=0)
+    # Reading the request body, and creating or looking up an actor (GCS calls): past these, 504 / 503.
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    placement_timeout_s: float = Field(default=10.0, gt=0)
+    # How long a replica being replaced or stopped lets its streams finish before Serve kills it:
+    # as long as a cold start may take, so a redeploy cuts no healthy stream of ordinary length.
+    graceful_shutdown_timeout_s: float = Field(default=300.0, gt=0)
     ping_interval_s: float = Field(default=5.0, gt=0)
     slot_refresh_s: float = Field(default=10.0, gt=0)
     # How often slot fragmentation and utilisation are copied from the telemetry agents.
@@ -138,6 +147,9 @@ class IngressConfig:
     telemetry_refresh_s: float
     warm_refresh_s: float = 1.0
     registry_timeout_s: float = 0.25
+    registry_heartbeat_s: float = 1.0
+    body_timeout_s: float = 30.0
+    placement_timeout_s: float = 10.0
     scorer_path: str | None = None
     traces: TraceConfig | None = None  # None: off
     rule_scorer: RuleScorer = RuleScorer()
@@ -175,6 +187,9 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         start_timeout_s=args.start_timeout_s,
         token_timeout_s=args.token_timeout_s,
         registry_timeout_s=args.registry_timeout_s,
+        registry_heartbeat_s=args.registry_heartbeat_s,
+        body_timeout_s=args.body_timeout_s,
+        placement_timeout_s=args.placement_timeout_s,
         ping_interval_s=args.ping_interval_s,
         slot_refresh_s=args.slot_refresh_s,
         telemetry_refresh_s=args.telemetry_refresh_s,

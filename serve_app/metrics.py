@@ -23,7 +23,10 @@ class IngressMetrics:
             boundaries=_LATENCY_BOUNDARIES, tag_keys=("model",))
         self.decisions = metrics.Counter("zq_decisions_total", "Decisions by kind.", tag_keys=("model", "kind"))
         self.rejections = metrics.Counter("zq_rejections_total", "Refused requests by reason.", tag_keys=("reason",))
-        self.errors = metrics.Counter("zq_errors_total", "Responses by error type.", tag_keys=("type",))
+        self.errors = metrics.Counter(
+            "zq_errors_total", "Error responses and streams ended by an error event, by error type.",
+            tag_keys=("type",))
+        self.cancellations = metrics.Counter("zq_cancellations_total", "Requests whose client left before the end.")
         self.cold_start = metrics.Histogram(
             "zq_cold_start_seconds", "Actor creation to first token for cold requests.",
             boundaries=_SECONDS_BOUNDARIES, tag_keys=("model",))

@@ -33,8 +33,8 @@ Predictions. Each row keeps the end its admission predicted (now + the scorer's 
 time), from which a refusal's retry-after is computed (retry_after.py).
 
 Crashes. `reconcile(alive, now, alive_nodes)` compares the registry with the request
-actors and the nodes Ray lists as alive (a dead node's slots are removed once its actors
-are forgotten):
+actors and the nodes Ray lists as alive (a dead node's slots are removed, and its actors
+forgotten as ghosts at once):
   - ghosts: registered, not alive, and spawned more than `spawn_grace_s` ago (an actor
     is committed here before it is created, so a young one may not be listed yet) —
     forgotten with their reservations (the actor died, or its replica crashed before
@@ -62,6 +62,7 @@ from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
 from serve_app.policy import PolicyConfig, decide, warm_candidates
 from serve_app.registry_records import (
     REQUEST_ACTOR_PATTERN,
+    AdoptedRow,
     Outcome,
     ReconcileReport,
     RowReservation,
@@ -81,8 +82,12 @@ from serve_app.snapshot import (
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec, is_model_active, plan_fills
 
 # Re-exported: the registry's callers name these through this module.
-__all__ = ["REQUEST_ACTOR_PATTERN", "Outcome", "ReconcileReport", "RegistryState", "RowReservation", "SlotSpec",
+__all__ = ["REQUEST_ACTOR_PATTERN", "AdoptedRow", "Outcome", "ReconcileReport", "RegistryState", "RowReservation", "SlotSpec",
            "is_request_actor_name"]
+
+# How long an abandoned request id is remembered: longer than any admission call can be in flight.
+ABANDONED_MEMORY_S = 60.0
+
 
 class RegistryState:
     def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
@@ -106,6 +111,15 @@ class RegistryState:
         # Decisions by kind, actors evicted, and spawns decided while a warm actor of the model fitted
         # (a process start the warm pool was there to spare): what benchmarks and /health report.
         self.counters: Counter[str] = Counter()
+        # Requests whose caller gave up before their admission was seen here (request id -> when):
+        # an admission that arrives after its abandonment must not commit.
+        self._abandoned: dict[str, float] = {}
+
+    def reconfigure(self, max_actors_per_slot: int, max_idle_s: float | None, max_batch: int) -> None:
+        """A redeploy's policy: applies to commits from now on (actors and rows already placed stay)."""
+        if max_actors_per_slot < 1 or max_batch < 1 or (max_idle_s is not None and max_idle_s < 0):
+            raise ValueError(f"invalid limits: {max_actors_per_slot}, {max_idle_s}, {max_batch}")
+        self.max_actors_per_slot, self.max_idle_s, self.max_batch = max_actors_per_slot, max_idle_s, max_batch
 
     # ---- slots -----------------------------------------------------------------------
 
@@ -275,6 +289,8 @@ class RegistryState:
         if policy.max_actors_per_slot != self.max_actors_per_slot or policy.max_batch != self.max_batch:
             raise ValueError(f"policy (max_actors_per_slot={policy.max_actors_per_slot}, max_batch="
                              f"{policy.max_batch}) != the registry's ({self.max_actors_per_slot}, {self.max_batch})")
+        if request_id in self._abandoned:
+            return Reject("no_capacity", None, f"request {request_id} was given up before it was admitted")
         self._last_request_at[features.model] = now
         snapshot = self.snapshot()
         decision = decide(features, snapshot, policy, scorer)
@@ -348,7 +364,43 @@ class RegistryState:
         for actor in self._actors.values():
             if request_id in actor.rows:
                 return actor.name, self.finish(actor.name, request_id, "cancelled", now)
+        # Not admitted yet (or never will be): remembered, so that a late admission does not commit.
+        self._abandoned = {r: t for r, t in self._abandoned.items() if now - t < ABANDONED_MEMORY_S}
+        self._abandoned[request_id] = now
         return None
+
+    def adopt(self, rows: Iterable[AdoptedRow], now: float) -> list[str]:
+        """Take back the rows an ingress replica still relays; returns the request ids taken.
+
+        For a registry that restarted empty: the actors running those rows are registered
+        again with what they hold, so they are not orphans. A row already held, or one whose
+        slot is unknown or has no room for it, is not taken.
+        """
+        taken = []
+        for r in rows:
+            slot = self._slots.get(r.slot_id)
+            actor = self._actors.get(r.actor_name)
+            if slot is None or any(r.request_id in a.rows for a in self._actors.values()):
+                continue
+            row = RowReservation(r.request_id, r.num_tokens, r.tpot_target_s, r.predicted_end,
+                                 now + r.busy_timeout_s, r.request_bytes)
+            if actor is None:
+                if (slot.num_actors >= self.max_actors_per_slot
+                        or slot.free_bytes < r.resident_bytes + r.request_bytes):
+                    continue
+                state = "busy" if r.is_started else "starting"
+                self._register(_Actor(r.actor_name, r.model, r.slot_id, r.lane, state, r.is_hot, r.resident_bytes,
+                                      now, {r.request_id: row}), slot)
+            elif actor.slot_id != r.slot_id or slot.free_bytes < r.request_bytes or actor.state == "starting":
+                continue
+            else:
+                actor.rows[r.request_id] = row
+                actor.state, actor.idle_since = "busy", None
+                slot.reserved_bytes += r.request_bytes
+                self._touch_slot(slot)
+                self._touch_actor(actor)
+            taken.append(r.request_id)
+        return taken
 
     def remove(self, actor_name: str) -> bool:
         actor = self._actors.get(actor_name)
@@ -369,15 +421,18 @@ class RegistryState:
     def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None) -> ReconcileReport:
         """Match the registry to Ray's alive request actors, listed at `now` (see the module doc).
 
-        With `alive_nodes`, the slots of every other node are removed once no actor holds
-        them (a dead node's actors go as ghosts first): nothing is placed on a node that is gone.
+        With `alive_nodes`, every other node's slots are removed, and the actors on them
+        forgotten as ghosts at once (however young: nothing runs on a node that is gone), so
+        no decision places anything there again.
         """
+        dead_slots = {s.slot_id for s in self._slots.values()
+                      if alive_nodes is not None and s.node_id not in alive_nodes}
         orphans = tuple(sorted(name for name in alive if name not in self._actors))
         ghosts, expired, retired = [], [], []
         released = 0
         for actor in list(self._actors.values()):
-            if actor.name not in alive:
-                if now - actor.spawned_at < self.spawn_grace_s:
+            if actor.slot_id in dead_slots or actor.name not in alive:
+                if actor.slot_id not in dead_slots and now - actor.spawned_at < self.spawn_grace_s:
                     continue
                 ghosts.append(actor.name)
             elif any(now > r.busy_deadline for r in actor.rows.values()):
@@ -388,13 +443,12 @@ class RegistryState:
                 continue
             released += actor.reserved_bytes
             self._forget(actor)
-        lost = tuple(s.slot_id for s in self._slots.values()
-                     if alive_nodes is not None and s.node_id not in alive_nodes and s.num_actors == 0)
-        for slot_id in lost:
+        for slot_id in sorted(dead_slots):
             del self._slots[slot_id]
             del self._slot_views[slot_id]
             self._changed()
-        return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released, lost)
+        return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released,
+                               tuple(sorted(dead_slots)))
 
     # ---- internals -------------------------------------------------------------------
 

@@ -14,14 +14,17 @@ and then — outside the lock, so that admissions are not held up — kills the 
 report names (expired, retired and orphaned; see registry.py). The ingress may also call
 `reconcile_now` itself.
 
-Restarts. The actor restarts if it dies (`max_restarts=-1`) but its state is in memory
-only: a restarted registry has no slots (the ingress re-registers them when a snapshot
-shows none) and kills every running request actor as an orphan at its first pass, since
-nothing reserves their memory any more. Calls are not retried (`max_task_retries=0`): a
-commit is not idempotent, so a call that fails is answered as an error.
+Restarts. The actor restarts if it dies (`max_restarts=-1`), and an ingress re-creates it
+if it was killed for good (registry_link.py); either way its state, in memory only, comes
+back empty, under a new `incarnation`. Each replica sees the new incarnation in its next
+heartbeat and hands over what it knows: its policy and scorer (`configure`), its slots,
+and the rows it is still relaying (`adopt`), so the actors running them are not orphans.
+Orphans are therefore killed only `adopt_grace_s` after the registry starts. Idle hot and
+warm actors are not handed over: they are killed as orphans and the pools refill. Calls
+are not retried (`max_task_retries=0`): a commit is not idempotent, so a call that fails
+is answered as an error.
 
-Ingress replicas attach. Each replica `attach`es when it starts and again with every slot
-refresh (a heartbeat), and `detach`es from its `__del__` when Serve stops it. When the
+Ingress replicas attach. Each replica `attach`es when it starts and again every heartbeat, and `detach`es from its `__del__` when Serve stops it. When the
 last replica detaches — `serve shutdown`, or the app deleted — or the last one has not
 been heard from for `replica_lease_s` (a crashed cluster's leftovers), the registry kills
 every request actor (warm, hot or running) and telemetry agent in its actor namespace,
@@ -33,9 +36,11 @@ Time. Callers pass durations (`busy_timeout_s`); the deadline is this actor's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -45,6 +50,7 @@ from serve_app.decisions import Decision, Spawn
 from serve_app.policy import PolicyConfig
 from serve_app.registry import (
     REQUEST_ACTOR_PATTERN,
+    AdoptedRow,
     Outcome,
     ReconcileReport,
     RegistryState,
@@ -71,11 +77,14 @@ class RegistryConfig:
     spawn_grace_s: float = 10.0
     # An ingress replica not heard from for this long is gone; with none left, everything goes.
     replica_lease_s: float = 120.0
+    # After a (re)start, how long the replicas have to hand their running rows back before
+    # unknown actors are killed as orphans: a few heartbeats.
+    adopt_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not self.reconcile_interval_s > 0 or not self.replica_lease_s > 0:
-            raise ValueError(f"reconcile_interval_s and replica_lease_s must be > 0, got "
-                             f"{self.reconcile_interval_s}, {self.replica_lease_s}")
+        if not self.reconcile_interval_s > 0 or not self.replica_lease_s > 0 or self.adopt_grace_s < 0:
+            raise ValueError(f"reconcile_interval_s and replica_lease_s must be > 0 and adopt_grace_s >= 0, got "
+                             f"{self.reconcile_interval_s}, {self.replica_lease_s}, {self.adopt_grace_s}")
 
 
 class RegistryActor:
@@ -86,6 +95,8 @@ class RegistryActor:
         self._state = RegistryState(policy.max_actors_per_slot, config.spawn_grace_s, policy.max_idle_s,
                                     policy.max_batch)
         self._replicas: dict[str, float] = {}  # attached ingress replica -> when last heard from
+        self.incarnation = uuid.uuid4().hex[:12]  # new with every (re)start: replicas then hand their rows back
+        self._adopt_until = time.time() + config.adopt_grace_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="zq-registry-reconcile", daemon=True)
@@ -176,11 +187,24 @@ class RegistryActor:
         with self._lock:
             return self._state.remove(actor_name)
 
+    def adopt(self, rows: list[AdoptedRow]) -> list[str]:
+        """A replica's running rows, handed back after a restart; returns the request ids taken."""
+        with self._lock:
+            return self._state.adopt(rows, time.time())
+
+    def configure(self, policy: PolicyConfig, scorer: Scorer | None = None) -> None:
+        """The policy and scorer of the latest deployment (a redeploy's replicas bring theirs)."""
+        with self._lock:
+            self._state.reconfigure(policy.max_actors_per_slot, policy.max_idle_s, policy.max_batch)
+            self._policy, self._scorer = policy, scorer or RULE_SCORER
+
     # ---- ingress replicas --------------------------------------------------------------
 
-    def attach(self, replica_id: str) -> None:
+    def attach(self, replica_id: str) -> str:
+        """A replica's heartbeat; answers this registry's incarnation (a new one means it restarted empty)."""
         with self._lock:
             self._replicas[replica_id] = time.time()
+        return self.incarnation
 
     def detach(self, replica_id: str) -> bool:
         """A replica stops; True if it was the last, and everything the registry placed is gone."""
@@ -209,6 +233,8 @@ class RegistryActor:
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         with self._lock:
             report = self._state.reconcile(alive, listed_at, alive_nodes)
+        if listed_at < self._adopt_until:  # the replicas may still hand these rows back
+            report = dataclasses.replace(report, orphans=())
         for name in report.to_kill:
             self._kill(name)
         if report.lost_slots:
@@ -255,12 +281,15 @@ class RegistryActor:
             pass
 
 
-def get_registry(config: RegistryConfig, policy: PolicyConfig, scorer: Scorer | None = None) -> ray.actor.ActorHandle:
+def get_registry(config: RegistryConfig, policy: PolicyConfig, scorer: Scorer | None = None,
+                 registry_cls: type[RegistryActor] = RegistryActor) -> ray.actor.ActorHandle:
     """The registry named `config.name` in `config.namespace`, created if it does not exist yet.
 
-    An existing registry keeps the config it was created with.
+    An existing registry keeps the config, policy and scorer it was created with until a
+    replica `configure`s it. `registry_cls` is the fault seam: tests pass a subclass that
+    stalls or dies on cue.
     """
-    return ray.remote(RegistryActor).options(
+    return ray.remote(registry_cls).options(
         name=config.name,
         namespace=config.namespace,
         lifetime="detached",

@@ -82,6 +82,28 @@ class RowReservation:
         return RowView(self.request_bytes, self.num_tokens, self.tpot_target_s, self.predicted_end)
 
 
+@dataclass(frozen=True)
+class AdoptedRow:
+    """A row an ingress replica is still relaying, handed to a registry that restarted empty.
+
+    Everything the lost registry held for it, as the replica knows it from its admission.
+    """
+
+    actor_name: str
+    model: str
+    slot_id: str
+    lane: Lane
+    is_hot: bool
+    is_started: bool  # its actor has sent a token (all its weights are in), so it may batch
+    resident_bytes: int
+    request_id: str
+    request_bytes: int
+    num_tokens: int
+    tpot_target_s: float | None
+    predicted_end: float  # epoch seconds, as the replica's clock reads them (close enough for a retry-after)
+    busy_timeout_s: float  # from the adoption on: the registry's own clock sets the deadline
+
+
 @dataclass
 class _Actor:
     name: str

@@ -1,10 +1,11 @@
 """Relaying an admitted request's actor stream to its client, as one JSON message or as SSE.
 
 The actor streams `Started`, `TextChunk`s, then one `Completion` (actors/request_actor.py).
-Every wait on it has a deadline (`token_timeout_s`); an SSE client gets a `ping` every
-`ping_interval_s` while a token is slow, so proxies keep the connection. However a relay
-ends, `on_end(admitted, outcome)` runs exactly once, so the ingress releases the request's
-row exactly once:
+Every wait on it has a deadline: `start_timeout_s` until the first token of an actor that
+is still loading (a cold or warm one), `token_timeout_s` otherwise. An SSE client gets a
+`ping` every `ping_interval_s` while a token is slow, so proxies keep the connection.
+However a relay ends, `on_end(admitted, outcome)` runs exactly once (`Admitted.end`), so
+the ingress releases the request's row exactly once:
 
     "complete"   the Completion arrived (the actor has already let the row go)
     "cancelled"  the client left, or the actor turned the row away before it started
@@ -18,11 +19,13 @@ all resident, so the registry may start batching onto it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
+from starlette.responses import StreamingResponse
 
 from actors.messages import ActorBusyError, Completion, Started, TextChunk
 from serve_app import api, errors, sse
@@ -33,10 +36,15 @@ from serve_app.snapshot import RequestFeatures
 Outcome = Literal["complete", "cancelled", "failed"]
 # A row turned away by its actor is answered as overload; the client may come straight back.
 BUSY_RETRY_AFTER_S = 0.1
+# A request whose actor died: the registry forgets the actor at once, so capacity returns as soon as
+# its replacement can start.
+LOST_RETRY_AFTER_S = 1.0
+
+log = logging.getLogger(__name__)
 
 
 class ActorLost(ApiError):
-    """The actor was dead before it started the request: nothing ran, so the ingress may place it again."""
+    """The actor died before the client saw anything of its answer: the ingress may place it again."""
 
 
 @dataclass
@@ -57,64 +65,68 @@ class Admitted:
     decision: Decision | None = None
     completion: Completion | None = None
     num_chunks: int = 0
+    outcome: Outcome | None = None  # set once, by `end`
+    error: ApiError | None = None  # the error event a stream ended with, if it did
+
+    def end(self, outcome: Outcome, on_end: Callable[[Admitted, Outcome], None]) -> None:
+        """Run `on_end` for this request, the first time only: its row is released exactly once."""
+        if self.outcome is None:
+            self.outcome = outcome
+            on_end(self, outcome)
 
 
 @dataclass(frozen=True)
 class Relay:
+    start_timeout_s: float
     token_timeout_s: float
     ping_interval_s: float
     on_completion: Callable[[Admitted, Completion], None]  # metrics; before on_end
     on_end: Callable[[Admitted, Outcome], None]  # exactly once per admitted request
     on_first_token: Callable[[Admitted], None] = lambda admitted: None
 
-    async def first(self, admitted: Admitted, timeout_s: float) -> Started:
+    def end(self, admitted: Admitted, outcome: Outcome) -> None:
+        admitted.end(outcome, self.on_end)
+
+    async def first(self, admitted: Admitted) -> Started:
         """The actor's `Started`: it began computing. On failure the request is ended and ApiError raised."""
         try:
-            first = await self._next(admitted, timeout_s)
+            first = await self._next(admitted)
             if not isinstance(first, Started):
                 raise RuntimeError(f"actor {admitted.actor_name} sent {type(first).__name__} before Started")
         except (asyncio.CancelledError, GeneratorExit):
-            self.on_end(admitted, "cancelled")
+            self.end(admitted, "cancelled")
             raise
         except BaseException as e:
-            self.on_end(admitted, outcome_of(e))
-            error = as_api_error(e, admitted.actor_name)
-            if isinstance(e, ray.exceptions.RayActorError):
-                raise ActorLost(error.status, error.type, error.message, error.headers) from None
-            raise error from None
+            raise self._failed(admitted, e, is_answer_started=False) from None
         admitted.started = first
         return first
 
     async def collect(self, admitted: Admitted) -> tuple[str, Completion]:
         """The whole text and the `Completion`; raises ApiError."""
         parts: list[str] = []
-        outcome: Outcome = "failed"
         try:
             while True:
-                item = await self._next(admitted, self.token_timeout_s)
+                item = await self._next(admitted)
                 if isinstance(item, TextChunk):
                     parts.append(item.text)
                 elif isinstance(item, Completion):
-                    outcome = "complete"
                     self.on_completion(admitted, item)
+                    self.end(admitted, "complete")
                     return "".join(parts), item
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            self.end(admitted, "cancelled")
             raise  # the caller went away: nobody to answer
         except BaseException as e:
-            outcome = outcome_of(e)
-            raise as_api_error(e, admitted.actor_name) from None
-        finally:
-            self.on_end(admitted, outcome)
+            # Nothing was sent yet: a lost actor is ActorLost, which the ingress may place again.
+            raise self._failed(admitted, e, is_answer_started=False) from None
 
     async def sse(self, admitted: Admitted) -> AsyncIterator[bytes]:
         """The Messages API's SSE events; a failure after the start is an `error` event."""
         out = sse.SseStream(api.new_message_id(), admitted.model_id, admitted.input_tokens)
-        outcome: Outcome | None = None  # None until known; the client left before the end, unless found otherwise
         pending = None
         try:
             yield out.start()
-            pending = asyncio.ensure_future(self._next(admitted, self.token_timeout_s))
+            pending = asyncio.ensure_future(self._next(admitted))
             while True:
                 done, _ = await asyncio.wait({pending}, timeout=self.ping_interval_s)
                 if not done:
@@ -125,28 +137,39 @@ class Relay:
                     chunk = out.text(item.text)
                     if chunk:
                         yield chunk
-                    pending = asyncio.ensure_future(self._next(admitted, self.token_timeout_s))
+                    pending = asyncio.ensure_future(self._next(admitted))
                 elif isinstance(item, Completion):
-                    outcome = "complete"
                     self.on_completion(admitted, item)
                     # Released before the last event leaves: a client that sends its next request the
                     # moment it reads message_stop finds this row free.
-                    self.on_end(admitted, outcome)
+                    self.end(admitted, "complete")
                     yield out.finish(item.stop_reason, item.stop_sequence, item.output_tokens)
                     return
         except (asyncio.CancelledError, GeneratorExit):
             raise  # the client went away
         except BaseException as e:
-            outcome = outcome_of(e)
-            self.on_end(admitted, outcome)
-            yield out.error(as_api_error(e, admitted.actor_name), admitted.request_id)
+            yield out.error(self._failed(admitted, e, is_answer_started=True), admitted.request_id)
         finally:
             if pending is not None:
                 pending.cancel()
-            if outcome is None:
-                self.on_end(admitted, "cancelled")
+            self.end(admitted, "cancelled")  # the client left before the end (a no-op if it had ended)
 
-    async def _next(self, admitted: Admitted, timeout: float):
+    def _failed(self, admitted: Admitted, e: BaseException, *, is_answer_started: bool) -> ApiError:
+        """End the request on `e`; the error to tell the client (ActorLost: nothing was told yet)."""
+        error = as_api_error(e)
+        if error.status >= 500:
+            log.warning("request %s on actor %s: %s", admitted.request_id, admitted.actor_name, _describe(e))
+        if is_answer_started:  # told in the stream: no response status will count it
+            admitted.error = error
+        self.end(admitted, outcome_of(e))
+        if _is_lost(e) and not is_answer_started:
+            return ActorLost(error.status, error.type, error.message, error.headers)
+        return error
+
+    async def _next(self, admitted: Admitted):
+        # Until its first token, an actor that is loading its weights may take as long as a load does.
+        is_loading = admitted.num_chunks == 0 and admitted.tier != "hot"
+        timeout = self.start_timeout_s if is_loading else self.token_timeout_s
         item = await asyncio.wait_for(_next_item(admitted.stream), timeout)
         if isinstance(item, TextChunk):
             admitted.num_chunks += 1
@@ -167,20 +190,50 @@ def is_busy_refusal(e: BaseException) -> bool:
 
 
 def outcome_of(e: BaseException) -> Outcome:
-    if isinstance(e, (asyncio.CancelledError, GeneratorExit)) or is_busy_refusal(e):
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit, ray.exceptions.TaskCancelledError)) \
+            or is_busy_refusal(e):
         return "cancelled"
     return "failed"
 
 
-def as_api_error(e: BaseException, actor_name: str) -> ApiError:
+def as_api_error(e: BaseException) -> ApiError:
+    """What the client is told. Internal names and exception texts stay in the log (with the request id)."""
     if isinstance(e, ApiError):
         return e
     if is_busy_refusal(e):
         return errors.overloaded("the chosen actor could not take the request after all", BUSY_RETRY_AFTER_S)
     if isinstance(e, asyncio.TimeoutError):
-        return errors.timeout(f"actor {actor_name} did not answer in time")
-    if isinstance(e, ray.exceptions.RayActorError):
-        return errors.api_error(f"actor {actor_name} died while serving the request")
+        return errors.timeout("the model did not answer in time")
+    if _is_lost(e):
+        # A process lost (killed, out of memory, its node gone) is capacity lost, not a bug: retry.
+        return errors.overloaded("the model's process was lost while serving the request; retry",
+                                 LOST_RETRY_AFTER_S)
+    return errors.api_error("the model failed while serving the request")
+
+
+def _is_lost(e: BaseException) -> bool:
+    """The actor is gone, or could never be placed (its node died after the registry chose it)."""
+    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError))
+
+
+def _describe(e: BaseException) -> str:
     if isinstance(e, ray.exceptions.RayTaskError):
-        return errors.api_error(f"actor {actor_name} failed: {e.cause!r}")
-    return errors.api_error(f"request failed on actor {actor_name}: {e!r}")
+        return f"{type(e.cause).__name__}: {e.cause}"
+    return f"{type(e).__name__}: {e}"
+
+
+class RelayedStream(StreamingResponse):
+    """An SSE response whose request is released however the response ends — also when its body
+    never starts (the client left between the headers and the first event), where the relay's
+    own cleanup would never run."""
+
+    def __init__(self, admitted: Admitted, relay: Relay, headers: dict[str, str]) -> None:
+        super().__init__(relay.sse(admitted), media_type="text/event-stream", headers=headers)
+        self._admitted, self._relay = admitted, relay
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # a body suspended at an event runs its cleanup now
+            self._relay.end(self._admitted, "cancelled")  # a no-op if it has ended

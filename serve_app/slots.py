@@ -6,9 +6,10 @@ Ray right now whenever it is free — otherwise a spawn onto it would wait in Ra
 scheduler, a hidden queue — so discovery checks that the node has the resources for
 every slot's actor at once.
 
-`SlotRefresher` keeps the registry current on one background thread: it re-registers
-the slots (and re-attaches its replica: registry_actor.py) every `slot_refresh_s` (GPU workers may join after the ingress starts; a
-restarted registry comes back empty) and, every `telemetry_refresh_s`, copies each
+`SlotRefresher` keeps the registry current on one background thread: it heartbeats the
+registry link (registry_link.py; a restarted registry comes back empty and gets the slots
+at once), re-registers the slots every `slot_refresh_s` (GPU workers may join after the
+ingress starts) and, every `telemetry_refresh_s`, copies each
 slot's device fragmentation and utilisation EWMA from the node telemetry agents into
 the registry, where the scorer sees them: the ingress hands the latest figures to the
 registry with its next admission (see `RegistryActor.admit`). Telemetry is best effort: a
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import ray
@@ -30,6 +31,7 @@ from actors.telemetry import NodeTelemetry, TelemetryConfig
 from actors.telemetry_agent import cluster_snapshot, ensure_agents
 from serve_app.config import SlotArgs
 from serve_app.registry import SlotSpec
+from serve_app.registry_link import RegistryLink
 
 log = logging.getLogger(__name__)
 
@@ -93,26 +95,34 @@ def slot_stats(slots: Sequence[SlotSpec], nodes: Iterable[NodeTelemetry]) -> dic
 
 
 class SlotRefresher:
-    """Registers the slots now, then keeps them and their telemetry current in the background."""
+    """Keeps the registry's slots, its link and the slots' telemetry current, on one background thread.
 
-    def __init__(self, registry: Any, args: SlotArgs, actor: ActorConfig, *,
-                 slot_refresh_s: float, telemetry_refresh_s: float, replica_id: str | None = None) -> None:
-        self._registry, self._args, self._actor = registry, args, actor
-        self._replica_id = replica_id
+    Each round (every heartbeat, or at once when the link is woken) heartbeats the registry
+    link; a new registry incarnation gets this replica's slots at once and then whatever
+    `on_new_incarnation` hands over (the ingress: its policy and its running rows).
+    """
+
+    def __init__(self, link: RegistryLink, args: SlotArgs, actor: ActorConfig, *,
+                 slot_refresh_s: float, telemetry_refresh_s: float,
+                 on_new_incarnation: Callable[[], None] = lambda: None) -> None:
+        self._link, self._args, self._actor = link, args, actor
+        self._on_new_incarnation = on_new_incarnation
         self._slot_refresh_s, self._telemetry_refresh_s = slot_refresh_s, telemetry_refresh_s
         self.slots: list[SlotSpec] = []
         self._agents: dict[str, Any] = {}
         self._pending_stats: dict[str, tuple[float, float]] | None = None
-        self.register()
+        self._link.heartbeat(self._hand_over)  # a registry that cannot be reached fails the replica's start
 
     def register(self) -> None:
         slots = discover_slots(self._args, self._actor)
         self.slots = slots
-        ray.get(self._registry.register_slots.remote(self.slots), timeout=30)
-        if self._replica_id is not None:  # the replica's heartbeat: the registry outlives no app
-            self._registry.attach.remote(self._replica_id)
+        ray.get(self._link.register_slots.remote(self.slots), timeout=30)
         # Idempotent: agents already running are returned as they are; new nodes get one.
         self._agents = ensure_agents(TelemetryConfig(), namespace=self._actor.namespace)
+
+    def _hand_over(self) -> None:
+        self.register()
+        self._on_new_incarnation()
 
     def poll_telemetry(self) -> dict[str, tuple[float, float]]:
         """One telemetry round: what the agents report now, kept for `take_stats`."""
@@ -130,13 +140,18 @@ class SlotRefresher:
         threading.Thread(target=self._run, name="zq-slot-refresh", daemon=True).start()
 
     def _run(self) -> None:
-        next_slots = time.monotonic() + self._slot_refresh_s
-        while True:
-            time.sleep(self._telemetry_refresh_s)
+        now = time.monotonic()
+        next_slots, next_telemetry = now + self._slot_refresh_s, now + self._telemetry_refresh_s
+        while not self._link.is_closed:
+            self._link.wait()
             try:
-                if time.monotonic() >= next_slots:
-                    next_slots += self._slot_refresh_s
+                self._link.heartbeat(self._hand_over)
+                now = time.monotonic()
+                if now >= next_slots:
+                    next_slots = now + self._slot_refresh_s
                     self.register()
-                self.poll_telemetry()
-            except Exception:  # a transient GCS, registry or agent error: try again next period
+                if now >= next_telemetry:
+                    next_telemetry = now + self._telemetry_refresh_s
+                    self.poll_telemetry()
+            except Exception:  # a transient GCS, registry or agent error: try again next round
                 log.exception("slot refresh failed")

@@ -21,6 +21,7 @@ def ray_cluster():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # always a cluster of its own, never one another process started here
             num_cpus=8,
             namespace="zeroqueue-tests",
             include_dashboard=False,

@@ -327,11 +327,12 @@ def test_registry_forgets_a_crashed_hot_actor(zq, ray_cluster):
 
 def test_python_handle_from_another_driver(zq, ray_cluster, tmp_path):
     script = tmp_path / "driver.py"
+    address = ray_cluster.get_runtime_context().gcs_address  # this session's cluster, whatever else runs here
     script.write_text(
         "import json, ray\n"
         "from ray import serve\n"
         "from serve_app.api import MessagesRequest\n"
-        "ray.init(address='auto', logging_level='ERROR')\n"
+        f"ray.init(address='{address}', logging_level='ERROR')\n"
         "h = serve.get_app_handle('zeroqueue')\n"
         f"req = MessagesRequest(model='{MODEL}', max_tokens=6, messages=[{{'role': 'user', 'content': 'hi'}}])\n"
         "msg = h.create.remote(req).result(timeout_s=60)\n"

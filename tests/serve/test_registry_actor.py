@@ -31,7 +31,7 @@ def make_registry(ray_cluster):
 
     def make(policy: PolicyConfig = POLICY, **kw):
         config = RegistryConfig(name=f"zq-registry-test-{uuid.uuid4().hex[:8]}", namespace=NAMESPACE,
-                                actor_namespace=NAMESPACE, **{"reconcile_interval_s": 3600.0, **kw})
+                                actor_namespace=NAMESPACE, **{"reconcile_interval_s": 3600.0, "adopt_grace_s": 0.0, **kw})
         handle = get_registry(config, policy)
         created.append(handle)
         return handle

@@ -454,15 +454,18 @@ TestRegistryMachine = RegistryMachine.TestCase
 TestRegistryMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 
-def test_reconcile_removes_a_dead_nodes_slots_once_its_actors_are_forgotten():
-    reg = RegistryState(spawn_grace_s=1.0)
+def test_reconcile_removes_a_dead_nodes_slots_and_forgets_their_actors_at_once():
+    reg = RegistryState(spawn_grace_s=10.0)
     reg.register_slots([SlotSpec("a", "n1", 1000), SlotSpec("b", "n2", 1000)])
     assert reg.try_spawn(_spawn("b", reserve=600), "on-b", "m", _row(), now=0)
-    first = reg.reconcile(set(), now=0.5, alive_nodes={"n1"})  # its actor is young: kept, and so is b
-    assert first.lost_slots == () and [s.slot_id for s in reg.snapshot().slots] == ["a", "b"]
-    second = reg.reconcile(set(), now=2.0, alive_nodes={"n1"})  # now a ghost, then b goes with it
-    assert second.ghosts == ("on-b",) and second.lost_slots == ("b",)
+    assert reg.try_spawn(_spawn("a", reserve=600), "on-a", "m", _row("r2"), now=0)
+    # on-b is young (within the spawn grace), but its node is gone: nothing will ever run there.
+    report = reg.reconcile({"on-a", "on-b"}, now=0.5, alive_nodes={"n1"})
+    assert report.ghosts == ("on-b",) and report.lost_slots == ("b",) and report.released_bytes == 600
     assert [s.slot_id for s in reg.snapshot().slots] == ["a"]
+    assert [a.name for a in reg.snapshot().actors] == ["on-a"]
+    # The next pass sees on-b still listed (Ray has not marked it dead yet): an orphan, killed.
+    assert reg.reconcile({"on-a", "on-b"}, now=1.0, alive_nodes={"n1"}).orphans == ("on-b",)
     reg.check_invariants()
 
 

@@ -1,0 +1,300 @@
+"""Admission: decide, act and relay one request, and release what it held exactly once.
+
+The ingress (app.py) validates a request and hands it here:
+  1. `registry.admit(features)`: the pure `decide()` and the reservation it implies, in
+     one atomic call on the shared registry actor (no replica can over-commit a slot or a
+     batch) — or a 503 at once when the registry does not answer within `registry_timeout_s`;
+  2. act: call the idle hot actor, add a row to a hot actor's batch, bind a warm actor, or
+     create an actor on the reserved slot (first killing the idle actors the decision
+     evicts; placement.py) — or refuse with 503 `overloaded_error` and the registry's
+     predicted `retry-after`;
+  3. relay the actor's stream (relay.py); however it ends, `_ended` releases its row once.
+
+What a request reserved is given back on every path: a refusal commits nothing; a client
+that leaves (or a deadline) while the decision or the placement is in flight abandons it
+(the registry undoes an admission it sees after its abandonment too); once the relay owns
+the row, `Admitted.end` runs exactly once. An actor lost before the client saw anything of
+its answer costs one attempt, and the request is decided again (`run`).
+
+The registry link (registry_link.py) survives the registry's deaths: a new registry gets
+this deployment's policy and scorer and the rows still running here (`_hand_over`).
+Warm pools are refilled on a background thread (warm_filler.py), never awaited by a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+
+from actors.messages import ActorRequest, Completion
+from actors.request_actor import new_actor_name
+from serve_app import errors, traces
+from serve_app.config import IngressConfig
+from serve_app.decisions import Bind, Reject, Spawn
+from serve_app.loaded_model import LoadedModel
+from serve_app.metrics import IngressMetrics
+from serve_app.placement import Placer
+from serve_app.registry import AdoptedRow
+from serve_app.registry_actor import RegistryActor, RegistryConfig, get_registry
+from serve_app.registry_link import RegistryLink
+from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Admitted, Outcome, Relay
+from serve_app.scorer import Scorer
+from serve_app.slots import SlotRefresher
+from serve_app.warm_filler import WarmFiller
+from serve_app.warm_pool import LANES, WarmFill, WarmSpec
+
+log = logging.getLogger(__name__)
+
+# A request whose actor is lost before the client saw its answer is decided again, up to this many
+# tries in all (a warm pool lost at once, its node gone, costs one try per dead actor still listed).
+MAX_ATTEMPTS = 3
+
+
+class Admission:
+    def __init__(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer, replica_id: str,
+                 metrics: IngressMetrics, actor_cls: type, registry_cls: type[RegistryActor]) -> None:
+        self.config, self.models, self.scorer, self.metrics = config, models, scorer, metrics
+        self.replica_id = replica_id
+        registry_config = RegistryConfig(namespace=config.actor.namespace, actor_namespace=config.actor.namespace)
+        self.registry = RegistryLink(lambda: get_registry(registry_config, config.policy, scorer, registry_cls),
+                                     replica_id, heartbeat_s=config.registry_heartbeat_s)
+        self.traces = traces.TraceWriter(config.traces) if config.traces is not None else None
+        self.relay = Relay(config.start_timeout_s, config.token_timeout_s, config.ping_interval_s, self._observe,
+                           self._ended, self._first_token)
+        self._running: dict[str, Admitted] = {}  # request id -> the request, from placement to its end
+        self._releasing: set[asyncio.Task] = set()  # rows given up, released once their stream has ended
+        self.placer = Placer(actor_cls, config.actor, timeout_s=config.placement_timeout_s)
+        # The first heartbeat hands this deployment's policy and scorer, and the slots, to the registry
+        # (a redeploy's new policy takes effect here); then slots, telemetry and the link are kept current.
+        self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor,
+                                            slot_refresh_s=config.slot_refresh_s,
+                                            telemetry_refresh_s=config.telemetry_refresh_s,
+                                            on_new_incarnation=self._hand_over)
+        self.slot_refresher.start()
+        policy = config.policy
+        self.warm_filler = WarmFiller(
+            self.registry,
+            [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes) for m in models.values()],
+            {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in models},
+            self._create_warm, new_actor_name, refresh_s=config.warm_refresh_s,
+            ready_timeout_s=config.actor.load_timeout_s)
+        self.warm_filler.start()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    async def close(self) -> None:
+        """The replica stops: stop refilling, and detach (the last replica takes every actor with it)."""
+        self.registry.close()  # before detaching: a registry gone with the app is not re-created
+        self.warm_filler.stop()
+        self.placer.close()
+        try:
+            await asyncio.wait_for(self.registry.detach.remote(self.replica_id), timeout=30)
+        except Exception:  # the registry shut itself down while answering, or is gone already
+            log.info("registry detach of %s ended without an answer", self.replica_id)
+
+    def _hand_over(self) -> None:
+        """A new registry (first seen, restarted, or re-created): this deployment's policy and scorer,
+        and the rows this replica still relays, so their actors are not killed as orphans.
+        On the slot refresher's thread, after the slots were registered."""
+        ray.get(self.registry.configure.remote(self.config.policy, self.scorer), timeout=30)
+        rows = [self._adopted_row(a) for a in list(self._running.values()) if a.decision is not None]
+        if rows:
+            taken = ray.get(self.registry.adopt.remote(rows), timeout=30)
+            log.warning("handed %d of %d running rows to the new registry", len(taken), len(rows))
+
+    def _adopted_row(self, a: Admitted) -> AdoptedRow:
+        d, f = a.decision, a.features
+        model = self.models[a.model_id]
+        if isinstance(d, Spawn):
+            resident, request = d.resident_bytes, d.reserve_bytes - d.resident_bytes
+        else:
+            resident, request = model.numbers.weight_bytes + self.config.policy.actor_overhead_bytes, d.reserve_bytes
+        is_started = a.tier == "hot" or a.num_chunks > 0
+        return AdoptedRow(a.actor_name, a.model_id, d.slot_id, d.lane, d.keep_hot, is_started, resident,
+                          a.request_id, request, f.num_tokens, f.tpot_target_s,
+                          d.prediction.total_s + a.arrival if d.prediction is not None else a.arrival,
+                          self.config.policy.busy_timeout_s(f, not is_started))
+
+    async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
+                   is_collected: bool) -> tuple[Admitted, tuple[str, Completion] | None]:
+        """Place the request; with `is_collected`, also its whole answer. Raises ApiError.
+
+        An actor lost before the client saw anything of its answer — dead before it started
+        (a warm or idle one that died unseen), or, for an answer collected whole, at any
+        point — costs an attempt: its row was released as failed, which forgot and killed
+        it, and the request is decided again on what is left, up to MAX_ATTEMPTS in all;
+        then it is a 503 with retry-after, never a 500.
+        """
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                admitted = await self._place(model, features, actor_request, arrival)
+                return admitted, (await self.relay.collect(admitted) if is_collected else None)
+            except ActorLost as lost:
+                log.warning("request %s: its actor was lost (attempt %d of %d)", actor_request.request_id,
+                            attempt, MAX_ATTEMPTS)
+                if attempt == MAX_ATTEMPTS:
+                    raise errors.overloaded(lost.message, LOST_RETRY_AFTER_S) from None
+                await self._reconcile()  # a lost node's slots are gone before the next decision
+        raise AssertionError("unreachable")
+
+    async def _place(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float) -> Admitted:
+        """One decision and the action it names; returns once the actor has started computing.
+
+        Raises ActorLost if the actor was dead before it started. Whatever the admission
+        reserved is given back if this ends any other way before the relay owns the row
+        (a deadline, or the client leaving).
+        """
+        request_id = actor_request.request_id
+        spawn_name = new_actor_name(model.id)
+        decision = await self._admit(features, spawn_name, request_id)
+        self.metrics.decisions.inc(tags={"model": model.id, "kind": type(decision).__name__.lower()})
+        if isinstance(decision, Reject):
+            self.metrics.rejections.inc(tags={"reason": decision.reason})
+            self.metrics.observe_dispatch(model.id, time.time() - arrival)
+            self._trace(request_id, model.id, arrival, features, decision, None)
+            if decision.http_status == 400:
+                raise errors.invalid_request(decision.message)
+            raise errors.overloaded(decision.message, decision.retry_after_s or self.config.policy.retry_after_s)
+        rows = decision.candidate.batch_rows + 1 if decision.candidate is not None else 1
+        self.metrics.batch_rows.observe(rows, tags={"model": model.id})
+        actor_request = ActorRequest(request_id, actor_request.prompt_ids, actor_request.sampling,
+                                     keep_hot=decision.keep_hot)
+        name = spawn_name if isinstance(decision, Spawn) else decision.actor_name
+        try:
+            if isinstance(decision, Spawn):
+                handle = await self.placer.create(name, model.zqs_path, decision.node_id, evict=decision.evict)
+                if decision.evict:
+                    self.metrics.evictions.inc(len(decision.evict), tags={"model": model.id})
+            else:  # Dispatch, Join or Bind: an actor that exists
+                handle = await self.placer.handle(name)
+        except ValueError:  # no such actor: it died and the registry has not noticed yet
+            self.registry.finish.remote(name, request_id, "failed")  # forget it
+            raise ActorLost(503, "overloaded_error", "the model's process was lost; retry") from None
+        except BaseException:  # a deadline, or the client left: nothing was sent, give the row back
+            self.registry.abandon.remote(request_id)
+            raise
+        if isinstance(decision, Bind):
+            self.warm_filler.wake()  # its pool is one short now
+        stream = handle.generate.remote(actor_request)
+        dispatch_time = time.time()
+        self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
+        self.metrics.queue_wait.observe(dispatch_time - arrival, tags={"model": model.id})
+        admitted = Admitted(request_id, model.id, name, decision.keep_hot, _tier(decision),
+                            len(actor_request.prompt_ids), stream, started=None, arrival=arrival,
+                            dispatch_time=dispatch_time, features=features, decision=decision)
+        self._running[request_id] = admitted
+        await self.relay.first(admitted)
+        return admitted
+
+    async def _admit(self, features, spawn_name: str, request_id: str):
+        """The registry's decision, or a 503 at once when it does not answer within `registry_timeout_s`."""
+        try:
+            return await asyncio.wait_for(
+                self.registry.admit.remote(features, spawn_name, request_id, self.slot_refresher.take_stats()),
+                self.config.registry_timeout_s)
+        except asyncio.CancelledError:  # the client left: whatever the admission commits is undone
+            self.registry.abandon.remote(request_id)
+            raise
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            # Calls from this replica reach the registry in order, and a registry remembers what was
+            # abandoned before it was admitted: nothing stays reserved for a request that was refused.
+            self.registry.abandon.remote(request_id)
+            self.registry.wake()  # a registry gone for good is re-created by the next heartbeat
+            self.metrics.rejections.inc(tags={"reason": "registry_unavailable"})
+            log.warning("request %s: the registry did not decide in time (%s)", request_id, type(e).__name__)
+            raise errors.overloaded("the admission registry is unavailable; retry shortly",
+                                    self.config.policy.retry_after_s) from None
+
+    async def _reconcile(self) -> None:
+        try:
+            await asyncio.wait_for(self.registry.reconcile_now.remote(), self.config.registry_timeout_s * 4)
+        except Exception:  # best effort: the registry's own loop does the same within a second
+            log.info("reconcile before a retry did not answer in time")
+
+    def _create_warm(self, name: str, fill: WarmFill):
+        """The warm filler's thread: a warm actor of `fill.model` on its slot."""
+        model = self.models[fill.model]
+        return self.placer.create_now(name, model.zqs_path, fill.node_id, model.warm_layers)
+
+    def _observe(self, admitted: Admitted, done: Completion) -> None:
+        admitted.completion = done
+        t, model = done.timings, admitted.model_id
+        if t.first_token is not None:
+            self.metrics.ttft.observe(t.first_token - admitted.arrival, tags={"model": model, "kind": admitted.tier})
+            if admitted.tier == "cold":
+                self.metrics.cold_start.observe(t.first_token - t.actor_start, tags={"model": model})
+        if t.last_token is not None and done.output_tokens > 1:
+            self.metrics.tpot.observe((t.last_token - t.first_token) / (done.output_tokens - 1), tags={"model": model})
+
+    def _first_token(self, admitted: Admitted) -> None:
+        if admitted.tier != "hot":  # every weight is resident now: starting -> busy, and it may batch
+            self.registry.actor_started.remote(admitted.actor_name)
+
+    def _ended(self, admitted: Admitted, outcome: Outcome) -> None:
+        """Exactly once per placed request (Admitted.end): release its row (the actor may stay hot)."""
+        self._running.pop(admitted.request_id, None)
+        if admitted.error is not None:  # an error event ended its stream: counted as a response's error is
+            self.metrics.errors.inc(tags={"type": admitted.error.type})
+        if outcome == "complete":  # the actor let the row go before it sent the Completion
+            self._finish(admitted, outcome)
+        else:
+            ray.cancel(admitted.stream)  # the row leaves the batch at the actor's next step
+            if outcome == "failed":
+                self.placer.forget(admitted.actor_name)
+                self._finish(admitted, outcome)  # the registry forgets the actor and kills it
+            else:
+                # Released once the actor's stream has ended, i.e. the row has left its batch:
+                # released earlier, a new row could be sent to a batch the actor still sees full.
+                task = asyncio.get_running_loop().create_task(self._finish_when_gone(admitted, outcome))
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
+        if self.traces is not None and admitted.decision is not None:
+            ok = outcome == "complete"
+            record = traces.outcome_record(admitted.arrival, admitted.dispatch_time,
+                                           admitted.decision.reserve_bytes, admitted.completion if ok else None,
+                                           None if ok else outcome)
+            self._trace(admitted.request_id, admitted.model_id, admitted.arrival, admitted.features,
+                        admitted.decision, record)
+
+    async def _finish_when_gone(self, admitted: Admitted, outcome: Outcome) -> None:
+        try:
+            await asyncio.wait_for(_drain(admitted.stream), self.config.token_timeout_s)
+        except Exception:  # cancelled, failed or timed out: the actor's row is gone or the actor is
+            pass
+        self._finish(admitted, outcome)
+
+    def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
+        self.registry.finish.remote(admitted.actor_name, admitted.request_id, outcome)
+        if outcome != "complete" or not admitted.keep_hot:
+            if outcome == "complete":  # it exits by itself after its last row
+                self.placer.forget(admitted.actor_name)
+            self.warm_filler.wake()  # its actor exits: a slot may come free for a pool
+
+    def _trace(self, request_id: str, model: str, arrival: float, features, decision, outcome) -> None:
+        if self.traces is None:
+            return
+        try:  # a trace is never worth a request
+            self.traces.write(traces.trace_record(request_id, model, arrival, features, decision, outcome))
+        except Exception:
+            log.exception("trace of request %s not recorded", request_id)
+
+
+def _tier(decision) -> str:
+    """Where a placed request runs, as X-Request-Tier says: the kind of candidate it was scored as.
+
+    A bound actor still warming was scored as a fresh one (it pays the rest of its process start): cold.
+    """
+    if decision.candidate is None:  # decided outside `decide` (tests)
+        return "cold" if isinstance(decision, Spawn) else "hot"
+    kind = decision.candidate.kind
+    return "hot" if kind == "join" else kind
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass

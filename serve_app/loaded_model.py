@@ -1,0 +1,46 @@
+"""A served model as the ingress holds it: its `.zqs` path, tokenizer and the figures decisions use.
+
+Only the shard's header is read (config and tokenizer); the weights stay on disk for the actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.actor_config import ActorConfig
+from actors.cold_start import warm_layers
+from actors.layer_loader import open_zqs
+from actors.tokenizer import Tokenizer
+from serve_app.config import ModelSpec, resolve_model_path
+from serve_app.memory import ModelNumbers
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    id: str
+    display_name: str
+    zqs_path: str
+    tokenizer: Tokenizer
+    numbers: ModelNumbers
+    max_context: int
+    created_at: float
+    ttft_target_s: float | None = None
+    total_target_s: float | None = None
+    tpot_target_s: float | None = None
+    warm_layers: int = 0  # a warm actor's layers resident before its request
+
+
+def load_model(spec: ModelSpec, actor: ActorConfig) -> LoadedModel:
+    path = resolve_model_path(spec)
+    reader, config, tokenizer = open_zqs(path)  # header only: config + tokenizer
+    reader.close()
+    num_warm = actor.warm_layers if actor.warm_layers is not None else warm_layers(
+        config, actor.initial_load_bytes_per_s, actor.prefill_flops_per_s, actor.warm_prompt_tokens)
+    window = config.max_position_embeddings
+    return LoadedModel(
+        id=spec.id, display_name=spec.display_name, zqs_path=str(path), tokenizer=tokenizer,
+        numbers=ModelNumbers.from_config(config),
+        max_context=min(window, spec.max_context) if spec.max_context else window,
+        created_at=path.stat().st_mtime, ttft_target_s=spec.ttft_target_s, total_target_s=spec.total_target_s,
+        tpot_target_s=spec.tpot_target_s, warm_layers=min(num_warm, config.num_layers),
+    )

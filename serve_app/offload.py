@@ -1,0 +1,57 @@
+"""Blocking work off the ingress's event loop: a small thread pool with a deadline and a cap.
+
+asyncio's default executor queues without bound; here at most `max_pending` calls are in
+flight, and one more is refused at once (503 overloaded_error) rather than queued, as is
+a call that misses its deadline. A call the caller stopped waiting for (its deadline, or
+its client left) still finishes in its thread; `on_abandoned` then receives its result,
+so whatever it made (an actor) can be undone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from serve_app import errors
+
+log = logging.getLogger(__name__)
+
+# The client is told to retry after this when the work itself (GCS, parsing) was too slow.
+RETRY_AFTER_S = 1.0
+
+
+class BoundedExecutor:
+    def __init__(self, name: str, *, max_threads: int, max_pending: int, timeout_s: float) -> None:
+        self._name = name
+        self._executor = ThreadPoolExecutor(max_threads, thread_name_prefix=f"zq-{name}")
+        self._max_pending, self._timeout_s = max_pending, timeout_s
+        self._num_pending = 0
+        self._lock = threading.Lock()
+
+    async def run(self, call: Callable[[], Any], on_abandoned: Callable[[Any], None] | None = None) -> Any:
+        with self._lock:
+            if self._num_pending >= self._max_pending:
+                raise errors.overloaded(f"too much {self._name} work in progress; retry shortly", RETRY_AFTER_S)
+            self._num_pending += 1
+        future: Future = self._executor.submit(call)
+        future.add_done_callback(self._done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self._timeout_s)
+        except BaseException as e:
+            if on_abandoned is not None:  # what the call still makes is nobody's: undone once it is made
+                future.add_done_callback(lambda f: f.exception() is None and on_abandoned(f.result()))
+            if isinstance(e, asyncio.TimeoutError):
+                log.warning("%s work took longer than %.1f s", self._name, self._timeout_s)
+                raise errors.overloaded(f"{self._name} took too long; retry shortly", RETRY_AFTER_S) from None
+            raise
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _done(self, _: Future) -> None:  # on the thread that finished the call
+        with self._lock:
+            self._num_pending -= 1

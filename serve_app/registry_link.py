@@ -1,0 +1,79 @@
+"""An ingress replica's link to the shared registry, kept across the registry's restarts and deaths.
+
+The registry (registry_actor.py) keeps its books in memory. Ray restarts it if it dies,
+and if it was killed for good the next heartbeat here creates a new one (`get_registry`
+returns the live one, or makes it). Either way it comes back empty, under a new
+incarnation; the heartbeat sees that and calls its `on_new_incarnation`, which hands over
+what this replica knows (its policy and scorer, its slots, the rows it is still relaying).
+
+Attribute access forwards to the current handle, so callers write `link.admit.remote(...)`
+and reach whichever registry is current. Heartbeats run on the slot refresher's thread
+(slots.py), every `heartbeat_s` or at once after `wake()` — an admission that found the
+registry unavailable wakes it, so a registry gone for good is replaced within a heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+
+class RegistryLink:
+    def __init__(self, make_registry: Callable[[], Any], replica_id: str, *, heartbeat_s: float = 1.0,
+                 call_timeout_s: float = 5.0) -> None:
+        self._make_registry = make_registry
+        self.replica_id = replica_id
+        self.heartbeat_s = heartbeat_s
+        self._call_timeout_s = call_timeout_s
+        self.handle = make_registry()
+        self.incarnation: str | None = None  # the registry's, as of the last heartbeat; None: not yet seen
+        self._wake = threading.Event()
+        self._is_closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        # Only names this class does not define reach here: the registry's methods.
+        return getattr(self.handle, name)
+
+    def wake(self) -> None:
+        """Heartbeat now: the registry did not answer an admission."""
+        self._wake.set()
+
+    def close(self) -> None:
+        """No more heartbeats: the replica is stopping, and the registry may shut itself down for good."""
+        self._is_closed = True
+        self._wake.set()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._is_closed
+
+    def wait(self) -> bool:
+        """Until the next heartbeat is due; True if woken early."""
+        is_woken = self._wake.wait(self.heartbeat_s)
+        self._wake.clear()
+        return is_woken
+
+    def heartbeat(self, on_new_incarnation: Callable[[], None]) -> None:
+        """Attach this replica; on a registry new since the last heartbeat (restarted, or re-created
+        here), run `on_new_incarnation` — again at the next heartbeat if it raises."""
+        if self._is_closed:  # a registry that shut itself down with the app must stay down
+            return
+        try:
+            incarnation = ray.get(self.handle.attach.remote(self.replica_id), timeout=self._call_timeout_s)
+        except ray.exceptions.RayActorError:
+            # Dead for good, or restarting: `get_if_exists` gives the restarting one, or a new one.
+            self.handle = self._make_registry()
+            incarnation = ray.get(self.handle.attach.remote(self.replica_id), timeout=self._call_timeout_s)
+        if incarnation == self.incarnation:
+            return
+        if self.incarnation is not None:
+            log.warning("registry restarted (incarnation %s -> %s): handing over this replica's state",
+                        self.incarnation, incarnation)
+        on_new_incarnation()
+        self.incarnation = incarnation

@@ -1,0 +1,72 @@
+"""Faults injected at the ingress's seam (`Ingress.bind(config, actor_cls=..., registry_cls=...)`).
+
+`FaultyActor` is the real request actor on a real (tiny) model; it misbehaves only when
+the request's prompt says so, so one deployment serves healthy and faulty requests side
+by side. A prompt names its fault as `fault:<kind>`, optionally with `once:<path>` (the
+fault happens only for the first request to create `path`: a retry then runs clean) and
+`gate:<path>` (the request holds its last item until `path` exists).
+
+  die-before-start  the process exits before the request's `Started`
+  die-mid-load      after `Started`, before the first token (a cold actor's load)
+  die-mid-decode    after the first text chunk
+  stall             after `Started`, nothing more, ever
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from pathlib import Path
+
+from actors.messages import Started, TextChunk
+from actors.request_actor import RequestActor
+from serve_app.registry_actor import RegistryActor
+
+_FAULT = re.compile(r"fault:([a-z-]+)")
+_ONCE = re.compile(r"once:(\S+)")
+_GATE = re.compile(r"gate:(\S+)")
+
+
+def _is_armed(text: str) -> bool:
+    """True unless a `once:` path says this fault already happened (claimed atomically, across processes)."""
+    once = _ONCE.search(text)
+    if once is None:
+        return True
+    try:
+        os.close(os.open(once.group(1), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+class FaultyActor(RequestActor):
+    async def generate(self, request):
+        text = self._streamed.tokenizer.decode(request.prompt_ids)
+        fault = _FAULT.search(text)
+        kind = fault.group(1) if fault is not None and _is_armed(text) else None
+        gate = _GATE.search(text)
+        if kind == "die-before-start":
+            os._exit(1)
+        async for item in super().generate(request):
+            if kind == "die-mid-decode" and isinstance(item, TextChunk):
+                os._exit(1)
+            if gate is not None and not isinstance(item, (Started, TextChunk)):
+                while not Path(gate.group(1)).exists():  # the Completion waits for the test's go
+                    await asyncio.sleep(0.02)
+            yield item
+            if isinstance(item, Started) and kind == "die-mid-load":
+                os._exit(1)
+            if isinstance(item, Started) and kind == "stall":
+                await asyncio.sleep(3600)
+
+
+class SlowRegistry(RegistryActor):
+    """A registry whose admissions take `ADMIT_DELAY_S` first: a client can leave while one is in flight."""
+
+    ADMIT_DELAY_S = 2.0
+
+    def admit(self, *args, **kwargs):
+        time.sleep(self.ADMIT_DELAY_S)
+        return super().admit(*args, **kwargs)

@@ -1,0 +1,124 @@
+"""What the reliability tests share: deploying the ingress with injected faults, calling it, and
+checking that a request ended one of the three ways and left nothing behind."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from serve_app.sse import decode_events
+from tests.serve.waiting import wait_for
+
+MODEL = "zq-tiny"
+
+
+def deploy(port: int, app: str, namespace: str, zqs_path: str, *, actor_cls: type | None = None,
+           registry_cls: type | None = None, **args: Any) -> str:
+    """The real ingress on real Serve and HTTP, with the given fault classes bound at its seam."""
+    from ray import serve
+
+    from serve_app.app import Ingress
+    from serve_app.config import AppArgs, ingress_config
+
+    parsed = AppArgs.model_validate({
+        "models": [{"id": MODEL, "zqs_path": str(zqs_path)}],
+        "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},
+        "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
+        "namespace": namespace,
+    } | args)
+    seams = {k: v for k, v in {"actor_cls": actor_cls, "registry_cls": registry_cls}.items() if v is not None}
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(Ingress.options(num_replicas=parsed.num_replicas,
+                              graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s)
+              .bind(ingress_config(parsed), **seams), name=app, route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def undeploy(ray, namespace: str) -> None:
+    from ray import serve
+
+    serve.shutdown()
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == namespace:
+            try:
+                ray.kill(ray.get_actor(a["name"], namespace=namespace))
+            except ValueError:
+                pass
+
+
+def body(text: str = "hi", max_tokens: int = 8, stream: bool = False) -> dict:
+    return {"model": MODEL, "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": text}]}
+
+
+@dataclass
+class Ending:
+    """How a request ended, as its client saw it."""
+
+    status: int
+    request_id: str | None  # the header
+    error_type: str | None  # the JSON error's, or the stream's error event's
+    error_request_id: str | None  # the one the error carries
+    events: list[dict]  # a stream's events (empty for JSON)
+    text: str
+    seconds: float
+
+    @property
+    def is_complete(self) -> bool:
+        if self.status != 200:
+            return False
+        return not self.events or self.events[-1]["type"] == "message_stop"
+
+
+def call(base: str, payload: dict, timeout: float = 120.0, headers: dict | None = None) -> Ending:
+    t0 = time.monotonic()
+    r = httpx.post(f"{base}/v1/messages", json=payload, timeout=timeout, headers=headers)
+    seconds = time.monotonic() - t0
+    rid = r.headers.get("request-id")
+    if payload.get("stream") and r.status_code == 200:
+        events = decode_events(r.content)
+        errors = [e for e in events if e["type"] == "error"]
+        text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+        if errors:
+            return Ending(200, rid, errors[0]["error"]["type"], errors[0].get("request_id"), events, text, seconds)
+        return Ending(200, rid, None, None, events, text, seconds)
+    data = r.json()
+    if r.status_code != 200:
+        return Ending(r.status_code, rid, data["error"]["type"], data.get("request_id"), [], "", seconds)
+    return Ending(200, rid, None, None, [], "".join(b["text"] for b in data["content"]), seconds)
+
+
+def assert_documented_error(ending: Ending, status: int, error_type: str) -> None:
+    assert (ending.status, ending.error_type) == (status, error_type), ending
+    assert ending.request_id and ending.error_request_id == ending.request_id, ending
+
+
+def registry(ray, namespace: str):
+    return ray.get_actor("zq-registry", namespace=namespace)
+
+
+def assert_nothing_left(ray, namespace: str, timeout: float = 30.0) -> None:
+    """No row reserved, no actor still starting or busy, and no request actor the registry does not know.
+
+    Bounded by the registry's reconcile (1 s) and an actor's exit after its last row, on a slow machine.
+    """
+    from serve_app.registry import is_request_actor_name
+
+    def settled() -> bool:
+        snap = ray.get(registry(ray, namespace).snapshot.remote(), timeout=10)
+        known = {a.name for a in snap.actors}
+        alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == namespace and is_request_actor_name(a["name"])}
+        is_idle = all(a.num_rows == 0 and a.state in ("idle", "warm", "warming") for a in snap.actors)
+        is_reserved_by_actors = all(s.reserved_bytes == sum(a.reserved_bytes for a in snap.actors
+                                                            if a.slot_id == s.slot_id) for s in snap.slots)
+        return is_idle and is_reserved_by_actors and alive <= known
+
+    wait_for(settled, timeout, "no reservation, no busy actor and no orphan left")
+
+
+def health(base: str) -> dict:
+    return httpx.get(f"{base}/health", timeout=30).json()

@@ -1,0 +1,89 @@
+"""A request actor that dies, stalls or is lost, seen over real HTTP: each request ends one of the
+documented ways, with its request id, within a stated bound, and leaves nothing behind.
+
+A death the client never saw (any non-streamed request; a stream before its first event) is
+placed again, and a death that keeps happening is a 503 with retry-after, never a 500.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.reliability import harness
+from tests.reliability.faults import FaultyActor
+from tests.reliability.harness import assert_documented_error, assert_nothing_left, body, call
+
+NAMESPACE = "zq-actor-fault-tests"
+PORT = 8771
+TOKEN_TIMEOUT_S = 3.0
+START_TIMEOUT_S = 20.0  # a cold actor's first token: the tiny model loads within it on any CI machine
+# A request that needs up to three cold starts of the tiny model on a busy 2-core CI machine.
+BOUND_S = 90.0
+# The ingress's own thread pools (actor placement 4, parsing 2) may grow once to their size; beyond that
+# a thread per fault would be a leak.
+MAX_POOL_THREADS = 6
+
+
+@pytest.fixture(scope="module")
+def zq(ray_cluster, tiny_zqs):
+    base = harness.deploy(PORT, "zeroqueue-actor-faults", NAMESPACE, tiny_zqs, actor_cls=FaultyActor,
+                          token_timeout_s=TOKEN_TIMEOUT_S, start_timeout_s=START_TIMEOUT_S, policy={"max_hot_short_actors": 1})
+    assert call(base, body()).is_complete  # the happy path runs real, and the pools have their threads
+    yield base
+    harness.undeploy(ray_cluster, NAMESPACE)
+
+
+@pytest.fixture
+def threads(zq):
+    before = harness.health(zq)["replica"]["threads"]
+    yield
+    assert harness.health(zq)["replica"]["threads"] <= before + MAX_POOL_THREADS
+
+
+@pytest.mark.parametrize("kind", ["die-before-start", "die-mid-load", "die-mid-decode"])
+def test_a_non_streamed_request_whose_actor_dies_is_placed_again_and_completes(zq, ray_cluster, tmp_path,
+                                                                                threads, kind):
+    ending = call(zq, body(f"fault:{kind} once:{tmp_path / 'died'}", max_tokens=12))
+    assert (tmp_path / "died").exists()  # the fault did happen
+    assert ending.is_complete and ending.text, ending
+    assert ending.seconds < BOUND_S
+    assert_nothing_left(ray_cluster, NAMESPACE)
+
+
+@pytest.mark.parametrize("kind", ["die-mid-load", "die-mid-decode"])
+def test_a_stream_whose_actor_dies_after_its_first_event_ends_with_an_overloaded_error_event(
+        zq, ray_cluster, tmp_path, threads, kind):
+    ending = call(zq, body(f"fault:{kind} once:{tmp_path / 'died'}", max_tokens=12, stream=True))
+    assert ending.status == 200 and ending.events[0]["type"] == "message_start"
+    assert_documented_error(ending, 200, "overloaded_error")
+    assert ending.events[-1]["type"] == "error"  # nothing after the error
+    assert ending.seconds < BOUND_S
+    assert_nothing_left(ray_cluster, NAMESPACE)
+
+
+def test_a_stream_whose_actor_died_before_starting_is_placed_again(zq, ray_cluster, tmp_path, threads):
+    ending = call(zq, body(f"fault:die-before-start once:{tmp_path / 'died'}", max_tokens=12, stream=True))
+    assert (tmp_path / "died").exists()
+    assert ending.is_complete and ending.text, ending
+    assert_nothing_left(ray_cluster, NAMESPACE)
+
+
+def test_an_actor_that_dies_every_time_is_a_503_with_retry_after_not_a_500(zq, ray_cluster, threads):
+    ending = call(zq, body("fault:die-mid-decode", max_tokens=12))
+    assert_documented_error(ending, 503, "overloaded_error")
+    assert ending.seconds < BOUND_S
+    assert_nothing_left(ray_cluster, NAMESPACE)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stalled_actor_is_a_timeout_error_after_the_token_deadline_and_is_killed(zq, ray_cluster, threads,
+                                                                                    stream):
+    ending = call(zq, body("fault:stall", max_tokens=12, stream=stream))
+    if stream:
+        assert ending.events[0]["type"] == "message_start"
+        assert_documented_error(ending, 200, "timeout_error")
+    else:
+        assert_documented_error(ending, 504, "timeout_error")
+    # The deadline that fired: start_timeout_s on a cold actor, token_timeout_s on a hot one.
+    assert TOKEN_TIMEOUT_S <= ending.seconds < START_TIMEOUT_S + 15
+    assert_nothing_left(ray_cluster, NAMESPACE)  # the stalled actor is forgotten and killed

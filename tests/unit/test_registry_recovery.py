@@ -1,0 +1,85 @@
+"""A registry that comes back empty: rows handed back (adopt), abandonments that arrive first, a new policy."""
+
+from __future__ import annotations
+
+from serve_app.decisions import Join, Spawn
+from serve_app.policy import PolicyConfig
+from serve_app.registry import AdoptedRow, RegistryState, SlotSpec
+from serve_app.snapshot import RequestFeatures
+
+POLICY = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=1,
+                      actor_overhead_bytes=0, max_actors_per_slot=1, max_batch=8)
+F = RequestFeatures("m", 10, 10, 500, 1, 0)  # a spawn reserves 520 bytes, a row 20
+
+
+def _registry(*totals) -> RegistryState:
+    reg = RegistryState(POLICY.max_actors_per_slot, max_batch=POLICY.max_batch)
+    reg.register_slots(SlotSpec(f"s{i}", "node", total) for i, total in enumerate(totals))
+    return reg
+
+
+def _row(actor="a", request="r1", slot="s0", *, is_started=True, is_hot=True, resident=500, request_bytes=20):
+    return AdoptedRow(actor, "m", slot, "short", is_hot, is_started, resident, request, request_bytes,
+                      10, None, 5.0, 60.0)
+
+
+def _actor(reg, name):
+    return next((a for a in reg.snapshot().actors if a.name == name), None)
+
+
+def test_adopted_rows_hold_what_the_lost_registry_held_and_end_as_before():
+    reg = _registry(1000, 1000)
+    taken = reg.adopt([_row(request="r1"), _row(request="r2"), _row("b", "r3", "s1", is_started=False,
+                                                                     is_hot=False)], now=100.0)
+    assert taken == ["r1", "r2", "r3"]
+    a, b = _actor(reg, "a"), _actor(reg, "b")
+    assert a.state == "busy" and a.num_rows == 2 and a.reserved_bytes == 540
+    assert b.state == "starting" and b.reserved_bytes == 520  # still loading: no batch joins it yet
+    reg.check_invariants()
+    # The adopted rows end as any row does: the hot actor idles with its weights, the other is forgotten.
+    reg.finish("a", "r1", "complete", now=101.0)
+    reg.finish("a", "r2", "complete", now=101.0)
+    reg.finish("b", "r3", "complete", now=101.0)
+    assert _actor(reg, "a").state == "idle" and _actor(reg, "b") is None
+    reg.check_invariants()
+
+
+def test_adopted_actors_are_not_orphans_and_their_rows_get_fresh_deadlines():
+    reg = _registry(1000)
+    reg.adopt([_row()], now=100.0)
+    report = reg.reconcile({"a", "stranger"}, now=101.0)
+    assert report.orphans == ("stranger",) and not report.expired
+    report = reg.reconcile({"a"}, now=100.0 + 61.0)  # busy_timeout_s 60 from the adoption
+    assert report.expired == ("a",)
+
+
+def test_adopt_takes_nothing_it_cannot_hold_and_nothing_twice():
+    reg = _registry(600)
+    assert reg.adopt([_row(slot="gone")], now=0.0) == []  # its node's slot is not registered
+    assert reg.adopt([_row(resident=590)], now=0.0) == []  # 610 bytes do not fit in 600
+    assert reg.adopt([_row()], now=0.0) == ["r1"]
+    assert reg.adopt([_row()], now=0.0) == []  # already held
+    assert reg.adopt([_row("other", "r9")], now=0.0) == []  # one actor per slot
+    reg.check_invariants()
+
+
+def test_an_admission_that_arrives_after_its_abandonment_commits_nothing():
+    reg = _registry(1000)
+    assert reg.abandon("late", now=0.0) is None  # the caller gave up before the registry saw the admission
+    refused = reg.admit(F, POLICY, "a", "late", now=0.1)
+    assert refused.reason == "no_capacity" and refused.retry_after_s is None
+    assert not reg.snapshot().actors
+    assert isinstance(reg.admit(F, POLICY, "a", "other", now=0.2), Spawn)
+    reg.check_invariants()
+
+
+def test_reconfigure_applies_a_redeploys_limits_to_the_commits_that_follow():
+    reg = _registry(10_000)
+    spawn = reg.admit(F, POLICY, "a", "r1", now=0.0)
+    reg.actor_started(spawn and "a")
+    one_row = PolicyConfig(**{**POLICY.__dict__, "max_batch": 1})
+    reg.reconfigure(one_row.max_actors_per_slot, one_row.max_idle_s, one_row.max_batch)
+    assert not isinstance(reg.admit(F, one_row, "b", "r2", now=0.1), Join)  # a batch of one is full
+    two = PolicyConfig(**{**POLICY.__dict__, "max_batch": 2})
+    reg.reconfigure(two.max_actors_per_slot, two.max_idle_s, two.max_batch)
+    assert isinstance(reg.admit(F, two, "c", "r3", now=0.2), Join)
