@@ -118,7 +118,7 @@ class Admission:
         return AdoptedRow(a.actor_name, a.model_id, d.slot_id, d.lane, d.keep_hot, is_started, resident,
                           a.request_id, request, f.num_tokens, f.tpot_target_s,
                           d.prediction.total_s + a.arrival if d.prediction is not None else a.arrival,
-                          self.config.policy.busy_timeout_s(f, not is_started))
+                          self.config.policy.busy_timeout_s(f, not is_started), self.replica_id)
 
     async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
                    is_collected: bool) -> tuple[Admitted, tuple[str, Completion] | None]:
@@ -195,7 +195,8 @@ class Admission:
         """The registry's decision, or a 503 at once when it does not answer within `registry_timeout_s`."""
         try:
             return await asyncio.wait_for(
-                self.registry.admit.remote(features, spawn_name, request_id, self.slot_refresher.take_stats()),
+                self.registry.admit.remote(features, spawn_name, request_id, self.slot_refresher.take_stats(),
+                                           self.replica_id),
                 self.config.registry_timeout_s)
         except asyncio.CancelledError:  # the client left: whatever the admission commits is undone
             self.registry.abandon.remote(request_id)

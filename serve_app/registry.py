@@ -281,7 +281,7 @@ class RegistryState:
         return True
 
     def admit(self, features: RequestFeatures, policy: PolicyConfig, spawn_name: str, request_id: str,
-              now: float, scorer: Scorer = RULE_SCORER) -> Decision:
+              now: float, scorer: Scorer = RULE_SCORER, replica_id: str = "") -> Decision:
         """`decide` on the current state and commit it in the same call; a Spawn is named `spawn_name`.
 
         A refusal for capacity or latency comes back with the predicted `retry_after_s`.
@@ -303,7 +303,7 @@ class RegistryState:
         is_cold = isinstance(decision, (Spawn, Bind))  # its weights may still be streaming in
         predicted_total = decision.prediction.total_s if decision.prediction is not None else 0.0
         row = RowReservation(request_id, features.num_tokens, features.tpot_target_s, now + predicted_total,
-                             now + policy.busy_timeout_s(features, is_cold))
+                             now + policy.busy_timeout_s(features, is_cold), replica_id=replica_id)
         if isinstance(decision, Spawn):
             is_committed = self._evict(decision.evict) and self.try_spawn(decision, spawn_name, features.model,
                                                                           row, now)
@@ -383,7 +383,7 @@ class RegistryState:
             if slot is None or any(r.request_id in a.rows for a in self._actors.values()):
                 continue
             row = RowReservation(r.request_id, r.num_tokens, r.tpot_target_s, r.predicted_end,
-                                 now + r.busy_timeout_s, r.request_bytes)
+                                 now + r.busy_timeout_s, r.request_bytes, r.replica_id)
             if actor is None:
                 if (slot.num_actors >= self.max_actors_per_slot
                         or slot.free_bytes < r.resident_bytes + r.request_bytes):
@@ -401,6 +401,25 @@ class RegistryState:
                 self._touch_actor(actor)
             taken.append(r.request_id)
         return taken
+
+    def release_rows_of(self, replica_ids: set[str], now: float) -> list[str]:
+        """The rows of ingress replicas that are gone (nobody relays them any more) are released.
+
+        An actor left with rows of live replicas keeps running them; one whose rows were all
+        of gone replicas is forgotten and reported to be killed, since it still computes them.
+        """
+        to_kill = []
+        for actor in list(self._actors.values()):
+            gone = [r for r in actor.rows.values() if r.replica_id in replica_ids]
+            if not gone:
+                continue
+            if len(gone) == len(actor.rows):
+                self._forget(actor)
+                to_kill.append(actor.name)
+                continue
+            for row in gone:
+                self.finish(actor.name, row.request_id, "cancelled", now)
+        return to_kill
 
     def remove(self, actor_name: str) -> bool:
         actor = self._actors.get(actor_name)

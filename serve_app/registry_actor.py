@@ -24,8 +24,11 @@ warm actors are not handed over: they are killed as orphans and the pools refill
 are not retried (`max_task_retries=0`): a commit is not idempotent, so a call that fails
 is answered as an error.
 
-Ingress replicas attach. Each replica `attach`es when it starts and again every heartbeat, and `detach`es from its `__del__` when Serve stops it. When the
-last replica detaches — `serve shutdown`, or the app deleted — or the last one has not
+Ingress replicas attach. Each replica `attach`es when it starts and again every heartbeat,
+and `detach`es from its `__del__` when Serve stops it. Rows carry the replica that relays
+them: a replica silent for `replica_silence_s` (killed, or its node gone) relays nothing
+any more, so its rows are released, and an actor that ran only such rows is killed. When
+the last replica detaches — `serve shutdown`, or the app deleted — or the last one has not
 been heard from for `replica_lease_s` (a crashed cluster's leftovers), the registry kills
 every request actor (warm, hot or running) and telemetry agent in its actor namespace,
 then itself: nothing it placed outlives the app.
@@ -80,6 +83,8 @@ class RegistryConfig:
     # After a (re)start, how long the replicas have to hand their running rows back before
     # unknown actors are killed as orphans: a few heartbeats.
     adopt_grace_s: float = 10.0
+    # A replica not heard from for this long (ten heartbeats) is gone: the rows it relayed are released.
+    replica_silence_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.reconcile_interval_s > 0 or not self.replica_lease_s > 0 or self.adopt_grace_s < 0:
@@ -130,7 +135,7 @@ class RegistryActor:
     # ---- commits ---------------------------------------------------------------------
 
     def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
-              slot_stats: dict[str, tuple[float, float]] | None = None) -> Decision:
+              slot_stats: dict[str, tuple[float, float]] | None = None, replica_id: str = "") -> Decision:
         """Decide with this registry's policy and scorer, and commit, in one call.
 
         `slot_stats` is the caller's latest telemetry, applied first: the ingress hands it
@@ -140,7 +145,8 @@ class RegistryActor:
         """
         with self._lock:
             self._apply_slot_stats(slot_stats)
-            return self._state.admit(features, self._policy, spawn_name, request_id, time.time(), self._scorer)
+            return self._state.admit(features, self._policy, spawn_name, request_id, time.time(), self._scorer,
+                                     replica_id)
 
     def try_spawn(self, decision: Spawn, actor_name: str, model: str, busy_timeout_s: float,
                   request_id: str = "req") -> bool:
@@ -233,6 +239,12 @@ class RegistryActor:
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         with self._lock:
             report = self._state.reconcile(alive, listed_at, alive_nodes)
+            silent = {r for r, t in self._replicas.items() if listed_at - t > self._config.replica_silence_s}
+            abandoned = self._state.release_rows_of(silent, listed_at) if silent else []
+        if abandoned:
+            log.warning("reconcile: replicas %s are silent; killed %s, which ran only their rows", silent, abandoned)
+        for name in abandoned:
+            self._kill(name)
         if listed_at < self._adopt_until:  # the replicas may still hand these rows back
             report = dataclasses.replace(report, orphans=())
         for name in report.to_kill:

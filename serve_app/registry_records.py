@@ -77,6 +77,7 @@ class RowReservation:
     predicted_end: float
     busy_deadline: float
     request_bytes: int = 0  # set by the commit, from the decision's reservation
+    replica_id: str = ""  # the ingress replica relaying it ("": none named; it then ends by its deadline)
 
     def view(self) -> RowView:
         return RowView(self.request_bytes, self.num_tokens, self.tpot_target_s, self.predicted_end)
@@ -102,6 +103,7 @@ class AdoptedRow:
     tpot_target_s: float | None
     predicted_end: float  # epoch seconds, as the replica's clock reads them (close enough for a retry-after)
     busy_timeout_s: float  # from the adoption on: the registry's own clock sets the deadline
+    replica_id: str = ""  # the replica handing it over
 
 
 @dataclass

@@ -83,3 +83,17 @@ def test_reconfigure_applies_a_redeploys_limits_to_the_commits_that_follow():
     two = PolicyConfig(**{**POLICY.__dict__, "max_batch": 2})
     reg.reconfigure(two.max_actors_per_slot, two.max_idle_s, two.max_batch)
     assert isinstance(reg.admit(F, two, "c", "r3", now=0.2), Join)
+
+
+def test_the_rows_of_a_replica_that_is_gone_are_released_and_an_actor_running_only_those_is_killed():
+    reg = _registry(10_000, 10_000)
+    reg.adopt([AdoptedRow("shared", "m", "s0", "short", True, True, 500, "mine", 20, 10, None, 5.0, 60.0, "live"),
+               AdoptedRow("shared", "m", "s0", "short", True, True, 500, "theirs", 20, 10, None, 5.0, 60.0, "gone"),
+               AdoptedRow("only", "m", "s1", "short", False, True, 500, "lost", 20, 10, None, 5.0, 60.0, "gone")],
+              now=0.0)
+    assert reg.release_rows_of({"gone"}, now=1.0) == ["only"]
+    shared = _actor(reg, "shared")
+    assert shared.num_rows == 1 and shared.reserved_bytes == 520  # the live replica's row runs on
+    assert _actor(reg, "only") is None
+    assert reg.release_rows_of({"gone"}, now=2.0) == []  # nothing left of it
+    reg.check_invariants()
