@@ -10,6 +10,7 @@ fault happens only for the first request to create `path`: a retry then runs cle
   die-mid-load      after `Started`, before the first token (a cold actor's load)
   die-mid-decode    after the first text chunk
   stall             after `Started`, nothing more, ever
+  slow-load         after `Started`, `SLOW_LOAD_S` before anything more (a load slower than a token's deadline)
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def _is_armed(text: str) -> bool:
 
 
 class FaultyActor(RequestActor):
+    SLOW_LOAD_S = 5.0
+
     async def generate(self, request):
         text = self._streamed.tokenizer.decode(request.prompt_ids)
         fault = _FAULT.search(text)
@@ -60,6 +63,8 @@ class FaultyActor(RequestActor):
                 os._exit(1)
             if isinstance(item, Started) and kind == "stall":
                 await asyncio.sleep(3600)
+            if isinstance(item, Started) and kind == "slow-load":
+                await asyncio.sleep(self.SLOW_LOAD_S)
 
 
 class SlowRegistry(RegistryActor):

@@ -16,7 +16,7 @@ from tests.reliability.harness import assert_documented_error, assert_nothing_le
 NAMESPACE = "zq-actor-fault-tests"
 PORT = 8771
 TOKEN_TIMEOUT_S = 3.0
-START_TIMEOUT_S = 20.0  # a cold actor's first token: the tiny model loads within it on any CI machine
+START_TIMEOUT_S = 12.0  # a cold actor's first token: the tiny model loads within it on any CI machine
 # A request that needs up to three cold starts of the tiny model on a busy 2-core CI machine.
 BOUND_S = 90.0
 # The ingress's own thread pools (actor placement 4, parsing 2) may grow once to their size; beyond that
@@ -27,7 +27,7 @@ MAX_POOL_THREADS = 6
 @pytest.fixture(scope="module")
 def zq(ray_cluster, tiny_zqs):
     base = harness.deploy(PORT, "zeroqueue-actor-faults", NAMESPACE, tiny_zqs, actor_cls=FaultyActor,
-                          token_timeout_s=TOKEN_TIMEOUT_S, start_timeout_s=START_TIMEOUT_S, policy={"max_hot_short_actors": 1})
+                          token_timeout_s=TOKEN_TIMEOUT_S, start_timeout_s=START_TIMEOUT_S, policy={"max_hot_short_actors": 0})  # every request cold: the start deadline applies
     assert call(base, body()).is_complete  # the happy path runs real, and the pools have their threads
     yield base
     harness.undeploy(ray_cluster, NAMESPACE)
@@ -84,6 +84,14 @@ def test_a_stalled_actor_is_a_timeout_error_after_the_token_deadline_and_is_kill
         assert_documented_error(ending, 200, "timeout_error")
     else:
         assert_documented_error(ending, 504, "timeout_error")
-    # The deadline that fired: start_timeout_s on a cold actor, token_timeout_s on a hot one.
-    assert TOKEN_TIMEOUT_S <= ending.seconds < START_TIMEOUT_S + 15
+    # The deadline that fired is the cold actor's start_timeout_s.
+    assert START_TIMEOUT_S <= ending.seconds < START_TIMEOUT_S + 15
     assert_nothing_left(ray_cluster, NAMESPACE)  # the stalled actor is forgotten and killed
+
+
+def test_a_cold_load_slower_than_the_token_deadline_completes_within_the_start_deadline(zq, ray_cluster):
+    assert FaultyActor.SLOW_LOAD_S > TOKEN_TIMEOUT_S  # the token deadline alone would have made it a 504
+    ending = call(zq, body("fault:slow-load", max_tokens=8))
+    assert ending.is_complete, ending
+    assert FaultyActor.SLOW_LOAD_S <= ending.seconds < BOUND_S
+    assert_nothing_left(ray_cluster, NAMESPACE)

@@ -1,0 +1,161 @@
+"""Concurrent streams batched on one actor: each stream's events follow the documented SSE order, and each
+carries its own answer — never a token of another request's.
+
+Concurrency is made real, not assumed. Every prompt names two files: `hold:<path>` (this module's
+`HeldActor`) keeps a row out of the actor's batch until the file exists, and `gate:<path>` (FaultyActor)
+holds its Completion until that one does. So all N rows are admitted onto one actor before any of them
+is computed (the registry shows them), they enter the engine's batch together, and all N relays are open
+at once until the end, pinging while their Completions wait. Each prompt's expected text is its greedy
+answer computed alone, with the very same prompt text (both files existing then, so nothing waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.reliability import harness
+from tests.reliability.faults import FaultyActor
+from tests.reliability.harness import MODEL, assert_nothing_left, call
+from tests.serve.waiting import wait_for
+
+NAMESPACE = "zq-streams-tests"
+PORT = 8780
+N = 6  # concurrent streams, all rows of one batch
+MAX_BATCH = 8  # >= N: every stream joins the one hot actor's batch
+MAX_TOKENS = 16
+PING_INTERVAL_S = 0.5  # short, so a stream whose Completion is held shows pings before its end
+HOLD_COMPLETION_S = 1.5  # >= 2 ping intervals: every stream pings at least once while held
+# One request on a hot actor of the tiny model: under a second on a developer machine; 30 s leaves room for
+# a busy 2-core CI machine (the first one also pays the cold start, bounded separately below).
+ALONE_BOUND_S = 30.0
+COLD_BOUND_S = 60.0  # one cold start of the tiny model (process start, imports, load) on a slow machine
+# The concurrent phase, from sending the N streams to the last message_stop, includes the test's own waits:
+# admission of N rows, the hold, N x 16 tokens in one batch, HOLD_COMPLETION_S. 60 s on a slow machine.
+CONCURRENT_BOUND_S = 60.0
+
+_HOLD = re.compile(r"hold:(\S+)")
+
+
+class HeldActor(FaultyActor):
+    """A row waits before it enters the batch until its `hold:<path>` exists (then FaultyActor's faults and gate)."""
+
+    async def generate(self, request):
+        hold = _HOLD.search(self._streamed.tokenizer.decode(request.prompt_ids))
+        while hold is not None and not Path(hold.group(1)).exists():
+            await asyncio.sleep(0.02)
+        async for item in super().generate(request):
+            yield item
+
+
+@pytest.fixture(scope="module")
+def zq(ray_cluster, tiny_zqs):
+    base = harness.deploy(PORT, "zeroqueue-streams", NAMESPACE, tiny_zqs, actor_cls=HeldActor,
+                          ping_interval_s=PING_INTERVAL_S,
+                          policy={"max_hot_short_actors": 1, "max_batch": MAX_BATCH})
+    ending = call(base, harness.body(max_tokens=2))  # the hot actor every later request finds
+    assert ending.is_complete and ending.seconds < COLD_BOUND_S, ending
+    yield base
+    harness.undeploy(ray_cluster, NAMESPACE)
+
+
+def _payload(text: str, *, stream: bool) -> dict:
+    return {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
+            "messages": [{"role": "user", "content": text}]}
+
+
+def _alone(base: str, text: str) -> dict:
+    """The whole Message for `text`, sent alone (greedy: the answer any batch must reproduce)."""
+    t0 = time.monotonic()
+    r = httpx.post(f"{base}/v1/messages", json=_payload(text, stream=False), timeout=120)
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - t0 < ALONE_BOUND_S
+    assert r.headers["x-request-tier"] == "hot", r.headers  # the fixture's actor: no cold start here
+    return r.json()
+
+
+def assert_documented_order(events: list[dict]) -> None:
+    """serve_app/sse.py's contract: message_start, content_block_start(0), (content_block_delta | ping)*,
+    content_block_stop(0), message_delta, message_stop — and nothing after it."""
+    types = [e["type"] for e in events]
+    assert types[:2] == ["message_start", "content_block_start"], types
+    assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"], types
+    assert set(types[2:-3]) <= {"content_block_delta", "ping"}, types
+    start = events[0]["message"]
+    assert (start["role"], start["model"], start["content"], start["stop_reason"]) == ("assistant", MODEL, [], None)
+    assert events[1]["index"] == 0 and events[1]["content_block"] == {"type": "text", "text": ""}
+    assert all(e["index"] == 0 and e["delta"]["type"] == "text_delta" and e["delta"]["text"]
+               for e in events if e["type"] == "content_block_delta"), events
+    assert events[-3]["index"] == 0
+
+
+def test_concurrent_streams_batched_on_one_actor_keep_the_event_order_and_their_own_text(zq, ray_cluster,
+                                                                                          tmp_path):
+    ray = ray_cluster
+    hold, gate = tmp_path / "hold", tmp_path / "gate"
+    prompts = [f"request {k}: {topic} hold:{hold} gate:{gate} thanks" for k, topic in
+               enumerate(["the sea", "seven green apples", "why is the sky blue", "count to ten",
+                          "a poem about rust", "zebra quartz jumps"])]
+    assert len(prompts) == N
+
+    # Each prompt's answer alone, the files existing so that nothing waits.
+    hold.touch()
+    gate.touch()
+    alone = [_alone(zq, p) for p in prompts]
+    expected = [m["content"][0]["text"] for m in alone]
+    assert all(expected) and len(set(expected)) == N, expected  # distinct: a crossed answer would show
+    hold.unlink()
+    gate.unlink()
+    assert_nothing_left(ray, NAMESPACE)
+
+    endings: list[harness.Ending | None] = [None] * N
+
+    def stream(k: int) -> None:
+        endings[k] = call(zq, _payload(prompts[k], stream=True), timeout=CONCURRENT_BOUND_S + 30)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(N)]
+    for t in threads:
+        t.start()
+
+    # All N rows admitted onto the one hot actor, none of them computed yet.
+    registry = harness.registry(ray, NAMESPACE)
+
+    def batched() -> list:
+        return [a for a in ray.get(registry.snapshot.remote(), timeout=10).actors if a.num_rows]
+
+    wait_for(lambda: sum(a.num_rows for a in batched()) == N, 30, f"{N} rows admitted")
+    running = batched()
+    assert len(running) == 1 and running[0].num_rows == N and running[0].state == "busy", running
+    actor = ray.get_actor(running[0].name, namespace=NAMESPACE)
+    assert ray.get(actor.status.remote(), timeout=10).num_rows == 0  # held out of the engine until now
+
+    # Into the batch together; every row decodes and then holds its Completion, still listed as running.
+    hold.touch()
+    wait_for(lambda: ray.get(actor.status.remote(), timeout=10).num_rows == 0
+             and sum(a.num_rows for a in batched()) == N, 30, "every row decoded, its Completion held")
+    time.sleep(HOLD_COMPLETION_S)  # the relays ping meanwhile
+    gate.touch()
+    for t in threads:
+        t.join(CONCURRENT_BOUND_S + 40)
+    elapsed = time.monotonic() - t0
+    assert elapsed < CONCURRENT_BOUND_S, elapsed
+
+    for k, ending in enumerate(endings):
+        assert ending is not None and ending.is_complete, (k, ending)
+        assert ending.request_id and ending.error_type is None, ending
+        assert_documented_order(ending.events)
+        assert any(e["type"] == "ping" for e in ending.events), ending.events  # held: it pinged
+        assert ending.text == expected[k], (k, ending.text, expected)  # its own answer, no other's
+        finish = next(e for e in ending.events if e["type"] == "message_delta")
+        assert finish["delta"]["stop_reason"] == alone[k]["stop_reason"]
+        assert finish["usage"]["output_tokens"] == alone[k]["usage"]["output_tokens"]
+        assert ending.events[0]["message"]["usage"]["input_tokens"] == alone[k]["usage"]["input_tokens"]
+    assert len({e.request_id for e in endings}) == N
+    assert_nothing_left(ray, NAMESPACE)
