@@ -44,6 +44,10 @@ _MAX_HELD_TOKENS = 4
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+# From this length on a text is encoded with the GIL released (see `Tokenizer.encode`).
+LONG_TEXT_CHARS = 64 << 10
+
+
 class TokenizerError(ValueError):
     """Tokenizer files that cannot be used, or a conversation the chat template refuses."""
 
@@ -116,6 +120,11 @@ class Tokenizer:
     # ---- text <-> ids --------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) >= LONG_TEXT_CHARS:
+            # `encode_batch` releases the GIL while it works (`encode` holds it throughout: 0.5 s for a
+            # 10k-message chat), so an ingress tokenizing a long prompt on a thread keeps its event
+            # loop (benchmarks/results/parse_offload.md).
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

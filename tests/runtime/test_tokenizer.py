@@ -312,3 +312,14 @@ def test_strftime_now_is_today():
     before = datetime.date.today().isoformat()
     rendered = tok.render_chat([{"role": "user", "content": ""}])
     assert rendered in (before, datetime.date.today().isoformat())
+
+
+def test_a_long_text_encodes_to_the_same_ids_on_the_gil_free_path(tiny_zqs):
+    from actors.layer_loader import open_zqs
+    from actors.tokenizer import LONG_TEXT_CHARS
+
+    reader, _, tokenizer = open_zqs(tiny_zqs)
+    reader.close()
+    text = "naïve café  digits 12345 — " * (LONG_TEXT_CHARS // 20)
+    assert len(text) >= LONG_TEXT_CHARS
+    assert tokenizer.encode(text) == tokenizer._backend.encode(text, add_special_tokens=False).ids
