@@ -95,7 +95,16 @@ class TextBlock(BaseModel):
     def _has_visible_text(cls, text: str) -> str:
         if not text.strip():
             raise ValueError("text content blocks must contain non-whitespace text")
-        return text
+        return _unicode(text)
+
+
+def _unicode(text: str) -> str:
+    """JSON's `\ud800` escapes make lone surrogates, which are not text: no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode: a lone surrogate at character {e.start}") from None
+    return text
 
 
 def _as_blocks(content: Any) -> Any:
@@ -103,7 +112,7 @@ def _as_blocks(content: Any) -> Any:
     if isinstance(content, str):
         if not content.strip():
             raise ValueError("text content must contain non-whitespace text")
-        return [{"type": "text", "text": content}]
+        return [{"type": "text", "text": _unicode(content)}]
     if isinstance(content, list):
         return content
     raise ValueError("Input should be a string or a list of content blocks")
@@ -224,6 +233,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise invalid_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:  # the decoder recurses per level of nesting: a body can exhaust the stack
         raise invalid_request("request body is nested too deeply to be a request") from None
+    except ValueError as e:  # e.g. an integer past Python's 4,300-digit conversion limit
+        raise invalid_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise invalid_request(f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -362,7 +373,8 @@ class ModelsQuery:
 def parse_models_query(params: Mapping[str, str]) -> ModelsQuery:
     """Query parameters of `GET /v1/models`; others (e.g. `lifecycle`) are ignored."""
     raw_limit = params.get("limit", "20")
-    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= MAX_MODELS_PAGE:
+    is_number = raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 6
+    if not is_number or not 1 <= int(raw_limit) <= MAX_MODELS_PAGE:
         raise invalid_request(f"limit: must be an integer from 1 to {MAX_MODELS_PAGE}, got {raw_limit!r}")
     after_id, before_id = params.get("after_id"), params.get("before_id")
     if after_id is not None and before_id is not None:

@@ -40,7 +40,7 @@ from serve_app.loaded_model import LoadedModel, load_model
 from serve_app.memory import request_features
 from serve_app.metrics import IngressMetrics
 from serve_app.offload import BoundedExecutor
-from serve_app.prompt import prompt_for
+from serve_app.prompt import count_prompt_tokens, prompt_for
 from serve_app.registry_actor import RegistryActor
 from serve_app.relay import Admitted, RelayedStream
 from serve_app.scorer import RuleScorer
@@ -53,6 +53,11 @@ log = logging.getLogger(__name__)
 # thousands of messages and rendering the chat template take tenths of a second, and the Python
 # parts of that yield the event loop its turn every few milliseconds (the GIL's switch interval).
 OFF_LOOP_BODY_BYTES = 256 << 10
+
+
+# Request headers: a generous multiple of what SDKs send (about 20 headers, under 2 KiB).
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 32 << 10
 
 
 def _timing(t: float) -> str:
@@ -104,6 +109,7 @@ class Ingress:
     async def __call__(self, request: Request) -> Response:
         request_id = api.new_request_id()
         try:
+            _check_headers(request)
             self._authenticate(request)
             route = (request.method, request.url.path.rstrip("/") or "/")
             if route == ("POST", "/v1/messages"):
@@ -147,6 +153,11 @@ class Ingress:
             raise errors.authentication("invalid x-api-key")
 
     async def _read_body(self, request: Request) -> bytes:
+        media_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            # Also what keeps a web page from making a keyless deployment compute: a browser sends
+            # text/plain and form bodies cross-origin without asking first.
+            raise errors.invalid_request(f"content-type must be application/json, got {media_type!r}")
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit():
@@ -165,13 +176,6 @@ class Ingress:
             raise errors.timeout(f"the request body did not arrive within {self.config.body_timeout_s:g} s") \
                 from None
 
-    async def _parse(self, request: Request, parse):
-        """`parse(body)`, off the event loop when the body is large (see OFF_LOOP_BODY_BYTES)."""
-        body = await self._read_body(request)
-        if len(body) < OFF_LOOP_BODY_BYTES:
-            return parse(body)
-        return await self._parser.run(lambda: parse(body))
-
     def _model(self, model_id: str) -> LoadedModel:
         model = self.models.get(model_id)
         if model is None:
@@ -185,10 +189,13 @@ class Ingress:
                               max_input_tokens=m.max_context)
 
     async def _count_tokens(self, request: Request) -> Response:
-        req = await self._parse(request, api.parse_count_tokens_request)
-        model = self._model(req.model)
-        messages = [{"role": r, "content": t} for r, t in req.flat_messages()]
-        n = len(model.tokenizer.encode_chat(messages, system=req.system_text()))
+        body = await self._read_body(request)
+
+        def parse_and_count() -> int:
+            req = api.parse_count_tokens_request(body)
+            return count_prompt_tokens(req, self._model(req.model).tokenizer)
+
+        n = parse_and_count() if len(body) < OFF_LOOP_BODY_BYTES else await self._parser.run(parse_and_count)
         return JSONResponse(api.count_tokens_response(n))
 
     async def _health(self) -> dict:
@@ -280,6 +287,15 @@ class Ingress:
         async for chunk in self.admission.relay.sse(admitted):
             for event in sse.decode_events(chunk):
                 yield event
+
+def _check_headers(request: Request) -> None:
+    """Refuse a header set no client of this API sends. Serve's proxy sets no limit of its own, so
+    without this every request would carry whatever a client sends through every layer below."""
+    num_bytes = sum(len(k) + len(v) for k, v in request.headers.raw)
+    if num_bytes > MAX_HEADER_BYTES or len(request.headers.raw) > MAX_HEADERS:
+        raise errors.request_too_large(f"request headers are too large: {len(request.headers.raw)} headers, "
+                                       f"{num_bytes} bytes; at most {MAX_HEADERS} and {MAX_HEADER_BYTES}")
+
 
 def _rss_bytes() -> int:
     """This process's resident set now (Linux's statm), else its peak."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from actors.engine import ContextWindowError, GenerationRequest, Message, build_prompt
 from actors.sampling import SamplingError, SamplingParams
-from actors.tokenizer import Tokenizer
+from actors.tokenizer import Tokenizer, TokenizerError
 from serve_app import api, errors
 
 
@@ -25,6 +25,15 @@ def prompt_for(req: api.MessagesRequest, tokenizer: Tokenizer, max_context: int)
         )
         messages = tuple(Message(r, t) for r, t in req.flat_messages())
         prompt = build_prompt(tokenizer, GenerationRequest(messages, sampling, req.system_text()), max_context)
-    except (SamplingError, ContextWindowError) as e:
+    except (SamplingError, ContextWindowError, TokenizerError) as e:  # TokenizerError: a template's refusal
         raise errors.invalid_request(str(e)) from None
     return prompt, sampling
+
+
+def count_prompt_tokens(req: api.CountTokensRequest, tokenizer: Tokenizer) -> int:
+    """What `prompt_for` would feed the model, counted; raises ApiError (400) where the template refuses."""
+    messages = [{"role": r, "content": t} for r, t in req.flat_messages()]
+    try:
+        return len(tokenizer.encode_chat(messages, system=req.system_text()))
+    except TokenizerError as e:
+        raise errors.invalid_request(str(e)) from None
