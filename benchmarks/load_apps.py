@@ -89,13 +89,13 @@ def undeploy(app: str) -> None:
     kill_namespace_actors()
 
 
-def kill_namespace_actors() -> None:
+def kill_namespace_actors(namespace: str = NAMESPACE) -> None:
     import ray
 
     for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == NAMESPACE:
+        if a["namespace"] == namespace:
             try:
-                ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE))
+                ray.kill(ray.get_actor(a["name"], namespace=namespace))
             except ValueError:
                 pass  # it exited between the listing and the kill
 
