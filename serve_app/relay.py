@@ -208,11 +208,19 @@ def as_api_error(e: BaseException) -> ApiError:
         # A process lost (killed, out of memory, its node gone) is capacity lost, not a bug: retry.
         return errors.overloaded("the model's process was lost while serving the request; retry",
                                  LOST_RETRY_AFTER_S)
+    if isinstance(e, ray.exceptions.RayActorError):  # its constructor raised: the model cannot be loaded
+        return errors.api_error("the model could not be loaded")
     return errors.api_error("the model failed while serving the request")
 
 
 def _is_lost(e: BaseException) -> bool:
-    """The actor is gone, or could never be placed (its node died after the registry chose it)."""
+    """The actor is gone, or could never be placed (its node died after the registry chose it).
+
+    Not an actor whose constructor raised (its model file missing or cut short): that fails the same way
+    on every placement, so it is a server fault (500), not capacity to retry elsewhere.
+    """
+    if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:
+        return False
     return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError))
 
 
