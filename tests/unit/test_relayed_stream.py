@@ -1,0 +1,69 @@
+"""A streamed response releases its request exactly once, however it ends — also when its body never starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from starlette.requests import ClientDisconnect
+
+from serve_app.relay import Admitted, Relay, RelayedStream
+
+
+class _Stream:
+    """An actor stream that never yields: the body would wait on it for ever."""
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(3600)
+
+
+def _admitted() -> Admitted:
+    return Admitted("req-1", "m", "zq-m-000000000000", False, "hot", 3, _Stream(), started=None, arrival=0.0,
+                    dispatch_time=0.0)
+
+
+def _relay(ended: list) -> Relay:
+    # A ping every 50 ms: with ASGI 2.4 a server tells the app the client left by failing its next send.
+    return Relay(10.0, 10.0, 0.05, lambda a, done: None, lambda a, outcome: ended.append((a.request_id, outcome)))
+
+
+def _scope() -> dict:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "method": "POST", "path": "/v1/messages", "headers": []}
+
+
+def test_a_client_gone_before_the_first_event_still_releases_the_request():
+    ended: list = []
+    admitted = _admitted()
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        raise OSError("the client closed the connection")  # at http.response.start: the body never starts
+
+    with pytest.raises(ClientDisconnect):  # starlette's name for the failed send
+        asyncio.run(RelayedStream(admitted, _relay(ended), {})(_scope(), receive, send))
+    assert ended == [("req-1", "cancelled")]
+
+
+def test_a_client_that_disconnects_mid_body_releases_the_request_once():
+    ended: list = []
+    admitted = _admitted()
+    sent: list = []
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        if len(sent) == 3:  # message_start, then a ping went out; the client is gone at the next
+            raise OSError("the client closed the connection")
+        sent.append(message["type"])
+
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(RelayedStream(admitted, _relay(ended), {})(_scope(), receive, send))
+    assert sent[:2] == ["http.response.start", "http.response.body"]  # message_start went out
+    assert ended == [("req-1", "cancelled")]
