@@ -37,7 +37,7 @@ from serve_app.decisions import Bind, Reject, Spawn
 from serve_app.loaded_model import LoadedModel
 from serve_app.metrics import IngressMetrics
 from serve_app.placement import Placer
-from serve_app.registry import AdoptedRow
+from serve_app.registry import AdoptedActor, AdoptedRow
 from serve_app.registry_actor import RegistryActor, RegistryConfig, get_registry
 from serve_app.registry_link import RegistryLink
 from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Admitted, Outcome, Relay
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 # A request whose actor is lost before the client saw its answer is decided again, up to this many
 # tries in all (a warm pool lost at once, its node gone, costs one try per dead actor still listed).
 MAX_ATTEMPTS = 3
+# Idle hot actors remembered for a new registry: more than a cluster's slots ever hold at once.
+MAX_IDLE_KNOWN = 1024
 
 
 class Admission:
@@ -65,6 +67,8 @@ class Admission:
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, config.ping_interval_s, self._observe,
                            self._ended, self._first_token)
         self._running: dict[str, Admitted] = {}  # request id -> the request, from placement to its end
+        # Hot actors this replica last saw go idle (handed to a new registry with the running rows).
+        self._idle: dict[str, AdoptedActor] = {}
         self._releasing: set[asyncio.Task] = set()  # rows given up, released once their stream has ended
         self.placer = Placer(actor_cls, config.actor, timeout_s=config.placement_timeout_s)
         # The first heartbeat hands this deployment's policy and scorer, and the slots, to the registry
@@ -103,17 +107,22 @@ class Admission:
         On the slot refresher's thread, after the slots were registered."""
         ray.get(self.registry.configure.remote(self.config.policy, self.scorer), timeout=30)
         rows = [self._adopted_row(a) for a in list(self._running.values()) if a.decision is not None]
-        if rows:
-            taken = ray.get(self.registry.adopt.remote(rows), timeout=30)
-            log.warning("handed %d of %d running rows to the new registry", len(taken), len(rows))
+        idle = list(self._idle.values())
+        if rows or idle:
+            taken = ray.get(self.registry.adopt.remote(rows, idle), timeout=30)
+            log.warning("handed %d of %d running rows and idle hot actors to the new registry", len(taken),
+                        len(rows) + len(idle))
+
+    def _resident_bytes(self, a: Admitted) -> int:
+        d = a.decision
+        if isinstance(d, Spawn):
+            return d.resident_bytes
+        return self.models[a.model_id].numbers.weight_bytes + self.config.policy.actor_overhead_bytes
 
     def _adopted_row(self, a: Admitted) -> AdoptedRow:
         d, f = a.decision, a.features
-        model = self.models[a.model_id]
-        if isinstance(d, Spawn):
-            resident, request = d.resident_bytes, d.reserve_bytes - d.resident_bytes
-        else:
-            resident, request = model.numbers.weight_bytes + self.config.policy.actor_overhead_bytes, d.reserve_bytes
+        resident = self._resident_bytes(a)
+        request = d.reserve_bytes - resident if isinstance(d, Spawn) else d.reserve_bytes
         is_started = a.tier == "hot" or a.num_chunks > 0
         return AdoptedRow(a.actor_name, a.model_id, d.slot_id, d.lane, d.keep_hot, is_started, resident,
                           a.request_id, request, f.num_tokens, f.tpot_target_s,
@@ -170,7 +179,10 @@ class Admission:
                 handle = await self.placer.create(name, model.zqs_path, decision.node_id, evict=decision.evict)
                 if decision.evict:
                     self.metrics.evictions.inc(len(decision.evict), tags={"model": model.id})
+                for evicted in decision.evict:
+                    self._idle.pop(evicted, None)
             else:  # Dispatch, Join or Bind: an actor that exists
+                self._idle.pop(name, None)  # busy now, or lost
                 handle = await self.placer.handle(name)
         except ValueError:  # no such actor: it died and the registry has not noticed yet
             self.registry.finish.remote(name, request_id, "failed")  # forget it
@@ -271,7 +283,14 @@ class Admission:
 
     def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
         self.registry.finish.remote(admitted.actor_name, admitted.request_id, outcome)
+        if outcome == "complete" and admitted.keep_hot and admitted.decision is not None:
+            d = admitted.decision
+            self._idle[admitted.actor_name] = AdoptedActor(admitted.actor_name, admitted.model_id, d.slot_id,
+                                                           d.lane, self._resident_bytes(admitted))
+            while len(self._idle) > MAX_IDLE_KNOWN:  # actors retired elsewhere leave their records
+                del self._idle[next(iter(self._idle))]
         if outcome != "complete" or not admitted.keep_hot:
+            self._idle.pop(admitted.actor_name, None)
             if outcome == "complete":  # it exits by itself after its last row
                 self.placer.forget(admitted.actor_name)
             self.warm_filler.wake()  # its actor exits: a slot may come free for a pool

@@ -62,6 +62,7 @@ from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
 from serve_app.policy import PolicyConfig, decide, warm_candidates
 from serve_app.registry_records import (
     REQUEST_ACTOR_PATTERN,
+    AdoptedActor,
     AdoptedRow,
     Outcome,
     ReconcileReport,
@@ -82,7 +83,7 @@ from serve_app.snapshot import (
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec, is_model_active, plan_fills
 
 # Re-exported: the registry's callers name these through this module.
-__all__ = ["REQUEST_ACTOR_PATTERN", "AdoptedRow", "Outcome", "ReconcileReport", "RegistryState", "RowReservation", "SlotSpec",
+__all__ = ["REQUEST_ACTOR_PATTERN", "AdoptedActor", "AdoptedRow", "Outcome", "ReconcileReport", "RegistryState", "RowReservation", "SlotSpec",
            "is_request_actor_name"]
 
 # How long an abandoned request id is remembered: longer than any admission call can be in flight.
@@ -369,12 +370,14 @@ class RegistryState:
         self._abandoned[request_id] = now
         return None
 
-    def adopt(self, rows: Iterable[AdoptedRow], now: float) -> list[str]:
-        """Take back the rows an ingress replica still relays; returns the request ids taken.
+    def adopt(self, rows: Iterable[AdoptedRow], now: float, idle: Iterable[AdoptedActor] = ()) -> list[str]:
+        """Take back the rows an ingress replica still relays, and the idle hot actors it knows of;
+        returns the request ids and actor names taken.
 
-        For a registry that restarted empty: the actors running those rows are registered
-        again with what they hold, so they are not orphans. A row already held, or one whose
-        slot is unknown or has no room for it, is not taken.
+        For a registry that restarted empty: those actors are registered again with what they
+        hold, so they are not orphans (nor lost capacity). A row already held, an actor already
+        known, or one whose slot is unknown or has no room for it, is not taken. An idle actor
+        that has died meanwhile is a ghost at the next reconcile.
         """
         taken = []
         for r in rows:
@@ -400,6 +403,14 @@ class RegistryState:
                 self._touch_slot(slot)
                 self._touch_actor(actor)
             taken.append(r.request_id)
+        for a in idle:
+            slot = self._slots.get(a.slot_id)
+            if (a.actor_name in self._actors or slot is None or slot.num_actors >= self.max_actors_per_slot
+                    or slot.free_bytes < a.resident_bytes):
+                continue
+            self._register(_Actor(a.actor_name, a.model, a.slot_id, a.lane, "idle", True, a.resident_bytes, now,
+                                  idle_since=now), slot)
+            taken.append(a.actor_name)
         return taken
 
     def release_rows_of(self, replica_ids: set[str], now: float) -> list[str]:

@@ -18,9 +18,9 @@ Restarts. The actor restarts if it dies (`max_restarts=-1`), and an ingress re-c
 if it was killed for good (registry_link.py); either way its state, in memory only, comes
 back empty, under a new `incarnation`. Each replica sees the new incarnation in its next
 heartbeat and hands over what it knows: its policy and scorer (`configure`), its slots,
-and the rows it is still relaying (`adopt`), so the actors running them are not orphans.
-Orphans are therefore killed only `adopt_grace_s` after the registry starts. Idle hot and
-warm actors are not handed over: they are killed as orphans and the pools refill. Calls
+the rows it is still relaying and the idle hot actors it knows of (`adopt`), so those actors
+are not orphans. Orphans are therefore killed only `adopt_grace_s` after the registry
+starts. Warm actors are not handed over: they are killed as orphans and the pools refill. Calls
 are not retried (`max_task_retries=0`): a commit is not idempotent, so a call that fails
 is answered as an error.
 
@@ -53,6 +53,7 @@ from serve_app.decisions import Decision, Spawn
 from serve_app.policy import PolicyConfig
 from serve_app.registry import (
     REQUEST_ACTOR_PATTERN,
+    AdoptedActor,
     AdoptedRow,
     Outcome,
     ReconcileReport,
@@ -193,10 +194,10 @@ class RegistryActor:
         with self._lock:
             return self._state.remove(actor_name)
 
-    def adopt(self, rows: list[AdoptedRow]) -> list[str]:
-        """A replica's running rows, handed back after a restart; returns the request ids taken."""
+    def adopt(self, rows: list[AdoptedRow], idle: list[AdoptedActor] = ()) -> list[str]:
+        """A replica's running rows and idle hot actors, handed back after a restart; returns what was taken."""
         with self._lock:
-            return self._state.adopt(rows, time.time())
+            return self._state.adopt(rows, time.time(), idle)
 
     def configure(self, policy: PolicyConfig, scorer: Scorer | None = None) -> None:
         """The policy and scorer of the latest deployment (a redeploy's replicas bring theirs)."""

@@ -106,6 +106,17 @@ class AdoptedRow:
     replica_id: str = ""  # the replica handing it over
 
 
+@dataclass(frozen=True)
+class AdoptedActor:
+    """An idle hot actor an ingress replica knows of, handed to a registry that restarted empty."""
+
+    actor_name: str
+    model: str
+    slot_id: str
+    lane: Lane
+    resident_bytes: int
+
+
 @dataclass
 class _Actor:
     name: str

@@ -30,7 +30,7 @@ BACK_BOUND_S = 30.0
 @pytest.fixture(scope="module")
 def zq(ray_cluster, tiny_zqs):
     base = harness.deploy(PORT, "zeroqueue-registry-loss", NAMESPACE, tiny_zqs, actor_cls=FaultyActor,
-                          policy={"max_hot_short_actors": 0})
+                          policy={"max_hot_short_actors": 1})
     yield base
     harness.undeploy(ray_cluster, NAMESPACE)
 
@@ -71,4 +71,22 @@ def test_a_lost_registry_means_fast_503s_then_service_again_and_the_running_stre
     stream.join(60)
     assert streamed and streamed[0].is_complete, streamed
     ray.get(new.detach.remote("test-observer"))
+    assert_nothing_left(ray, NAMESPACE)
+
+
+def test_an_idle_hot_actor_is_handed_to_a_restarted_registry_not_killed_as_an_orphan(zq, ray_cluster):
+    from serve_app.registry_actor import RegistryConfig
+
+    ray = ray_cluster
+    assert call(zq, body()).is_complete
+    wait_for(lambda: any(a.state == "idle" for a in ray.get(harness.registry(ray, NAMESPACE).snapshot.remote()).actors),
+             30, "an idle hot actor")
+    [hot] = [a.name for a in ray.get(harness.registry(ray, NAMESPACE).snapshot.remote()).actors if a.state == "idle"]
+    ray.kill(harness.registry(ray, NAMESPACE), no_restart=False)
+    wait_for(lambda: _served_again(zq), BACK_BOUND_S, "requests served by the restarted registry")
+    # Past the restarted registry's grace for hand-overs, and one reconcile more: an orphan would be dead.
+    time.sleep(RegistryConfig.adopt_grace_s + 2 * RegistryConfig.reconcile_interval_s)
+    actors = {a.name: a.state for a in ray.get(harness.registry(ray, NAMESPACE).snapshot.remote()).actors}
+    assert actors.get(hot) in ("idle", "busy"), actors  # still the registry's, and alive:
+    assert {"name": hot, "namespace": NAMESPACE} in ray.util.list_named_actors(all_namespaces=True)
     assert_nothing_left(ray, NAMESPACE)

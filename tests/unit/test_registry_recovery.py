@@ -97,3 +97,16 @@ def test_the_rows_of_a_replica_that_is_gone_are_released_and_an_actor_running_on
     assert _actor(reg, "only") is None
     assert reg.release_rows_of({"gone"}, now=2.0) == []  # nothing left of it
     reg.check_invariants()
+
+
+def test_idle_hot_actors_handed_over_are_idle_again_not_orphans_and_a_busy_one_stays_busy():
+    from serve_app.registry import AdoptedActor
+
+    reg = _registry(1000, 1000)
+    idle = [AdoptedActor("a", "m", "s0", "short", 500), AdoptedActor("b", "m", "s1", "short", 500)]
+    # Another replica's running row on `a` is handed over first: `a` is busy, not idle.
+    assert reg.adopt([_row("a", "r1")], now=0.0, idle=idle) == ["r1", "b"]
+    assert _actor(reg, "a").state == "busy" and _actor(reg, "b").state == "idle"
+    assert reg.reconcile({"a", "b"}, now=1.0).orphans == ()
+    assert reg.adopt([], now=1.0, idle=idle) == []  # known already
+    reg.check_invariants()
