@@ -228,7 +228,26 @@ class Goal:
     met: bool | None  # None: not measured
 
 
-def judge(counts: dict[str, Any], end: dict[str, Any], growth: float | None) -> list[Goal]:
+REGISTRY_REFUSAL = "the admission registry is unavailable"
+MAX_REGISTRY_REFUSAL_S = 0.25  # the issue's goal: every admission answered within it while the registry is lost
+
+
+def refusal_latencies(records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Client-seen seconds (send to end) of each 503 refusal, by its message with ids blanked."""
+    out: dict[str, list[float]] = {}
+    for rec in records:
+        if rec.get("status") == 503 and classify(rec).kind == ERROR:
+            out.setdefault(_generic(_error_message(rec)), []).append(rec["end"] - rec["sent"])
+    return out
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def judge(counts: dict[str, Any], end: dict[str, Any], growth: float | None,
+          refusals: dict[str, list[float]] | None = None) -> list[Goal]:
     n500, n_none, sent = counts["http_500"], counts["endings"].get(NONE, 0), counts["sent"]
     leaked, orphans = end["leaked_rows"], end["orphans"]
     if leaked is None:
@@ -242,7 +261,17 @@ def judge(counts: dict[str, Any], end: dict[str, Any], growth: float | None) -> 
         Goal("0 leaked reservations or orphan actors 5 s after the load stops", "0", fig3, met3),
         Goal("ingress RSS growth ≤ 10%", "≤ 10%", "not measured" if growth is None else f"{growth:+.1%}",
              None if growth is None else growth <= MAX_RSS_GROWTH),
+        _registry_goal([x for m, xs in (refusals or {}).items() if m.startswith(REGISTRY_REFUSAL) for x in xs]),
     ]
+
+
+def _registry_goal(xs: list[float]) -> Goal:
+    name = f"registry lost: every admission answered within {MAX_REGISTRY_REFUSAL_S:g} s (503, retry-after)"
+    if not xs:
+        return Goal(name, f"≤ {MAX_REGISTRY_REFUSAL_S:g} s", "no such refusal", None)
+    figure = (f"{len(xs)} refusals, client-seen p50 {_quantile(xs, 0.5):.3f} s, p99 {_quantile(xs, 0.99):.3f} s, "
+              f"max {max(xs):.3f} s")
+    return Goal(name, f"≤ {MAX_REGISTRY_REFUSAL_S:g} s", figure, max(xs) <= MAX_REGISTRY_REFUSAL_S)
 
 
 def tally(records: list[dict[str, Any]], kills: list[dict[str, Any]] = ()) -> dict[str, Any]:
@@ -343,7 +372,8 @@ def write_report(data: dict[str, Any], out: Path) -> str:
     counts = tally(records, kills)
     end = end_state(data["registry_actors"], data["alive_before"], data["alive_after"], data.get("registry_error"))
     growth, how = rss_growth(data["rss"])
-    goals = judge(counts, end, growth)
+    refusals = refusal_latencies(records)
+    goals = judge(counts, end, growth, refusals)
     m, model, load_s = data["machine"], data["model"], plan["minutes"] * 60
     busy = was_busy(m["loadavg_start"][0])
     lines = [
@@ -399,6 +429,11 @@ def write_report(data: dict[str, Any], out: Path) -> str:
     if counts["errors"]:
         lines += ["Documented errors, by status, type and message:", "", "| error | n |", "|---|---|",
                   *[f"| {_cell(r)} | {n} |" for r, n in counts["errors"].items()], ""]
+    if refusals:
+        lines += ["Refusals (503), client-seen seconds from send to answer:", "",
+                  "| message | n | p50 | p99 | max |", "|---|---|---|---|---|",
+                  *[f"| {_cell(m)} | {len(xs)} | {_quantile(xs, 0.5):.3f} | {_quantile(xs, 0.99):.3f} | "
+                    f"{max(xs):.3f} |" for m, xs in sorted(refusals.items())], ""]
     window = max(10.0, load_s / 20)
     lines += [f"Per {window:g} s of the load (by send time):", "",
               "| from (s) | complete | error | cancel | none | 500 | kills |", "|---|---|---|---|---|---|---|",

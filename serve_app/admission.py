@@ -204,7 +204,10 @@ class Admission:
         return admitted
 
     async def _admit(self, features, spawn_name: str, request_id: str):
-        """The registry's decision, or a 503 at once when it does not answer within `registry_timeout_s`."""
+        """The registry's decision, or a 503 at once when it does not answer within `registry_timeout_s`
+        (or is known not to answer: until the link's next heartbeat is answered, nothing is asked)."""
+        if not self.registry.is_available:
+            raise self._registry_unavailable()
         try:
             return await asyncio.wait_for(
                 self.registry.admit.remote(features, spawn_name, request_id, self.slot_refresher.take_stats(),
@@ -217,11 +220,15 @@ class Admission:
             # Calls from this replica reach the registry in order, and a registry remembers what was
             # abandoned before it was admitted: nothing stays reserved for a request that was refused.
             self.registry.abandon.remote(request_id)
-            self.registry.wake()  # a registry gone for good is re-created by the next heartbeat
-            self.metrics.rejections.inc(tags={"reason": "registry_unavailable"})
+            self.registry.wake()  # unavailable until a heartbeat is answered; one gone for good is re-created
             log.warning("request %s: the registry did not decide in time (%s)", request_id, type(e).__name__)
-            raise errors.overloaded("the admission registry is unavailable; retry shortly",
-                                    self.config.policy.retry_after_s) from None
+            raise self._registry_unavailable() from None
+
+    def _registry_unavailable(self) -> errors.ApiError:
+        self.metrics.rejections.inc(tags={"reason": "registry_unavailable"})
+        # Back within a heartbeat or two (a restart, or a new registry) when it comes back at all.
+        return errors.overloaded("the admission registry is unavailable; retry shortly",
+                                 max(self.config.policy.retry_after_s, self.config.registry_heartbeat_s))
 
     async def _reconcile(self) -> None:
         try:

@@ -9,7 +9,9 @@ what this replica knows (its policy and scorer, its slots, the rows it is still 
 Attribute access forwards to the current handle, so callers write `link.admit.remote(...)`
 and reach whichever registry is current. Heartbeats run on the slot refresher's thread
 (slots.py), every `heartbeat_s` or at once after `wake()` — an admission that found the
-registry unavailable wakes it, so a registry gone for good is replaced within a heartbeat.
+registry unavailable wakes it, so a registry gone for good is replaced within a heartbeat,
+and until a heartbeat is answered `is_available` is False: admissions are refused at once
+rather than each waiting `registry_timeout_s` for a registry known to be gone.
 """
 
 from __future__ import annotations
@@ -35,14 +37,22 @@ class RegistryLink:
         self.incarnation: str | None = None  # the registry's, as of the last heartbeat; None: not yet seen
         self._wake = threading.Event()
         self._is_closed = False
+        # False from an admission the registry did not answer until a heartbeat is answered: admissions
+        # meanwhile are refused at once instead of each waiting out its deadline on a registry that is gone.
+        self._is_available = True
 
     def __getattr__(self, name: str) -> Any:
         # Only names this class does not define reach here: the registry's methods.
         return getattr(self.handle, name)
 
     def wake(self) -> None:
-        """Heartbeat now: the registry did not answer an admission."""
+        """Heartbeat now: the registry did not answer an admission (it is taken as unavailable until then)."""
+        self._is_available = False
         self._wake.set()
+
+    @property
+    def is_available(self) -> bool:
+        return self._is_available
 
     def close(self) -> None:
         """No more heartbeats: the replica is stopping, and the registry may shut itself down for good."""
@@ -70,6 +80,7 @@ class RegistryLink:
             # Dead for good, or restarting: `get_if_exists` gives the restarting one, or a new one.
             self.handle = self._make_registry()
             incarnation = ray.get(self.handle.attach.remote(self.replica_id), timeout=self._call_timeout_s)
+        self._is_available = True
         if incarnation == self.incarnation:
             return
         if self.incarnation is not None:

@@ -110,3 +110,24 @@ def test_idle_hot_actors_handed_over_are_idle_again_not_orphans_and_a_busy_one_s
     assert reg.reconcile({"a", "b"}, now=1.0).orphans == ()
     assert reg.adopt([], now=1.0, idle=idle) == []  # known already
     reg.check_invariants()
+
+
+def test_a_link_whose_registry_did_not_answer_is_unavailable_until_a_heartbeat_is_answered(monkeypatch):
+    import ray
+
+    from serve_app.registry_link import RegistryLink
+
+    class Handle:
+        class attach:  # noqa: N801  (the shape of a Ray method: handle.attach.remote(...))
+            @staticmethod
+            def remote(replica_id):
+                return "ref"
+
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: "incarnation-1")
+    link = RegistryLink(Handle, "replica-1")
+    assert link.is_available
+    link.wake()  # an admission got no answer
+    assert not link.is_available
+    handed_over = []
+    link.heartbeat(lambda: handed_over.append(True))
+    assert link.is_available and handed_over == [True] and link.incarnation == "incarnation-1"

@@ -216,12 +216,16 @@ def test_rss_growth_from_the_witness_else_from_the_survivors():
 def test_goals_met_and_missed():
     clean = end_state([], [], [])
     goals = judge(tally([plain(200, MESSAGE), plain(503, error_data("overloaded_error"))]), clean, 0.05)
-    assert [g.met for g in goals] == [True, True, True, True]
+    assert [g.met for g in goals] == [True, True, True, True, None]  # no registry refusal: not measured
     bad = [plain(500, {"_raw": "boom"}), sse([*start_events()])]
-    goals = judge(tally(bad), end_state([{"name": "zq-m-aaaaaaaaaaaa", "rows": 1}], [], []), 0.2)
-    assert [g.met for g in goals] == [False, False, False, False]
+    goals = judge(tally(bad), end_state([{"name": "zq-m-aaaaaaaaaaaa", "rows": 1}], [], []), 0.2,
+                  {"the admission registry is unavailable; retry shortly": [0.1, 0.4]})
+    assert [g.met for g in goals] == [False, False, False, False, False]
+    assert goals[4].figure.startswith("2 refusals") and goals[4].figure.endswith("max 0.400 s")
     assert goals[0].figure.startswith("1 of 2") and goals[1].figure == "2 of 2"
     assert judge(tally(bad), clean, None)[3].met is None
+    fast = judge(tally(bad), clean, None, {"the admission registry is unavailable; retry shortly": [0.1, 0.2]})
+    assert fast[4].met is True
 
 
 def test_longest_gap_without_a_completion():
