@@ -114,15 +114,22 @@ class SlotRefresher:
         self._link.heartbeat(self._hand_over)  # a registry that cannot be reached fails the replica's start
 
     def register(self) -> None:
-        slots = discover_slots(self._args, self._actor)
-        self.slots = slots
+        self._register_slots()
+        self._ensure_agents()
+
+    def _register_slots(self) -> None:
+        self.slots = discover_slots(self._args, self._actor)
         ray.get(self._link.register_slots.remote(self.slots), timeout=30)
+
+    def _ensure_agents(self) -> None:
         # Idempotent: agents already running are returned as they are; new nodes get one.
         self._agents = ensure_agents(TelemetryConfig(), namespace=self._actor.namespace)
 
     def _hand_over(self) -> None:
-        self.register()
+        # The slots and the running rows first: the new registry kills unknown actors after its grace.
+        self._register_slots()
         self._on_new_incarnation()
+        self._ensure_agents()
 
     def poll_telemetry(self) -> dict[str, tuple[float, float]]:
         """One telemetry round: what the agents report now, kept for `take_stats`."""

@@ -157,6 +157,18 @@ def test_reconcile_kills_an_unknown_request_actor_as_an_orphan(ray_cluster, make
     assert not any(n.startswith("zq-registry-test-") for n in report.orphans)  # itself excluded
 
 
+def test_a_new_registry_kills_unknown_actors_only_after_its_grace_for_hand_overs(ray_cluster, make_registry,
+                                                                                 dummies):
+    ray = ray_cluster
+    registry = make_registry(adopt_grace_s=2.0)
+    running = dummies()  # a replica's running row, not handed over yet
+    ray.get(registry.reconcile_now.remote())
+    assert _is_alive(ray, running)  # within the grace: it may still be handed over
+    time.sleep(2.0)
+    assert running in ray.get(registry.reconcile_now.remote()).orphans
+    _wait_until(lambda: not _is_alive(ray, running))
+
+
 def test_the_background_loop_reconciles_without_being_asked(ray_cluster, make_registry, dummies):
     ray = ray_cluster
     registry = make_registry(reconcile_interval_s=0.2, spawn_grace_s=0.2)
