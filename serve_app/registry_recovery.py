@@ -1,0 +1,136 @@
+"""The registry's side of failures: matching its books to what Ray lists alive, and taking back
+what a registry that restarted empty lost. A mixin of `RegistryState` (registry.py), whose books
+(`_slots`, `_actors`) these read and change under the same lock; pure, no Ray.
+
+Crashes. `reconcile(alive, now, alive_nodes)` compares the registry with the request
+actors and the nodes Ray lists as alive (a dead node's slots are removed, and its actors
+forgotten as ghosts at once):
+  - ghosts: registered, not alive, and spawned more than `spawn_grace_s` ago (an actor
+    is committed here before it is created, so a young one may not be listed yet) —
+    forgotten with their reservations (the actor died, or its replica crashed before
+    creating it);
+  - expired: an actor with a row past its `busy_deadline` — the replica that ran the
+    request crashed or the actor hung. Forgotten, and reported for the caller to kill:
+    releasing only the reservation would leave a live actor holding uncounted memory;
+  - retired: idle hot actors idle for more than `max_idle_s` (None: never), and warm
+    actors of a model that has had no request for as long (warm_pool.py) — reported to
+    be killed, so idle actors of one model do not hold slots forever from another;
+  - orphans: alive request actors the registry does not know (a registry restart, a
+    replica that created an actor after its reservation was reclaimed, an actor still
+    exiting after `finish`) — reported to be killed: nothing reserves their memory.
+
+Hand-overs. A registry that restarted (or was re-created) comes back empty; each ingress
+replica hands it the rows it still relays and the idle hot actors it knows of (`adopt`).
+Rows carry the replica relaying them: the rows of a replica that has gone silent
+(`release_rows_of`) are released, and an actor that ran only those is reported to be killed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from serve_app.registry_records import AdoptedActor, AdoptedRow, ReconcileReport, RowReservation, _Actor
+
+
+class Recovery:
+    def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None) -> ReconcileReport:
+        """Match the registry to Ray's alive request actors, listed at `now` (see the module doc).
+
+        With `alive_nodes`, every other node's slots are removed, and the actors on them
+        forgotten as ghosts at once (however young: nothing runs on a node that is gone), so
+        no decision places anything there again.
+        """
+        dead_slots = {s.slot_id for s in self._slots.values()
+                      if alive_nodes is not None and s.node_id not in alive_nodes}
+        orphans = tuple(sorted(name for name in alive if name not in self._actors))
+        ghosts, expired, retired = [], [], []
+        released = 0
+        for actor in list(self._actors.values()):
+            if actor.slot_id in dead_slots or actor.name not in alive:
+                if actor.slot_id not in dead_slots and now - actor.spawned_at < self.spawn_grace_s:
+                    continue
+                ghosts.append(actor.name)
+            elif any(now > r.busy_deadline for r in actor.rows.values()):
+                expired.append(actor.name)
+            elif self._is_retired(actor, now):
+                retired.append(actor.name)
+            else:
+                continue
+            released += actor.reserved_bytes
+            self._forget(actor)
+        for slot_id in sorted(dead_slots):
+            del self._slots[slot_id]
+            del self._slot_views[slot_id]
+            self._changed()
+        return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released,
+                               tuple(sorted(dead_slots)))
+
+    def _is_retired(self, actor: _Actor, now: float) -> bool:
+        if self.max_idle_s is None:
+            return False
+        if actor.state in ("warm", "warming"):
+            last = self._last_request_at.get(actor.model, actor.spawned_at)
+            return now - max(last, actor.spawned_at) > self.max_idle_s
+        return actor.idle_since is not None and now - actor.idle_since > self.max_idle_s
+
+    def adopt(self, rows: Iterable[AdoptedRow], now: float, idle: Iterable[AdoptedActor] = ()) -> list[str]:
+        """Take back the rows an ingress replica still relays, and the idle hot actors it knows of;
+        returns the request ids and actor names taken.
+
+        For a registry that restarted empty: those actors are registered again with what they
+        hold, so they are not orphans (nor lost capacity). A row already held, an actor already
+        known, or one whose slot is unknown or has no room for it, is not taken. An idle actor
+        that has died meanwhile is a ghost at the next reconcile.
+        """
+        taken = []
+        for r in rows:
+            slot = self._slots.get(r.slot_id)
+            actor = self._actors.get(r.actor_name)
+            if slot is None or any(r.request_id in a.rows for a in self._actors.values()):
+                continue
+            row = RowReservation(r.request_id, r.num_tokens, r.tpot_target_s, r.predicted_end,
+                                 now + r.busy_timeout_s, r.request_bytes, r.replica_id)
+            if actor is None:
+                if (slot.num_actors >= self.max_actors_per_slot
+                        or slot.free_bytes < r.resident_bytes + r.request_bytes):
+                    continue
+                state = "busy" if r.is_started else "starting"
+                self._register(_Actor(r.actor_name, r.model, r.slot_id, r.lane, state, r.is_hot, r.resident_bytes,
+                                      now, {r.request_id: row}), slot)
+            elif actor.slot_id != r.slot_id or slot.free_bytes < r.request_bytes or actor.state == "starting":
+                continue
+            else:
+                actor.rows[r.request_id] = row
+                actor.state, actor.idle_since = "busy", None
+                slot.reserved_bytes += r.request_bytes
+                self._touch_slot(slot)
+                self._touch_actor(actor)
+            taken.append(r.request_id)
+        for a in idle:
+            slot = self._slots.get(a.slot_id)
+            if (a.actor_name in self._actors or slot is None or slot.num_actors >= self.max_actors_per_slot
+                    or slot.free_bytes < a.resident_bytes):
+                continue
+            self._register(_Actor(a.actor_name, a.model, a.slot_id, a.lane, "idle", True, a.resident_bytes, now,
+                                  idle_since=now), slot)
+            taken.append(a.actor_name)
+        return taken
+
+    def release_rows_of(self, replica_ids: set[str], now: float) -> list[str]:
+        """The rows of ingress replicas that are gone (nobody relays them any more) are released.
+
+        An actor left with rows of live replicas keeps running them; one whose rows were all
+        of gone replicas is forgotten and reported to be killed, since it still computes them.
+        """
+        to_kill = []
+        for actor in list(self._actors.values()):
+            gone = [r for r in actor.rows.values() if r.replica_id in replica_ids]
+            if not gone:
+                continue
+            if len(gone) == len(actor.rows):
+                self._forget(actor)
+                to_kill.append(actor.name)
+                continue
+            for row in gone:
+                self.finish(actor.name, row.request_id, "cancelled", now)
+        return to_kill
