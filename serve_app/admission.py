@@ -36,6 +36,7 @@ from serve_app.config import IngressConfig
 from serve_app.decisions import Bind, Reject, Spawn
 from serve_app.loaded_model import LoadedModel
 from serve_app.metrics import IngressMetrics
+from serve_app.offload import within
 from serve_app.placement import Placer
 from serve_app.registry import AdoptedActor, AdoptedRow
 from serve_app.registry_actor import RegistryActor, RegistryConfig, get_registry
@@ -209,7 +210,7 @@ class Admission:
         if not self.registry.is_available:
             raise self._registry_unavailable()
         try:
-            return await asyncio.wait_for(
+            return await within(
                 self.registry.admit.remote(features, spawn_name, request_id, self.slot_refresher.take_stats(),
                                            self.replica_id),
                 self.config.registry_timeout_s)
@@ -232,7 +233,7 @@ class Admission:
 
     async def _reconcile(self) -> None:
         try:
-            await asyncio.wait_for(self.registry.reconcile_now.remote(), self.config.registry_timeout_s * 4)
+            await within(self.registry.reconcile_now.remote(), self.config.registry_timeout_s * 4)
         except Exception:  # best effort: the registry's own loop does the same within a second
             log.info("reconcile before a retry did not answer in time")
 
@@ -283,7 +284,7 @@ class Admission:
 
     async def _finish_when_gone(self, admitted: Admitted, outcome: Outcome) -> None:
         try:
-            await asyncio.wait_for(_drain(admitted.stream), self.config.token_timeout_s)
+            await within(_drain(admitted.stream), self.config.token_timeout_s)
         except Exception:  # cancelled, failed or timed out: the actor's row is gone or the actor is
             pass
         self._finish(admitted, outcome)

@@ -39,7 +39,7 @@ from serve_app.latency_targets import request_targets
 from serve_app.loaded_model import LoadedModel, load_model
 from serve_app.memory import request_features
 from serve_app.metrics import IngressMetrics
-from serve_app.offload import BoundedExecutor
+from serve_app.offload import BoundedExecutor, within
 from serve_app.prompt import count_prompt_tokens, prompt_for
 from serve_app.registry_actor import RegistryActor
 from serve_app.relay import Admitted, RelayedStream
@@ -200,7 +200,7 @@ class Ingress:
 
     async def _health(self) -> dict:
         try:
-            snap = await asyncio.wait_for(self.admission.registry.snapshot.remote(), timeout=self.config.registry_timeout_s)
+            snap = await within(self.admission.registry.snapshot.remote(), self.config.registry_timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             self.admission.registry.wake()
             raise errors.overloaded("the admission registry is unavailable; retry shortly",

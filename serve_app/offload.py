@@ -1,4 +1,5 @@
-"""Blocking work off the ingress's event loop: a small thread pool with a deadline and a cap.
+"""Waiting with a deadline that holds (`within`), and blocking work off the ingress's event loop:
+a small thread pool with a deadline and a cap (`BoundedExecutor`).
 
 asyncio's default executor queues without bound; here at most `max_pending` calls are in
 flight, and one more is refused at once (503 overloaded_error) rather than queued, as is
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -22,6 +23,29 @@ log = logging.getLogger(__name__)
 
 # The client is told to retry after this when the work itself (GCS, parsing) was too slow.
 RETRY_AFTER_S = 1.0
+
+
+async def within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
+    """`awaitable`'s result, or asyncio.TimeoutError after `timeout_s` — then at once.
+
+    `asyncio.wait_for` on its deadline cancels what it waits on and then waits for the
+    cancellation to finish; a Ray call to an actor that neither answers nor dies (a
+    registry restarting) only finishes when it does, so that deadline held for seconds.
+    Here the deadline is the deadline: what was waited on is cancelled and left behind.
+    """
+    future = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+    except BaseException:
+        if not future.done():
+            future.cancel()
+            future.add_done_callback(_retrieve)
+        raise
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # nobody waits for it any more: not an "exception was never retrieved"
 
 
 class BoundedExecutor:
@@ -40,7 +64,7 @@ class BoundedExecutor:
         future: Future = self._executor.submit(call)
         future.add_done_callback(self._done)
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self._timeout_s)
+            return await within(asyncio.wrap_future(future), self._timeout_s)
         except BaseException as e:
             if on_abandoned is not None:  # what the call still makes is nobody's: undone once it is made
                 future.add_done_callback(lambda f: f.exception() is None and on_abandoned(f.result()))

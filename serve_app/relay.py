@@ -31,6 +31,7 @@ from actors.messages import ActorBusyError, Completion, Started, TextChunk
 from serve_app import api, errors, sse
 from serve_app.decisions import Decision
 from serve_app.errors import ApiError
+from serve_app.offload import within
 from serve_app.snapshot import RequestFeatures
 
 Outcome = Literal["complete", "cancelled", "failed"]
@@ -170,7 +171,7 @@ class Relay:
         # Until its first token, an actor that is loading its weights may take as long as a load does.
         is_loading = admitted.num_chunks == 0 and admitted.tier != "hot"
         timeout = self.start_timeout_s if is_loading else self.token_timeout_s
-        item = await asyncio.wait_for(_next_item(admitted.stream), timeout)
+        item = await within(_next_item(admitted.stream), timeout)
         if isinstance(item, TextChunk):
             admitted.num_chunks += 1
             if admitted.num_chunks == 1:
