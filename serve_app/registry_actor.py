@@ -196,9 +196,14 @@ class RegistryActor:
             return self._state.remove(actor_name)
 
     def adopt(self, rows: list[AdoptedRow], idle: list[AdoptedActor] = ()) -> list[str]:
-        """A replica's running rows and idle hot actors, handed back after a restart; returns what was taken."""
+        """A replica's running rows and idle hot actors, handed back after a restart; returns what was taken.
+
+        Only idle actors Ray lists alive: a replica's memory of an idle actor outlives the actor when
+        something else killed it (a retirement, an eviction by another replica, a crash).
+        """
+        alive = self._alive_request_actors() if idle else set()
         with self._lock:
-            return self._state.adopt(rows, time.time(), idle)
+            return self._state.adopt(rows, time.time(), [a for a in idle if a.actor_name in alive])
 
     def configure(self, policy: PolicyConfig, scorer: Scorer | None = None) -> None:
         """The policy and scorer of the latest deployment (a redeploy's replicas bring theirs)."""

@@ -169,6 +169,17 @@ def test_a_new_registry_kills_unknown_actors_only_after_its_grace_for_hand_overs
     _wait_until(lambda: not _is_alive(ray, running))
 
 
+def test_only_idle_actors_ray_lists_alive_are_taken_from_a_hand_over(ray_cluster, make_registry, dummies):
+    from serve_app.registry import AdoptedActor
+
+    ray = ray_cluster
+    registry = make_registry()
+    ray.get(registry.register_slots.remote([SlotSpec("s0", _node(ray), 1000), SlotSpec("s1", _node(ray), 1000)]))
+    alive = dummies()
+    idle = [AdoptedActor(alive, "m", "s0", "short", 500), AdoptedActor("zq-m-0123456789ab", "m", "s1", "short", 500)]
+    assert ray.get(registry.adopt.remote([], idle)) == [alive]  # the other one was killed meanwhile
+
+
 def test_the_background_loop_reconciles_without_being_asked(ray_cluster, make_registry, dummies):
     ray = ray_cluster
     registry = make_registry(reconcile_interval_s=0.2, spawn_grace_s=0.2)
