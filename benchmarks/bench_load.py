@@ -42,7 +42,7 @@ from benchmarks.cpu_share import CpuSampler
 from benchmarks.load_netem import Impairment, lossy_link, probe
 from benchmarks.load_report import write_report
 from benchmarks.load_scenarios import CLASSES, MIXED, Scenario, extra_scenarios, prompt_of, schedule
-from benchmarks.load_setup import app_args, calibrate, lanes, machine, model_facts, scorer_used
+from benchmarks.load_setup import app_args, calibrate, lanes, machine, model_facts, run_data, scorer_used
 from benchmarks.load_stats import Record, Slo, closed_loop_rate
 from benchmarks.load_sweep import LOADS, Budget, Overheads, plan_durations, sweep_cost_s, sweep_scenarios
 
@@ -307,14 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     _exit_on_sigterm()
 
-    if args.report_only:
-        data = json.loads(Path(args.report_only).read_text())
-    else:
-        data = measure(make_plan(args), command)
-        raw = Path(".cache/bench/load") / f"run-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        raw.parent.mkdir(parents=True, exist_ok=True)
-        raw.write_text(json.dumps(data))
-        log.info("raw results: %s", raw)
+    data = run_data(args.report_only, lambda: measure(make_plan(args), command), "load")
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = write_report(data, out)
     print(summary)  # the benchmark's result: the goals, judged

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -130,3 +131,15 @@ def machine() -> dict[str, Any]:
     return {"cores": os.cpu_count(), "cpu": cpu, "mem_gib": round(mem, 1), "python": platform.python_version(),
             "torch": torch.__version__, "ray": ray.__version__, "locust": version("locust"),
             "loadavg_start": os.getloadavg()}
+
+
+def run_data(report_only: str | None, measure_run, bench: str) -> dict[str, Any]:
+    """A saved run's raw results (`--report-only`), or a new run's, kept under .cache/bench/<bench>/."""
+    if report_only:
+        return json.loads(Path(report_only).read_text())
+    data = measure_run()
+    raw = Path(".cache/bench") / bench / f"run-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(data))
+    logging.getLogger(__name__).info("raw results: %s", raw)
+    return data

@@ -475,14 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     _exit_on_sigterm()
-    if args.report_only:
-        data = json.loads(Path(args.report_only).read_text())
-    else:
-        data = measure(make_plan(args), command)
-        raw = Path(".cache/bench/soak") / f"run-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        raw.parent.mkdir(parents=True, exist_ok=True)
-        raw.write_text(json.dumps(data))
-        log.info("raw results: %s", raw)
+    from benchmarks.load_setup import run_data
+
+    data = run_data(args.report_only, lambda: measure(make_plan(args), command), "soak")
     print(write_report(data, Path(args.out)))
     return 0
 
