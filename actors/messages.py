@@ -33,6 +33,9 @@ class ActorRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     keep_hot: bool = False
+    # Every token its own chunk, sent the moment it is sampled (X-Stream-Mode: low-latency); else
+    # tokens sampled within `ActorConfig.stream_interval_s` of the previous chunk ride together.
+    is_low_latency: bool = False
 
 
 @dataclass(frozen=True)

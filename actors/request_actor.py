@@ -219,8 +219,10 @@ class RequestActor:
 
     async def _relay(self, request: ActorRequest, stream: RowStream, arrival: float, is_cold: bool):
         """The row's engine events as the actor's stream items: `Started` and the first token at once,
-        later tokens coalesced into one chunk per `stream_interval_s`."""
-        interval = self.config.stream_interval_s
+        later tokens coalesced into one chunk per `stream_interval_s` — or each on its own, at once,
+        for a low-latency request."""
+        interval = 0.0 if request.is_low_latency else self.config.stream_interval_s
+        coalesce = (lambda items: items) if request.is_low_latency else _coalesce
         loop = asyncio.get_running_loop()
         next_send = 0.0  # loop time before which no further chunk leaves
         has_sent_token = False
@@ -230,7 +232,7 @@ class RequestActor:
             if wait > 0 and not isinstance(items[0], FinishEvent):
                 await asyncio.sleep(wait)
             items += stream.get_ready()
-            for item in _coalesce([self._item(request, event, arrival, is_cold) for event in items]):
+            for item in coalesce([self._item(request, event, arrival, is_cold) for event in items]):
                 yield item
                 if isinstance(item, Completion):
                     return

@@ -24,6 +24,7 @@ Warm pools are refilled on a background thread (warm_filler.py), never awaited b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -172,8 +173,7 @@ class Admission:
             raise errors.overloaded(decision.message, decision.retry_after_s or self.config.policy.retry_after_s)
         rows = decision.candidate.batch_rows + 1 if decision.candidate is not None else 1
         self.metrics.batch_rows.observe(rows, tags={"model": model.id})
-        actor_request = ActorRequest(request_id, actor_request.prompt_ids, actor_request.sampling,
-                                     keep_hot=decision.keep_hot)
+        actor_request = dataclasses.replace(actor_request, keep_hot=decision.keep_hot)
         name = spawn_name if isinstance(decision, Spawn) else decision.actor_name
         try:
             if isinstance(decision, Spawn):

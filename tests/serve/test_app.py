@@ -174,6 +174,28 @@ def test_health_reports_jitter_actors_and_slots(zq):
     h = httpx.get(f"{zq}/health", headers={"x-api-key": KEY}).json()
     assert h["status"] == "ok" and h["slots"]["total"] == 2
     assert h["dispatch_latency_us"]["count"] >= 1 and h["dispatch_latency_us"]["p50"] > 0
+    # Seed 001's operators read the jitter at the top level.
+    assert h["dispatch_jitter_us"] == h["dispatch_latency_us"]["jitter"] >= 0
+
+
+def test_x_stream_mode_low_latency_streams_the_same_answer_a_token_an_event(zq):
+    from serve_app.sse import decode_events
+
+    def stream(headers):
+        r = _post(zq, _body(max_tokens=24, stream=True, temperature=0), headers)
+        assert r.status_code == 200, r.text
+        events = decode_events(r.content)
+        deltas = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"]
+        tokens = next(e["usage"]["output_tokens"] for e in events if e["type"] == "message_delta")
+        return r.headers["x-stream-mode"], deltas, tokens
+
+    mode, fast, num_tokens = stream({"x-stream-mode": "low-latency"})
+    assert mode == "low-latency"
+    assert len(fast) <= num_tokens  # one event per token whose text is not empty (the actor sends each alone)
+    default_mode, coalesced, _ = stream({})
+    assert default_mode == "coalesced" and "".join(coalesced) == "".join(fast)  # the same answer
+    bad = _post(zq, _body(stream=True), {"x-stream-mode": "fastest"})
+    assert bad.status_code == 400 and "x-stream-mode" in bad.json()["error"]["message"]
 
 
 def _long_stream(base, stop: threading.Event, started: threading.Event, statuses: list | None = None):

@@ -331,3 +331,21 @@ def test_warm_actor_holds_its_first_layers_then_serves_as_a_fresh_actor(ray_clus
     assert _token_ids(chunks) == _token_ids(fresh_chunks) and len(_token_ids(chunks)) == 16
     _wait_gone(ray, name)  # bound without keep_hot: it exits after its request, as a cold actor does
     _wait_gone(ray, fresh_name)
+
+
+def test_a_low_latency_request_gets_every_token_alone_and_a_default_one_gets_them_coalesced(ray_cluster, tiny_zqs):
+    ray = ray_cluster
+    interval = 0.5
+    actor = spawn(str(tiny_zqs), replace(CONFIG, stream_interval_s=interval), new_actor_name("ll"))
+    try:
+        default = _request(tiny_zqs, max_tokens=16, keep_hot=True, temperature=0)
+        coalesced, done = _consume(ray, actor.generate.remote(default))
+        # Coalesced: the first token alone, then at most one chunk per interval of the decode, and the last.
+        decode_s = done.timings.last_token - done.timings.first_token
+        assert len(coalesced) <= 3 + decode_s / interval, (len(coalesced), decode_s)
+        fast = replace(_request(tiny_zqs, max_tokens=16, temperature=0), is_low_latency=True)
+        chunks, done = _consume(ray, actor.generate.remote(fast))
+        assert [len(c.token_ids) for c in chunks] == [1] * done.output_tokens  # each token its own chunk
+        assert _token_ids(chunks) == _token_ids(coalesced)  # the same tokens either way
+    finally:
+        ray.kill(actor)
