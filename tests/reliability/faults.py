@@ -7,7 +7,8 @@ fault happens only for the first request to create `path`: a retry then runs cle
 `gate:<path>` (the request holds its last item until `path` exists).
 
   die-before-start  the process exits before the request's `Started`
-  die-mid-load      after `Started`, before the first token (a cold actor's load)
+  die-mid-load      after `Started`, before the first token (a cold actor's load); with `after:<path>`,
+                    once `path` exists (the test saw the stream's first event: the Started was delivered)
   die-mid-decode    after the first text chunk
   stall             after `Started`, nothing more, ever
   slow-load         after `Started`, `SLOW_LOAD_S` before anything more (a load slower than a token's deadline)
@@ -28,6 +29,7 @@ from serve_app.registry_actor import RegistryActor
 _FAULT = re.compile(r"fault:([a-z-]+)")
 _ONCE = re.compile(r"once:(\S+)")
 _GATE = re.compile(r"gate:(\S+)")
+_AFTER = re.compile(r"after:(\S+)")
 
 
 def _is_armed(text: str) -> bool:
@@ -60,6 +62,9 @@ class FaultyActor(RequestActor):
                     await asyncio.sleep(0.02)
             yield item
             if isinstance(item, Started) and kind == "die-mid-load":
+                after = _AFTER.search(text)
+                while after is not None and not Path(after.group(1)).exists():
+                    await asyncio.sleep(0.02)
                 os._exit(1)
             if isinstance(item, Started) and kind == "stall":
                 await asyncio.sleep(3600)

@@ -7,8 +7,12 @@ placed again, and a death that keeps happening is a 503 with retry-after, never 
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
 
+from serve_app.sse import decode_events
 from tests.reliability import harness
 from tests.reliability.faults import FaultyActor
 from tests.reliability.harness import assert_documented_error, assert_nothing_left, body, call
@@ -53,11 +57,21 @@ def test_a_non_streamed_request_whose_actor_dies_is_placed_again_and_completes(z
 @pytest.mark.parametrize("kind", ["die-mid-load", "die-mid-decode"])
 def test_a_stream_whose_actor_dies_after_its_first_event_ends_with_an_overloaded_error_event(
         zq, ray_cluster, tmp_path, threads, kind):
-    ending = call(zq, body(f"fault:{kind} once:{tmp_path / 'died'}", max_tokens=12, stream=True))
-    assert ending.status == 200 and ending.events[0]["type"] == "message_start"
-    assert_documented_error(ending, 200, "overloaded_error")
-    assert ending.events[-1]["type"] == "error"  # nothing after the error
-    assert ending.seconds < BOUND_S
+    seen = tmp_path / "seen"  # die-mid-load waits for it: the death comes after the client has the first event
+    payload = body(f"fault:{kind} once:{tmp_path / 'died'} after:{seen}", max_tokens=12, stream=True)
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{zq}/v1/messages", json=payload, timeout=BOUND_S) as r:
+        assert r.status_code == 200
+        raw = b""
+        for chunk in r.iter_bytes():
+            raw += chunk
+            if b"message_start" in raw:
+                seen.touch()
+        request_id = r.headers["request-id"]
+    events = decode_events(raw)
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "error", events  # nothing after it
+    assert events[-1]["error"]["type"] == "overloaded_error" and events[-1]["request_id"] == request_id
+    assert time.monotonic() - t0 < BOUND_S
     assert_nothing_left(ray_cluster, NAMESPACE)
 
 

@@ -140,6 +140,7 @@ def test_a_corrupt_model_file_is_a_documented_server_error_then_served_again_onc
     model_file.with_suffix(".gone").unlink(missing_ok=True)
     _replace(model_file, good)
     ending = call(zq, body(max_tokens=8, stream=stream))
-    assert ending.is_complete and ending.text, ending
+    # Complete; its text may be empty: a random-weight model samples ids the synthetic tokenizer has no text for.
+    assert ending.is_complete, ending
     assert ending.seconds < OK_BOUND_S, ending.seconds
     assert_nothing_left(ray_cluster, NAMESPACE)
