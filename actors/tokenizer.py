@@ -121,9 +121,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if len(text) >= LONG_TEXT_CHARS:
-            # `encode_batch` releases the GIL while it works (`encode` holds it throughout: 0.5 s for a
-            # 10k-message chat), so an ingress tokenizing a long prompt on a thread keeps its event
-            # loop (benchmarks/results/parse_offload.md).
+            # `encode_batch` releases the GIL while it works (`encode` holds it throughout), so an
+            # ingress tokenizing a long prompt on a thread keeps its event loop: the loop's worst lag
+            # for a 10k-message body in benchmarks/results/parse_offload.md.
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 

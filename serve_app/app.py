@@ -56,7 +56,7 @@ OFF_LOOP_BODY_BYTES = 256 << 10
 
 
 LOW_LATENCY, COALESCED = "low-latency", "coalesced"  # X-Stream-Mode values
-# Request headers: a generous multiple of what SDKs send (about 20 headers, under 2 KiB).
+# Request headers: far more than any API client sends; a set past these is not a request of this API.
 MAX_HEADERS = 100
 MAX_HEADER_BYTES = 32 << 10
 

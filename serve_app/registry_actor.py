@@ -82,8 +82,8 @@ class RegistryConfig:
     # An ingress replica not heard from for this long is gone; with none left, everything goes.
     replica_lease_s: float = 120.0
     # After a (re)start, how long the replicas have to hand their running rows back before
-    # unknown actors are killed as orphans: five heartbeats (a hand-over takes one, and well
-    # under a second on a busy 2-core machine); short, because until then an orphan holds a slot.
+    # unknown actors are killed as orphans: five heartbeats, where a hand-over needs one; short,
+    # because until then an orphan holds a slot.
     adopt_grace_s: float = 5.0
     # A replica not heard from for this long (ten heartbeats) is gone: the rows it relayed are released.
     replica_silence_s: float = 10.0
