@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import random
-import re
 import shlex
 import signal
 import sys
@@ -52,7 +51,6 @@ NAMESPACE = "zeroqueue-soak"
 APP = DEPLOYMENT = "zeroqueue"
 REGISTRY = "zq-registry"
 SERVE_NAMESPACE = "serve"
-REQUEST_ACTOR = re.compile(r"^zq-(?!telemetry-|registry).+-[0-9a-f]{12}$")  # actors/request_actor.new_actor_name
 KINDS = ("actor", "registry_restart", "registry_gone", "ingress")
 SETTLE_S = 5.0  # after the load stops, before the registry is read
 
@@ -124,8 +122,10 @@ def chaos_plan(plan: Plan) -> list[tuple[float, str]]:
 def request_actors() -> list[str]:
     import ray
 
+    from serve_app.registry import is_request_actor_name
+
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == NAMESPACE and REQUEST_ACTOR.match(a["name"]))
+                  if a["namespace"] == NAMESPACE and is_request_actor_name(a["name"]))
 
 
 def ingress_replicas() -> list[str]:

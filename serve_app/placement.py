@@ -27,6 +27,14 @@ from serve_app.offload import BoundedExecutor
 MAX_CACHED_HANDLES = 1024
 
 
+def kill_named(name: str, namespace: str) -> None:
+    """Kill the actor named `name`, for good; one that is gone already is left alone."""
+    try:
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    except ValueError:  # no such actor
+        pass
+
+
 class Placer:
     def __init__(self, actor_cls: type, actor: ActorConfig, *, timeout_s: float = 10.0, max_threads: int = 4,
                  max_pending: int = 64) -> None:
@@ -74,10 +82,10 @@ class Placer:
     def kill(self, name: str) -> None:
         with self._lock:
             handle = self._handles.pop(name, None)
-        try:
-            ray.kill(handle or ray.get_actor(name, namespace=self._actor.namespace), no_restart=True)
-        except ValueError:  # gone already
-            pass
+        if handle is None:
+            kill_named(name, self._actor.namespace)
+        else:
+            self._kill_handle(handle)
 
     def close(self) -> None:
         self._executor.close()

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import ray
 
 from serve_app.decisions import Decision, Spawn
+from serve_app.placement import kill_named
 from serve_app.policy import PolicyConfig
 from serve_app.registry import (
     REQUEST_ACTOR_PATTERN,
@@ -294,10 +295,7 @@ class RegistryActor:
         }
 
     def _kill(self, name: str) -> None:
-        try:
-            ray.kill(ray.get_actor(name, namespace=self._config.actor_namespace), no_restart=True)
-        except ValueError:  # already gone
-            pass
+        kill_named(name, self._config.actor_namespace)
 
 
 def get_registry(config: RegistryConfig, policy: PolicyConfig, scorer: Scorer | None = None,
