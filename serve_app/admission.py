@@ -210,9 +210,9 @@ class Admission:
         if not self.registry.is_available:
             raise self._registry_unavailable()
         try:
-            return await within(
+            decision = await within(
                 self.registry.admit.remote(features, spawn_name, request_id, self.slot_refresher.take_stats(),
-                                           self.replica_id),
+                                           self.replica_id, self.registry.incarnation),
                 self.config.registry_timeout_s)
         except asyncio.CancelledError:  # the client left: whatever the admission commits is undone
             self.registry.abandon.remote(request_id)
@@ -224,6 +224,10 @@ class Admission:
             self.registry.wake()  # unavailable until a heartbeat is answered; one gone for good is re-created
             log.warning("request %s: the registry did not decide in time (%s)", request_id, type(e).__name__)
             raise self._registry_unavailable() from None
+        if isinstance(decision, Reject) and decision.reason == "registry_restarted":
+            self.registry.wake()  # the heartbeat hands this replica's rows over; admissions resume after it
+            raise self._registry_unavailable()
+        return decision
 
     def _registry_unavailable(self) -> errors.ApiError:
         self.metrics.rejections.inc(tags={"reason": "registry_unavailable"})

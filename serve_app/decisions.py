@@ -13,7 +13,8 @@ from typing import Literal
 from serve_app.scorer import Candidate, Prediction
 from serve_app.snapshot import Lane
 
-RejectReason = Literal["no_capacity", "too_large", "latency_target"]
+# registry_restarted: the admitting replica has not yet handed its rows to a restarted registry.
+RejectReason = Literal["no_capacity", "too_large", "latency_target", "registry_restarted"]
 
 
 @dataclass(frozen=True)

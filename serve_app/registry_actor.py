@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import ray
 
-from serve_app.decisions import Decision, Spawn
+from serve_app.decisions import Decision, Reject, Spawn
 from serve_app.placement import kill_named
 from serve_app.policy import PolicyConfig
 from serve_app.registry import (
@@ -138,14 +138,21 @@ class RegistryActor:
     # ---- commits ---------------------------------------------------------------------
 
     def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
-              slot_stats: dict[str, tuple[float, float]] | None = None, replica_id: str = "") -> Decision:
+              slot_stats: dict[str, tuple[float, float]] | None = None, replica_id: str = "",
+              incarnation: str | None = None) -> Decision:
         """Decide with this registry's policy and scorer, and commit, in one call.
+
+        `incarnation` is the one the caller last handed its rows to. A restarted registry refuses
+        a replica that has not handed over yet: decided on books that lack that replica's running
+        rows and idle actors, the admission could double-book their slots or spawn beside them.
 
         `slot_stats` is the caller's latest telemetry, applied first: the ingress hands it
         over with each admission rather than from a thread of its own, because tasks one
         caller submits from several threads can reach an in-order actor out of sequence,
         and Ray then holds every later task of that caller for 30 s.
         """
+        if incarnation is not None and incarnation != self.incarnation:
+            return Reject("registry_restarted", None, "the admission registry restarted; retry shortly")
         with self._lock:
             self._apply_slot_stats(slot_stats)
             return self._state.admit(features, self._policy, spawn_name, request_id, time.time(), self._scorer,

@@ -80,11 +80,11 @@ class RegistryLink:
             # Dead for good, or restarting: `get_if_exists` gives the restarting one, or a new one.
             self.handle = self._make_registry()
             incarnation = ray.get(self.handle.attach.remote(self.replica_id), timeout=self._call_timeout_s)
+        if incarnation != self.incarnation:
+            if self.incarnation is not None:
+                log.warning("registry restarted (incarnation %s -> %s): handing over this replica's state",
+                            self.incarnation, incarnation)
+            on_new_incarnation()
+            # Admissions carry this: the registry refuses them until it is the incarnation handed over to.
+            self.incarnation = incarnation
         self._is_available = True
-        if incarnation == self.incarnation:
-            return
-        if self.incarnation is not None:
-            log.warning("registry restarted (incarnation %s -> %s): handing over this replica's state",
-                        self.incarnation, incarnation)
-        on_new_incarnation()
-        self.incarnation = incarnation

@@ -209,3 +209,50 @@ def test_reconcile_removes_the_slots_of_a_node_that_is_gone(ray_cluster, make_re
     assert isinstance(decision, Spawn) and decision.slot_id == "here"  # never the dead node's (it sorted first)
     ray.get(registry.remove.remote("zq-m-0123456789ab"))
     ray.get(registry.check_invariants.remote())
+
+
+def test_a_restarted_registry_refuses_a_replicas_admissions_until_that_replica_has_handed_over(
+        ray_cluster, make_registry, dummies):
+    """Ray restarts the registry empty. Between the heartbeat that sees it and the end of the hand-over,
+    an admission from the same replica would be decided on books that lack the replica's running rows
+    (and could place onto their slot): it is refused; once the rows are handed over, it is served."""
+    from serve_app.registry import AdoptedRow
+    from serve_app.registry_link import RegistryLink
+
+    ray = ray_cluster
+    registry = make_registry()
+    slots = [SlotSpec("s0", _node(ray), 1000), SlotSpec("s1", _node(ray), 1000)]
+    features = RequestFeatures("m", 10, 10, 480, 1, 0)  # one actor per slot (POLICY); first fit takes s0
+    link = RegistryLink(lambda: registry, "replica-1")
+    link.heartbeat(lambda: ray.get(registry.register_slots.remote(slots)))
+    running = dummies()
+    assert isinstance(ray.get(link.admit.remote(features, running, "r1", None, "replica-1", link.incarnation)),
+                      Spawn)
+    before = link.incarnation
+    ray.kill(registry, no_restart=False)
+    during: list = []
+
+    def hand_over():
+        ray.get(registry.register_slots.remote(slots))
+        during.append(ray.get(link.admit.remote(features, "zq-m-0123456789ab", "r2", None, "replica-1",
+                                                link.incarnation)))
+        row = AdoptedRow(running, "m", "s0", "short", False, True, 500, "r1", 0, 10, None, time.time() + 60, 60.0,
+                         "replica-1")
+        assert ray.get(registry.adopt.remote([row])) == ["r1"]
+
+    _wait_until(lambda: _heartbeat_sees_a_new_incarnation(link, hand_over, before), timeout=30)
+    [refused] = during
+    assert isinstance(refused, Reject) and refused.reason == "registry_restarted", refused
+    assert [a.name for a in ray.get(registry.snapshot.remote()).actors] == [running]  # nothing committed for r2
+    admitted = ray.get(link.admit.remote(features, "zq-m-0123456789ab", "r2", None, "replica-1", link.incarnation))
+    assert isinstance(admitted, Spawn) and admitted.slot_id == "s1", admitted  # s0 is the running row's
+
+
+def _heartbeat_sees_a_new_incarnation(link, hand_over, before: str) -> bool:
+    import ray
+
+    try:
+        link.heartbeat(hand_over)
+    except ray.exceptions.RayActorError:  # still restarting
+        return False
+    return link.incarnation != before

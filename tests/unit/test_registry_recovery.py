@@ -131,3 +131,48 @@ def test_a_link_whose_registry_did_not_answer_is_unavailable_until_a_heartbeat_i
     handed_over = []
     link.heartbeat(lambda: handed_over.append(True))
     assert link.is_available and handed_over == [True] and link.incarnation == "incarnation-1"
+
+
+def test_a_restarted_registry_refuses_a_replica_that_has_not_handed_over_and_serves_one_that_has():
+    from serve_app.decisions import Reject
+    from serve_app.registry_actor import RegistryActor, RegistryConfig
+
+    registry = RegistryActor(RegistryConfig(reconcile_interval_s=3600.0), POLICY)
+    try:
+        registry.register_slots([SlotSpec("s0", "node", 10_000)])
+        stale = registry.admit(F, "zq-m-000000000001", "r1", replica_id="replica-1", incarnation="before-restart")
+        assert isinstance(stale, Reject) and stale.reason == "registry_restarted" and stale.http_status == 503
+        assert registry.snapshot().actors == ()  # nothing committed for the refused request
+        current = registry.attach("replica-1")
+        assert isinstance(registry.admit(F, "zq-m-000000000001", "r1", replica_id="replica-1",
+                                         incarnation=current), Spawn)
+    finally:
+        registry.stop()
+
+
+def test_a_link_stays_unavailable_and_on_the_old_incarnation_until_its_hand_over_succeeds(monkeypatch):
+    import pytest
+    import ray
+
+    from serve_app.registry_link import RegistryLink
+
+    class Handle:
+        class attach:  # noqa: N801  (the shape of a Ray method)
+            @staticmethod
+            def remote(replica_id):
+                return "ref"
+
+    answers = iter(["incarnation-1", "incarnation-2", "incarnation-2"])
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: next(answers))
+    link = RegistryLink(Handle, "replica-1")
+    link.heartbeat(lambda: None)
+    link.wake()
+
+    def failing_hand_over():
+        raise RuntimeError("the new registry did not take the rows")
+
+    with pytest.raises(RuntimeError):
+        link.heartbeat(failing_hand_over)
+    assert not link.is_available and link.incarnation == "incarnation-1"  # admissions stay refused
+    link.heartbeat(lambda: None)
+    assert link.is_available and link.incarnation == "incarnation-2"
