@@ -333,7 +333,9 @@ def build_prompt(tokenizer: Tokenizer, request: GenerationRequest, max_context: 
     """
     if not request.messages:
         raise ValueError("messages must not be empty")
-    prompt = tokenizer.encode_chat(_as_dicts(request.messages), system=request.system)
+    # A trailing assistant message is a prefill: the answer continues it.
+    prompt = tokenizer.encode_chat(_as_dicts(request.messages), system=request.system,
+                                   continue_final_message=request.messages[-1].role == "assistant")
     check_context_window(len(prompt), request.sampling.max_tokens, max_context)
     return prompt
 

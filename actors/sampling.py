@@ -19,6 +19,9 @@ class SamplingError(ValueError):
     """Sampling parameters out of range; raised before any compute."""
 
 
+MAX_TEMPERATURE = 2.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -31,8 +34,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 1.0:
-            raise SamplingError(f"temperature must be in [0, 1], got {self.temperature}")
+        # The APIs bound it further: Anthropic's to [0, 1], OpenAI's to [0, 2].
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise SamplingError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

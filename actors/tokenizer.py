@@ -48,6 +48,11 @@ _REPLACEMENT_CHAR = "\ufffd"
 LONG_TEXT_CHARS = 64 << 10
 
 
+# transformers' marker for the end of a message to continue (its chat_template_utils): the same text,
+# so a template that treats it specially does so for both.
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 class TokenizerError(ValueError):
     """Tokenizer files that cannot be used, or a conversation the chat template refuses."""
 
@@ -139,9 +144,17 @@ class Tokenizer:
     # ---- chat ----------------------------------------------------------------
 
     def render_chat(
-        self, messages: list[dict[str, Any]], system: str | None = None, add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], system: str | None = None, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
-        """The prompt text for a conversation, exactly as transformers' apply_chat_template renders it."""
+        """The prompt text for a conversation, exactly as transformers' apply_chat_template renders it.
+
+        `continue_final_message`: the last message (an assistant's prefill) is left open, so the
+        model continues it; rendered as transformers does — its content is tagged, the template
+        rendered without a generation prompt, and the text cut where the tag begins.
+        """
+        if continue_final_message:
+            return self._render_continued(messages, system)
         if self._template is None:
             raise TokenizerError("this tokenizer has no chat template (no chat_template in tokenizer_config.json)")
         chat = [{"role": "system", "content": system}] if system is not None else []
@@ -163,9 +176,23 @@ class Tokenizer:
         except Exception as e:
             raise TokenizerError(f"chat template refused the conversation: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], system: str | None = None) -> list[int]:
+    def _render_continued(self, messages: list[dict[str, Any]], system: str | None) -> str:
+        final = messages[-1].get("content") if messages and isinstance(messages[-1], Mapping) else None
+        if not isinstance(final, str):
+            raise TokenizerError("the final message to continue must have string content")
+        tagged = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
+        rendered = self.render_chat(tagged, system=system, add_generation_prompt=False)
+        if final.strip() not in rendered or CONTINUE_TAG.strip() not in rendered:
+            raise TokenizerError("the chat template drops part of the final message, so it cannot be continued")
+        at = rendered.rindex(CONTINUE_TAG.strip())
+        # A template that strips the content's trailing space also strips the tag's: cut and strip.
+        return rendered[:at] if rendered[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else rendered[:at].rstrip()
+
+    def encode_chat(self, messages: list[dict[str, Any]], system: str | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         """Prompt token ids. The template writes any BOS itself, so none is added (as apply_chat_template does)."""
-        return self.encode(self.render_chat(messages, system=system), add_special_tokens=False)
+        text = self.render_chat(messages, system=system, continue_final_message=continue_final_message)
+        return self.encode(text, add_special_tokens=False)
 
 
 class StreamDecoder:

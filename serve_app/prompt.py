@@ -1,12 +1,18 @@
-"""From a Messages API request to the runtime's prompt: every check, before any compute.
+"""From an API request to the runtime's prompt: every check, before any compute.
 
-The zeroqueue ingress and the queued baseline it is measured against both call
-`prompt_for`, so a request is refused the same way, in the same order, by both: a final
-assistant message (prefill), sampling parameters out of range, or a prompt plus
+Both APIs (the Messages API in api.py, OpenAI's Chat Completions in openai_api.py) and the
+queued baseline call `chat_prompt`, so a request is refused the same way, in the same
+order, by all: sampling parameters out of range, a template's refusal, or a prompt plus
 max_tokens beyond the model's window are 400 invalid_request_error.
+
+A final assistant message is a prefill, as in Anthropic's API: the prompt ends inside
+that message (transformers' `continue_final_message=True`), and the answer holds only its
+continuation. Clients use it to force a format, e.g. a prefill of `{` for a JSON object.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from actors.engine import ContextWindowError, GenerationRequest, Message, build_prompt
 from actors.sampling import SamplingError, SamplingParams
@@ -14,26 +20,43 @@ from actors.tokenizer import Tokenizer, TokenizerError
 from serve_app import api, errors
 
 
-def prompt_for(req: api.MessagesRequest, tokenizer: Tokenizer, max_context: int) -> tuple[list[int], SamplingParams]:
-    """The prompt's token ids (chat template applied) and the sampling parameters; raises ApiError (400)."""
-    if req.is_prefill:
-        raise errors.invalid_request("messages: a final assistant message (prefill) is not supported")
+def chat_prompt(messages: Sequence[tuple[str, str]], system: str | None, tokenizer: Tokenizer, max_context: int,
+                *, max_tokens: int | None, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, seed: int | None = None, stop_sequences: Sequence[str] = (),
+                ) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids (chat template applied) and the sampling parameters; raises ApiError (400).
+
+    `max_tokens=None` (OpenAI's default) is the rest of the context window after the prompt.
+    """
     try:
-        sampling = SamplingParams(
-            max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-            seed=req.seed, stop_sequences=tuple(req.stop_sequences),
-        )
-        messages = tuple(Message(r, t) for r, t in req.flat_messages())
-        prompt = build_prompt(tokenizer, GenerationRequest(messages, sampling, req.system_text()), max_context)
+        if messages and messages[-1][0] == "assistant" and messages[-1][1] != messages[-1][1].rstrip():
+            # As Anthropic's API: the continuation would start after whitespace the template may drop.
+            raise TokenizerError("messages: a final assistant message must not end with whitespace")
+        params = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                      stop_sequences=tuple(stop_sequences))
+        turns = tuple(Message(role, text) for role, text in messages)
+        if max_tokens is None:
+            probe = SamplingParams(max_tokens=1, **params)  # checks the parameters before the template runs
+            prompt = build_prompt(tokenizer, GenerationRequest(turns, probe, system), max_context)
+            return prompt, SamplingParams(max_tokens=max_context - len(prompt), **params)
+        sampling = SamplingParams(max_tokens=max_tokens, **params)
+        return build_prompt(tokenizer, GenerationRequest(turns, sampling, system), max_context), sampling
     except (SamplingError, ContextWindowError, TokenizerError) as e:  # TokenizerError: a template's refusal
         raise errors.invalid_request(str(e)) from None
-    return prompt, sampling
+
+
+def prompt_for(req: api.MessagesRequest, tokenizer: Tokenizer, max_context: int) -> tuple[list[int], SamplingParams]:
+    """`chat_prompt` for a Messages API request."""
+    return chat_prompt(req.flat_messages(), req.system_text(), tokenizer, max_context, max_tokens=req.max_tokens,
+                       temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                       stop_sequences=req.stop_sequences)
 
 
 def count_prompt_tokens(req: api.CountTokensRequest, tokenizer: Tokenizer) -> int:
     """What `prompt_for` would feed the model, counted; raises ApiError (400) where the template refuses."""
-    messages = [{"role": r, "content": t} for r, t in req.flat_messages()]
+    messages = req.flat_messages()
     try:
-        return len(tokenizer.encode_chat(messages, system=req.system_text()))
+        return len(tokenizer.encode_chat([{"role": r, "content": t} for r, t in messages], system=req.system_text(),
+                                         continue_final_message=messages[-1][0] == "assistant"))
     except TokenizerError as e:
         raise errors.invalid_request(str(e)) from None

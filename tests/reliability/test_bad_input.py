@@ -307,7 +307,7 @@ BAD_FIELDS = {  # name: (fields over a valid body, what the 400's message names)
     "two-user-turns": ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
                        "messages.1.role"),
     "system-role-in-messages": ({"messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
-    "final-assistant-turn": ({"messages": _turns(2)}, "prefill"),
+    "prefill-ending-in-whitespace": ({"messages": [*_turns(1), {"role": "assistant", "content": "x "}]}, "whitespace"),
     "content-a-number": (_one_turn(42), "messages.0.content"),
     "content-null": (_one_turn(None), "messages.0.content"),
     "content-an-object": (_one_turn({"type": "text", "text": "hi"}), "messages.0.content"),

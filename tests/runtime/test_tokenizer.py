@@ -179,6 +179,33 @@ def test_chat_template_matches_transformers(request, template_dir, system, num_t
         assert ours.encode_chat(messages, system=system) == ids
 
 
+@pytest.mark.parametrize("template_dir", ["llama3_dir", "qwen_dir", "features_dir"])
+@pytest.mark.parametrize("system", [None, "Answer in JSON."])
+@pytest.mark.parametrize("prefill", ["{", "The label is", "Sure: «x»"])
+def test_a_final_assistant_message_is_continued_as_transformers_continues_it(request, template_dir, system,
+                                                                             prefill):
+    path = request.getfixturevalue(template_dir)
+    ours, hf = Tokenizer.from_dir(path), _hf(path)
+    messages = [*CONVERSATION[:1], {"role": "assistant", "content": prefill}]
+    hf_messages = ([{"role": "system", "content": system}] if system is not None else []) + messages
+
+    text = ours.render_chat(messages, system=system, continue_final_message=True)
+    assert text == hf.apply_chat_template(hf_messages, tokenize=False, continue_final_message=True)
+    assert text.endswith(prefill)  # the prompt ends inside the assistant's turn: the answer continues it
+    assert ours.encode_chat(messages, system=system, continue_final_message=True) == hf.apply_chat_template(
+        hf_messages, tokenize=True, continue_final_message=True, return_dict=False)
+
+
+def test_a_template_that_drops_the_final_message_cannot_continue_it(synthetic):
+    files = {"tokenizer.json": tokenizer_json(512),
+             "chat_template.jinja": "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}"
+                                    "{% endfor %}"}
+    tok = Tokenizer.from_files(files)
+    with pytest.raises(TokenizerError, match="cannot be continued"):
+        tok.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
+                        continue_final_message=True)
+
+
 def test_encode_chat_has_one_bos(llama3_dir):
     tok = Tokenizer.from_dir(llama3_dir)
     ids = tok.encode_chat(CONVERSATION, system="sys")

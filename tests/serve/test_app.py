@@ -95,6 +95,19 @@ def test_sdk_create_and_stream_work_unmodified(zq):
     assert client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
 
 
+def test_a_final_assistant_message_is_continued_and_counted_as_the_prompt(zq):
+    conversation = [{"role": "user", "content": "Label this: great product"}, {"role": "assistant", "content": "{"}]
+    r = _post(zq, _body(max_tokens=4, temperature=0.0) | {"messages": conversation})
+    assert r.status_code == 200, r.text
+    counted = httpx.post(f"{zq}/v1/messages/count_tokens", json={"model": MODEL, "messages": conversation},
+                         headers={"x-api-key": KEY}, timeout=30).json()["input_tokens"]
+    closed = httpx.post(f"{zq}/v1/messages/count_tokens", headers={"x-api-key": KEY}, timeout=30, json={
+        "model": MODEL, "messages": [*conversation, {"role": "user", "content": "x"}]}).json()["input_tokens"]
+    # The prompt ends inside the assistant's turn (no end-of-turn, no next turn): it is continued.
+    assert r.json()["usage"]["input_tokens"] == counted < closed
+    assert r.json()["usage"]["output_tokens"] == 4
+
+
 def test_timing_and_request_id_headers(zq):
     r = _post(zq, _body())
     assert r.status_code == 200, r.text
