@@ -45,6 +45,7 @@ from serve_app.registry_link import RegistryLink
 from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Admitted, Outcome, Relay
 from serve_app.scorer import Scorer
 from serve_app.slots import SlotRefresher
+from serve_app.snapshot import ClusterSnapshot, ClusterSummary, summarize
 from serve_app.warm_filler import WarmFiller
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
@@ -80,6 +81,10 @@ class Admission:
                                             telemetry_refresh_s=config.telemetry_refresh_s,
                                             on_new_incarnation=self._hand_over)
         self.slot_refresher.start()
+        try:
+            self._gauges: asyncio.Task | None = asyncio.get_running_loop().create_task(self._refresh_gauges())
+        except RuntimeError:  # no event loop: constructed outside a Serve replica (tests of the class itself)
+            self._gauges = None
         policy = config.policy
         self.warm_filler = WarmFiller(
             self.registry,
@@ -96,6 +101,8 @@ class Admission:
     async def close(self) -> None:
         """The replica stops: stop refilling, and detach (the last replica takes every actor with it)."""
         self.registry.close()  # before detaching: a registry gone with the app is not re-created
+        if self._gauges is not None:
+            self._gauges.cancel()
         self.warm_filler.stop()
         self.placer.close()
         try:
@@ -114,6 +121,25 @@ class Admission:
             taken = ray.get(self.registry.adopt.remote(rows, idle), timeout=30)
             log.warning("handed %d of %d running rows and idle hot actors to the new registry", len(taken),
                         len(rows) + len(idle))
+
+    def summary(self, snap: ClusterSnapshot) -> ClusterSummary:
+        """The registry's view in counts; the gauges follow it (also set each heartbeat, below)."""
+        summary = summarize(snap, self.config.policy.max_batch)
+        self.metrics.set_cluster(summary)
+        return summary
+
+    async def _refresh_gauges(self) -> None:
+        """Each heartbeat: dashboards see the gauges whether or not /health is polled. On the event loop,
+        not the slot refresher's thread: calls one caller makes to the registry from two threads can
+        reach it out of order, and Ray then holds that caller's later calls (registry_actor.admit)."""
+        while True:
+            await asyncio.sleep(self.config.registry_heartbeat_s)
+            if not self.registry.is_available:
+                continue
+            try:
+                self.summary(await within(self.registry.snapshot.remote(), self.config.registry_timeout_s * 4))
+            except Exception:  # the registry is restarting or busy: the next round sets them
+                log.debug("gauges not refreshed this round", exc_info=True)
 
     def _resident_bytes(self, a: Admitted) -> int:
         d = a.decision
@@ -173,6 +199,7 @@ class Admission:
             raise errors.overloaded(decision.message, decision.retry_after_s or self.config.policy.retry_after_s)
         rows = decision.candidate.batch_rows + 1 if decision.candidate is not None else 1
         self.metrics.batch_rows.observe(rows, tags={"model": model.id})
+        self.metrics.admissions.inc(tags={"model": model.id, "tier": _tier(decision)})
         actor_request = dataclasses.replace(actor_request, keep_hot=decision.keep_hot)
         name = spawn_name if isinstance(decision, Spawn) else decision.actor_name
         try:

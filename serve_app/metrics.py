@@ -9,6 +9,8 @@ from collections import deque
 
 from ray.util import metrics
 
+from serve_app.snapshot import ClusterSummary
+
 _LATENCY_BOUNDARIES = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
 _SECONDS_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
 
@@ -41,10 +43,24 @@ class IngressMetrics:
         self.evictions = metrics.Counter(
             "zq_evictions_total", "Idle hot or warm actors retired to make room for a request.",
             tag_keys=("model",))
+        self.admissions = metrics.Counter(
+            "zq_admissions_total", "Admitted requests by the tier they run on: hot, warm or cold.",
+            tag_keys=("model", "tier"))
+        # Gauges of the registry's view, set each heartbeat (`set_cluster`), whether or not /health is polled.
         self.actors = metrics.Gauge("zq_actors", "Request actors by state (registry view).", tag_keys=("state",))
         self.free_slots = metrics.Gauge("zq_free_slots", "Slots with no actor.")
+        self.rows = metrics.Gauge("zq_rows", "Requests holding a row on an actor (registry view).")
+        self.batch_occupancy = metrics.Gauge(
+            "zq_batch_occupancy", "Rows on busy hot actors over the rows they could hold (max_batch each).")
         # Recent dispatch latencies (µs) for /health's jitter figures.
         self._recent_dispatch_us: deque[float] = deque(maxlen=window)
+
+    def set_cluster(self, summary: ClusterSummary) -> None:
+        for state, n in summary.actors.items():
+            self.actors.set(n, tags={"state": state})
+        self.free_slots.set(summary.num_free_slots)
+        self.rows.set(summary.num_rows)
+        self.batch_occupancy.set(summary.batch_occupancy)
 
     def observe_dispatch(self, model: str, seconds: float) -> None:
         self.dispatch_latency.observe(seconds, tags={"model": model})

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 Lane = Literal["short", "long"]
 ActorState = Literal["warming", "warm", "starting", "busy", "idle"]
+ACTOR_STATES: tuple[str, ...] = ActorState.__args__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -211,3 +212,33 @@ class ClusterSnapshot:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+@dataclass(frozen=True)
+class ClusterSummary:
+    """What /health reports and the ingress's gauges show, from one registry snapshot."""
+
+    actors: dict[str, int]  # by state, every state present (0 where none)
+    num_rows: int
+    num_slots: int
+    num_free_slots: int  # slots with no actor
+    free_bytes: int
+    # Rows on busy hot actors over the rows they could hold (max_batch each); 0.0 when none is busy.
+    batch_occupancy: float
+
+
+def summarize(snap: ClusterSnapshot, max_batch: int) -> ClusterSummary:
+    actors = dict.fromkeys(ACTOR_STATES, 0)
+    for a in snap.actors:
+        actors[a.state] += 1
+    batching = [a for a in snap.actors if a.state == "busy" and a.is_hot]
+    capacity = len(batching) * max_batch
+    return ClusterSummary(
+        actors=actors,
+        num_rows=sum(a.num_rows for a in snap.actors),
+        num_slots=len(snap.slots),
+        num_free_slots=sum(1 for s in snap.slots if s.num_actors == 0),
+        free_bytes=sum(s.free_bytes for s in snap.slots),
+        batch_occupancy=sum(a.num_rows for a in batching) / capacity if capacity else 0.0,
+    )
+
