@@ -82,11 +82,6 @@ def read_checkpoint_index(path: str | Path) -> dict[str, TensorEntry]:
     )
 
 
-def read_checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every stored tensor's shape by HF name, from the safetensors headers only."""
-    return {name: entry.shape for name, entry in read_checkpoint_index(path).items()}
-
-
 def validate_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, TensorEntry]]:
     """Config and tensor table of a checkpoint that is known to be loadable; raises CheckpointError if not."""
     config = read_checkpoint_config(path)
@@ -98,17 +93,6 @@ def validate_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor
                 f"tensor {name} is stored as {entries[name].dtype}; supported: {', '.join(_STORED_DTYPES)}"
             )
     return config, entries
-
-
-def iter_hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) in load order — embeddings, layer 0..L-1, final norm, lm_head.
-
-    Tensors keep their stored dtype and live on the CPU. The checkpoint is fully
-    validated before the first tensor is read; ignorable extras (a tied model's
-    duplicate lm_head, rotary inv_freq buffers) are skipped.
-    """
-    config, entries = validate_checkpoint(path)
-    yield from _read_tensors(config, entries)
 
 
 def _read_tensors(config: ModelConfig, entries: dict[str, TensorEntry]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -192,12 +192,6 @@ class Transformer(nn.Module):
         return [KVCache(batch_size, max_seq_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
                 for _ in range(c.num_layers)]
 
-    def reset_cache(self) -> None:
-        """Forget the cached sequence but keep the buffers for the next request of the same size."""
-        for cache in self.kv_caches:
-            cache.k_cache.zero_()
-            cache.v_cache.zero_()
-
     def drop_cache(self) -> None:
         """Free the KV cache memory."""
         self.kv_caches = []

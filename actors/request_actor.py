@@ -203,12 +203,6 @@ class RequestActor:
                 stream.cancel()  # a no-op once the row has ended; else it leaves at the next step
             self._after_row(completion is not None)
 
-    async def release(self) -> None:
-        """Retire an idle hot actor: the ingress no longer wants it kept."""
-        if self._engine.num_rows:
-            raise ActorBusyError(f"{self.name} is serving requests; it exits when they end")
-        self._exit()
-
     async def shutdown(self) -> None:
         """Called by the actor on itself: exit once the current call has returned."""
         import ray

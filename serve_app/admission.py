@@ -223,7 +223,6 @@ class Admission:
         stream = handle.generate.remote(actor_request)
         dispatch_time = time.time()
         self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
-        self.metrics.queue_wait.observe(dispatch_time - arrival, tags={"model": model.id})
         admitted = Admitted(request_id, model.id, name, decision.keep_hot, _tier(decision),
                             len(actor_request.prompt_ids), stream, started=None, arrival=arrival,
                             dispatch_time=dispatch_time, features=features, decision=decision)

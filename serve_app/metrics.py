@@ -20,9 +20,6 @@ class IngressMetrics:
         self.dispatch_latency = metrics.Histogram(
             "zq_dispatch_latency_seconds", "Arrival to decision acted on (actor called or request refused).",
             boundaries=_LATENCY_BOUNDARIES, tag_keys=("model",))
-        self.queue_wait = metrics.Histogram(
-            "zq_queue_wait_seconds", "Arrival to dispatch of admitted requests; with no queue it is decision time only.",
-            boundaries=_LATENCY_BOUNDARIES, tag_keys=("model",))
         self.decisions = metrics.Counter("zq_decisions_total", "Decisions by kind.", tag_keys=("model", "kind"))
         self.rejections = metrics.Counter("zq_rejections_total", "Refused requests by reason.", tag_keys=("reason",))
         self.errors = metrics.Counter(

@@ -3,7 +3,7 @@
 Atomicity. Every method that reads or changes the state does so inside one critical
 section under `self._lock`. Ray runs the actor's calls one at a time
 (`max_concurrency=1`), and the only other thread — the reconcile loop — takes the same
-lock, so each compare-and-set (`admit`, `finish`, `try_spawn`, ...) is
+lock, so each compare-and-set (`admit`, `finish`, `adopt`, ...) is
 linearizable: of two replicas racing for the last free bytes of a slot, the second one's
 re-check sees the first one's reservation. Replicas keep no state of their own.
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import ray
 
-from serve_app.decisions import Decision, Reject, Spawn
+from serve_app.decisions import Decision, Reject
 from serve_app.placement import kill_named
 from serve_app.policy import PolicyConfig
 from serve_app.registry import (
@@ -59,7 +59,6 @@ from serve_app.registry import (
     Outcome,
     ReconcileReport,
     RegistryState,
-    RowReservation,
     SlotSpec,
     is_request_actor_name,
 )
@@ -157,14 +156,6 @@ class RegistryActor:
             self._apply_slot_stats(slot_stats)
             return self._state.admit(features, self._policy, spawn_name, request_id, time.time(), self._scorer,
                                      replica_id)
-
-    def try_spawn(self, decision: Spawn, actor_name: str, model: str, busy_timeout_s: float,
-                  request_id: str = "req") -> bool:
-        """Commit a Spawn decided elsewhere (racing replicas in tests); its row holds no prediction."""
-        with self._lock:
-            now = time.time()
-            row = RowReservation(request_id, 0, None, now, now + busy_timeout_s)
-            return self._state.try_spawn(decision, actor_name, model, row, now)
 
     def fill_warm(self, specs: list[WarmSpec], names: dict[str, list[str]]) -> list[tuple[str, WarmFill]]:
         """Commit the warm actors the pools miss; the caller creates them (warm_filler.py)."""

@@ -10,11 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import actors.checkpoint as checkpoint_mod
-from actors.checkpoint import (
-    iter_hf_tensors,
-    load_hf_checkpoint,
-    read_checkpoint_shapes,
-)
+from actors.checkpoint import load_hf_checkpoint
 from tests.runtime.test_model_parity import VOCAB, save_hf_checkpoint
 from weights_tool.architecture import SUPPORTED_ARCHITECTURES, CheckpointError, UnsupportedArchitectureError
 
@@ -158,17 +154,3 @@ def test_dtype_defaults_to_the_checkpoint_and_can_be_cast(good_dir: Path, tmp_pa
     assert {p.dtype for p in up.parameters()} == {torch.float32}
     name = "model.layers.0.self_attn.q_proj.bias"
     assert torch.equal(up.state_dict()[name], bf16.state_dict()[name].float())
-
-
-def test_iter_hf_tensors_keeps_stored_dtype_in_load_order(tmp_path: Path) -> None:
-    hf_model = save_hf_checkpoint("llama_tied", tmp_path / "fp32")
-    hf_model.to(torch.float16).save_pretrained(tmp_path / "fp16")
-    names = []
-    for name, tensor in iter_hf_tensors(tmp_path / "fp16"):
-        assert tensor.dtype == torch.float16 and tensor.device.type == "cpu"
-        names.append(name)
-    _, config = load_hf_checkpoint(tmp_path / "fp16")
-    assert names == list(config.tensor_shapes())
-    assert names[0] == "model.embed_tokens.weight" and names[-1] == "model.norm.weight"  # tied: no lm_head
-    shapes = read_checkpoint_shapes(tmp_path / "fp16")
-    assert shapes["model.layers.1.self_attn.k_proj.weight"] == (16, 64)

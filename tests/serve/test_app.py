@@ -386,7 +386,7 @@ def test_metrics_are_exported_for_prometheus(zq, ray_cluster):
     assert _post(zq, _body(max_tokens=2)).status_code == 200
     port = ray_cluster._private.worker.global_worker.node.metrics_export_port
     wanted = ("ray_zq_decisions_total", "ray_zq_rejections_total", "ray_zq_dispatch_latency_seconds_bucket",
-              "ray_zq_queue_wait_seconds_bucket", "ray_zq_ttft_seconds_bucket",
+              "ray_zq_ttft_seconds_bucket",
               "ray_zq_time_per_output_token_seconds_bucket", "ray_zq_cold_start_seconds_bucket",
               "ray_zq_batch_rows_bucket")
     seen: set[str] = set()

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from serve_app.decisions import Reject, Spawn
-from serve_app.policy import PolicyConfig, decide
+from serve_app.policy import PolicyConfig
 from serve_app.registry import SlotSpec
 from serve_app.registry_actor import RegistryConfig, get_registry
 from serve_app.snapshot import RequestFeatures
@@ -17,6 +17,7 @@ from serve_app.snapshot import RequestFeatures
 NAMESPACE = "zeroqueue-tests"
 POLICY = PolicyConfig(actor_overhead_bytes=0, max_actors_per_slot=1)
 NUM_ROUNDS = 20
+SPAWN_600 = RequestFeatures("m", 10, 10, 580, 1, 0)  # a spawn for it reserves 600 bytes, 580 of them resident
 
 
 class _Dummy:
@@ -77,34 +78,6 @@ def _slot(ray, registry, slot_id):
     return next(s for s in ray.get(registry.snapshot.remote()).slots if s.slot_id == slot_id)
 
 
-def test_two_replicas_racing_for_a_slot_with_room_for_one_never_both_win(ray_cluster, make_registry):
-    """Both replicas decide on a snapshot taken before either commits (both see the slot free),
-    then commit at the same moment: exactly one wins. Two actors may share a slot here, so
-    only the re-check of the free bytes stops the second."""
-    ray = ray_cluster
-    policy = PolicyConfig(actor_overhead_bytes=0, max_actors_per_slot=2)
-    registry = make_registry(policy)
-    features = RequestFeatures("m", 10, 10, 980, 1, 0)  # exactly 1000 bytes
-
-    @ray.remote(num_cpus=0)
-    def replica(registry, snapshot, commit_at: float, name: str):
-        decision = decide(features, snapshot, policy)
-        time.sleep(max(0.0, commit_at - time.time()))
-        return decision, ray.get(registry.try_spawn.remote(decision, name, "m", 60.0))
-
-    for i in range(NUM_ROUNDS):
-        slot_id = f"race-{i:03d}"
-        ray.get(registry.register_slots.remote([SlotSpec(slot_id, _node(ray), 1000)]))
-        snapshot = ray.get(registry.snapshot.remote())
-        commit_at = time.time() + 0.05
-        (d0, won0), (d1, won1) = ray.get(
-            [replica.remote(registry, snapshot, commit_at, f"r{i}-{k}") for k in range(2)])
-        assert d0 == d1 and isinstance(d0, Spawn) and d0.slot_id == slot_id, (d0, d1)
-        assert sorted([won0, won1]) == [False, True], f"round {i}: {won0}, {won1}"
-        assert _slot(ray, registry, slot_id).reserved_bytes == 1000
-    ray.get(registry.check_invariants.remote())
-
-
 def test_concurrent_admits_place_one_request_per_free_slot(ray_cluster, make_registry):
     ray = ray_cluster
     registry = make_registry()
@@ -133,7 +106,7 @@ def test_reconcile_forgets_a_dead_actor_and_its_reservation(ray_cluster, make_re
     registry = make_registry(spawn_grace_s=0.2)
     ray.get(registry.register_slots.remote([SlotSpec("slot", _node(ray), 1000)]))
     name = dummies()
-    assert ray.get(registry.try_spawn.remote(Spawn("slot", "short", True, 600, 500), name, "dummy", 60.0))
+    assert isinstance(ray.get(registry.admit.remote(SPAWN_600, name, "r")), Spawn)
     time.sleep(0.3)  # past the grace
     report = ray.get(registry.reconcile_now.remote())
     assert name not in report.ghosts and name not in report.orphans  # alive and known
@@ -184,8 +157,7 @@ def test_the_background_loop_reconciles_without_being_asked(ray_cluster, make_re
     ray = ray_cluster
     registry = make_registry(reconcile_interval_s=0.2, spawn_grace_s=0.2)
     ray.get(registry.register_slots.remote([SlotSpec("slot", _node(ray), 1000)]))
-    assert ray.get(registry.try_spawn.remote(Spawn("slot", "short", True, 600, 500), "zq-never-0123456789ab",
-                                             "m", 60.0))
+    assert isinstance(ray.get(registry.admit.remote(SPAWN_600, "zq-never-0123456789ab", "r")), Spawn)
     orphan = dummies(is_started=False)  # the loop may kill it before it has started
     _wait_until(lambda: not _is_alive(ray, orphan))
     _wait_until(lambda: ray.get(registry.snapshot.remote()).actors == ())  # the ghost is forgotten

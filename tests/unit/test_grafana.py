@@ -179,8 +179,6 @@ def test_every_defined_metric_is_charted(dashboard: dict, metrics: dict[str, Met
 
 
 def test_quantile_panels_chart_p50_and_p99(dashboard: dict, metrics: dict[str, Metric]) -> None:
-    # Queue wait charts only its p99: it should read ~0, and its tail is what would show a queue.
-    single_quantile = {"zq_queue_wait_seconds"}
     for name, m in metrics.items():
         if m.kind != "Histogram":
             continue
@@ -189,7 +187,7 @@ def test_quantile_panels_chart_p50_and_p99(dashboard: dict, metrics: dict[str, M
             for e in _exprs(dashboard)
             for q in re.findall(rf"histogram_quantile\(([0-9.]+),[^;]*\b{m.series()[0]}\b", e)
         }
-        assert quantiles == ({0.99} if name in single_quantile else {0.5, 0.99}), name
+        assert quantiles == {0.5, 0.99}, name
 
 
 @pytest.mark.parametrize(
