@@ -13,10 +13,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, except for a single bf16 row on the CPU (decode at batch 1) where gemv is faster.
 
     Which kernel streams a bf16 weight fastest for one row depends on the CPU: where
-    oneDNN has no native bf16 GEMM, torch's gemv (`mv`) decodes ~1.4x faster than
-    F.linear (benchmarks/results/runtime.md); on CPUs with AVX512-BF16 the GEMM is ~1.5x
-    faster than gemv (benchmarks/results/batch.md). `_is_gemv_faster` times both once per
-    process on the first such weight and keeps the answer. Both accumulate in fp32.
+    oneDNN has no native bf16 GEMM, torch's gemv (`mv`) streams the weight faster than
+    F.linear; where it has one, the GEMM is faster (benchmarks/results/batch.md, "The
+    runtime's CPU kernel choices": 90 µs against gemv's 133 on that machine).
+    `_is_gemv_faster` times both once per process on the first such weight and keeps the
+    answer. Both accumulate in fp32.
     """
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1] and _is_gemv_faster(weight):
         y = torch.mv(weight, x.reshape(-1))
