@@ -21,7 +21,9 @@ Ids are a prefix and 24 base62 characters (about 143 random bits):
 `msg_...` for messages, `req_...` for request ids.
 
 Response builders return plain dicts shaped exactly like the SDK's `Message`,
-`MessageTokensCount` and `models.list()` page; `json_bytes` serialises them.
+`MessageTokensCount` and `models.list()` page; `json_bytes` serialises them. The models
+page and its entries also carry OpenAI's fields (`object`, `created`, `owned_by`), so the
+one `GET /v1/models` answers both SDKs: each reads its own fields and ignores the other's.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ MAX_MODEL_NAME_CHARS = 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts any unsigned 64-bit value
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's limit for /v1/messages
 MAX_MODELS_PAGE = 1000
+MODEL_OWNER = "zeroqueue"  # OpenAI's `owned_by` of every model served here
 # Bounds that keep a request's parse and admission cheap, far beyond what a real one needs:
 # no served model's context comes near either (each message is at least a few tokens).
 MAX_OUTPUT_TOKENS = 1 << 20
@@ -344,7 +347,8 @@ def model_info(
     max_input_tokens: int | None = None,
     max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """One `ModelInfo`. `created_at` must be timezone-aware; it is sent as RFC 3339 UTC."""
+    """One Anthropic `ModelInfo` that is also an OpenAI `Model`. `created_at` must be timezone-aware;
+    it is sent as RFC 3339 UTC (Anthropic's `created_at`) and as epoch seconds (OpenAI's `created`)."""
     if created_at.tzinfo is None:
         raise ValueError(f"created_at must be timezone-aware, got {created_at!r}")
     info: dict[str, Any] = {
@@ -353,6 +357,9 @@ def model_info(
         "display_name": display_name,
         "created_at": created_at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "lifecycle": "active",
+        "object": "model",
+        "created": int(created_at.timestamp()),
+        "owned_by": MODEL_OWNER,
     }
     if max_input_tokens is not None:
         info["max_input_tokens"] = max_input_tokens
@@ -400,6 +407,7 @@ def models_response(infos: Sequence[Mapping[str, Any]], query: ModelsQuery = Mod
     # "More" is in the direction of travel: newer items when paging back with before_id.
     has_more = start > 0 if query.before_id is not None else stop < len(infos)
     return {
+        "object": "list",
         "data": page,
         "has_more": has_more,
         "first_id": page[0]["id"] if page else None,

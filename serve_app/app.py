@@ -1,11 +1,13 @@
 """The zero-queue ingress: the HTTP face of zeroqueue. Validate, then admit or refuse at once.
 
-Per request (`POST /v1/messages`): authenticate; read the body (bounded in size and time)
-and validate it — 400/401/404/413 before any work — parsing large bodies off the event
-loop; tokenize with the model's chat template and check the context window; then hand it
-to admission (admission.py), which decides, places, relays and releases, or refuses with
-503 `overloaded_error` and `retry-after`. The answer goes back as one JSON message or as
-SSE (relay.py); every error carries the request id.
+Per request (`POST /v1/messages`, or OpenAI's `POST /v1/chat/completions`): authenticate;
+read the body (bounded in size and time) and validate it — 400/401/404/413 before any work
+— parsing large bodies off the event loop; tokenize with the model's chat template and
+check the context window; then hand it to admission (admission.py), which decides, places,
+relays and releases, or refuses with 503 `overloaded_error` and `retry-after`. The answer
+goes back as one JSON message or as SSE (relay.py), in the route's API (api.py and sse.py,
+or openai_api.py and openai_sse.py); every error carries the request id, and errors on the
+Chat Completions routes come in OpenAI's shape.
 
 Nothing here waits for capacity: every await is on work already placed, and has a deadline.
 `build_app(args)` is the app builder `configs/serve.yaml` names by `import_path`;
@@ -21,7 +23,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import ray
@@ -29,9 +31,11 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from actors.messages import ActorRequest
+from actors.messages import ActorRequest, Completion
 from actors.request_actor import RequestActor
-from serve_app import api, errors, sse
+from actors.sampling import SamplingParams
+from actors.tokenizer import Tokenizer
+from serve_app import api, errors, openai_api, openai_sse, sse
 from serve_app.admission import Admission
 from serve_app.config import AppArgs, IngressConfig, ingress_config
 from serve_app.errors import ApiError
@@ -42,7 +46,7 @@ from serve_app.metrics import IngressMetrics
 from serve_app.offload import BoundedExecutor, within
 from serve_app.prompt import count_prompt_tokens, prompt_for
 from serve_app.registry_actor import RegistryActor
-from serve_app.relay import Admitted, RelayedStream
+from serve_app.relay import Admitted, RelayedStream, StreamFormat
 from serve_app.scorer import RuleScorer
 from serve_app.xgb_scorer import load_scorer
 
@@ -59,6 +63,12 @@ LOW_LATENCY, COALESCED = "low-latency", "coalesced"  # X-Stream-Mode values
 # Request headers: far more than any API client sends; a set past these is not a request of this API.
 MAX_HEADERS = 100
 MAX_HEADER_BYTES = 32 << 10
+# Paths whose errors, from the first check on, are in OpenAI's shape (openai_api.error_body).
+OPENAI_PATH_PREFIX = "/v1/chat/"
+
+ChatRequest = api.MessagesRequest | openai_api.ChatCompletionRequest
+# A request to its prompt ids and sampling parameters for one model: prompt.prompt_for, openai_api.prompt_for.
+PromptFor = Callable[[Any, Tokenizer, int], tuple[list[int], SamplingParams]]
 
 
 def _timing(t: float) -> str:
@@ -109,12 +119,15 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         request_id = api.new_request_id()
+        route = (request.method, request.url.path.rstrip("/") or "/")
+        error_body = openai_api.error_body if (route[1] + "/").startswith(OPENAI_PATH_PREFIX) else errors.error_body
         try:
             _check_headers(request)
             self._authenticate(request)
-            route = (request.method, request.url.path.rstrip("/") or "/")
             if route == ("POST", "/v1/messages"):
                 response = await self._messages(request, request_id)
+            elif route == ("POST", "/v1/chat/completions"):
+                response = await self._chat_completions(request, request_id)
             elif route == ("POST", "/v1/messages/count_tokens"):
                 response = await self._count_tokens(request)
             elif route == ("GET", "/v1/models"):
@@ -129,7 +142,7 @@ class Ingress:
                 raise errors.not_found(f"{request.method} {request.url.path} is not a route of this API")
         except ApiError as e:
             self.metrics.errors.inc(tags={"type": e.type})
-            response = JSONResponse(errors.error_body(e, request_id), status_code=e.status, headers=e.headers)
+            response = JSONResponse(error_body(e, request_id), status_code=e.status, headers=e.headers)
         except asyncio.CancelledError:  # the client left: nobody to answer, and not an error of ours
             self.metrics.cancellations.inc()
             raise
@@ -137,7 +150,9 @@ class Ingress:
             log.exception("request %s failed", request_id)
             e = errors.api_error("internal error")
             self.metrics.errors.inc(tags={"type": e.type})
-            response = JSONResponse(errors.error_body(e, request_id), status_code=500)
+            response = JSONResponse(error_body(e, request_id), status_code=500)
+        # Not also `x-request-id`, which the OpenAI SDK reads: Serve's proxy sets that one to its own id on
+        # every response, and a second value would join it into one unusable "id, id" string.
         response.headers["request-id"] = request_id
         return response
 
@@ -180,7 +195,7 @@ class Ingress:
     def _model(self, model_id: str) -> LoadedModel:
         model = self.models.get(model_id)
         if model is None:
-            raise errors.not_found(f"model: {model_id!r} is not served here; see GET /v1/models")
+            raise errors.not_found(f"model: {model_id!r} is not served here; see GET /v1/models", param="model")
         return model
 
     def _model_info(self, m: LoadedModel) -> dict:
@@ -206,51 +221,68 @@ class Ingress:
             self.admission.registry.wake()
             raise errors.overloaded("the admission registry is unavailable; retry shortly",
                                     self.config.policy.retry_after_s) from None
-        by_state: dict[str, int] = {}
-        for a in snap.actors:
-            by_state[a.state] = by_state.get(a.state, 0) + 1
-        free_slots = sum(1 for s in snap.slots if s.num_actors == 0)
-        num_rows = sum(a.num_rows for a in snap.actors)
-        for state in ("starting", "busy", "idle"):
-            self.metrics.actors.set(by_state.get(state, 0), tags={"state": state})
-        self.metrics.free_slots.set(free_slots)
+        summary = self.admission.summary(snap)
         dispatch_us = self.metrics.dispatch_jitter_us()
         return {
             "status": "ok",
             "dispatch_latency_us": dispatch_us,
             # p99 - p50 of recent dispatch latencies (µs), where operators of seed 001 read it; null before any.
             "dispatch_jitter_us": dispatch_us.get("jitter"),
-            "actors": by_state,
-            "rows": num_rows,
-            "slots": {"total": len(snap.slots), "free": free_slots,
-                      "free_bytes": sum(s.free_bytes for s in snap.slots)},
+            "actors": {state: n for state, n in summary.actors.items() if n},
+            "rows": summary.num_rows,
+            "batch_occupancy": round(summary.batch_occupancy, 3),
+            "slots": {"total": summary.num_slots, "free": summary.num_free_slots, "free_bytes": summary.free_bytes},
             "models": list(self.models),
             # Which replica answered, and what it holds: soak runs watch its memory across hours.
             "replica": {"id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
                         "running": self.admission.num_running, "threads": threading.active_count()},
         }
 
-    # ---- /v1/messages ----------------------------------------------------------------
+    # ---- /v1/messages and /v1/chat/completions ---------------------------------------
 
     async def _messages(self, request: Request, request_id: str) -> Response:
+        req, admitted, collected = await self._generate(request, request_id, api.parse_messages_request, prompt_for)
+        if collected is None:
+            out = sse.SseStream(api.new_message_id(), req.model, admitted.input_tokens)
+            return self._streamed(admitted, out, request.headers)
+        text, done = collected
+        body = api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
+                                    done.input_tokens, done.output_tokens)
+        return JSONResponse(body, headers=self._timing_headers(admitted))
+
+    async def _chat_completions(self, request: Request, request_id: str) -> Response:
+        req, admitted, collected = await self._generate(request, request_id, openai_api.parse_chat_request,
+                                                        openai_api.prompt_for)
+        if collected is None:
+            out = openai_sse.ChunkStream(openai_api.new_completion_id(), req.model, admitted.input_tokens,
+                                         include_usage=req.include_usage)
+            return self._streamed(admitted, out, request.headers)
+        text, done = collected
+        body = openai_api.completion_response(openai_api.new_completion_id(), int(time.time()), req.model, text,
+                                              done.stop_reason, done.stop_sequence, done.input_tokens,
+                                              done.output_tokens)
+        return JSONResponse(body, headers=self._timing_headers(admitted))
+
+    async def _generate(self, request: Request, request_id: str, parse: Callable[[bytes], ChatRequest],
+                        to_prompt: PromptFor) -> tuple[Any, Admitted, tuple[str, Completion] | None]:
+        """Read, parse and prepare the request, then admit it: (request, admitted, its whole answer unless
+        it streams)."""
         arrival = time.time()
         body = await self._read_body(request)
 
         def parse_and_prepare():
-            req = api.parse_messages_request(body)
-            return req, self._prepare(req, request_id, request.headers)
+            req = parse(body)
+            return req, self._prepare(req, to_prompt, request_id, request.headers)
 
         is_small = len(body) < OFF_LOOP_BODY_BYTES
         req, placed = parse_and_prepare() if is_small else await self._parser.run(parse_and_prepare)
-        if req.stream:
-            admitted, _ = await self.admission.run(*placed, arrival, is_collected=False)
-            mode = LOW_LATENCY if placed[2].is_low_latency else COALESCED
-            headers = self._timing_headers(admitted) | {"cache-control": "no-cache", "X-Stream-Mode": mode}
-            return RelayedStream(admitted, self.admission.relay, headers)
-        admitted, (text, done) = await self.admission.run(*placed, arrival, is_collected=True)
-        body = api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
-                                    done.input_tokens, done.output_tokens)
-        return JSONResponse(body, headers=self._timing_headers(admitted))
+        admitted, collected = await self.admission.run(*placed, arrival, is_collected=not req.stream)
+        return req, admitted, collected
+
+    def _streamed(self, admitted: Admitted, out: StreamFormat, request_headers: Mapping[str, str]) -> Response:
+        mode = _stream_mode(request_headers)  # already checked by _prepare
+        headers = self._timing_headers(admitted) | {"cache-control": "no-cache", "X-Stream-Mode": mode}
+        return RelayedStream(admitted, self.admission.relay, out, headers)
 
     @staticmethod
     def _timing_headers(admitted: Admitted) -> dict[str, str]:
@@ -261,16 +293,17 @@ class Ingress:
             "X-Request-Tier": admitted.tier,
         }
 
-    def _prepare(self, req: api.MessagesRequest, request_id: str, headers: Mapping[str, str] | None):
-        """Validate against the model (404, 400 before any work): the model, features and actor request."""
+    def _prepare(self, req: ChatRequest, to_prompt: PromptFor, request_id: str, headers: Mapping[str, str] | None):
+        """Validate against the model (404, 400 before any work): the model, features and actor request.
+        Either API's request: `to_prompt` turns it into the prompt and the sampling it asks for."""
         model = self._model(req.model)
         ttft_target_s, total_target_s, tpot_target_s = request_targets(
             headers or {}, model.ttft_target_s, model.total_target_s, model.tpot_target_s)
-        prompt, sampling = prompt_for(req, model.tokenizer, model.max_context)
+        prompt, sampling = to_prompt(req, model.tokenizer, model.max_context)
         is_low_latency = req.stream and _stream_mode(headers or {}) == LOW_LATENCY
-        features = request_features(model.id, model.numbers, len(prompt), req.max_tokens, self.config.policy,
-                                    ttft_target_s, total_target_s, req.temperature, req.top_k, req.top_p,
-                                    tpot_target_s)
+        features = request_features(model.id, model.numbers, len(prompt), sampling.max_tokens, self.config.policy,
+                                    ttft_target_s, total_target_s, sampling.temperature, sampling.top_k,
+                                    sampling.top_p, tpot_target_s)
         return model, features, ActorRequest(request_id, tuple(prompt), sampling, is_low_latency=is_low_latency)
 
     # ---- Python handles (serve.get_app_handle("zeroqueue")) ---------------------------
@@ -279,8 +312,8 @@ class Ingress:
         """The `Message` JSON for a request, as `POST /v1/messages` returns it; raises ApiError."""
         req = request if isinstance(request, api.MessagesRequest) else api.parse_messages_request(request)
         arrival = time.time()
-        _, (text, done) = await self.admission.run(*self._prepare(req, api.new_request_id(), None), arrival,
-                                          is_collected=True)
+        _, (text, done) = await self.admission.run(*self._prepare(req, prompt_for, api.new_request_id(), None),
+                                                   arrival, is_collected=True)
         return api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
                                     done.input_tokens, done.output_tokens)
 
@@ -288,11 +321,13 @@ class Ingress:
         """The SSE events as dicts (call with `handle.options(stream=True).stream.remote(...)`)."""
         req = request if isinstance(request, api.MessagesRequest) else api.parse_messages_request(request)
         arrival = time.time()
-        admitted, _ = await self.admission.run(*self._prepare(req, api.new_request_id(), None), arrival,
-                                      is_collected=False)
-        async for chunk in self.admission.relay.sse(admitted):
+        admitted, _ = await self.admission.run(*self._prepare(req, prompt_for, api.new_request_id(), None), arrival,
+                                               is_collected=False)
+        out = sse.SseStream(api.new_message_id(), req.model, admitted.input_tokens)
+        async for chunk in self.admission.relay.sse(admitted, out):
             for event in sse.decode_events(chunk):
                 yield event
+
 
 def _stream_mode(headers: Mapping[str, str]) -> str:
     """`X-Stream-Mode`: `low-latency` sends every token as it is sampled; `coalesced` (the default)

@@ -6,6 +6,9 @@ ingress turns one into a JSON body with `error_body` (or an SSE `error` event on
 stream has begun), always carrying the request id, so the official SDK raises its
 matching exception class (chosen by status) with `.type`, `.api_message` and
 `.request_id` filled in.
+
+An error may also name the request parameter at fault (`param`): Anthropic's shape says it
+in the message only; OpenAI's (openai_api.py) carries it in a field of its own.
 """
 
 from __future__ import annotations
@@ -25,27 +28,29 @@ class ApiError(Exception):
     `Exception.__init__` so the error pickles (e.g. across a Ray call) unchanged.
     """
 
-    def __init__(self, status: int, type: str, message: str, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(status, type, message, dict(headers or {}))
+    def __init__(self, status: int, type: str, message: str, headers: Mapping[str, str] | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(status, type, message, dict(headers or {}), param)
         self.status = status
         self.type = type
         self.message = message
         self.headers: dict[str, str] = dict(headers or {})
+        self.param = param
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"
 
 
-def invalid_request(message: str) -> ApiError:
-    return ApiError(400, "invalid_request_error", message)
+def invalid_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, "invalid_request_error", message, param=param)
 
 
 def authentication(message: str) -> ApiError:
     return ApiError(401, "authentication_error", message)
 
 
-def not_found(message: str) -> ApiError:
-    return ApiError(404, "not_found_error", message)
+def not_found(message: str, param: str | None = None) -> ApiError:
+    return ApiError(404, "not_found_error", message, param=param)
 
 
 def request_too_large(message: str) -> ApiError:

@@ -1,5 +1,9 @@
 """Relaying an admitted request's actor stream to its client, as one JSON message or as SSE.
 
+One relay loop serves both APIs' streams: it drives a `StreamFormat` (the Messages API's
+`sse.SseStream` or Chat Completions' `openai_sse.ChunkStream`), which turns each step into
+that API's bytes and keeps them in the order its SDK expects.
+
 The actor streams `Started`, `TextChunk`s, then one `Completion` (actors/request_actor.py).
 Every wait on it has a deadline: `start_timeout_s` until the first token of an actor that
 is still loading (a cold or warm one), `token_timeout_s` otherwise. An SSE client gets a
@@ -22,13 +26,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import ray
 from starlette.responses import StreamingResponse
 
 from actors.messages import ActorBusyError, Completion, Started, TextChunk
-from serve_app import api, errors, sse
+from serve_app import errors
 from serve_app.decisions import Decision
 from serve_app.errors import ApiError
 from serve_app.offload import within
@@ -42,6 +46,16 @@ BUSY_RETRY_AFTER_S = 0.1
 LOST_RETRY_AFTER_S = 1.0
 
 log = logging.getLogger(__name__)
+
+
+class StreamFormat(Protocol):
+    """One streamed answer in one API's wire format; each call returns the bytes to send."""
+
+    def start(self) -> bytes: ...
+    def ping(self) -> bytes: ...
+    def text(self, text: str) -> bytes: ...  # b"" for nothing to send
+    def finish(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> bytes: ...
+    def error(self, err: ApiError, request_id: str | None) -> bytes: ...
 
 
 class ActorLost(ApiError):
@@ -121,9 +135,8 @@ class Relay:
             # Nothing was sent yet: a lost actor is ActorLost, which the ingress may place again.
             raise self._failed(admitted, e, is_answer_started=False) from None
 
-    async def sse(self, admitted: Admitted) -> AsyncIterator[bytes]:
-        """The Messages API's SSE events; a failure after the start is an `error` event."""
-        out = sse.SseStream(api.new_message_id(), admitted.model_id, admitted.input_tokens)
+    async def sse(self, admitted: Admitted, out: StreamFormat) -> AsyncIterator[bytes]:
+        """The answer as `out` formats it; a failure after the start is its error event."""
         pending = None
         try:
             yield out.start()
@@ -236,8 +249,8 @@ class RelayedStream(StreamingResponse):
     never starts (the client left between the headers and the first event), where the relay's
     own cleanup would never run."""
 
-    def __init__(self, admitted: Admitted, relay: Relay, headers: dict[str, str]) -> None:
-        super().__init__(relay.sse(admitted), media_type="text/event-stream", headers=headers)
+    def __init__(self, admitted: Admitted, relay: Relay, out: StreamFormat, headers: dict[str, str]) -> None:
+        super().__init__(relay.sse(admitted, out), media_type="text/event-stream", headers=headers)
         self._admitted, self._relay = admitted, relay
 
     async def __call__(self, scope, receive, send) -> None:

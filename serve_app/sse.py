@@ -83,13 +83,36 @@ class StreamOrderError(RuntimeError):
     """The ingress tried to emit an event the stream's order does not allow."""
 
 
-class _Phase(enum.Enum):
+class Phase(enum.Enum):
     NEW = "new"  # nothing sent yet
-    OPEN = "open"  # message_start and content_block_start sent
-    CLOSED = "closed"  # message_stop or error sent; nothing may follow
+    OPEN = "open"  # the stream's opening sent
+    CLOSED = "closed"  # its end or an error sent; nothing may follow
 
 
-class SseStream:
+class OrderedStream:
+    """The phases every streamed answer goes through, new -> open -> closed, whatever its API's
+    events: `start`, then `ping`s and `text`s, then `finish` or, at any point before, `error`.
+    Subclasses (`SseStream` here, `openai_sse.ChunkStream`) call `_require` before each event."""
+
+    def __init__(self) -> None:
+        self._phase = Phase.NEW
+        self._last_event = ""
+
+    @property
+    def is_closed(self) -> bool:
+        return self._phase is Phase.CLOSED
+
+    def _require(self, next_phase: Phase, event: str, *allowed: Phase) -> None:
+        if self._phase not in allowed:
+            raise StreamOrderError(
+                f"cannot send {event!r} after {self._last_event or 'nothing'!r} "
+                f"(stream is {self._phase.value}; {event!r} needs {' or '.join(p.value for p in allowed)})"
+            )
+        self._phase = next_phase
+        self._last_event = event
+
+
+class SseStream(OrderedStream):
     """The events of one streamed message, in the only order the protocol allows.
 
         stream = SseStream(message_id, model, input_tokens)
@@ -103,25 +126,20 @@ class SseStream:
     """
 
     def __init__(self, message_id: str, model: str, input_tokens: int) -> None:
+        super().__init__()
         self._stub = message_stub(message_id, model, input_tokens)
-        self._phase = _Phase.NEW
-        self._last_event = ""
-
-    @property
-    def is_closed(self) -> bool:
-        return self._phase is _Phase.CLOSED
 
     def start(self) -> bytes:
-        self._require(_Phase.OPEN, "start", _Phase.NEW)
+        self._require(Phase.OPEN, "start", Phase.NEW)
         return message_start(self._stub) + content_block_start(TEXT_BLOCK_INDEX)
 
     def ping(self) -> bytes:
-        self._require(_Phase.OPEN, "ping", _Phase.OPEN)
+        self._require(Phase.OPEN, "ping", Phase.OPEN)
         return ping()
 
     def text(self, text: str) -> bytes:
         """One text delta; an empty string sends nothing (b"")."""
-        self._require(_Phase.OPEN, "text", _Phase.OPEN)
+        self._require(Phase.OPEN, "text", Phase.OPEN)
         return content_block_delta(TEXT_BLOCK_INDEX, text) if text else b""
 
     def finish(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
@@ -129,7 +147,7 @@ class SseStream:
         # for an `error` event.
         check_stop(stop_reason, stop_sequence)
         check_token_count("output_tokens", output_tokens)
-        self._require(_Phase.CLOSED, "finish", _Phase.OPEN)
+        self._require(Phase.CLOSED, "finish", Phase.OPEN)
         return (
             content_block_stop(TEXT_BLOCK_INDEX)
             + message_delta(stop_reason, stop_sequence, output_tokens)
@@ -138,17 +156,8 @@ class SseStream:
 
     def error(self, err: ApiError, request_id: str | None = None) -> bytes:
         """Ends the stream with an error event; legal until message_stop is sent."""
-        self._require(_Phase.CLOSED, "error", _Phase.NEW, _Phase.OPEN)
+        self._require(Phase.CLOSED, "error", Phase.NEW, Phase.OPEN)
         return error(err, request_id)
-
-    def _require(self, next_phase: _Phase, event: str, *allowed: _Phase) -> None:
-        if self._phase not in allowed:
-            raise StreamOrderError(
-                f"cannot send {event!r} after {self._last_event or 'nothing'!r} "
-                f"(stream is {self._phase.value}; {event!r} needs {' or '.join(p.value for p in allowed)})"
-            )
-        self._phase = next_phase
-        self._last_event = event
 
 
 def decode_events(data: bytes) -> list[dict[str, Any]]:

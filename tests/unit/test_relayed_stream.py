@@ -8,6 +8,7 @@ import pytest
 from starlette.requests import ClientDisconnect
 
 from serve_app.relay import Admitted, Relay, RelayedStream
+from serve_app.sse import SseStream
 
 
 class _Stream:
@@ -46,7 +47,7 @@ def test_a_client_gone_before_the_first_event_still_releases_the_request():
         raise OSError("the client closed the connection")  # at http.response.start: the body never starts
 
     with pytest.raises(ClientDisconnect):  # starlette's name for the failed send
-        asyncio.run(RelayedStream(admitted, _relay(ended), {})(_scope(), receive, send))
+        asyncio.run(RelayedStream(admitted, _relay(ended), SseStream("msg_1", "m", 3), {})(_scope(), receive, send))
     assert ended == [("req-1", "cancelled")]
 
 
@@ -64,6 +65,6 @@ def test_a_client_that_disconnects_mid_body_releases_the_request_once():
         sent.append(message["type"])
 
     with pytest.raises(ClientDisconnect):
-        asyncio.run(RelayedStream(admitted, _relay(ended), {})(_scope(), receive, send))
+        asyncio.run(RelayedStream(admitted, _relay(ended), SseStream("msg_1", "m", 3), {})(_scope(), receive, send))
     assert sent[:2] == ["http.response.start", "http.response.body"]  # message_start went out
     assert ended == [("req-1", "cancelled")]
