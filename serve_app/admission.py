@@ -40,7 +40,7 @@ from serve_app.metrics import IngressMetrics
 from serve_app.offload import within
 from serve_app.placement import Placer
 from serve_app.registry import AdoptedActor, AdoptedRow
-from serve_app.registry_actor import RegistryActor, RegistryConfig, get_registry
+from serve_app.registry_actor import RegistryActor, get_registry
 from serve_app.registry_link import RegistryLink
 from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Admitted, Outcome, Relay
 from serve_app.scorer import Scorer
@@ -63,8 +63,7 @@ class Admission:
                  metrics: IngressMetrics, actor_cls: type, registry_cls: type[RegistryActor]) -> None:
         self.config, self.models, self.scorer, self.metrics = config, models, scorer, metrics
         self.replica_id = replica_id
-        registry_config = RegistryConfig(namespace=config.actor.namespace, actor_namespace=config.actor.namespace)
-        self.registry = RegistryLink(lambda: get_registry(registry_config, config.policy, scorer, registry_cls),
+        self.registry = RegistryLink(lambda: get_registry(config.registry, config.policy, scorer, registry_cls),
                                      replica_id, heartbeat_s=config.registry_heartbeat_s)
         self.traces = traces.TraceWriter(config.traces) if config.traces is not None else None
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, config.ping_interval_s, self._observe,
@@ -76,7 +75,7 @@ class Admission:
         self.placer = Placer(actor_cls, config.actor, timeout_s=config.placement_timeout_s)
         # The first heartbeat hands this deployment's policy and scorer, and the slots, to the registry
         # (a redeploy's new policy takes effect here); then slots, telemetry and the link are kept current.
-        self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor,
+        self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor, config.telemetry,
                                             slot_refresh_s=config.slot_refresh_s,
                                             telemetry_refresh_s=config.telemetry_refresh_s,
                                             on_new_incarnation=self._hand_over)

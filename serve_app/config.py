@@ -1,8 +1,11 @@
 """The app builder's arguments (pydantic, from `configs/serve.yaml`) and the frozen config they become.
 
 `serve run configs/serve.yaml` hands the YAML's `args:` to `build_app`, which validates
-them here once; every component then receives its own frozen dataclass
-(`PolicyConfig`, `ActorConfig`, `TraceConfig`, `IngressConfig`) at `bind()` time.
+them here once; every component then receives its own frozen dataclass at `bind()` time.
+The component sections of the YAML — `policy`, `actor`, `registry`, `telemetry`,
+`rule_scorer` — are those dataclasses themselves: pydantic checks each field's type and
+refuses unknown names, and each dataclass's own `__post_init__` checks its ranges, so a
+misspelt or out-of-range setting fails `build_app`, never a replica later.
 
 Latency targets. A model may set default `ttft_target_s` / `total_target_s` (seconds from
 the request's arrival) and `tpot_target_s` (seconds per output token); a request may
@@ -13,16 +16,19 @@ to serve within its targets is refused at once (503 overloaded_error, retry-afte
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.actor_config import ActorConfig
+from actors.telemetry import TelemetryConfig
 from serve_app.latency_targets import MAX_TARGET_S
 from serve_app.policy import PolicyConfig
+from serve_app.registry_actor import RegistryConfig
 from serve_app.scorer import RuleScorer
 from serve_app.traces import TraceConfig
 
@@ -75,8 +81,12 @@ class TraceArgs(_Strict):
 class AppArgs(_Strict):
     models: list[ModelArgs] = Field(min_length=1)
     slots: SlotArgs = SlotArgs()
-    policy: dict[str, Any] = Field(default_factory=dict)  # PolicyConfig fields
-    actor: dict[str, Any] = Field(default_factory=dict)  # ActorConfig fields
+    policy: PolicyConfig = PolicyConfig()
+    # `namespace` and `max_batch` come from the top-level namespace and policy.max_batch.
+    actor: ActorConfig = ActorConfig()
+    # The reconcile loop and its graces; its names and namespaces come from `namespace`.
+    registry: RegistryConfig = RegistryConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
     # The *name* of an environment variable holding the API key; the key never sits in YAML.
     api_key_env: str | None = None
     max_body_bytes: int = Field(default=32 << 20, ge=1024)
@@ -106,16 +116,35 @@ class AppArgs(_Strict):
     max_ongoing_requests: int = Field(default=512, ge=1)
     # The XGBoost scorer (serve_app/xgb_scorer.py); None, or a missing or invalid file: the rule.
     scorer_path: str | None = None
-    # The rule's constants (serve_app/scorer.py RuleScorer fields), measured for this deployment.
-    rule_scorer: dict[str, float] = Field(default_factory=dict)
+    # The rule's constants (serve_app/scorer.py), measured for this deployment.
+    rule_scorer: RuleScorer = RuleScorer()
     traces: TraceArgs = TraceArgs()
+
+    @field_validator("actor", mode="before")
+    @classmethod
+    def _actor_fields(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        for name, source in (("max_batch", "policy.max_batch"), ("namespace", "the top-level namespace")):
+            if name in value:
+                raise ValueError(f"actor.{name} is set from {source}; set it there, once")
+        if isinstance(value.get("resources"), dict):  # YAML gives a mapping; the frozen config keeps pairs
+            value = value | {"resources": tuple(sorted(value["resources"].items()))}
+        return value
+
+    @field_validator("registry", mode="before")
+    @classmethod
+    def _registry_fields(cls, value: Any) -> Any:
+        named = {"name", "namespace", "actor_namespace", "actor_name_pattern"} & set(value or ())
+        if isinstance(value, dict) and named:
+            raise ValueError(f"registry.{sorted(named)[0]} is derived from the top-level namespace; not set here")
+        return value
 
     @model_validator(mode="after")
     def _unique_ids(self) -> AppArgs:
         ids = [m.id for m in self.models]
         if len(set(ids)) != len(ids):
             raise ValueError(f"model ids must be unique, got {ids}")
-        RuleScorer(**self.rule_scorer)  # unknown names or out-of-range values fail here, at build time
         return self
 
 
@@ -134,25 +163,36 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class IngressConfig:
+    """What the ingress and its admission need: the components' frozen configs, and AppArgs'
+    deadlines and intervals under the same names (copied by name in `ingress_config`)."""
+
     models: tuple[ModelSpec, ...]
     slots: SlotArgs
     policy: PolicyConfig
     actor: ActorConfig
+    registry: RegistryConfig
+    telemetry: TelemetryConfig
+    rule_scorer: RuleScorer
     api_key: str | None
-    max_body_bytes: int
-    start_timeout_s: float
-    token_timeout_s: float
-    ping_interval_s: float
-    slot_refresh_s: float
-    telemetry_refresh_s: float
-    warm_refresh_s: float = 1.0
+    traces: TraceConfig | None  # None: off
+    scorer_path: str | None = None
+    max_body_bytes: int = 32 << 20
+    start_timeout_s: float = 300.0
+    token_timeout_s: float = 60.0
     registry_timeout_s: float = 0.25
     registry_heartbeat_s: float = 1.0
     body_timeout_s: float = 30.0
     placement_timeout_s: float = 10.0
-    scorer_path: str | None = None
-    traces: TraceConfig | None = None  # None: off
-    rule_scorer: RuleScorer = RuleScorer()
+    ping_interval_s: float = 5.0
+    slot_refresh_s: float = 10.0
+    telemetry_refresh_s: float = 1.0
+    warm_refresh_s: float = 1.0
+
+
+# IngressConfig's fields that are AppArgs' own, copied as they are.
+_COPIED = ("slots", "policy", "telemetry", "rule_scorer", "scorer_path", "max_body_bytes", "start_timeout_s",
+           "token_timeout_s", "registry_timeout_s", "registry_heartbeat_s", "body_timeout_s",
+           "placement_timeout_s", "ping_interval_s", "slot_refresh_s", "telemetry_refresh_s", "warm_refresh_s")
 
 
 def ingress_config(args: AppArgs) -> IngressConfig:
@@ -162,41 +202,19 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             raise ValueError(f"api_key_env names {args.api_key_env!r}, which is unset or empty")
-    actor_fields = dict(args.actor)
-    if "resources" in actor_fields:  # YAML gives a mapping; the frozen config keeps pairs
-        actor_fields["resources"] = tuple(sorted(dict(actor_fields["resources"]).items()))
-    if "max_batch" in actor_fields:
-        raise ValueError("actor.max_batch is set from policy.max_batch; set it there, once")
-    policy_fields = dict(args.policy)
-    for name in ("hot_overrides", "warm_overrides"):  # YAML gives lists; the frozen config keeps tuples
-        if name in policy_fields:
-            policy_fields[name] = tuple(tuple(x) for x in policy_fields[name])
-    policy = PolicyConfig(**policy_fields)
     return IngressConfig(
         models=tuple(
             ModelSpec(m.id, m.zqs_path, m.demo_preset, m.demo_dir, m.display_name or m.id, m.max_context,
                       m.ttft_target_s, m.total_target_s, m.tpot_target_s)
             for m in args.models
         ),
-        slots=args.slots,
-        policy=policy,
         # The actor refuses rows beyond what the registry ever places: one figure for both.
-        actor=ActorConfig(namespace=args.namespace, max_batch=policy.max_batch, **actor_fields),
+        actor=dataclasses.replace(args.actor, namespace=args.namespace, max_batch=args.policy.max_batch),
+        # The registry lives in the deployment's namespace and watches its request actors there.
+        registry=dataclasses.replace(args.registry, namespace=args.namespace, actor_namespace=args.namespace),
         api_key=api_key,
-        max_body_bytes=args.max_body_bytes,
-        start_timeout_s=args.start_timeout_s,
-        token_timeout_s=args.token_timeout_s,
-        registry_timeout_s=args.registry_timeout_s,
-        registry_heartbeat_s=args.registry_heartbeat_s,
-        body_timeout_s=args.body_timeout_s,
-        placement_timeout_s=args.placement_timeout_s,
-        ping_interval_s=args.ping_interval_s,
-        slot_refresh_s=args.slot_refresh_s,
-        telemetry_refresh_s=args.telemetry_refresh_s,
-        warm_refresh_s=args.warm_refresh_s,
-        scorer_path=args.scorer_path,
-        rule_scorer=RuleScorer(**args.rule_scorer),
         traces=TraceConfig(args.traces.path, args.traces.max_bytes) if args.traces.enabled else None,
+        **{name: getattr(args, name) for name in _COPIED},
     )
 
 
@@ -205,7 +223,8 @@ def resolve_model_path(spec: ModelSpec) -> Path:
     if spec.zqs_path is not None:
         path = Path(spec.zqs_path)
         if not path.is_file():
-            raise FileNotFoundError(f"model {spec.id!r}: no .zqs file at {path}")
+            raise FileNotFoundError(f"model {spec.id!r}: no .zqs file at {path} (make one with `zq-weights pack` "
+                                    f"or `zq-weights fetch`; `make serve` fetches the default model)")
         return path
     from actors.cli import demo_model
 

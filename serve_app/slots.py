@@ -36,12 +36,12 @@ from serve_app.registry_link import RegistryLink
 log = logging.getLogger(__name__)
 
 
-def discover_slots(args: SlotArgs, actor: ActorConfig) -> list[SlotSpec]:
+def discover_slots(args: SlotArgs, actor: ActorConfig, telemetry: TelemetryConfig | None = None) -> list[SlotSpec]:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     num_gpus = sum(int(n["Resources"].get("GPU", 0)) for n in nodes)
     kind = args.kind if args.kind != "auto" else ("gpu" if num_gpus else "cpu")
     if kind == "gpu":
-        return _gpu_slots(nodes, args, actor)
+        return _gpu_slots(nodes, args, actor, telemetry or TelemetryConfig())
     return _cpu_slots(args, actor)
 
 
@@ -60,13 +60,13 @@ def _cpu_slots(args: SlotArgs, actor: ActorConfig) -> list[SlotSpec]:
     return [SlotSpec(f"{node_id[:12]}/cpu{i}", node_id, args.cpu_slot_bytes) for i in range(args.num_cpu_slots)]
 
 
-def _gpu_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig) -> list[SlotSpec]:
+def _gpu_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig, telemetry: TelemetryConfig) -> list[SlotSpec]:
     if actor.num_gpus <= 0:
         raise ValueError("GPU slots need actor.num_gpus > 0")
     per_gpu = max(1, int(1 / actor.num_gpus)) if actor.num_gpus < 1 else 1
     totals: dict[tuple[str, int], int] = {}
     if args.gpu_slot_bytes is None:
-        agents = ensure_agents(TelemetryConfig(), namespace=actor.namespace)
+        agents = ensure_agents(telemetry, namespace=actor.namespace)
         for node in cluster_snapshot(agents, timeout_s=5.0):
             for d in node.devices:
                 if d.kind == "cuda":
@@ -102,10 +102,10 @@ class SlotRefresher:
     `on_new_incarnation` hands over (the ingress: its policy and its running rows).
     """
 
-    def __init__(self, link: RegistryLink, args: SlotArgs, actor: ActorConfig, *,
+    def __init__(self, link: RegistryLink, args: SlotArgs, actor: ActorConfig, telemetry: TelemetryConfig, *,
                  slot_refresh_s: float, telemetry_refresh_s: float,
                  on_new_incarnation: Callable[[], None] = lambda: None) -> None:
-        self._link, self._args, self._actor = link, args, actor
+        self._link, self._args, self._actor, self._telemetry = link, args, actor, telemetry
         self._on_new_incarnation = on_new_incarnation
         self._slot_refresh_s, self._telemetry_refresh_s = slot_refresh_s, telemetry_refresh_s
         self.slots: list[SlotSpec] = []
@@ -118,12 +118,12 @@ class SlotRefresher:
         self._ensure_agents()
 
     def _register_slots(self) -> None:
-        self.slots = discover_slots(self._args, self._actor)
+        self.slots = discover_slots(self._args, self._actor, self._telemetry)
         ray.get(self._link.register_slots.remote(self.slots), timeout=30)
 
     def _ensure_agents(self) -> None:
         # Idempotent: agents already running are returned as they are; new nodes get one.
-        self._agents = ensure_agents(TelemetryConfig(), namespace=self._actor.namespace)
+        self._agents = ensure_agents(self._telemetry, namespace=self._actor.namespace)
 
     def _hand_over(self) -> None:
         # The slots and the running rows first: the new registry kills unknown actors after its grace.

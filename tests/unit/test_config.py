@@ -1,0 +1,55 @@
+"""The app builder's args: each YAML section is checked once, at build time, and handed down frozen."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from serve_app.config import AppArgs, ingress_config
+
+BASE = {"models": [{"id": "m", "zqs_path": "m.zqs"}], "namespace": "ns"}
+
+
+@pytest.mark.parametrize("section, fields, naming", [
+    ("policy", {"max_batchh": 4}, "policy.max_batchh"),  # a misspelt name, not silently ignored
+    ("policy", {"max_batch": "eight"}, "policy.max_batch"),
+    ("policy", {"max_batch": 0}, "max_batch must be >= 1"),  # the dataclass's own range check
+    ("actor", {"num_cpus": "one"}, "actor.num_cpus"),
+    ("actor", {"max_batch": 4}, "actor.max_batch is set from policy.max_batch"),
+    ("actor", {"namespace": "x"}, "actor.namespace is set from the top-level namespace"),
+    ("registry", {"reconcile_interval_s": 0}, "reconcile_interval_s"),
+    ("registry", {"namespace": "x"}, "registry.namespace is derived"),
+    ("registry", {"spawn_grace": 1}, "registry.spawn_grace"),
+    ("telemetry", {"ewma_alpha": 2}, "ewma_alpha"),
+    ("rule_scorer", {"decode_s_per_tokens": 0.1}, "rule_scorer.decode_s_per_tokens"),
+])
+def test_a_bad_section_field_fails_the_build_naming_it(section, fields, naming):
+    with pytest.raises(ValidationError, match=naming.replace(".", r"\.")):
+        AppArgs.model_validate(BASE | {section: fields})
+
+
+def test_sections_from_yaml_reach_the_components_frozen_with_the_derived_fields_set_once():
+    args = AppArgs.model_validate(BASE | {
+        "policy": {"max_batch": 4, "hot_overrides": [["m", 2, 0]]},
+        "actor": {"num_cpus": 1, "resources": {"zq_slot": 1}},
+        "registry": {"adopt_grace_s": 7.0},
+        "telemetry": {"poll_interval_s": 0.5},
+        "rule_scorer": {"actor_start_s": 2.0},
+    })
+    config = ingress_config(args)
+    assert config.policy.hot_overrides == (("m", 2, 0),)
+    assert config.actor.resources == (("zq_slot", 1.0),)
+    assert (config.actor.max_batch, config.actor.namespace) == (4, "ns")  # from policy and the namespace
+    assert (config.registry.adopt_grace_s, config.registry.namespace, config.registry.actor_namespace) == (7.0, "ns",
+                                                                                                             "ns")
+    assert config.telemetry.poll_interval_s == 0.5 and config.rule_scorer.actor_start_s == 2.0
+    with pytest.raises(AttributeError):
+        config.policy.max_batch = 1  # frozen
+
+
+def test_every_deadline_and_interval_of_the_args_reaches_the_ingress_config_under_its_name():
+    args = AppArgs.model_validate(BASE | {"token_timeout_s": 7.0, "registry_heartbeat_s": 3.0,
+                                          "warm_refresh_s": 9.0, "max_body_bytes": 4096})
+    config = ingress_config(args)
+    assert (config.token_timeout_s, config.registry_heartbeat_s, config.warm_refresh_s,
+            config.max_body_bytes) == (7.0, 3.0, 9.0, 4096)
