@@ -31,8 +31,9 @@ GPU_OVERRIDES: dict[tuple[str | int, ...], Any] = {
     ("args", "slots", "kind"): "gpu",  # one slot per GPU, never CPU slots
     ("args", "actor", "num_gpus"): 1,  # a request actor owns its GPU
     ("args", "policy", "actor_overhead_bytes"): 512 * MiB,  # a CUDA context, not a CPU process
-    # On the volume every pod mounts: the ingress makes the file, actors on other nodes open it.
-    ("args", "models", 0, "demo_dir"): "/models/demo",
+    # Baked into the image (Dockerfile): the same bytes at the same absolute path on every pod,
+    # where the ingress (head) checks the file and actors on the GPU workers open it.
+    ("args", "models", 0, "zqs_path"): "/opt/zeroqueue/models/smollm2-135m-instruct.zqs",
     # The shipped scorer learned CPU-slot latencies; on GPUs the rule decides until GPU traces train one.
     ("args", "scorer_path"): None,
     # ... and the rule's constants were measured on a CPU: on GPUs it keeps its defaults.
@@ -263,20 +264,29 @@ def _mounts(group: dict) -> dict[str, str]:
     }
 
 
-def test_model_files_sit_on_a_volume_every_pod_mounts(manifest: dict, serve_config: dict) -> None:
-    # The ingress (head) resolves a model's path and actors on GPU workers open that same path.
+def test_every_pod_opens_the_same_model_file(manifest: dict, serve_config: dict) -> None:
+    # The ingress (head) resolves a model's path and actors on GPU workers open that same path:
+    # either a file baked into the image every pod runs, or one on a volume every pod mounts.
+    from tests.unit.test_dockerfile import baked_models
+
+    baked = baked_models()
     head, workers = _groups(manifest)
     pods = [_mounts(head)] + [_mounts(g) for g in workers]
     (app,) = serve_config["applications"]
     for model in app["args"]["models"]:
-        path = PurePosixPath(model.get("zqs_path") or model["demo_dir"])
+        # A demo preset would be synthesised by the ingress at start, on the head alone.
+        assert model.get("zqs_path"), f"model {model['id']}: give a zqs_path on a GPU cluster"
+        path = PurePosixPath(model["zqs_path"])
         assert path.is_absolute(), f"model {model['id']}: {path} depends on the process's working directory"
         claims = set()
         for mounts in pods:
             under = [claim for mount, claim in mounts.items() if path.is_relative_to(mount)]
-            assert under, f"model {model['id']}: {path} is not on a volume every pod mounts"
-            claims.add(under[0])
-        assert len(claims) == 1, f"model {model['id']}: pods mount different claims at {path}: {claims}"
+            claims.add(under[0] if under else None)
+        if claims == {None}:
+            assert str(path) in baked, f"model {model['id']}: {path} is neither on a volume nor baked into the image"
+        else:
+            assert None not in claims, f"model {model['id']}: {path} is on a volume only some pods mount"
+            assert len(claims) == 1, f"model {model['id']}: pods mount different claims at {path}: {claims}"
 
 
 def test_the_api_key_comes_from_a_secret_on_the_pod_that_runs_the_ingress(manifest: dict, serve_config: dict) -> None:
