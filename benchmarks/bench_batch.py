@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -42,7 +40,7 @@ from actors.cli import demo_model
 from actors.engine import Engine
 from actors.layer_loader import load_zqs
 from actors.sampling import SamplingParams
-from benchmarks.machine_load import was_busy
+from benchmarks.common import cores, cpu_model, load_average, python_version, version_of, was_busy
 
 log = logging.getLogger("bench_batch")
 
@@ -168,8 +166,8 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python "
-        f"{platform.python_version()}, torch {torch.__version__}; 1 torch thread (the actors' setting). "
+        f"Machine: {cores()} cores, {cpu_model()}, Python "
+        f"{python_version()}, torch {version_of('torch')}; 1 torch thread (the actors' setting). "
         f"Load average {load[0]:.2f} at the start{' (busy: other work shared the machine)' if was_busy(load[0]) else ''}"
         f", {load[1]:.2f} at the end; {elapsed_s / 60:.1f} min.",
         "",
@@ -253,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = (Plan((1, 8), (128,), 8, 1, 600, 256) if args.quick
             else Plan((1, 2, 4, 8), (128, 1024), 24, 3, 600, 256))
     out = Path(args.out or (".cache/bench/batch/batch.md" if args.quick else "benchmarks/results/batch.md"))
-    started, load0 = time.time(), os.getloadavg()[0]
+    started, load0 = time.time(), load_average()[0]
     data = measure(plan, demo_model(".cache/demo", "small"))
-    text = report(plan, data, command, time.time() - started, (load0, os.getloadavg()[0]))
+    text = report(plan, data, command, time.time() - started, (load0, load_average()[0]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)

@@ -18,8 +18,9 @@ the load), and compute-bound (twice the balanced length).
     .venv/bin/python -m benchmarks.bench_cold_start          # ~13 min (100 actors); writes benchmarks/results/cold_start.md and .json
     .venv/bin/python -m benchmarks.bench_cold_start --quick  # bf16 only, 2 repeats, for development
 
-This module measures; `benchmarks.cold_start_report` (statistics, rows, the markdown) and
-`benchmarks.cold_start_goals` turn a run's raw JSON into the report.
+This module measures; what a run records is `benchmarks.cold_start_runs`, and
+`benchmarks.cold_start_report` (statistics, rows, the markdown) and `benchmarks.cold_start_goals`
+turn a run's raw JSON into the report.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -44,10 +43,24 @@ from actors.cold_start import choose_first_layers, estimate_prefill_layer_second
 from actors.engine import Engine, FinishEvent, GenerationRequest, Message, build_prompt
 from actors.heap import retain_freed_memory
 from actors.layer_loader import stream_zqs
-from actors.messages import ActorRequest, Completion, TextChunk, Timings
+from actors.messages import ActorRequest
 from actors.request_actor import new_actor_name, spawn
 from actors.sampling import SamplingParams
 from actors.tokenizer import Tokenizer
+from benchmarks.actor_calls import consume, kill, wait_gone
+from benchmarks.cold_start_report import report
+from benchmarks.cold_start_runs import (
+    BASELINE,
+    DERIVED,
+    EVICTED,
+    FIRST_ONE,
+    MODES,
+    PAGE_CACHE,
+    Calibration,
+    InProcess,
+    Run,
+)
+from benchmarks.common import load_text, machine
 from benchmarks.loader_storage import evict
 from weights_tool.pack import pack
 from weights_tool.reader import ShardReader
@@ -56,9 +69,6 @@ from weights_tool.synth import synthesize
 log = logging.getLogger("bench_cold_start")
 
 NAMESPACE = "zeroqueue-bench-cold-start"
-DERIVED, FIRST_ONE, BASELINE = "streamed, derived N", "streamed, N=1", "load-then-compute"
-MODES = (DERIVED, FIRST_ONE, BASELINE)
-PAGE_CACHE, EVICTED = "page cache", "evicted"
 SHORT_TOKENS = 16
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0)
 _TEXT = ("A request is either computing within a few milliseconds of arrival, or it is refused at once. "
@@ -117,65 +127,6 @@ def balanced_tokens(prompt_tokens: int, prefill_s: float, load_s: float, max_tok
 # ---- one cold actor -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Run:
-    model: str
-    prompt: str  # "short" | "balanced" | "compute-bound"
-    prompt_tokens: int
-    mode: str
-    storage: str
-    first_layers: int  # N the actor used
-    spawn: float  # epoch seconds of the spawn call (the request was sent right after)
-    loading_at: float  # the actor's LOADING transition: the stream has started
-    client_first_chunk: float  # the first token reached the driver
-    cold: Timings
-    hot_call: float
-    hot_client_first_chunk: float
-    hot: Timings
-
-
-@dataclass(frozen=True)
-class InProcess:
-    """Hot TTFT's reference: the driver's own `Engine`, same prompt and threads, after a warm-up."""
-
-    model: str
-    prompt: str
-    ttft: float  # generate() called -> first token
-    prefill: float  # compute start -> first token
-
-
-def _consume(ray: Any, gen: Any) -> tuple[Completion, float]:
-    """Drain one actor stream; (its Completion, when the first TextChunk reached the driver)."""
-    first_chunk, completion = None, None
-    for ref in gen:
-        item = ray.get(ref)
-        if isinstance(item, TextChunk) and first_chunk is None:
-            first_chunk = time.time()
-        elif isinstance(item, Completion):
-            completion = item
-    if completion is None or first_chunk is None:
-        raise RuntimeError("the actor's stream ended without a token and a Completion")
-    return completion, first_chunk
-
-
-def _wait_gone(ray: Any, name: str, timeout: float = 30.0, namespace: str = NAMESPACE) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"actor {name} still alive {timeout} s after its request ended")
-
-
-def _kill(ray: Any, actor: Any) -> None:
-    try:
-        ray.kill(actor)
-    except Exception:  # already gone: the normal case
-        pass
-
-
 def run_actor(ray: Any, zqs: Path, config: ActorConfig, model: str, prompt: str, prompt_ids: tuple[int, ...],
               mode: str, storage: str, hot_repeats: int) -> Run:
     """One fresh actor: the request sent right after the spawn (cold), then again (hot) `hot_repeats` times."""
@@ -186,20 +137,20 @@ def run_actor(ray: Any, zqs: Path, config: ActorConfig, model: str, prompt: str,
     actor = spawn(str(zqs), config, name)
     try:
         cold_request = ActorRequest(f"{name}-cold", prompt_ids, GREEDY_ONE, keep_hot=True)
-        cold, cold_first = _consume(ray, actor.generate.remote(cold_request))
+        cold, cold_first = consume(ray, actor.generate.remote(cold_request))
         loading_at = dict(ray.get(actor.status.remote()).transitions)["LOADING"]
         hots = []
         for k in range(hot_repeats):
             hot_call = time.time()
-            hot, hot_first = _consume(ray, actor.generate.remote(replace(cold_request, request_id=f"{name}-hot{k}")))
+            hot, hot_first = consume(ray, actor.generate.remote(replace(cold_request, request_id=f"{name}-hot{k}")))
             hots.append((hot.timings.first_token - hot.timings.request_arrival, hot_call, hot_first, hot))
         # The hot request with the median TTFT stands for this actor: one slow request of a
         # few (a Ray or OS hiccup on a 2-core machine) does not decide the comparison.
         _, hot_call, hot_first, hot = sorted(hots, key=lambda h: h[0])[len(hots) // 2]
         ray.get(actor.release.remote())
-        _wait_gone(ray, name)
+        wait_gone(ray, name, NAMESPACE)
     finally:
-        _kill(ray, actor)
+        kill(ray, actor)
     return Run(model, prompt, len(prompt_ids), mode, storage, cold.first_layers, spawned, loading_at, cold_first,
                cold.timings, hot_call, hot_first, hot.timings)
 
@@ -223,25 +174,6 @@ def schedule(prompts: list[str], repeats: int, evicted_repeats: int) -> list[tup
 
 
 # ---- calibration --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What sizes the prompts and feeds the derived N: the load in-process, prefill on a hot actor."""
-
-    model: str
-    dtype: str
-    num_layers: int
-    num_params: int
-    weight_bytes: int
-    file_bytes: int
-    load_s: float  # in-process: stream_zqs called -> every group resident, load_threads threads
-    init_s: float  # of which: header, tokenizer, allocation, threads started
-    load_bytes_per_s: float  # LayerStream.throughput(): weight bytes / streaming seconds
-    prompts: dict[str, int]  # label -> tokens
-    prefill_s: dict[str, float]  # label -> prefill seconds on the hot calibration actor
-    prefill_flops_per_s: float
-    expected_n: dict[str, int]  # label -> choose_first_layers with the rates above
 
 
 @dataclass(frozen=True)
@@ -297,7 +229,7 @@ def calibrate(ray: Any, zqs: Path, preset: str, dtype: str, probe: LoadProbe, ar
         seconds = []
         for k in range(repeats):
             request = ActorRequest(f"{name}-{tokens}-{k}", prompt, GREEDY_ONE, keep_hot=True)
-            t = _consume(ray, actor.generate.remote(request))[0].timings
+            t = consume(ray, actor.generate.remote(request))[0].timings
             seconds.append(t.first_token - t.compute_start)
         return statistics.median(seconds)
 
@@ -313,9 +245,9 @@ def calibrate(ray: Any, zqs: Path, preset: str, dtype: str, probe: LoadProbe, ar
         prefill_s = {k: seconds if k == "balanced" else prefill(v, args.calibration_repeats)
                      for k, v in prompts.items()}
         ray.get(actor.release.remote())
-        _wait_gone(ray, name)
+        wait_gone(ray, name, NAMESPACE)
     finally:
-        _kill(ray, actor)
+        kill(ray, actor)
 
     layer = engine.model.group_parameters(0).values()
     params_per_layer = sum(p.numel() for p in layer)
@@ -341,25 +273,10 @@ def calibrate(ray: Any, zqs: Path, preset: str, dtype: str, probe: LoadProbe, ar
 # ---- main ---------------------------------------------------------------------------
 
 
-def _machine() -> dict[str, Any]:
-    import ray
-
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                  if line.startswith("MemTotal"))
-    return {"cores": os.cpu_count(), "cpu": cpu, "mem_gib": mem_kb / 2**20, "python": platform.python_version(),
-            "torch": torch.__version__, "ray": ray.__version__}
-
-
-def _load_avg() -> str:
-    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    started, t0, load_before = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter(), _load_avg()
+    started, t0, load_before = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter(), load_text()
     torch.set_num_threads(args.compute_threads)
     # The driver's in-process reference runs with the heap the actors use (ActorConfig's default).
     is_retained = ActorConfig().is_freed_memory_retained and retain_freed_memory()
@@ -393,17 +310,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         ray.shutdown()
     meta = {"command": args.command, "started": started, "elapsed_s": time.perf_counter() - t0,
-            "load_before": load_before, "load_after": _load_avg(), "load_threads": args.load_threads,
+            "load_before": load_before, "load_after": load_text(), "load_threads": args.load_threads,
             "compute_threads": args.compute_threads, "cpu_nice": args.cpu_nice, "repeats": args.repeats,
             "hot_repeats": args.hot_repeats, "is_freed_memory_retained": is_retained,
-            "raw_embeddings": all(_packed_with_defaults(zqs) for _, _, zqs, _ in models), **_machine()}
+            "raw_embeddings": all(_packed_with_defaults(zqs) for _, _, zqs, _ in models), **machine("torch", "ray")}
     return {"meta": meta, "calibrations": [asdict(c) for c in calibrations], "runs": [asdict(r) for r in runs],
             "in_process": [asdict(p) for p in in_process]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.cold_start_report import report  # here, not at the top: the report imports this module
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="small:bfloat16,small:float32", help="preset:dtype, comma-separated")
     parser.add_argument("--prompts", default="short,balanced,compute-bound")

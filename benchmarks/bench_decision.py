@@ -21,7 +21,6 @@ import gc
 import json
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.machine_load import was_busy
+from benchmarks.common import cores, cpu_model, load_average, versions, was_busy
 from serve_app.policy import PolicyConfig, decide
 from serve_app.scorer import RULE_SCORER, Candidate
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, RowView, SlotView
@@ -143,18 +142,8 @@ def layouts(traces: list[str], num_calls: int) -> dict[str, dict[str, float]] | 
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import xgboost as xgb
-
-    return (f"{os.cpu_count()} cores ({cpu}); Python {platform.python_version()}, numpy {np.__version__}, "
-            f"xgboost {xgb.__version__}")
+    v = versions("numpy", "xgboost")
+    return f"{cores()} cores ({cpu_model()}); Python {v['python']}, numpy {v['numpy']}, xgboost {v['xgboost']}"
 
 
 def report(args, results, layout, card, snap: ClusterSnapshot, load_before, load_after, elapsed_s) -> str:
@@ -224,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="benchmarks/results/decision.md")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    started, load_before = time.monotonic(), os.getloadavg()
+    started, load_before = time.monotonic(), load_average()
     snap, policy = cluster(args.slots, args.seed), PolicyConfig()
     features = requests(args.decisions, args.seed + 1)
     try:
@@ -236,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                              features, snap, policy)
     layout = layouts([t for t in args.traces if Path(t).exists()], 20_000)
     card = json.loads(card_path(args.model).read_text())
-    text = report(args, results, layout, card, snap, load_before, os.getloadavg(), time.monotonic() - started)
+    text = report(args, results, layout, card, snap, load_before, load_average(), time.monotonic() - started)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
     print(text)

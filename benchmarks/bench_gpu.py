@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -36,8 +34,10 @@ from actors.layer_loader import open_zqs
 from actors.messages import ActorRequest
 from actors.request_actor import new_actor_name, spawn
 from actors.sampling import SamplingParams
-from benchmarks.bench_cold_start import _wait_gone, prompt_of_length
-from benchmarks.bench_warm import NAMESPACE, _first_token
+from benchmarks.actor_calls import first_token, kill, wait_gone
+from benchmarks.bench_cold_start import prompt_of_length
+from benchmarks.bench_warm import NAMESPACE
+from benchmarks.common import cores, python_version, version_of
 from weights_tool.pack import pack
 from weights_tool.synth import synthesize
 
@@ -64,16 +64,13 @@ def one(ray: Any, zqs: Path, config: ActorConfig, prompt: tuple[int, ...], tier:
             ray.get(actor.ready.remote(300.0), timeout=360)
             time.sleep(0.2)
         if tier == "hot":
-            _first_token(ray, actor.generate.remote(request))  # its cold request; the next one is timed
+            first_token(ray, actor.generate.remote(request))  # its cold request; the next one is timed
         call = time.time()
-        first = _first_token(ray, actor.generate.remote(ActorRequest(f"{name}-t", prompt, ONE_TOKEN)))
-        _wait_gone(ray, name, namespace=NAMESPACE)
+        first = first_token(ray, actor.generate.remote(ActorRequest(f"{name}-t", prompt, ONE_TOKEN)))
+        wait_gone(ray, name, NAMESPACE)
         return first - call
     finally:
-        try:
-            ray.kill(actor)
-        except Exception:  # gone already: the normal case
-            pass
+        kill(ray, actor)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
         log.error("no CUDA device is visible to torch %s: nothing to measure (--device cpu checks the harness)",
-                  torch.__version__)
+                  version_of("torch"))
         return 3
     import ray
 
@@ -113,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("repeat %d, %s: TTFT %.3f s", rep + 1, tier, results[tier][-1])
     finally:
         ray.shutdown()
-    device = torch.cuda.get_device_name(0) if is_cuda else f"CPU ({os.cpu_count()} cores)"
+    device = torch.cuda.get_device_name(0) if is_cuda else f"CPU ({cores()} cores)"
     cold = statistics.median(results["cold"])
     lines = [
         f"# Hot, warm and cold TTFT on {'one GPU' if is_cuda else 'the CPU (harness check)'}", "",
         f"Command: `{command}`", "",
-        f"Run {started}, {(time.perf_counter() - t0) / 60:.1f} minutes. Device: {device}; torch {torch.__version__}, "
-        f"Python {platform.python_version()}. Model: `{args.preset}` ({mconfig.num_layers} layers, "
+        f"Run {started}, {(time.perf_counter() - t0) / 60:.1f} minutes. Device: {device}; torch {version_of('torch')}, "
+        f"Python {python_version()}. Model: `{args.preset}` ({mconfig.num_layers} layers, "
         f"{mconfig.weight_bytes() / 2**30:.2f} GiB of {args.dtype} weights, random), `.zqs` at zstd level 1; "
         f"a {len(prompt)}-token prompt, one greedy output token; warm actors hold {warm_layers} layers. "
         "TTFT from the caller of the actor (where the ingress stands): call -> first token.", "",

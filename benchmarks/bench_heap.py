@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.common import cores, load_average, python_version
 
 MODES = {
     "glibc defaults": "default",
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/heap.md")
     args = parser.parse_args(argv)
     command = " ".join([".venv/bin/python -m benchmarks.bench_heap", *(sys.argv[1:] if argv is None else argv)])
-    started, load_before = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), os.getloadavg()[0]
+    started, load_before = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average()[0]
     zqs = prepare_model("small", "bfloat16", Path(args.cache_dir))
 
     runs: dict[str, list[dict]] = {label: [] for label in MODES}
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lines = [
         "# Prefill heap: page faults and time per layer", "",
-        f"Command: `{command}`. Run {started}; {os.cpu_count()} cores, Python {platform.python_version()}; "
+        f"Command: `{command}`. Run {started}; {cores()} cores, Python {python_version()}; "
         f"1-minute load {load_before:.2f} at the start.", "",
         f"The `small` shape in bf16 (12 layers), one {args.tokens}-token prefill repeated {args.repeats} times in "
         f"each of {args.processes} fresh processes per mode, one torch thread. 'First' is each process's first "

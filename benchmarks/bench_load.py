@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import signal
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import load_apps
+from benchmarks.common import load_average
 from benchmarks.cpu_share import CpuSampler
 from benchmarks.load_netem import Impairment, lossy_link, probe
 from benchmarks.load_report import write_report
@@ -114,7 +114,7 @@ def measure(plan: Plan, command: str) -> dict[str, Any]:
         log.warning("lossy scenario skipped: %s", data["netem_error"])
     with tempfile.TemporaryDirectory(prefix="zq-bench-load-") as work:
         _run_systems(plan, args, Path(work), model_id, prompts, data, extras)
-    data["machine"]["loadavg_end"] = os.getloadavg()
+    data["machine"]["loadavg_end"] = load_average()
     data["elapsed_s"] = time.time() - started
     return data
 

@@ -31,12 +31,10 @@ import gc
 import json
 import logging
 import multiprocessing as mp
-import os
 import re
 import resource
 import shlex
 import sys
-import tarfile
 import time
 import traceback
 import zlib
@@ -49,11 +47,11 @@ import numpy as np
 import torch
 import zstandard
 
+from benchmarks.common import load_average
+from benchmarks.loader_artefacts import artefact_paths, build_artefacts
 from benchmarks.loader_methods import (
     BY_NAME,
-    DTYPE,
     METHODS,
-    NUM_THREADS,
     RATES,
     REGIMES,
     Tensors,
@@ -62,74 +60,13 @@ from benchmarks.loader_methods import (
     safetensors_specs,
 )
 from benchmarks.loader_storage import Throttle, evict, read_through, resident_pages, warm
-from weights_tool.pack import pack
 from weights_tool.reader import ShardReader
-from weights_tool.synth import synthesize
 
 log = logging.getLogger("bench_loader")
 
 SHAPES = ("small", "tinyllama-1.1b")
-XZ_PRESET = 0  # xz is ~9 MB/s at preset 0 on this machine; the archive is built once and cached
-ZST_LEVEL = 3  # zstd's own default, what a whole-file `zstd model.safetensors` writes
 CACHE = Path(".cache/bench/loader")
 RESULTS = Path(__file__).resolve().parent / "results" / "loader.md"
-
-
-# ---- checkpoints and artefacts -----------------------------------------------------
-
-
-def artefact_paths(shape: str, cache: Path) -> dict[str, Path]:
-    stem = cache / f"{shape}-{DTYPE}"
-    return {
-        "safetensors": stem / "model.safetensors",
-        "tar.xz": cache / f"{shape}-{DTYPE}.tar.xz",
-        "zst": cache / f"{shape}-{DTYPE}.safetensors.zst",
-        "zqs-bytegroup": cache / f"{shape}-{DTYPE}.bytegroup.zqs",
-        "zqs-zstd": cache / f"{shape}-{DTYPE}.zstd.zqs",
-        "zqs-raw": cache / f"{shape}-{DTYPE}.raw.zqs",
-    }
-
-
-def build_artefacts(shape: str, cache: Path) -> dict[str, float]:
-    """Synthesise and pack what is missing (each written atomically); returns seconds spent per artefact."""
-    paths = artefact_paths(shape, cache)
-    hf_dir = paths["safetensors"].parent
-    st = paths["safetensors"]
-    makers: dict[str, Callable[[Path], Any]] = {
-        "safetensors": lambda _: synthesize(shape, hf_dir, dtype=DTYPE),
-        "tar.xz": lambda out: _write_tar_xz(st, out),
-        "zst": lambda out: _write_zst(st, out),
-        # Every group compressed, embeddings included: the ratio goal is about compression.
-        "zqs-bytegroup": lambda out: pack(hf_dir, out, raw_embeddings=False),
-        "zqs-zstd": lambda out: pack(hf_dir, out, byte_group=False, raw_embeddings=False),
-        "zqs-raw": lambda out: pack(hf_dir, out, codec="raw"),
-    }
-    spent = {}
-    for name, make in makers.items():
-        done = (hf_dir / "config.json").is_file() if name == "safetensors" else paths[name].is_file()
-        if done:
-            continue
-        log.info("building %s for %s (cached under %s afterwards)", name, shape, cache)
-        t0 = time.perf_counter()
-        if name == "safetensors":
-            make(hf_dir)
-        else:
-            tmp = paths[name].with_name(f".{paths[name].name}.tmp")
-            make(tmp)
-            tmp.replace(paths[name])
-        spent[name] = time.perf_counter() - t0
-    return spent
-
-
-def _write_tar_xz(src: Path, out: Path) -> None:
-    with tarfile.open(out, "w:xz", preset=XZ_PRESET) as tar:
-        tar.add(src, arcname=src.name)
-
-
-def _write_zst(src: Path, out: Path) -> None:
-    cctx = zstandard.ZstdCompressor(level=ZST_LEVEL, threads=NUM_THREADS, write_content_size=True)
-    with open(src, "rb") as fin, open(out, "wb") as fout:
-        cctx.copy_stream(fin, fout, size=src.stat().st_size)
 
 
 # ---- one measurement, in its own process ------------------------------------------------
@@ -165,7 +102,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := RSS now
     rss_before = _status_bytes("VmRSS")
-    load_avg = os.getloadavg()[0]
+    load_avg = load_average()[0]
     cpu0 = _cpu_seconds()
     t0 = time.perf_counter()
     tensors, first = method.load(paths, specs, throttle, dests)
@@ -313,7 +250,7 @@ def schedule(shapes: list[str], repeats: dict[str, int], xz_repeats: int) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.loader_report import write_report
+    from benchmarks.loader_report import write_report  # here: the measuring children need none of it
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shape, 1 repeat (development)")
@@ -341,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = ["small"] if args.quick else list(SHAPES)
         repeats = {"small": 1 if args.quick else args.repeats, "tinyllama-1.1b": args.large_repeats}
         repeats = {s: repeats[s] for s in shapes}
-        elapsed_before, load_start = 0.0, os.getloadavg()
+        elapsed_before, load_start = 0.0, load_average()
         run = {
             "command": "python -m benchmarks.bench_loader " + shlex.join(sys.argv[1:] if argv is None else argv),
             "started": time.strftime("%Y-%m-%d %H:%M %Z"), "shapes": shapes, "repeats": repeats,
@@ -359,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         if (spec.shape, spec.regime, spec.method, spec.dest, spec.repeat) in done:
             continue
         run["results"].append(run_in_child(ctx, spec))
-        run.update(elapsed_s=elapsed_before + time.perf_counter() - t_start, load=[load_start, os.getloadavg()])
+        run.update(elapsed_s=elapsed_before + time.perf_counter() - t_start, load=[load_start, load_average()])
         saved.write_text(json.dumps(run, indent=1))  # after every run, so an interrupted run can be resumed
         log.info("[%d/%d] %s %-18s %-14s %-10s r%d  %.3f s", k + 1, len(runs), spec.shape, spec.regime,
                  spec.method, spec.dest, spec.repeat, run["results"][-1]["seconds"])

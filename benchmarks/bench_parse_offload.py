@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import cores, load_average, python_version
 from serve_app import api
 from serve_app.offload import BoundedExecutor
 
@@ -91,8 +91,8 @@ def report(result: dict, args: argparse.Namespace, command: str) -> str:
     lines = [
         "# Parsing a large body off the event loop", "",
         f"Command: `{command}`", "",
-        f"Machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end, Python "
-        f"{sys.version.split()[0]}. Body: {args.messages} messages, {result['body_bytes'] / 2**20:.1f} MiB, the "
+        f"Machine: {cores()} cores, load average {load_average()[0]:.2f} at the end, Python "
+        f"{python_version()}. Body: {args.messages} messages, {result['body_bytes'] / 2**20:.1f} MiB, the "
         f"synthetic `tiny` model's tokenizer and chat template; {args.repeats} runs per mode, alternating.", "",
         "| mode | parse + template + tokenize (s, median) | loop's worst lag (ms, median) | loop's p99 lag (ms, median) | ticks during it (median) |",
         "|---|---|---|---|---|",

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -38,6 +36,7 @@ import torch
 from actors.arena import huge_page_arena
 from actors.checkpoint import load_hf_checkpoint
 from actors.model import Transformer
+from benchmarks.common import architecture, cores, load_text, python_version, version_of
 from weights_tool.architecture import ModelConfig
 from weights_tool.synth import preset_config, synthesize
 
@@ -202,9 +201,9 @@ def report(args: argparse.Namespace, results: list[Result], probe: Result, load:
         "",
         f"Command: `{args.command}`",
         "",
-        f"- machine: {platform.machine()}, {os.cpu_count()} cores (a VM), torch {torch.__version__} with "
-        f"{torch.get_num_threads()} thread(s), transformers {__import__('transformers').__version__}, "
-        f"Python {platform.python_version()}",
+        f"- machine: {architecture()}, {cores()} cores (a VM), torch {version_of('torch')} with "
+        f"{torch.get_num_threads()} thread(s), transformers {version_of('transformers')}, "
+        f"Python {python_version()}",
         f"- load average (1, 5, 15 min) before / after: {load[0]} / {load[1]}",
         f"- model: preset `{args.preset}` ({config.architecture}), hidden {config.hidden_size}, "
         f"{config.num_layers} layers, {config.num_heads} heads / {config.num_kv_heads} kv heads, "
@@ -247,8 +246,8 @@ def report(args: argparse.Namespace, results: list[Result], probe: Result, load:
     # Were our per-token overhead zero, decode would take the weight-streaming time alone.
     bound = first.ms("hf_huge") / max(first.ms("ours") - probe.ms("ours"), 1e-9)
     busiest = max(float(load[0].split()[0]), float(load[1].split()[0]))
-    if busiest > (os.cpu_count() or 1):
-        lines += ["", f"**Warning: the machine was contended (1-min load {busiest:.2f} on {os.cpu_count()} cores):** "
+    if busiest > (cores() or 1):
+        lines += ["", f"**Warning: the machine was contended (1-min load {busiest:.2f} on {cores()} cores):** "
                   "absolute figures are inflated and even the lockstep ratios are only indicative."]
     lines += [
         "",
@@ -300,13 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_before = load_text(sep=" ")
     results = [bench(args, args.preset, args.preset, name) for name in args.dtypes.split(",")]
     probe_config = preset_config(args.preset)
     probe_config.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, vocab_size=512)
     probe = bench(args, f"{args.preset}-overhead-probe", probe_config, "float32")
-    load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_after = load_text(sep=" ")
 
     text = report(args, results, probe, (load_before, load_after))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import shlex
 import sys
 import time
@@ -39,17 +37,19 @@ from actors.actor_config import ActorConfig
 from actors.cold_start import warm_layers
 from actors.engine import Engine, FinishEvent
 from actors.layer_loader import load_zqs, open_zqs
-from actors.messages import ActorRequest, TextChunk
+from actors.messages import ActorRequest
 from actors.request_actor import new_actor_name, spawn
 from actors.sampling import SamplingParams
-from benchmarks.bench_cold_start import _wait_gone, balanced_tokens, prepare_model, prompt_of_length
+from benchmarks.actor_calls import first_token, wait_gone
+from benchmarks.bench_cold_start import balanced_tokens, prepare_model, prompt_of_length
+from benchmarks.common import cores, load_average, versions
+from benchmarks.warm_report import FRESH, report
 
 log = logging.getLogger("bench_warm")
 
 NAMESPACE = "zeroqueue-bench-warm"
 SHORT_TOKENS = 16
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
-FRESH = "fresh spawn"  # as warm_report.py names it
 
 
 @dataclass(frozen=True)
@@ -77,17 +77,6 @@ def _rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def _first_token(ray: Any, gen: Any) -> float:
-    """Drain an actor stream; when its first TextChunk reached the caller."""
-    first = None
-    for ref in gen:
-        if isinstance(ray.get(ref), TextChunk) and first is None:
-            first = time.time()
-    if first is None:
-        raise RuntimeError("the actor's stream ended without a token")
-    return first
-
-
 def run_actor(ray: Any, zqs: Path, config: ActorConfig, prompt: str, prompt_ids: tuple[int, ...],
               num_warm: int | None) -> ActorRun:
     name = new_actor_name("bench-warm")
@@ -99,8 +88,8 @@ def run_actor(ray: Any, zqs: Path, config: ActorConfig, prompt: str, prompt_ids:
         ready_s, rss = time.time() - spawned, _rss_bytes(status.pid)
         time.sleep(0.3)  # a request arrives later than the pool filled: nothing of the start is still running
     call = time.time()
-    first = _first_token(ray, actor.generate.remote(ActorRequest(name, prompt_ids, ONE_TOKEN)))
-    _wait_gone(ray, name, namespace=NAMESPACE)  # not kept hot: it exits after its one request, as a bound or spawned actor does
+    first = first_token(ray, actor.generate.remote(ActorRequest(name, prompt_ids, ONE_TOKEN)))
+    wait_gone(ray, name, NAMESPACE)  # not kept hot: it exits after its one request, as a bound or spawned actor does
     label = FRESH if num_warm is None else f"warm, N={num_warm}"
     return ActorRun(prompt, len(prompt_ids), label, num_warm, first - call, ready_s, rss)
 
@@ -216,7 +205,7 @@ def measure(args: argparse.Namespace) -> dict:
     del engine, model
     policy_n = {label: warm_layers(mconfig, ActorConfig().initial_load_bytes_per_s,
                                    ActorConfig().prefill_flops_per_s, len(ids)) for label, ids in prompts.items()}
-    load_before = os.getloadavg()
+    load_before = load_average()
     ray.init(num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     try:
         actor_runs = measure_actors(ray, zqs, args, prompts, mconfig.num_layers)
@@ -225,8 +214,8 @@ def measure(args: argparse.Namespace) -> dict:
     finally:
         ray.shutdown()
     meta = {"command": args.command, "started": started, "elapsed_s": time.perf_counter() - t0,
-            "load_before": load_before, "load_after": os.getloadavg(), "cores": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "preset": args.preset,
+            "load_before": load_before, "load_after": load_average(), "cores": cores(), **versions("torch"),
+            "preset": args.preset,
             "dtype": args.dtype, "num_layers": mconfig.num_layers, "weight_bytes": mconfig.weight_bytes(),
             "load_s": load_s, "prefill_256_s": prefill_s, "prompt_tokens": {k: len(v) for k, v in prompts.items()},
             "policy_n": policy_n, "repeats": args.repeats}
@@ -234,8 +223,6 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.warm_report import report
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--dtype", default="bfloat16")

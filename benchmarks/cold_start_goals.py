@@ -6,12 +6,8 @@ says where the time went, from the same row's phases.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from benchmarks.bench_cold_start import BASELINE, DERIVED, PAGE_CACHE
-
-if TYPE_CHECKING:
-    from benchmarks.cold_start_report import HotRow, Row
+from benchmarks.cold_start_rows import HotRow, Row
+from benchmarks.cold_start_runs import BASELINE, DERIVED, PAGE_CACHE
 
 GOAL_OVERLAP = 1.2
 GOAL_VS_BASELINE = 0.6

@@ -1,20 +1,20 @@
 """The cold-start benchmark's report: statistics over the runs, one row per mode, and the markdown.
 
 Every figure comes from one run of `benchmarks.bench_cold_start`, whose raw results are kept
-as JSON, so `--report-only` rewrites this report without measuring again. This module
-imports the measurement's data types; the measurement imports it only when it writes the
-report, so neither import is circular.
+as JSON, so `--report-only` rewrites this report without measuring again. The run's records
+(`benchmarks.cold_start_runs`) and the rows (`benchmarks.cold_start_rows`) live in modules of
+their own, which the measurement, this report and the goals import alike.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from actors.messages import Timings
-from benchmarks.bench_cold_start import (
+from benchmarks.cold_start_goals import goals
+from benchmarks.cold_start_rows import HotRow, Row, summarize
+from benchmarks.cold_start_runs import (
     BASELINE,
     DERIVED,
     FIRST_ONE,
@@ -24,8 +24,7 @@ from benchmarks.bench_cold_start import (
     InProcess,
     Run,
 )
-from benchmarks.cold_start_goals import goals
-from benchmarks.machine_load import was_busy
+from benchmarks.common import was_busy
 
 BALANCED_WITHIN = 1.5  # load and prefill within this factor of each other: "balanced"
 # Clock check: a load-then-compute run computing this long before its last group was resident.
@@ -33,23 +32,6 @@ MAX_CLOCK_SKEW_S = 0.002
 
 
 # ---- arithmetic ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Stat:
-    median: float
-    low: float
-    high: float
-
-    def __str__(self) -> str:
-        return f"{self.median:.3f} ({self.low:.3f}–{self.high:.3f})"
-
-
-def summarize(values: Iterable[float]) -> Stat:
-    values = list(values)
-    if not values:
-        raise ValueError("no values to summarize")
-    return Stat(statistics.median(values), min(values), max(values))
 
 
 def overlap_efficiency(cold_ttft_s: float, load_s: float, prefill_s: float) -> float:
@@ -98,22 +80,6 @@ def metrics(run: Run) -> dict[str, float]:
         # Runs recorded before Timings had it have no table time.
         **({} if c.embeddings_resident is None else {"table": c.embeddings_resident - c.actor_start}),
     }
-
-
-@dataclass(frozen=True)
-class Row:
-    model: str
-    prompt: str
-    prompt_tokens: int
-    storage: str
-    mode: str
-    regime: str
-    first_layers: tuple[int, ...]
-    stats: dict[str, Stat]
-    load_ref: float  # median load of the group's load-then-compute runs
-    prefill_ref: float  # median hot prefill of the group
-    efficiency: float
-    vs_baseline: float
 
 
 def rows(runs: list[Run]) -> list[Row]:
@@ -171,7 +137,7 @@ def _busy_warning(meta: dict[str, Any]) -> str:
 def report(data: dict[str, Any]) -> str:
     meta = data["meta"]
     cals = [Calibration(**c) for c in data["calibrations"]]
-    runs = [_run_from_dict(r) for r in data["runs"]]
+    runs = [Run.from_dict(r) for r in data["runs"]]
     table = rows(runs)
     lines = [
         "# Cold start: layer-streamed loading against load-then-compute",
@@ -304,23 +270,6 @@ def report(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class HotRow:
-    model: str
-    prompt: str
-    prompt_tokens: int
-    actor: Stat  # the hot actor: request arrival -> first token
-    actor_before_compute: Stat  # request arrival -> compute start
-    actor_prefill: Stat  # compute start -> first token
-    client: Stat  # the driver: generate.remote() -> first token received
-    in_process: Stat
-    in_process_prefill: Stat
-
-    @property
-    def ratio(self) -> float:
-        return self.actor.median / self.in_process.median
-
-
 def hot_rows(runs: list[Run], in_process: list[InProcess]) -> list[HotRow]:
     out = []
     for model, prompt in dict.fromkeys((r.model, r.prompt) for r in runs if r.storage == PAGE_CACHE):
@@ -367,7 +316,3 @@ def _accelerator(cals: list[Calibration]) -> list[str]:
         "(here one core decodes at the rate above).",
     ]
     return lines
-
-
-def _run_from_dict(d: dict[str, Any]) -> Run:
-    return Run(**{**d, "cold": Timings(**d["cold"]), "hot": Timings(**d["hot"])})

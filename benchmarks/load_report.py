@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import load_tables as tables
+from benchmarks.common import was_busy
 from benchmarks.erlang import refusal_floor
 from benchmarks.load_apps import BOUNDED, SYSTEMS, UNBOUNDED, ZEROQUEUE
 from benchmarks.load_goals import Goal, judge
@@ -15,7 +16,6 @@ from benchmarks.load_netem import Impairment
 from benchmarks.load_scenarios import CLASSES, MIXED
 from benchmarks.load_stats import Record, Slo, Summary, by_class, closed_loop_rate
 from benchmarks.load_sweep import hold_time_s, refusal_floor_at
-from benchmarks.machine_load import was_busy
 
 # label -> system -> class (and "all") -> Summary
 Summaries = dict[Any, dict[str, dict[str, Summary]]]
@@ -108,7 +108,7 @@ def _document(data, points: Summaries, extras: Summaries, floor_rows, gs: list[G
               for g in gs]
     notes = [f"- {g.name.split('.')[0]}: {g.note}" for g in gs if g.note]
     lines += ["", "Why, where a goal was missed (from this run's figures):", "", *notes] if notes else []
-    lines += _warm(data, points, extras)
+    lines += warm_section(data, points, extras)
     x = data["sweep"]["capacity_rps"]
     lines += ["", "## Refusals against the Erlang-B floor", "",
               f"B(c, A) with c = slots × max_batch = {data['places']} places and A = offered rate × (c / X), X = "
@@ -251,7 +251,7 @@ def _capacity(data: dict[str, Any]) -> list[str]:
 WARM_REFUSAL_BOUND_S = 0.25
 
 
-def _warm(data: dict[str, Any], points: Summaries, extras: Summaries) -> list[str]:
+def warm_section(data: dict[str, Any], points: Summaries, extras: Summaries) -> list[str]:
     """zeroqueue's process starts against its warm actors, and its refusals while actors start."""
     counts = data.get("registry_counters")
     if counts is None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import platform
 import statistics
 import time
 from dataclasses import replace
@@ -14,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks import common
 from benchmarks.load_scenarios import CLASSES
 
 log = logging.getLogger(__name__)
@@ -113,24 +112,9 @@ def lanes(args: dict[str, Any], calibration: dict[str, dict[str, float]]) -> dic
 
 
 def machine() -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import ray
-    import torch
-
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    # The locust version from its metadata: importing locust would monkey-patch this process.
-    return {"cores": os.cpu_count(), "cpu": cpu, "mem_gib": round(mem, 1), "python": platform.python_version(),
-            "torch": torch.__version__, "ray": ray.__version__, "locust": version("locust"),
-            "loadavg_start": os.getloadavg()}
+    """The machine's facts (`benchmarks.common`), memory rounded to 0.1 GiB, and the load average at the start."""
+    facts = common.machine("torch", "ray", "locust")  # locust's from its metadata: importing it patches this process
+    return {**facts, "mem_gib": round(facts["mem_gib"], 1), "loadavg_start": common.load_average()}
 
 
 def run_data(report_only: str | None, measure_run, bench: str) -> dict[str, Any]:

@@ -7,12 +7,8 @@ missed goal says by how much and why.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from benchmarks.loader_cells import Cell, Cells, ShapeInfo
 from benchmarks.loader_methods import NUM_THREADS, RATES, REGIMES
-
-if TYPE_CHECKING:
-    from benchmarks.loader_report import Cell, Cells, ShapeInfo
 
 MB = 1e6
 GOAL_RATIO = 1.4

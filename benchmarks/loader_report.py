@@ -8,31 +8,30 @@ bounds it, from the same run's rows and machine limits.
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors
 import torch
 import zstandard
 
-from benchmarks import bench_loader as bench
+from benchmarks.common import cores, cpu_model, kernel, mem_gib, versions
+from benchmarks.loader_artefacts import XZ_PRESET, ZST_LEVEL
+from benchmarks.loader_cells import Cell, Cells, ShapeInfo, shape_info
 from benchmarks.loader_goals import MB, ZQS, goals, seed_comparison
+from benchmarks.loader_methods import NUM_THREADS, REGIMES
 
 ORDER = ("tar.xz", "zst-whole", *ZQS, "st-pread", "st-pread-emul", "st-mmap-copy", "st-mmap-touch")
 
 DESCRIPTIONS = {
-    "tar.xz": f"the seed's first baseline: a tar.xz (preset {bench.XZ_PRESET}) of model.safetensors, streamed "
+    "tar.xz": f"the seed's first baseline: a tar.xz (preset {XZ_PRESET}) of model.safetensors, streamed "
               "through `tarfile` into memory, then `safetensors.torch.load`",
-    "zst-whole": f"the seed's second: model.safetensors zstd-compressed whole (level {bench.ZST_LEVEL}), read "
+    "zst-whole": f"the seed's second: model.safetensors zstd-compressed whole (level {ZST_LEVEL}), read "
                  "whole, decompressed to memory, then `safetensors.torch.load`",
     "zqs-bytegroup": f"this project (the seed's third): `.zqs` packed with the defaults (byte-grouped zstd level "
-                     f"1), `LayerStream` on {bench.NUM_THREADS} threads, verification on (each zstd frame's XXH64 content "
+                     f"1), `LayerStream` on {NUM_THREADS} threads, verification on (each zstd frame's XXH64 content "
                      "checksum, checked by libzstd as it decodes), one 4 MiB read ahead per thread, into caller tensors",
     "zqs-zstd": "as zqs-bytegroup, packed with `byte_group=False` (plain zstd level 1)",
     "zqs-raw": "as zqs-bytegroup, packed with `codec=\"raw\"` (stored uncompressed; the crc32 is still checked)",
@@ -47,77 +46,6 @@ DESCRIPTIONS = {
                      "stay page-cache pages (file-backed, shared): what CPU-only serving gets for free; a device "
                      "copy would still read every byte",
 }
-
-
-@dataclass(frozen=True)
-class Cell:
-    """The runs of one (shape, regime, method, destination)."""
-
-    runs: tuple[dict[str, Any], ...]
-
-    @property
-    def seconds(self) -> float:
-        return statistics.median(r["seconds"] for r in self.runs)
-
-    @property
-    def best(self) -> float:
-        """The fastest run: the figure least disturbed by other jobs on the machine."""
-        return min(r["seconds"] for r in self.runs)
-
-    @property
-    def best_first_layer_s(self) -> float | None:
-        firsts = [r["first_layer_s"] for r in self.runs if r["first_layer_s"] is not None]
-        return min(firsts) if firsts else None
-
-    @property
-    def cpu_s(self) -> float:
-        return statistics.median(r["cpu_s"] for r in self.runs)
-
-    @property
-    def first_layer_s(self) -> float | None:
-        firsts = [r["first_layer_s"] for r in self.runs if r["first_layer_s"] is not None]
-        return statistics.median(firsts) if firsts else None
-
-    @property
-    def peak_rss(self) -> int:
-        return max(r["peak_rss"] for r in self.runs)
-
-    @property
-    def extra(self) -> int:
-        """Peak RSS beyond the RSS before the load and the destination bytes the load allocated."""
-        return max(r["peak_rss"] - r["rss_before"] - r["fresh_dest_bytes"] for r in self.runs)
-
-    def spread(self) -> str:
-        times = [r["seconds"] for r in self.runs]
-        return f"{min(times):.3f}–{max(times):.3f}" if len(times) > 1 else "—"
-
-
-Cells = dict[tuple[str, str, str, str], Cell]  # (shape, regime, method, destination) -> runs
-
-
-@dataclass(frozen=True)
-class ShapeInfo:
-    name: str
-    num_params: int
-    model_bytes: int
-    num_layers: int
-    layer_bytes: int
-    embed_bytes: int
-    files: dict[str, int]  # artefact -> bytes
-
-    def ratio(self, artefact: str) -> float:
-        return self.model_bytes / self.files[artefact]
-
-
-def shape_info(shape: str, cache: Path) -> ShapeInfo:
-    paths = bench.artefact_paths(shape, cache)
-    specs = bench.safetensors_specs(paths["safetensors"])
-    num_layers = 1 + max(int(s.name.split(".")[2]) for s in specs if ".layers." in s.name)
-    return ShapeInfo(
-        shape, sum(s.size // s.dtype.itemsize for s in specs), sum(s.size for s in specs), num_layers,
-        sum(s.size for s in specs if ".layers.0." in s.name), sum(s.size for s in specs if "embed_tokens" in s.name),
-        {k: p.stat().st_size for k, p in paths.items()},
-    )
 
 
 def write_report(out: Path, run: dict[str, Any], cache: Path) -> str:
@@ -145,7 +73,7 @@ def write_report(out: Path, run: dict[str, Any], cache: Path) -> str:
         *_limits(limits),
     ]
     for shape in shapes:
-        for regime in bench.REGIMES:
+        for regime in REGIMES:
             lines += _regime_table(infos[shape], regime, cells)
     plot = out.with_suffix(".png")
     if _plot(plot, infos[shapes[-1]], cells):
@@ -160,16 +88,14 @@ def write_report(out: Path, run: dict[str, Any], cache: Path) -> str:
 
 
 def _machine(load: list[list[float]], during: list[float]) -> list[str]:
-    mem_kb = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal")))
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    v = zstandard.ZSTD_VERSION
+    v, ver = zstandard.ZSTD_VERSION, versions("torch", "zstandard", "safetensors", "numpy")
     return [
         "## Machine", "",
-        f"- {os.cpu_count()} cores ({cpu}), {mem_kb / 2**20:.1f} GiB RAM, Linux {platform.release()}, "
+        f"- {cores()} cores ({cpu_model()}), {mem_gib():.1f} GiB RAM, Linux {kernel()}, "
         f"root filesystem `{_root_device()}` (a virtio disk)",
-        f"- Python {platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"zstandard {zstandard.__version__} (libzstd {v[0]}.{v[1]}.{v[2]}), safetensors {safetensors.__version__}, "
-        f"numpy {np.__version__}",
+        f"- Python {ver['python']}, torch {ver['torch']} ({torch.get_num_threads()} threads), "
+        f"zstandard {ver['zstandard']} (libzstd {v[0]}.{v[1]}.{v[2]}), safetensors {ver['safetensors']}, "
+        f"numpy {ver['numpy']}",
         f"- load average (1/5/15 min): {' / '.join(f'{x:.2f}' for x in load[0])} at the start, "
         f"{' / '.join(f'{x:.2f}' for x in load[1])} at the end; the 1-minute figure at the start of each "
         f"measurement: median {statistics.median(during):.2f}, range {min(during):.2f}–{max(during):.2f} "
@@ -250,7 +176,7 @@ def _plot(path: Path, info: ShapeInfo, cells: Cells) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    regimes = [r for r in bench.REGIMES if any(k[0] == info.name and k[1] == r for k in cells)]
+    regimes = [r for r in REGIMES if any(k[0] == info.name and k[1] == r for k in cells)]
     fig, axes = plt.subplots(1, len(regimes), figsize=(4.2 * len(regimes), 4.6), sharey=True, sharex=True)
     labels = [f"{m} ({d})" for m in ORDER for d in ("own", "fresh", "prefaulted", "mapped")
               if any(k[0] == info.name and k[2] == m and k[3] == d for k in cells)]

@@ -1,112 +1,19 @@
-"""Metrics, markdown tables and plots for the cluster simulator (benchmarks/simulate.py)."""
+"""Markdown tables, plots and the report of the cluster simulator (benchmarks/simulate.py).
+
+The metrics come from `benchmarks.sim_results`, the prose from `benchmarks.sim_report_text`.
+"""
 
 from __future__ import annotations
 
-import math
-import os
-import platform
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-from benchmarks.sim_calibration import RequestClass, ServiceTimes, Workload, short_lane_probability
-from benchmarks.sim_model import Outcome
-
-if TYPE_CHECKING:
-    from benchmarks.simulate import DecisionCost, PointResult, SimConfig
-
-QUANTILES = (50.0, 99.0, 99.9)
-SYSTEM_NAMES = ("zero-queue", "queued FIFO", "queued FIFO, bounded", "queued Serve default")
-
-
-@dataclass(frozen=True)
-class ClassMetrics:
-    num_arrivals: int  # measured: arrived after the warm-up and before the horizon
-    reject_rate: float
-    cold_rate: float  # of the admitted: served by an actor spawned for them
-    join_rate: float  # of the admitted: joined a batch that was already running
-    ttft_s: tuple[float, float, float]  # P50, P99, P99.9 over the admitted
-    e2e_s: tuple[float, float, float]
-    slowdown_p99: float  # P99 of end to end / the request's own unloaded (hot) end to end
-    throughput_per_s: float  # completions inside the measured window, per second
-    goodput_per_s: float  # of those, the ones that met the SLO
-    # The good completions' unloaded (hot, one-row) service time per second, over what the cluster
-    # completes of it per second at capacity: the share of the cluster that did useful work in
-    # time; unlike goodput it does not favour short requests.
-    good_work_fraction: float
-
-    @property
-    def e2e_ratio(self) -> float:
-        return self.e2e_s[1] / self.e2e_s[0] if self.e2e_s[0] > 0 else math.nan
-
-    @property
-    def ttft_ratio(self) -> float:
-        return self.ttft_s[1] / self.ttft_s[0] if self.ttft_s[0] > 0 else math.nan
-
-
-def _quantiles(x: np.ndarray) -> tuple[float, float, float]:
-    if len(x) == 0:
-        return (math.nan,) * 3  # type: ignore[return-value]
-    q = np.percentile(x, QUANTILES)
-    return float(q[0]), float(q[1]), float(q[2])
-
-
-def class_metrics(workload: Workload, service: ServiceTimes, outcome: Outcome, mix: tuple[RequestClass, ...],
-                  slo_extra_s: float, work_capacity: float) -> dict[str, ClassMetrics]:
-    """Per class and for "all". Latency and rejections: over the arrivals in the measured window;
-    throughput and goodput: completions inside it (an unbounded queue finishes late, not more).
-    `work_capacity`: seconds of hot one-row service the cluster completes per second at capacity."""
-    start, end = workload.warmup_s, workload.horizon_s
-    window = end - start
-    arrived = (workload.arrival_s >= start) & (workload.arrival_s < end)
-    admitted = ~outcome.is_rejected
-    done_at = workload.arrival_s + outcome.e2e_s  # NaN when rejected
-    with np.errstate(invalid="ignore"):
-        ended_inside = admitted & (done_at >= start) & (done_at < end)
-        good = ended_inside & (outcome.ttft_s - service.hot_ttft_s <= slo_extra_s)
-    slowdown = outcome.e2e_s / service.hot_e2e_s
-    out: dict[str, ClassMetrics] = {}
-    for index, name in [*enumerate(c.name for c in mix), (-1, "all")]:
-        of_class = np.ones_like(arrived) if index < 0 else workload.class_index == index
-        sel, served = arrived & of_class, arrived & of_class & admitted
-        n = int(sel.sum())
-        out[name] = ClassMetrics(
-            num_arrivals=n,
-            reject_rate=float(outcome.is_rejected[sel].mean()) if n else math.nan,
-            cold_rate=float(outcome.is_cold[served].mean()) if served.any() else math.nan,
-            join_rate=float(outcome.is_joined[served].mean()) if served.any() else math.nan,
-            ttft_s=_quantiles(outcome.ttft_s[served]),
-            e2e_s=_quantiles(outcome.e2e_s[served]),
-            slowdown_p99=_quantiles(slowdown[served])[1],
-            throughput_per_s=float((ended_inside & of_class).sum()) / window,
-            goodput_per_s=float((good & of_class).sum()) / window,
-            good_work_fraction=float(service.hot_e2e_s[good & of_class].sum()) / (window * work_capacity),
-        )
-    return out
-
-
-# ---------------------------------------------------------------- formatting
-
-
-def _f(x: float, digits: int = 2) -> str:
-    return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
-
-
-def _pct(x: float) -> str:
-    return "–" if not math.isfinite(x) else f"{100 * x:.1f}"
-
-
-def _get(results: list[PointResult], process: str, load: float, system: str) -> PointResult:
-    return next(r for r in results if r.process == process and r.load == load and r.system == system)
-
-
-def _ratio(a: float, b: float) -> str:
-    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
-        return "–"
-    return "> 100×" if a / b > 100 else _f(a / b) + "×"  # beyond that it is a ratio to almost nothing
+from benchmarks.common import cores, load_text, python_version
+from benchmarks.sim_calibration import short_lane_probability
+from benchmarks.sim_config import SimConfig
+from benchmarks.sim_format import num, pct, ratio
+from benchmarks.sim_report_text import goals_text, model_text, not_modelled_text, serve_words
+from benchmarks.sim_results import SYSTEM_NAMES, ClassMetrics, DecisionCost, PointResult, point
 
 
 def _class_table(results: list[PointResult], process: str, loads: tuple[float, ...], systems: tuple[str, ...],
@@ -116,18 +23,12 @@ def _class_table(results: list[PointResult], process: str, loads: tuple[float, .
              "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for load in loads:
         for system in systems:
-            m = _get(results, process, load, system).metrics[name]
-            lines.append(f"| {load:.1f} | {system} | {m.num_arrivals} | {_pct(m.reject_rate)} | {_pct(m.cold_rate)} "
-                         f"| {_pct(m.join_rate)} | {' | '.join(_f(x) for x in m.ttft_s)} "
-                         f"| {' | '.join(_f(x, 1) for x in m.e2e_s)} | {_f(m.e2e_ratio)} | {_f(m.slowdown_p99)} "
-                         f"| {_f(m.throughput_per_s, 1)} | {_f(m.goodput_per_s, 1)} |")
+            m = point(results, process, load, system).metrics[name]
+            lines.append(f"| {load:.1f} | {system} | {m.num_arrivals} | {pct(m.reject_rate)} | {pct(m.cold_rate)} "
+                         f"| {pct(m.join_rate)} | {' | '.join(num(x) for x in m.ttft_s)} "
+                         f"| {' | '.join(num(x, 1) for x in m.e2e_s)} | {num(m.e2e_ratio)} | {num(m.slowdown_p99)} "
+                         f"| {num(m.throughput_per_s, 1)} | {num(m.goodput_per_s, 1)} |")
     return lines
-
-
-def overload_floor(load: float) -> float:
-    """No system can complete more than capacity: above it at least 1 - capacity/offered is refused
-    (or, queued, never served in time)."""
-    return max(0.0, 1.0 - 1.0 / load)
 
 
 FLOOR_HEADER = "Erlang-B floor %"
@@ -140,11 +41,11 @@ def _refusal_table(results: list[PointResult], cfg: SimConfig, process: str) -> 
              "| zq long | bounded FIFO all | zq joined % |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for load in cfg.loads:
-        z, b = (_get(results, process, load, x).metrics for x in (zq, bounded))
-        lines.append(f"| {load:.1f} | {_f(load * cfg.capacity_per_s, 1)} | {_pct(cfg.erlang_floor(load))} "
-                     f"| {_pct(cfg.erlang_full_batch(load))} | {_pct(z['all'].reject_rate)} | {_pct(z['short'].reject_rate)} "
-                     f"| {_pct(z['medium'].reject_rate)} | {_pct(z['long'].reject_rate)} | {_pct(b['all'].reject_rate)} "
-                     f"| {_pct(z['all'].join_rate)} |")
+        z, b = (point(results, process, load, x).metrics for x in (zq, bounded))
+        lines.append(f"| {load:.1f} | {num(load * cfg.capacity_per_s, 1)} | {pct(cfg.erlang_floor(load))} "
+                     f"| {pct(cfg.erlang_full_batch(load))} | {pct(z['all'].reject_rate)} | {pct(z['short'].reject_rate)} "
+                     f"| {pct(z['medium'].reject_rate)} | {pct(z['long'].reject_rate)} | {pct(b['all'].reject_rate)} "
+                     f"| {pct(z['all'].join_rate)} |")
     return lines
 
 
@@ -155,12 +56,12 @@ def _headline_table(results: list[PointResult], process: str, loads: tuple[float
              "| FIFO | bounded FIFO | Serve default |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for load in loads:
-        z, f, b, s = (_get(results, process, load, x).metrics for x in (zq, fifo, bounded, serve))
-        lines.append(f"| {load:.1f} | {' | '.join(_f(m['short'].ttft_s[1]) for m in (z, f, b, s))} "
-                     f"| {_f(z['short'].e2e_ratio)} | {_f(f['short'].e2e_ratio)} "
-                     f"| {' | '.join(_f(m['all'].goodput_per_s, 1) for m in (z, f, b, s))} "
-                     f"| {_ratio(z['all'].goodput_per_s, f['all'].goodput_per_s)} "
-                     f"| {' | '.join(_pct(m['all'].good_work_fraction) for m in (z, f, b, s))} |")
+        z, f, b, s = (point(results, process, load, x).metrics for x in (zq, fifo, bounded, serve))
+        lines.append(f"| {load:.1f} | {' | '.join(num(m['short'].ttft_s[1]) for m in (z, f, b, s))} "
+                     f"| {num(z['short'].e2e_ratio)} | {num(f['short'].e2e_ratio)} "
+                     f"| {' | '.join(num(m['all'].goodput_per_s, 1) for m in (z, f, b, s))} "
+                     f"| {ratio(z['all'].goodput_per_s, f['all'].goodput_per_s)} "
+                     f"| {' | '.join(pct(m['all'].good_work_fraction) for m in (z, f, b, s))} |")
     return lines
 
 
@@ -175,7 +76,7 @@ def plot(results: list[PointResult], cfg: SimConfig, process: str, path: Path) -
     loads = list(cfg.loads)
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     for system, color in colors.items():
-        rows = [_get(results, process, load, system).metrics for load in loads]
+        rows = [point(results, process, load, system).metrics for load in loads]
         for c in cfg.mix:
             axes[0, 0].plot(loads, [m[c.name].e2e_s[1] for m in rows], styles[c.name], color=color, marker=".",
                             label=f"{system}, {c.name}")
@@ -213,17 +114,8 @@ def plot(results: list[PointResult], cfg: SimConfig, process: str, path: Path) -
 # ---------------------------------------------------------------- the report
 
 
-def _serve_words(cfg: SimConfig) -> str:
-    if cfg.serve_max_ongoing is None:
-        return ("Ray Serve's routing with Ray Serve LLM's default `max_ongoing_requests` (no limit): every request "
-                "goes to a replica at once and waits in that replica's own queue")
-    return f"Ray Serve's routing with `max_ongoing_requests={cfg.serve_max_ongoing}` per replica"
-
-
 def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: DecisionCost,
                  floor: dict[str, ClassMetrics], wall_s: float, command: str) -> None:
-    from benchmarks.sim_report_text import goals_text, model_text, not_modelled_text
-
     path.parent.mkdir(parents=True, exist_ok=True)
     pngs = {}
     for process in cfg.processes:
@@ -231,12 +123,12 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
         plot(results, cfg, process, png)
         pngs[process] = png.name
     cal, loads = cfg.calibration, cfg.loads
-    load_avg = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_avg = load_text()
     lines = [
         "# Cluster simulation: zero-queue against a queued cluster", "",
         f"Command: `{command}`. Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"{wall_s / 60:.1f} minutes of wall time on one core ({os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; load average at the end {load_avg}, the simulation's own core included: "
+        f"{wall_s / 60:.1f} minutes of wall time on one core ({cores()} cores, Python "
+        f"{python_version()}; load average at the end {load_avg}, the simulation's own core included: "
         "other work on the machine changes the run time and nothing else — simulated time does not depend on it).",
         "",
         *model_text(cfg, floor, short_lane_probability), "",
@@ -247,7 +139,7 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
         f"| derived: tail after load and prefill | {cal.cold_tail_s:.3f} s | cold first token − max(all resident, "
         "layer 0 + hot TTFT) at the reference prompt |",
         f"| derived: cold start over hot, 16 / 640 / 3072-token prompt | "
-        f"{' / '.join(_f(float(cal.cold_ttft_s(n) - cal.hot_ttft_s(n))) for n in (16, 640, 3072))} s | "
+        f"{' / '.join(num(float(cal.cold_ttft_s(n) - cal.hot_ttft_s(n))) for n in (16, 640, 3072))} s | "
         "the model above |", "",
     ]
     if cal.cold_checks:
@@ -285,7 +177,7 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
                   *_refusal_table(results, cfg, process), "",
                   "Latency and goodput. FIFO = queued FIFO (a central queue, a request sent to a replica only "
                   f"when it has a free row, unbounded); bounded FIFO = the same holding at most {cfg.bounded_queue}; "
-                  f"Serve default = {_serve_words(cfg)}. Good work = the good completions' unloaded service time "
+                  f"Serve default = {serve_words(cfg)}. Good work = the good completions' unloaded service time "
                   "÷ (window × what the cluster completes of it per second at capacity); requests that began before "
                   "the window and ended in it can push it a little past 100.", "",
                   *_headline_table(results, process, loads), "",
@@ -306,7 +198,7 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
         f"**{cost.incremental_us:.0f} µs**; outcomes identical: **{'yes' if cost.is_identical else 'NO'}**. "
         "The sweep uses the incremental backend; sim_clusters.py's docstring argues why its decisions are the "
         "registry's, and tests/unit/test_simulate.py checks it request by request (including a scorer that "
-        f"reads every candidate field). {_pct(cost.join_rate)}% of these admissions joined a running batch. Most of "
+        f"reads every candidate field). {pct(cost.join_rate)}% of these admissions joined a running batch. Most of "
         "the remaining cost is `decide()` itself: up to 8 hot, 8 join and 8 cold candidates built and scored per "
         "request.", "",
         *not_modelled_text(cfg), "",

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from benchmarks.sim_report import ClassMetrics, _f, _get, _pct, _serve_words, overload_floor
+from benchmarks.sim_config import SimConfig
+from benchmarks.sim_format import num, pct
+from benchmarks.sim_results import SYSTEM_NAMES, ClassMetrics, PointResult, point
 from serve_app.memory import request_features
 
-if TYPE_CHECKING:
-    from benchmarks.simulate import PointResult, SimConfig
+ZQ, FIFO, BOUNDED, SERVE = SYSTEM_NAMES
 
-ZQ, FIFO, BOUNDED, SERVE = "zero-queue", "queued FIFO", "queued FIFO, bounded", "queued Serve default"
+
+def serve_words(cfg: SimConfig) -> str:
+    """The Serve baseline's routing and per-replica limit, in words."""
+    if cfg.serve_max_ongoing is None:
+        return ("Ray Serve's routing with Ray Serve LLM's default `max_ongoing_requests` (no limit): every request "
+                "goes to a replica at once and waits in that replica's own queue")
+    return f"Ray Serve's routing with `max_ongoing_requests={cfg.serve_max_ongoing}` per replica"
+
+
+def overload_floor(load: float) -> float:
+    """No system can complete more than capacity: above it at least 1 - capacity/offered is refused
+    (or, queued, never served in time)."""
+    return max(0.0, 1.0 - 1.0 / load)
 
 
 def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability: Callable) -> list[str]:
@@ -23,7 +35,7 @@ def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability:
         "## What is simulated", "",
         f"- **Cluster**: {cfg.num_slots} accelerator slots ({cfg.slots_per_node} per node), one actor or replica "
         f"per slot, each running up to **{cfg.max_batch} requests at once as one batch** in every system. A "
-        f"decode step of b rows takes 1 + {cal.batch_row_cost:g} × (b − 1) one-row steps ({_f(full)}× for a full "
+        f"decode step of b rows takes 1 + {cal.batch_row_cost:g} × (b − 1) one-row steps ({num(full)}× for a full "
         f"batch of {cfg.max_batch}; the per-row figure is benchmarks/results/batch.md's, at context 128). A "
         "request that joins a running batch waits for its next step boundary (one step of the batch with it in "
         "it), then prefills at its hot speed; while it decodes, every change in the batch's size changes its "
@@ -52,7 +64,7 @@ def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability:
         f"half the SLO's {cal.slo_extra_s:g} s of slack, so that the last of a full queue still starts well "
         "within it); an arrival that finds the queue full gets a 503 at once, as Serve's `max_queued_requests` "
         "does.",
-        f"- **queued Serve default**: {_serve_words(cfg)} — beyond its batch's {cfg.max_batch} rows, while "
+        f"- **queued Serve default**: {serve_words(cfg)} — beyond its batch's {cfg.max_batch} rows, while "
         "another replica may have rows free (power of two choices on each replica's ongoing requests). Ray "
         "Serve's own default of 5 ongoing requests would cap every replica at 5 rows, a smaller engine rather "
         "than a queue (`--serve-max-ongoing 5` runs it).",
@@ -65,8 +77,8 @@ def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability:
         m = floor[c.name]
         lines.append(f"| {c.name} | {100 * c.share:.0f}% | {c.input_tokens[0]}–{c.input_tokens[1]} "
                      f"| {c.output_tokens[0]}–{c.output_tokens[1]} | {100 * lane_probability(cal, c, policy):.0f}% "
-                     f"| {_f(m.ttft_s[0])} / {_f(m.ttft_s[1])} s | {_f(m.e2e_s[0], 1)} / {_f(m.e2e_s[1], 1)} s / "
-                     f"{_f(m.e2e_ratio)} |")
+                     f"| {num(m.ttft_s[0])} / {num(m.ttft_s[1])} s | {num(m.e2e_s[0], 1)} / {num(m.e2e_s[1], 1)} s / "
+                     f"{num(m.e2e_ratio)} |")
     spike_s, period_s = burst.spike_services * cfg.mean_service_s, burst.period_services * cfg.mean_service_s
     one_at_a_time = cfg.num_slots / cfg.mean_service_s
     lines += [
@@ -110,7 +122,7 @@ def _memory_text(cfg: SimConfig) -> str:
 
 
 def _range(values: list[float]) -> str:
-    lo, hi = _f(min(values)), _f(max(values))
+    lo, hi = num(min(values)), num(max(values))
     return lo if lo == hi else f"{lo}–{hi}"
 
 
@@ -120,7 +132,7 @@ def _spread(m: Callable, load: float, system: str) -> float:
 
 
 def _row(results: list[PointResult], process: str, load: float, system: str, cls: str) -> ClassMetrics:
-    return _get(results, process, load, system).metrics[cls]
+    return point(results, process, load, system).metrics[cls]
 
 
 def _nearest(loads: tuple[float, ...], x: float) -> float:
@@ -135,22 +147,22 @@ def _floor_text(cfg: SimConfig, m: Callable, process: str) -> list[str]:
     lines = [
         f"**Refusals against the floor** ({process}). Zero-queue refuses / Erlang-B floor / Erlang-B at "
         "full-batch speed: " + "; ".join(
-            f"{_pct(m(ZQ, x).reject_rate)}% / {_pct(cfg.erlang_floor(x))}% / {_pct(cfg.erlang_full_batch(x))}% "
+            f"{pct(m(ZQ, x).reject_rate)}% / {pct(cfg.erlang_floor(x))}% / {pct(cfg.erlang_full_batch(x))}% "
             f"at {x:.1f}" for x in picks) + "."
         + (f" It refuses nothing (under 0.1%) below load {first:.1f}." if first is not None and first > loads[0]
            else "")
-        + f" The floor itself is {_pct(max(cfg.erlang_floor(x) for x in loads))}% at most over the sweep: with "
+        + f" The floor itself is {pct(max(cfg.erlang_floor(x) for x in loads))}% at most over the sweep: with "
         f"c = {cfg.num_places} places and every request charged only its time alone, A stays below c up to load "
         f"{cfg.num_places / (cfg.capacity_per_s * cfg.mean_service_s):.2f}. A full batch stretches decode "
-        f"{_f(cfg.calibration.slowdown(cfg.max_batch))}×, which that floor does not count: it is the least a "
+        f"{num(cfg.calibration.slowdown(cfg.max_batch))}×, which that floor does not count: it is the least a "
         "system without a queue that admits whenever a place is free refuses, not what one near capacity does."]
     if over:
         worst = max(over, key=lambda x: abs(m(ZQ, x).reject_rate - cfg.erlang_full_batch(x)))
         gap = abs(m(ZQ, worst).reject_rate - cfg.erlang_full_batch(worst))
         lines[-1] += (
             f" Above capacity no system completes the excess (at least 1 − 1/load refused or served late: "
-            f"{_pct(overload_floor(over[-1]))}% at {over[-1]:.1f}), and there zero-queue refuses within "
-            f"{_f(100 * gap, 1)} points of the full-batch Erlang-B reference (the largest gap, at {worst:.1f})")
+            f"{pct(overload_floor(over[-1]))}% at {over[-1]:.1f}), and there zero-queue refuses within "
+            f"{num(100 * gap, 1)} points of the full-batch Erlang-B reference (the largest gap, at {worst:.1f})")
         lines[-1] += (": what it refuses beyond the floor is, in this model, the batching slowdown (the engine's "
                       "physics), not the admission." if gap < 0.01 else ".")
     return lines
@@ -173,30 +185,30 @@ def goals_text(cfg: SimConfig, results: list[PointResult], floor: dict[str, Clas
     zq_lo, zq_hi, zq_at = span(ZQ, process)
     lines.append(
         f"**P99/P50 near 1.1 instead of above 3** (short requests, end to end). {process}: zero-queue "
-        f"{_f(zq_lo)}–{_f(zq_hi)} over loads {lo:.1f}–{hi:.1f} (worst at {zq_at:.1f}; TTFT: "
-        f"{_f(span(ZQ, process, 'ttft_ratio')[0])}–{_f(span(ZQ, process, 'ttft_ratio')[1])}), the unbounded FIFO "
-        f"{_f(span(FIFO, process)[0])}–{_f(span(FIFO, process)[1])}.")
+        f"{num(zq_lo)}–{num(zq_hi)} over loads {lo:.1f}–{hi:.1f} (worst at {zq_at:.1f}; TTFT: "
+        f"{num(span(ZQ, process, 'ttft_ratio')[0])}–{num(span(ZQ, process, 'ttft_ratio')[1])}), the unbounded FIFO "
+        f"{num(span(FIFO, process)[0])}–{num(span(FIFO, process)[1])}.")
     for proc in cfg.processes:
         if proc != process:
             z, f = span(ZQ, proc), span(FIFO, proc)
-            lines[-1] += (f" {proc}: zero-queue {_f(z[0])}–{_f(z[1])}, the FIFO {_f(f[0])}–{_f(f[1])} (worst at "
+            lines[-1] += (f" {proc}: zero-queue {num(z[0])}–{num(z[1])}, the FIFO {num(f[0])}–{num(f[1])} (worst at "
                           f"{f[2]:.1f}).")
     worst = max(span(ZQ, p)[1] for p in cfg.processes)
     z_lo, f_lo = m(ZQ, lo, "short"), m(FIFO, lo, "short")
     lines[-1] += (
-        f" Against 1.1 zero-queue **misses by {_f(100 * (worst / 1.1 - 1), 0)}%** at its worst. (1) The unloaded "
-        f"floor of this mix is already {_f(floor['short'].e2e_ratio)} for short requests: outputs of "
+        f" Against 1.1 zero-queue **misses by {num(100 * (worst / 1.1 - 1), 0)}%** at its worst. (1) The unloaded "
+        f"floor of this mix is already {num(floor['short'].e2e_ratio)} for short requests: outputs of "
         f"{cfg.mix[0].output_tokens[0]}–{cfg.mix[0].output_tokens[1]} tokens make some requests 4× longer than "
         "others with no waiting at all. (2) Batching spreads it further: a row's decode runs "
-        f"1–{_f(cfg.calibration.slowdown(cfg.max_batch))}× slower with the size of its batch. Slowdown "
+        f"1–{num(cfg.calibration.slowdown(cfg.max_batch))}× slower with the size of its batch. Slowdown "
         "(latency ÷ the request's own unloaded latency) removes (1); its P99 for short requests, zero-queue / "
         "FIFO / bounded FIFO: " + "; ".join(
-            f"{_f(m(ZQ, x, 'short').slowdown_p99)} / {_f(m(FIFO, x, 'short').slowdown_p99)} / "
-            f"{_f(m(BOUNDED, x, 'short').slowdown_p99)} at {x:.1f}" for x in dict.fromkeys((lo, mid, one, hi))) + ".")
+            f"{num(m(ZQ, x, 'short').slowdown_p99)} / {num(m(FIFO, x, 'short').slowdown_p99)} / "
+            f"{num(m(BOUNDED, x, 'short').slowdown_p99)} at {x:.1f}" for x in dict.fromkeys((lo, mid, one, hi))) + ".")
     if z_lo.slowdown_p99 > f_lo.slowdown_p99 + 0.05:
         lines[-1] += (
-            f" At {lo:.1f} zero-queue's tail is the longer one ({_f(z_lo.slowdown_p99)} against "
-            f"{_f(f_lo.slowdown_p99)}; a full batch is {_f(cfg.calibration.slowdown(cfg.max_batch))}).")
+            f" At {lo:.1f} zero-queue's tail is the longer one ({num(z_lo.slowdown_p99)} against "
+            f"{num(f_lo.slowdown_p99)}; a full batch is {num(cfg.calibration.slowdown(cfg.max_batch))}).")
     lines[-1] += (" Where zero-queue's tail is short under overload it is partly because requests were refused "
                   "(the rejection columns).")
     lines.append("")
@@ -205,37 +217,37 @@ def goals_text(cfg: SimConfig, results: list[PointResult], floor: dict[str, Clas
     lines += [
         "**No 503s from queue overflow.** Zero-queue has no queue to overflow; it refuses at admission instead "
         "(503 overloaded_error with retry-after): " + ", ".join(
-            f"{_pct(m(ZQ, x).reject_rate)}% at load {x:.1f}" for x in dict.fromkeys((mid, one, hi)))
-        + f" ({process}); short / medium / long requests {_pct(m(ZQ, hi, 'short').reject_rate)} / "
-        f"{_pct(m(ZQ, hi, 'medium').reject_rate)} / {_pct(m(ZQ, hi, 'long').reject_rate)}% at {hi:.1f}"
+            f"{pct(m(ZQ, x).reject_rate)}% at load {x:.1f}" for x in dict.fromkeys((mid, one, hi)))
+        + f" ({process}); short / medium / long requests {pct(m(ZQ, hi, 'short').reject_rate)} / "
+        f"{pct(m(ZQ, hi, 'medium').reject_rate)} / {pct(m(ZQ, hi, 'long').reject_rate)}% at {hi:.1f}"
         + (" — alike: each lane's hot actors are sized to its share of the work"
            if _spread(m, hi, ZQ) < 0.02 else "") + ". The unbounded queues never answer 503 and let "
-        f"waits grow instead: the FIFO's P99 TTFT at {hi:.1f} is {_f(f_hi.ttft_s[1], 0)} s, and grows with the "
+        f"waits grow instead: the FIFO's P99 TTFT at {hi:.1f} is {num(f_hi.ttft_s[1], 0)} s, and grows with the "
         f"length of the overload ({cfg.horizon_s:.0f} s here). The bounded FIFO refuses "
-        f"{_pct(b_hi.reject_rate)}% at {hi:.1f} and keeps its P99 TTFT at {_f(b_hi.ttft_s[1])} s.", "",
-        f"Goodput at {hi:.1f} ({process}): zero-queue {_f(z_hi.goodput_per_s, 1)}/s, FIFO "
-        f"{_f(f_hi.goodput_per_s, 1)}/s, bounded FIFO {_f(b_hi.goodput_per_s, 1)}/s, Serve default "
-        f"{_f(s_hi.goodput_per_s, 1)}/s, against a capacity of {cfg.capacity_per_s:.1f}/s; as a share of the "
-        f"work the cluster completes at capacity: {_pct(z_hi.good_work_fraction)}%, "
-        f"{_pct(f_hi.good_work_fraction)}%, {_pct(b_hi.good_work_fraction)}%, {_pct(s_hi.good_work_fraction)}%.", "",
+        f"{pct(b_hi.reject_rate)}% at {hi:.1f} and keeps its P99 TTFT at {num(b_hi.ttft_s[1])} s.", "",
+        f"Goodput at {hi:.1f} ({process}): zero-queue {num(z_hi.goodput_per_s, 1)}/s, FIFO "
+        f"{num(f_hi.goodput_per_s, 1)}/s, bounded FIFO {num(b_hi.goodput_per_s, 1)}/s, Serve default "
+        f"{num(s_hi.goodput_per_s, 1)}/s, against a capacity of {cfg.capacity_per_s:.1f}/s; as a share of the "
+        f"work the cluster completes at capacity: {pct(z_hi.good_work_fraction)}%, "
+        f"{pct(f_hi.good_work_fraction)}%, {pct(b_hi.good_work_fraction)}%, {pct(s_hi.good_work_fraction)}%.", "",
     ]
 
     z_one, b_one = m(ZQ, one, "short"), m(BOUNDED, one, "short")
     gap = b_hi.good_work_fraction - z_hi.good_work_fraction
-    verdict = (f"in work done within the SLO the two are level at {hi:.1f} ({_f(100 * abs(gap), 1)} points apart)"
+    verdict = (f"in work done within the SLO the two are level at {hi:.1f} ({num(100 * abs(gap), 1)} points apart)"
                if abs(gap) < 0.02 else
                f"in work done within the SLO the {'bounded queue' if gap > 0 else 'zero-queue cluster'} leads by "
-               f"{_f(100 * abs(gap), 1)} points at {hi:.1f}")
+               f"{num(100 * abs(gap), 1)} points at {hi:.1f}")
     lines += [
         "**Against a bounded queue.** A FIFO bounded at "
         f"{cfg.bounded_queue} requests (half the SLO's slack at full throughput) also refuses at once when full "
         "and keeps its tail short: short requests' P99 TTFT zero-queue / bounded FIFO "
-        f"{_f(z_one.ttft_s[1])} / {_f(b_one.ttft_s[1])} s at {one:.1f} (rejected {_pct(z_one.reject_rate)}% / "
-        f"{_pct(b_one.reject_rate)}%), {_f(m(ZQ, hi, 'short').ttft_s[1])} / {_f(m(BOUNDED, hi, 'short').ttft_s[1])} "
-        f"s at {hi:.1f} (rejected {_pct(m(ZQ, hi, 'short').reject_rate)}% / "
-        f"{_pct(m(BOUNDED, hi, 'short').reject_rate)}%); {verdict}. What zero-queue keeps is that an admitted "
-        f"request never waits for more than a step (short TTFT P50 {_f(m(ZQ, hi, 'short').ttft_s[0])} s at "
-        f"{hi:.1f}, the bounded FIFO's {_f(m(BOUNDED, hi, 'short').ttft_s[0])} s) and that nothing is held in a "
+        f"{num(z_one.ttft_s[1])} / {num(b_one.ttft_s[1])} s at {one:.1f} (rejected {pct(z_one.reject_rate)}% / "
+        f"{pct(b_one.reject_rate)}%), {num(m(ZQ, hi, 'short').ttft_s[1])} / {num(m(BOUNDED, hi, 'short').ttft_s[1])} "
+        f"s at {hi:.1f} (rejected {pct(m(ZQ, hi, 'short').reject_rate)}% / "
+        f"{pct(m(BOUNDED, hi, 'short').reject_rate)}%); {verdict}. What zero-queue keeps is that an admitted "
+        f"request never waits for more than a step (short TTFT P50 {num(m(ZQ, hi, 'short').ttft_s[0])} s at "
+        f"{hi:.1f}, the bounded FIFO's {num(m(BOUNDED, hi, 'short').ttft_s[0])} s) and that nothing is held in a "
         "queue.", "",
     ]
 
@@ -244,14 +256,14 @@ def goals_text(cfg: SimConfig, results: list[PointResult], floor: dict[str, Clas
         "alone on an idle actor or joins a batch of its own lane at the next step. Short-request P99 TTFT, "
         "zero-queue vs Serve's per-replica queues (where a short request can wait behind a replica's running "
         "batch while another replica has rows free): " + ", ".join(
-            f"{_f(m(ZQ, x, 'short').ttft_s[1])} s vs {_f(m(SERVE, x, 'short').ttft_s[1])} s at {x:.1f}"
+            f"{num(m(ZQ, x, 'short').ttft_s[1])} s vs {num(m(SERVE, x, 'short').ttft_s[1])} s at {x:.1f}"
             for x in dict.fromkeys((lo, mid, one))) + ". A central FIFO isolates them as well until it "
         "saturates. " + (
             f"With every slot hot, long requests do not cold-start (their TTFT P50 at {lo:.1f}: "
-            f"{_f(m(ZQ, lo, 'long').ttft_s[0])} s, against {_f(m(FIFO, lo, 'long').ttft_s[0])} s in the FIFO); "
+            f"{num(m(ZQ, lo, 'long').ttft_s[0])} s, against {num(m(FIFO, lo, 'long').ttft_s[0])} s in the FIFO); "
             "the price of the isolation is the split into lanes." if m(ZQ, lo, "long").cold_rate < 0.01 else
-            f"The price is paid by long requests that cold-start: {_pct(m(ZQ, lo, 'long').cold_rate)}% of them at "
-            f"{lo:.1f}, TTFT P50 {_f(m(ZQ, lo, 'long').ttft_s[0])} s against {_f(m(FIFO, lo, 'long').ttft_s[0])} "
+            f"The price is paid by long requests that cold-start: {pct(m(ZQ, lo, 'long').cold_rate)}% of them at "
+            f"{lo:.1f}, TTFT P50 {num(m(ZQ, lo, 'long').ttft_s[0])} s against {num(m(FIFO, lo, 'long').ttft_s[0])} "
             "s in the FIFO."), "",
     ]
 
@@ -263,19 +275,19 @@ def goals_text(cfg: SimConfig, results: list[PointResult], floor: dict[str, Clas
         tails = [m(ZQ, x, "short", "bursty").ttft_s[1] for x in loads]
         lines += [
             f"**Bursts** (load {b_lo:.1f} on average, {cfg.burst.multiplier:g}× spikes): zero-queue refuses "
-            f"{_pct(z.reject_rate)}% (the spikes' excess: Erlang-B for Poisson arrivals of that mean is "
-            f"{_pct(cfg.erlang_full_batch(b_lo))}% even at full-batch speed) and serves the rest at once (P99 TTFT "
-            f"{_f(z.ttft_s[1])} s, goodput {_f(z.goodput_per_s, 1)}/s); the FIFO refuses nothing and queues the "
-            f"spikes (P99 TTFT {_f(f.ttft_s[1])} s, goodput {_f(f.goodput_per_s, 1)}/s); the bounded FIFO "
-            f"refuses {_pct(b.reject_rate)}% (P99 TTFT {_f(b.ttft_s[1])} s, goodput {_f(b.goodput_per_s, 1)}/s). "
+            f"{pct(z.reject_rate)}% (the spikes' excess: Erlang-B for Poisson arrivals of that mean is "
+            f"{pct(cfg.erlang_full_batch(b_lo))}% even at full-batch speed) and serves the rest at once (P99 TTFT "
+            f"{num(z.ttft_s[1])} s, goodput {num(z.goodput_per_s, 1)}/s); the FIFO refuses nothing and queues the "
+            f"spikes (P99 TTFT {num(f.ttft_s[1])} s, goodput {num(f.goodput_per_s, 1)}/s); the bounded FIFO "
+            f"refuses {pct(b.reject_rate)}% (P99 TTFT {num(b.ttft_s[1])} s, goodput {num(b.goodput_per_s, 1)}/s). "
             "A queue absorbs a short spike that zero-queue turns away: below capacity on average, refusing is the "
             "price of never waiting."
-            + (f" The lanes add to it: at {b_lo:.1f} zero-queue refuses {_pct(zs.reject_rate)}% of short requests "
-               f"and {_pct(zl.reject_rate)}% of long ones: a spike fills the short lane's batches while the long "
+            + (f" The lanes add to it: at {b_lo:.1f} zero-queue refuses {pct(zs.reject_rate)}% of short requests "
+               f"and {pct(zl.reject_rate)}% of long ones: a spike fills the short lane's batches while the long "
                "lane's have rows free, and a short request may not join a long-lane batch."
                if zs.reject_rate > zl.reject_rate + 0.01 else "")
             + f" Zero-queue's short-request P99 TTFT stays {_range(tails)} s at every bursty load while it "
-            f"refuses {_pct(min(rej))}–{_pct(max(rej))}% of short requests: a tail that looks good because the "
+            f"refuses {pct(min(rej))}–{pct(max(rej))}% of short requests: a tail that looks good because the "
             "spikes were refused.", "",
         ]
     return lines
@@ -294,7 +306,7 @@ def not_modelled_text(cfg: SimConfig) -> list[str]:
         _memory_text(cfg),
         "- **Measured on a CPU.** Every measured figure of the default calibration is from this project's 2-core "
         "CPU runs of a 100M-parameter model; what matters for the comparison is the ratio of cold start to "
-        f"service time ({_f(float(cal.cold_ttft_s(160) - cal.hot_ttft_s(160)), 1)} s against a mean service of "
+        f"service time ({num(float(cal.cold_ttft_s(160) - cal.hot_ttft_s(160)), 1)} s against a mean service of "
         f"{cfg.mean_service_s:.1f} s here), and only when some slots are left for cold starts (`--hot-fraction` "
         "below 1). On a GPU decode is far faster while the Ray worker start is not, so cold starts weigh more; "
         "`--preset gpu-estimate` runs such a what-if (estimates, not measurements).",

@@ -15,7 +15,8 @@ load point's zero-queue refusal rate the report prints the Erlang-B floor B(c, A
 c = slots x max_batch and A = offered rate x mean hot service time (benchmarks/erlang.py).
 Writes benchmarks/results/simulation.md and its PNG plots. See sim_calibration.py (service
 model, calibration), sim_model.py (the engines and the batching model), sim_clusters.py (the
-zero-queue books), sim_report.py (metrics, tables, plots) and sim_report_text.py (the prose).
+zero-queue books), sim_config.py (what a sweep simulates), sim_results.py (what it produces: the
+metrics), sim_report.py (tables, plots, the report) and sim_report_text.py (the prose).
 """
 
 from __future__ import annotations
@@ -24,128 +25,29 @@ import argparse
 import logging
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.erlang import refusal_floor
 from benchmarks.sim_calibration import (
     CPU_MEASURED,
-    MIXED_LENGTH,
     PRESETS,
     ArrivalKind,
-    Burst,
-    Calibration,
-    RequestClass,
     ServiceTimes,
     Workload,
-    capacity_per_s,
     make_workload,
-    mean_hot_service_s,
-    short_lane_share,
 )
 from benchmarks.sim_clusters import IncrementalCluster, RegistryCluster
+from benchmarks.sim_config import DEFAULT_LOADS, SimConfig
 from benchmarks.sim_model import Outcome, run_queued, run_zero_queue
-from benchmarks.sim_report import SYSTEM_NAMES, ClassMetrics, class_metrics, write_report
-from serve_app.policy import PolicyConfig
+from benchmarks.sim_report import write_report
+from benchmarks.sim_results import SYSTEM_NAMES, ClassMetrics, DecisionCost, PointResult, class_metrics
 from serve_app.scorer import RULE_SCORER, Scorer
 
 log = logging.getLogger("benchmarks.simulate")
 
 SYSTEMS = SYSTEM_NAMES  # zero-queue, queued FIFO, queued FIFO bounded, queued Serve default
-DEFAULT_LOADS = tuple(round(0.3 + 0.1 * i, 1) for i in range(13))
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    calibration: Calibration = CPU_MEASURED
-    mix: tuple[RequestClass, ...] = MIXED_LENGTH
-    num_slots: int = 200
-    slots_per_node: int = 8  # nodes only matter to a scorer that reads node_num_busy
-    max_batch: int = 8  # rows an actor or replica runs at once, in every system
-    loads: tuple[float, ...] = DEFAULT_LOADS  # offered load, x capacity
-    processes: tuple[ArrivalKind, ...] = ("poisson", "bursty")
-    burst: Burst = field(default_factory=Burst)
-    duration_services: float = 60.0  # arrivals for this many mean hot service times per load point
-    warmup_fraction: float = 0.1  # of the duration, simulated but not measured
-    # Slots holding a prewarmed hot actor, as a fraction; they are split between the lanes by each
-    # lane's share of the slot-time the mix needs in full batches (sim_calibration.short_lane_share).
-    # 1.0: every slot, as every queued replica is always hot; below it the rest are left for cold starts.
-    hot_fraction: float = 1.0
-    # The Serve baseline's max_ongoing_requests per replica. None: no limit, Ray Serve LLM's default
-    # (1e9); Ray Serve's own default, 5, is below the batch and would cap the engine, not queue.
-    serve_max_ongoing: int | None = None
-    # The bounded FIFO's queue length. None: capacity x half the SLO's slack, so that even the last
-    # request of a full queue starts well within the slack at full throughput (a bound of the whole
-    # slack leaves the back of the queue right at the limit, and half of it misses). The other
-    # baselines are unbounded, Ray Serve's default (max_queued_requests=-1).
-    queue_bound: int | None = None
-    seed: int = 0
-
-    def base_policy(self) -> PolicyConfig:
-        # No eviction: the simulated clusters do not retire idle actors for a request (sim_clusters.py).
-        return PolicyConfig(actor_overhead_bytes=self.calibration.actor_overhead_bytes, max_batch=self.max_batch,
-                            is_eviction_enabled=False)
-
-    @property
-    def num_hot(self) -> tuple[int, int]:
-        """Prewarmed hot actors: (short lane, long lane)."""
-        total = round(self.num_slots * self.hot_fraction)
-        short = round(total * short_lane_share(self.calibration, self.mix, self.base_policy()))
-        return short, total - short
-
-    def policy(self) -> PolicyConfig:
-        short, long = self.num_hot
-        return replace(self.base_policy(), max_hot_short_actors=short, max_hot_long_actors=long)
-
-    @property
-    def mean_service_s(self) -> float:
-        """Mean hot service time, each request alone on its actor: the time unit of the runs and the floor."""
-        return mean_hot_service_s(self.calibration, self.mix)
-
-    @property
-    def capacity_per_s(self) -> float:
-        return capacity_per_s(self.calibration, self.mix, self.num_slots, self.max_batch)
-
-    @property
-    def num_places(self) -> int:
-        """Requests that can run at once: c of the Erlang-B floor."""
-        return self.num_slots * self.max_batch
-
-    def erlang_floor(self, load: float) -> float:
-        """B(c, A): c = slots x max_batch, A = offered rate x mean hot service time (module doc)."""
-        return refusal_floor(self.num_places, load * self.capacity_per_s, self.mean_service_s)
-
-    def erlang_full_batch(self, load: float) -> float:
-        """B(c, A) with every request held as long as in a full batch (c / capacity on average): what a
-        pooled system without a queue refuses at full-batch speed. A reference, not a floor: rows of
-        batches that are not full run faster."""
-        return refusal_floor(self.num_places, load * self.capacity_per_s, self.num_places / self.capacity_per_s)
-
-    @property
-    def bounded_queue(self) -> int:
-        if self.queue_bound is not None:
-            return self.queue_bound
-        return round(self.capacity_per_s * self.calibration.slo_extra_s / 2)
-
-    @property
-    def horizon_s(self) -> float:
-        return self.duration_services * self.mean_service_s
-
-    @property
-    def work_capacity(self) -> float:
-        """Seconds of hot, one-row service the cluster completes per second at capacity."""
-        return self.capacity_per_s * self.mean_service_s
-
-
-@dataclass(frozen=True)
-class PointResult:
-    process: ArrivalKind
-    load: float
-    system: str
-    metrics: dict[str, ClassMetrics]  # per class name, and "all"
-    wall_s: float
 
 
 def workload_for(cfg: SimConfig, process: ArrivalKind, load: float, index: int) -> Workload:
@@ -193,15 +95,6 @@ def sweep(cfg: SimConfig, scorer: Scorer = RULE_SCORER) -> list[PointResult]:
                 log.info("%s load %.1f %-21s %6d arrivals, %5.1f%% rejected, %.1f s", process, load, system,
                          len(workload.arrival_s), 100 * metrics["all"].reject_rate, wall)
     return results
-
-
-@dataclass(frozen=True)
-class DecisionCost:
-    num_arrivals: int
-    registry_us: float  # per arrival: RegistryState.admit on the full snapshot, commit, finish
-    incremental_us: float  # per arrival: the restricted snapshot, decide, incremental books
-    is_identical: bool  # the two gave every request the same slot, kind and latency
-    join_rate: float  # of the admitted: joined a running batch
 
 
 def decision_cost(cfg: SimConfig, num_arrivals: int = 2000, load: float = 1.0) -> DecisionCost:

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import shlex
 import signal
@@ -43,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import load_average, version_of
 from benchmarks.soak_report import write_report
 
 log = logging.getLogger("soak")
@@ -333,13 +333,12 @@ def measure(plan: Plan, command: str) -> dict[str, Any]:
     model_id, _, model, tokenizer = model_facts(args)
     prompts = {n: prompt_of(tokenizer, n) for n, _ in plan.input_tokens}
     arrivals, schedule = arrival_plan(plan), chaos_plan(plan)
-    import httpx
 
-    data: dict[str, Any] = {"command": command, "started": started, "machine": machine() | {"httpx": httpx.__version__},
+    data: dict[str, Any] = {"command": command, "started": started, "machine": machine() | {"httpx": version_of("httpx")},
                             "model": model, "plan": asdict(plan), "namespace": NAMESPACE, "app_args": args}
     log.info("%d arrivals and %d kills planned over %.1f min", len(arrivals), len(schedule), plan.minutes)
     _run_cluster(plan, args, model_id, prompts, arrivals, schedule, data)
-    data["machine"]["loadavg_end"] = os.getloadavg()
+    data["machine"]["loadavg_end"] = load_average()
     data["elapsed_s"] = time.time() - started
     return data
 

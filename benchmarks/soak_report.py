@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine_load import was_busy
+from benchmarks.common import was_busy
 
 COMPLETE, ERROR, CANCEL, NONE, OVERFLOW = "complete", "error", "cancel", "none", "overflow"
 ENDINGS = (COMPLETE, ERROR, CANCEL, NONE)

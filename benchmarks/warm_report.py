@@ -7,7 +7,7 @@ from collections import defaultdict
 
 MiB = 1 << 20
 GOAL_TTFT_S, GOAL_RATIO = 0.35, 0.25
-FRESH = "fresh spawn"
+FRESH = "fresh spawn"  # the configuration label of a fresh spawn, as bench_warm records it
 
 
 def _median(xs: list[float]) -> float:

@@ -11,8 +11,18 @@ from actors.cold_start import estimate_prefill_layer_seconds
 from actors.layer_loader import open_zqs
 from actors.messages import Timings
 from benchmarks import bench_cold_start as bench
-from benchmarks.bench_cold_start import BASELINE, DERIVED, EVICTED, FIRST_ONE, MODES, PAGE_CACHE, Run
 from benchmarks.cold_start_report import clock_gap, overlap_efficiency, regime, report, rows
+from benchmarks.cold_start_runs import (
+    BASELINE,
+    DERIVED,
+    EVICTED,
+    FIRST_ONE,
+    MODES,
+    PAGE_CACHE,
+    Calibration,
+    InProcess,
+    Run,
+)
 
 
 def _run(mode: str, *, load: float, ttft: float, compute_start: float, hot_prefill: float, init: float = 0.1,
@@ -116,15 +126,15 @@ def test_prompt_of_length_is_the_longest_chat_prompt_that_fits(tiny_zqs) -> None
 def test_report_renders_from_saved_json_with_goals_and_the_clock_note() -> None:
     runs = _balanced_group() + [
         _run(FIRST_ONE, load=1.1, ttft=1.6, compute_start=0.2, hot_prefill=1.0, t0=5000.0)]
-    cal = bench.Calibration(model="m", dtype="bf16", num_layers=12, num_params=100, weight_bytes=200,
-                            file_bytes=140, load_s=1.0, init_s=0.1, load_bytes_per_s=2e8,
-                            prompts={"balanced": 512}, prefill_s={"balanced": 1.0}, prefill_flops_per_s=1e11,
-                            expected_n={"balanced": 1})
+    cal = Calibration(model="m", dtype="bf16", num_layers=12, num_params=100, weight_bytes=200,
+                      file_bytes=140, load_s=1.0, init_s=0.1, load_bytes_per_s=2e8,
+                      prompts={"balanced": 512}, prefill_s={"balanced": 1.0}, prefill_flops_per_s=1e11,
+                      expected_n={"balanced": 1})
     meta = {"command": "x", "started": "now", "elapsed_s": 60.0, "load_before": "0", "load_after": "0",
             "load_threads": 1, "compute_threads": 1, "cpu_nice": 0, "repeats": 3, "cores": 2, "cpu": "cpu",
             "mem_gib": 1.0, "python": "3", "torch": "2", "ray": "2"}
     data = json.loads(json.dumps({"meta": meta, "calibrations": [asdict(cal)], "runs": [asdict(r) for r in runs],
-                                  "in_process": [asdict(bench.InProcess("m bf16", "balanced", 1.0, 0.999))] * 3}))
+                                  "in_process": [asdict(InProcess("m bf16", "balanced", 1.0, 0.999))] * 3}))
     text = report(data)
     assert "streamed, derived N: **met** (0.550 ≤ 0.6)" in text
     assert "streamed, N=1: **missed** by 33.3% (1.600 > 1.2)" in text

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from benchmarks import bench_loader as bench
-from benchmarks.loader_methods import METHODS, RATES, load_st_pread_emulated
+from benchmarks.loader_artefacts import artefact_paths, build_artefacts
+from benchmarks.loader_methods import METHODS, RATES, load_st_pread_emulated, safetensors_specs
 from benchmarks.loader_storage import Throttle, evict, read_all, resident_pages, throttled_reader, warm
 from weights_tool import frames as frames_module
 from weights_tool import reader as reader_module
@@ -95,7 +96,7 @@ def test_evict_leaves_the_file_non_resident(tmp_path: Path) -> None:
 
 def test_every_method_loads_the_checkpoints_bytes(tmp_path: Path) -> None:
     """run_one checks each tensor against model.safetensors; here on the `tiny` preset, every method and regime."""
-    bench.build_artefacts("tiny", tmp_path)
+    build_artefacts("tiny", tmp_path)
     regimes = ["warm", *RATES] + ([] if _filesystem(tmp_path) == "tmpfs" else ["cold"])
     num_threads = torch.get_num_threads()  # run_one expects a process of its own and sets it to 1
     try:
@@ -113,9 +114,9 @@ def test_every_method_loads_the_checkpoints_bytes(tmp_path: Path) -> None:
 
 
 def test_the_byte_check_catches_a_wrong_tensor(tmp_path: Path) -> None:
-    bench.build_artefacts("tiny", tmp_path)
-    st = bench.artefact_paths("tiny", tmp_path)["safetensors"]
-    specs = bench.safetensors_specs(st)
+    build_artefacts("tiny", tmp_path)
+    st = artefact_paths("tiny", tmp_path)["safetensors"]
+    specs = safetensors_specs(st)
     tensors, _ = load_st_pread_emulated({"safetensors": st}, specs, None, None)
     bench._check_bytes(tensors, specs, st)
     last = tensors[specs[-1].name].reshape(-1).view(torch.uint8)

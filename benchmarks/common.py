@@ -1,0 +1,95 @@
+"""The machine a benchmark runs on, read one way for every benchmark: cores, CPU, memory, load, versions.
+
+Every report says something of its machine; each fact is read here only, so two reports
+of one machine agree on it. Was something else running when a benchmark started? The
+1-minute load average lags by about a minute, so a one-core job that ended just before a
+run still shows as ~1; only a figure above `MAX_QUIET_LOAD` says other work shared the
+machine (`was_busy`, one rule for every report).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+from importlib import import_module
+from importlib.metadata import version as distribution_version
+from pathlib import Path
+from typing import Any
+
+MAX_QUIET_LOAD = 1.5
+UNKNOWN_CPU = "unknown CPU"
+# Packages whose version is read from their metadata: importing them has side effects
+# (locust monkey-patches the process it is imported into).
+_METADATA_ONLY = frozenset({"locust"})
+
+
+def cores() -> int | None:
+    """Logical CPUs (`os.cpu_count()`): None where the OS does not say."""
+    return os.cpu_count()
+
+
+def cpu_model() -> str:
+    """The CPU's model name, from /proc/cpuinfo; `UNKNOWN_CPU` where it has none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return UNKNOWN_CPU
+
+
+def mem_gib() -> float:
+    """Physical memory (MemTotal), GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def architecture() -> str:
+    """The machine's architecture, as `uname -m` says it (x86_64, aarch64)."""
+    return platform.machine()
+
+
+def kernel() -> str:
+    """The kernel's release, as `uname -r` says it."""
+    return platform.release()
+
+
+def load_average() -> tuple[float, float, float]:
+    """The 1-, 5- and 15-minute load averages now."""
+    return os.getloadavg()
+
+
+def load_text(load: Sequence[float] | None = None, sep: str = " / ") -> str:
+    """Load averages (now, unless given) with two decimals: "0.52 / 0.61 / 0.70"."""
+    return sep.join(f"{x:.2f}" for x in (load_average() if load is None else load))
+
+
+def was_busy(load_1min_at_start: float) -> bool:
+    """Did other work share the machine when a run started? (The module's docstring says why 1.5.)"""
+    return load_1min_at_start > MAX_QUIET_LOAD
+
+
+def python_version() -> str:
+    return platform.python_version()
+
+
+def version_of(package: str) -> str:
+    """A package's version as the package itself reports it (`__version__`), or its metadata's where
+    importing it has side effects."""
+    if package in _METADATA_ONLY:
+        return distribution_version(package)
+    return str(import_module(package).__version__)
+
+
+def versions(*packages: str) -> dict[str, str]:
+    """Python's version and each package's, keyed by name: {"python": ..., "torch": ...}."""
+    return {"python": python_version(), **{p: version_of(p) for p in packages}}
+
+
+def machine(*packages: str) -> dict[str, Any]:
+    """What a run records of its machine: cores, CPU, memory (GiB), Python's and each package's version."""
+    return {"cores": cores(), "cpu": cpu_model(), "mem_gib": mem_gib(), **versions(*packages)}
