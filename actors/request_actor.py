@@ -44,7 +44,6 @@ import asyncio
 import logging
 import os
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -392,10 +391,6 @@ def _coalesce(items: list) -> list:
         else:
             out.append(item)
     return out
-
-
-def new_actor_name(model: str) -> str:
-    return f"zq-{model}-{uuid.uuid4().hex[:12]}"
 
 
 def spawn(zqs_path: str, config: ActorConfig, name: str, warm_layers: int | None = None):

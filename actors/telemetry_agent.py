@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 
+from actors.actor_names import agent_name
 from actors.telemetry import (
     ActorMemoryReport,
     DeviceReading,
@@ -167,8 +168,6 @@ def allocator_report(
 # ---------------------------------------------------------------- Ray helpers
 
 
-def agent_name(node_id: str) -> str:
-    return f"zq-telemetry-{node_id[:12]}"
 
 
 @cache

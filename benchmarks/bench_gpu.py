@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from actors.actor_config import ActorConfig
+from actors.actor_names import new_actor_name
 from actors.layer_loader import open_zqs
 from actors.messages import ActorRequest
-from actors.request_actor import new_actor_name, spawn
+from actors.request_actor import spawn
 from actors.sampling import SamplingParams
 from benchmarks.actor_calls import first_token, kill, wait_gone
 from benchmarks.bench_cold_start import prompt_of_length

@@ -34,11 +34,12 @@ from typing import Any
 import torch
 
 from actors.actor_config import ActorConfig
+from actors.actor_names import new_actor_name
 from actors.cold_start import warm_layers
 from actors.engine import Engine, FinishEvent
 from actors.layer_loader import load_zqs, open_zqs
 from actors.messages import ActorRequest
-from actors.request_actor import new_actor_name, spawn
+from actors.request_actor import spawn
 from actors.sampling import SamplingParams
 from benchmarks.actor_calls import first_token, wait_gone
 from benchmarks.bench_cold_start import balanced_tokens, prepare_model, prompt_of_length

@@ -30,8 +30,8 @@ import time
 
 import ray
 
+from actors.actor_names import new_actor_name
 from actors.messages import ActorRequest, Completion
-from actors.request_actor import new_actor_name
 from serve_app import errors, traces
 from serve_app.config import IngressConfig
 from serve_app.decisions import Bind, Reject, Spawn

@@ -135,7 +135,7 @@ class AppArgs(_Strict):
     @field_validator("registry", mode="before")
     @classmethod
     def _registry_fields(cls, value: Any) -> Any:
-        named = {"name", "namespace", "actor_namespace", "actor_name_pattern"} & set(value or ())
+        named = {"name", "namespace", "actor_namespace"} & set(value or ())
         if isinstance(value, dict) and named:
             raise ValueError(f"registry.{sorted(named)[0]} is derived from the top-level namespace; not set here")
         return value

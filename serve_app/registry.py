@@ -43,19 +43,18 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from actors.actor_names import is_request_actor_name
 from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
 from serve_app.policy import PolicyConfig, decide, warm_candidates
 from serve_app.registry_records import (
-    REQUEST_ACTOR_PATTERN,
+    ActorRecord,
     AdoptedActor,
     AdoptedRow,
     Outcome,
     ReconcileReport,
     RowReservation,
+    SlotRecord,
     SlotSpec,
-    _Actor,
-    _Slot,
-    is_request_actor_name,
 )
 from serve_app.registry_recovery import Recovery
 from serve_app.retry_after import retry_after_s
@@ -69,7 +68,7 @@ from serve_app.snapshot import (
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec, is_model_active, plan_fills
 
 # Re-exported: the registry's callers name these through this module.
-__all__ = ["REQUEST_ACTOR_PATTERN", "AdoptedActor", "AdoptedRow", "Outcome", "ReconcileReport", "RegistryState",
+__all__ = ["AdoptedActor", "AdoptedRow", "Outcome", "ReconcileReport", "RegistryState",
            "RowReservation", "SlotSpec", "is_request_actor_name"]
 
 # How long an abandoned request id is remembered: longer than any admission call can be in flight.
@@ -87,8 +86,8 @@ class RegistryState(Recovery):
         self.max_batch = max_batch
         self.spawn_grace_s = spawn_grace_s
         self.max_idle_s = max_idle_s
-        self._slots: dict[str, _Slot] = {}  # ordered by slot_id: the first-fit order
-        self._actors: dict[str, _Actor] = {}
+        self._slots: dict[str, SlotRecord] = {}  # ordered by slot_id: the first-fit order
+        self._actors: dict[str, ActorRecord] = {}
         # Views are rebuilt only for what changed, so a snapshot of 1,000 slots stays cheap.
         self._slot_views: dict[str, SlotView] = {}
         self._actor_views: dict[str, ActorView] = {}
@@ -117,7 +116,7 @@ class RegistryState(Recovery):
                 raise ValueError(f"slot {spec.slot_id}: total_bytes must be >= 0, got {spec.total_bytes}")
             slot = self._slots.get(spec.slot_id)
             if slot is None:
-                slot = self._slots[spec.slot_id] = _Slot(spec.slot_id, spec.node_id, spec.total_bytes)
+                slot = self._slots[spec.slot_id] = SlotRecord(spec.slot_id, spec.node_id, spec.total_bytes)
             elif spec.total_bytes < slot.reserved_bytes:
                 raise ValueError(f"slot {spec.slot_id}: total_bytes {spec.total_bytes} is below the "
                                  f"{slot.reserved_bytes} bytes already reserved on it")
@@ -184,7 +183,7 @@ class RegistryState(Recovery):
                 or slot.num_actors >= self.max_actors_per_slot):
             return False
         row.request_bytes = decision.reserve_bytes - decision.resident_bytes
-        self._register(_Actor(actor_name, model, slot.slot_id, decision.lane, "starting", decision.keep_hot,
+        self._register(ActorRecord(actor_name, model, slot.slot_id, decision.lane, "starting", decision.keep_hot,
                               decision.resident_bytes, now, {row.request_id: row}), slot)
         return True
 
@@ -224,7 +223,7 @@ class RegistryState(Recovery):
         slot = self._slots.get(fill.slot_id)
         if slot is None or slot.free_bytes < fill.resident_bytes or slot.num_actors >= self.max_actors_per_slot:
             return False
-        self._register(_Actor(actor_name, fill.model, slot.slot_id, fill.lane, "warming", False,
+        self._register(ActorRecord(actor_name, fill.model, slot.slot_id, fill.lane, "warming", False,
                               fill.resident_bytes, now, resident_fraction=0.0), slot)
         return True
 
@@ -374,7 +373,7 @@ class RegistryState(Recovery):
 
     # ---- internals -------------------------------------------------------------------
 
-    def _register(self, actor: _Actor, slot: _Slot) -> None:
+    def _register(self, actor: ActorRecord, slot: SlotRecord) -> None:
         """A new actor on `slot`, holding everything it reserves from now on."""
         self._actors[actor.name] = actor
         slot.reserved_bytes += actor.reserved_bytes
@@ -382,7 +381,7 @@ class RegistryState(Recovery):
         self._touch_slot(slot)
         self._touch_actor(actor)
 
-    def _add_row(self, actor: _Actor, slot_id: str, reserve_bytes: int, row: RowReservation) -> bool:
+    def _add_row(self, actor: ActorRecord, slot_id: str, reserve_bytes: int, row: RowReservation) -> bool:
         slot = self._slots[actor.slot_id]
         if actor.slot_id != slot_id or slot.free_bytes < reserve_bytes:
             return False
@@ -394,7 +393,7 @@ class RegistryState(Recovery):
         self._touch_actor(actor)
         return True
 
-    def _forget(self, actor: _Actor) -> None:
+    def _forget(self, actor: ActorRecord) -> None:
         slot = self._slots[actor.slot_id]
         slot.reserved_bytes -= actor.reserved_bytes
         slot.num_actors -= 1
@@ -402,11 +401,11 @@ class RegistryState(Recovery):
         del self._actor_views[actor.name]
         self._touch_slot(slot)
 
-    def _touch_slot(self, slot: _Slot) -> None:
+    def _touch_slot(self, slot: SlotRecord) -> None:
         self._slot_views[slot.slot_id] = slot.view()
         self._changed()
 
-    def _touch_actor(self, actor: _Actor) -> None:
+    def _touch_actor(self, actor: ActorRecord) -> None:
         self._actor_views[actor.name] = actor.view()
         self._changed()
 

@@ -49,18 +49,17 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.actor_names import REGISTRY_NAME, is_request_actor_name
 from serve_app.decisions import Decision, Reject
 from serve_app.placement import kill_named
 from serve_app.policy import PolicyConfig
 from serve_app.registry import (
-    REQUEST_ACTOR_PATTERN,
     AdoptedActor,
     AdoptedRow,
     Outcome,
     ReconcileReport,
     RegistryState,
     SlotSpec,
-    is_request_actor_name,
 )
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
@@ -71,10 +70,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    name: str = "zq-registry"
+    name: str = REGISTRY_NAME
     namespace: str = "zeroqueue"  # where the registry lives
     actor_namespace: str = "zeroqueue"  # where request actors live (ActorConfig.namespace)
-    actor_name_pattern: str = REQUEST_ACTOR_PATTERN
     reconcile_interval_s: float = 1.0
     # An actor is committed before it is created; creation shows in Ray's table within
     # milliseconds, so this only has to outlast a slow ingress between commit and spawn.
@@ -289,7 +287,7 @@ class RegistryActor:
         c = self._config
         return {
             a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == c.actor_namespace and is_request_actor_name(a["name"], c.actor_name_pattern)
+            if a["namespace"] == c.actor_namespace and is_request_actor_name(a["name"])
         }
 
     def _kill(self, name: str) -> None:

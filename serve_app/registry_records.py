@@ -6,23 +6,12 @@ reads (snapshot.py); and the few names the registry's callers share with it.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from serve_app.snapshot import ActorState, ActorView, Lane, RowView, SlotView
 
 Outcome = Literal["complete", "cancelled", "failed"]
-
-# `actors.request_actor.new_actor_name` makes "zq-{model}-{12 hex}"; the telemetry agents
-# ("zq-telemetry-{12 hex}") and the registry ("zq-registry...") share the prefix and are
-# excluded by name.
-REQUEST_ACTOR_PATTERN = r"^zq-(?!telemetry-|registry).+-[0-9a-f]{12}$"
-
-
-def is_request_actor_name(name: str, pattern: str = REQUEST_ACTOR_PATTERN) -> bool:
-    return re.match(pattern, name) is not None
-
 
 @dataclass(frozen=True)
 class SlotSpec:
@@ -51,7 +40,7 @@ class ReconcileReport:
 
 
 @dataclass
-class _Slot:
+class SlotRecord:
     slot_id: str
     node_id: str
     total_bytes: int
@@ -118,7 +107,7 @@ class AdoptedActor:
 
 
 @dataclass
-class _Actor:
+class ActorRecord:
     name: str
     model: str
     slot_id: str

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from serve_app.registry_records import AdoptedActor, AdoptedRow, ReconcileReport, RowReservation, _Actor
+from serve_app.registry_records import ActorRecord, AdoptedActor, AdoptedRow, ReconcileReport, RowReservation
 
 
 class Recovery:
@@ -65,7 +65,7 @@ class Recovery:
         return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released,
                                tuple(sorted(dead_slots)))
 
-    def _is_retired(self, actor: _Actor, now: float) -> bool:
+    def _is_retired(self, actor: ActorRecord, now: float) -> bool:
         if self.max_idle_s is None:
             return False
         if actor.state in ("warm", "warming"):
@@ -95,7 +95,7 @@ class Recovery:
                         or slot.free_bytes < r.resident_bytes + r.request_bytes):
                     continue
                 state = "busy" if r.is_started else "starting"
-                self._register(_Actor(r.actor_name, r.model, r.slot_id, r.lane, state, r.is_hot, r.resident_bytes,
+                self._register(ActorRecord(r.actor_name, r.model, r.slot_id, r.lane, state, r.is_hot, r.resident_bytes,
                                       now, {r.request_id: row}), slot)
             elif actor.slot_id != r.slot_id or slot.free_bytes < r.request_bytes or actor.state == "starting":
                 continue
@@ -111,7 +111,7 @@ class Recovery:
             if (a.actor_name in self._actors or slot is None or slot.num_actors >= self.max_actors_per_slot
                     or slot.free_bytes < a.resident_bytes):
                 continue
-            self._register(_Actor(a.actor_name, a.model, a.slot_id, a.lane, "idle", True, a.resident_bytes, now,
+            self._register(ActorRecord(a.actor_name, a.model, a.slot_id, a.lane, "idle", True, a.resident_bytes, now,
                                   idle_since=now), slot)
             taken.append(a.actor_name)
         return taken

@@ -403,7 +403,7 @@ def test_slot_telemetry_reaches_the_registry(zq, ray_cluster):
     # The ingress starts a telemetry agent per node, polls it every telemetry_refresh_s, and
     # hands the slots' device figures to the registry with its next admission.
     ray = ray_cluster
-    from actors.telemetry_agent import agent_name
+    from actors.actor_names import agent_name
 
     registry = ray.get_actor("zq-registry", namespace=NAMESPACE)
     agent = ray.get_actor(agent_name(ray.get_runtime_context().get_node_id()), namespace=NAMESPACE)

@@ -8,10 +8,11 @@ from dataclasses import replace
 import pytest
 
 from actors.actor_config import ActorConfig
+from actors.actor_names import new_actor_name
 from actors.engine import Engine, GenerationRequest, Message, build_prompt
 from actors.layer_loader import load_zqs, open_zqs
 from actors.messages import ActorRequest, Completion, Phase, Started, TextChunk
-from actors.request_actor import new_actor_name, spawn
+from actors.request_actor import spawn
 from actors.sampling import SamplingParams
 
 CONFIG = ActorConfig(namespace="zeroqueue-tests", num_cpus=1, load_threads=1, compute_threads=1)
