@@ -9,28 +9,11 @@ slower from its mmapped 4 KB pages than from 2 MB pages like these (its "as load
 
 from __future__ import annotations
 
-import mmap
-
-import torch
 from torch import nn
 
-_HUGE_PAGE = 2 << 20
+from actors.heap import huge_page_arena
+
 _PARAM_ALIGN = 4096
-
-
-def huge_page_arena(nbytes: int) -> torch.Tensor:
-    """nbytes of CPU memory, 2 MB aligned, advised to be backed by transparent huge pages.
-
-    A private anonymous mmap (a shared one would be shmem, which THP skips): nothing
-    is resident until written. Where the kernel has no transparent huge pages the
-    advice is a no-op and ordinary pages are used.
-    """
-    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    arena = torch.frombuffer(buf, dtype=torch.uint8)  # keeps buf alive
-    skip = -arena.data_ptr() % _HUGE_PAGE
-    return arena[skip : skip + nbytes]
 
 
 def move_parameters_to_huge_pages(module: nn.Module) -> None:

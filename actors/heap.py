@@ -1,4 +1,5 @@
-"""The process heap a CPU prefill runs in: kept between layers, on huge pages, trimmed when idle.
+"""The process heap a CPU prefill runs in: kept between layers, on huge pages, trimmed when idle;
+and `huge_page_arena`, memory of its own on huge pages (the model's weights live in one).
 
 A prefill allocates and frees the same activation buffers once per layer (tens of MB for
 long prompts). With glibc's defaults, blocks that large are mmap'd and unmapped on free,
@@ -27,6 +28,10 @@ import logging
 import mmap
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +44,8 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
+    """The C library, with malloc / free / madvise / malloc_trim typed; None where it is not glibc."""
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
@@ -74,7 +80,7 @@ def _advise_huge_pages(lib: ctypes.CDLL) -> None:
 def retain_freed_memory(huge_page_bytes: int = 1 << 30) -> bool:
     """Serve allocations without mmap, keep freed pages, THP-advise the main heap; True if applied."""
     global _huge_page_bytes
-    lib = _libc()
+    lib = glibc()
     if lib is None:
         log.info("no glibc mallopt here: freed memory goes back to the kernel as usual")
         return False
@@ -93,11 +99,28 @@ def retain_freed_memory(huge_page_bytes: int = 1 << 30) -> bool:
 
 def release_freed_memory(keep_bytes: int = 0) -> None:
     """Give free pages back to the kernel, all but `keep_bytes` at the main heap's top (malloc_trim)."""
-    lib = _libc()
+    lib = glibc()
     if lib is None:
         return
     lib.malloc_trim(keep_bytes)
     _advise_huge_pages(lib)  # the trimmed part of the heap was unmapped, and its advice with it
+
+
+def huge_page_arena(nbytes: int) -> torch.Tensor:
+    """nbytes of CPU memory (uint8), 2 MB aligned, advised to be backed by transparent huge pages.
+
+    A private anonymous mmap (a shared one would be shmem, which THP skips): nothing
+    is resident until written. Where the kernel has no transparent huge pages the
+    advice is a no-op and ordinary pages are used.
+    """
+    import torch  # imported here: the glibc settings need none, and their tests measure a process without it
+
+    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    arena = torch.frombuffer(buf, dtype=torch.uint8)  # keeps buf alive
+    skip = -arena.data_ptr() % _HUGE_PAGE
+    return arena[skip : skip + nbytes]
 
 
 class IdleTrimmer:
@@ -131,4 +154,3 @@ class IdleTrimmer:
                 return  # cancelled, or replaced by a later request's end
             self._timer = None
         self._trim()
-

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from weights_tool.architecture import DTYPE_BYTES, ModelConfig
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from weights_tool.architecture import ModelConfig
+from weights_tool.dtypes import model_dtype
 
 
 class KVCache:
@@ -60,16 +59,8 @@ class KVCache:
         return self.k_cache.nbytes + self.v_cache.nbytes
 
 
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """'float32' / 'bfloat16' / 'float16' for a torch dtype or such a name."""
-    name = _DTYPE_NAMES.get(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
-    return name
-
-
 def kv_cache_bytes(
     config: ModelConfig, max_seq_len: int, dtype: torch.dtype | str, batch_size: int = 1
 ) -> int:
     """Bytes the caches of every layer take for `max_seq_len` positions — exactly what `setup_cache` allocates."""
-    return config.kv_bytes_per_token(dtype_name(dtype)) * max_seq_len * batch_size
+    return config.kv_bytes_per_token(model_dtype(dtype)) * max_seq_len * batch_size

@@ -28,10 +28,12 @@ from pathlib import Path
 
 import torch
 
-from actors.model import EMBEDDINGS_GROUP, Transformer
+from actors.model import Transformer
 from actors.tokenizer import Tokenizer
 from weights_tool.architecture import ModelConfig
+from weights_tool.dtypes import torch_dtype
 from weights_tool.format import CODEC_RAW, ShardFormatError
+from weights_tool.groups import EMBEDDINGS_GROUP
 from weights_tool.layer_stream import CudaLayerStream, LayerStream
 from weights_tool.reader import ShardReader
 from weights_tool.tensor_table import check_tensor_table
@@ -39,8 +41,6 @@ from weights_tool.tensor_table import check_tensor_table
 log = logging.getLogger(__name__)
 
 EMBEDDING_TENSOR = "model.embed_tokens.weight"
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -102,7 +102,7 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
     reader, config, dtype = _open_header(path)
     try:
         device = torch.device(device)
-        model = Transformer.empty(config, TORCH_DTYPES[dtype], device)
+        model = Transformer.empty(config, torch_dtype(dtype), device)
         # The header declares exactly the model's tensors (`check_tensor_table`): each lands in its parameter.
         dests = {name: p.data for group in range(-1, config.num_layers + 1)
                  for name, p in model.group_parameters(group).items()}

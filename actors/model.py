@@ -4,8 +4,9 @@ The module tree mirrors HF's names exactly (`model.layers.3.self_attn.q_proj.wei
 so `load_state_dict` takes an HF state dict as it is and the layer-streamed loader
 can write each checkpoint tensor straight into the parameter of the same name.
 
-Weight groups and `wait_layer`. The forward pass touches the weights in groups,
-in order, and calls `wait_layer(group)` right before it first reads a group:
+Weight groups and `wait_layer`. The forward pass touches the weights in groups
+(weights_tool/groups.py), in order, and calls `wait_layer(group)` right before it
+first reads a group:
 
     -1        model.embed_tokens
     0..L-1    model.layers.{i}            (layer i reads nothing else)
@@ -41,10 +42,10 @@ from actors.attention import Attention, AttentionSpan, Segment
 from actors.kv_cache import KVCache
 from actors.layers import Linear, RMSNorm, linear
 from actors.rope import rope_inv_freq, rope_tables
-from weights_tool.architecture import ModelConfig, layer_index
+from weights_tool.architecture import ModelConfig
+from weights_tool.groups import EMBEDDINGS_GROUP, group_index
 
 WaitLayer = Callable[[int], None]
-EMBEDDINGS_GROUP = -1
 
 
 @dataclass(frozen=True)
@@ -161,18 +162,7 @@ class Transformer(nn.Module):
         num_layers = self.config.num_layers
         if not EMBEDDINGS_GROUP <= group <= num_layers:
             raise ValueError(f"group must be in [-1, {num_layers}], got {group}")
-        out = {}
-        for name, param in self.named_parameters():
-            i = layer_index(name)
-            if i is not None:
-                g = i
-            elif name.startswith("model.embed_tokens."):
-                g = EMBEDDINGS_GROUP
-            else:
-                g = num_layers
-            if g == group:
-                out[name] = param
-        return out
+        return {name: p for name, p in self.named_parameters() if group_index(name, num_layers) == group}
 
     # ---- cache ---------------------------------------------------------------
 

@@ -74,7 +74,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p is not None and params.top_p < 1.0:
-        logits = _top_p_filter(logits, params.top_p)
+        logits = top_p_filter(logits, params.top_p)
     probs = torch.softmax(logits, dim=-1)
     # Exponential-race sampling (argmax of p / Exp(1)) draws exactly from `probs`
     # without multinomial's cumulative-sum pass.
@@ -82,7 +82,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return (probs / q).argmax(dim=-1)
 
 
-def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     # Keep the smallest set of tokens whose probability mass reaches top_p (HF's rule:
     # drop a token when the mass of strictly more likely tokens already exceeds top_p).
     sorted_logits, order = torch.sort(logits, descending=False, dim=-1)

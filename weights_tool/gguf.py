@@ -39,13 +39,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from weights_tool.architecture import DTYPE_BYTES, CheckpointError, ModelConfig, UnsupportedArchitectureError
+from weights_tool.architecture import CheckpointError, ModelConfig, UnsupportedArchitectureError
+from weights_tool.checkpoint import encode_safetensors_header
+from weights_tool.dtypes import MODEL_DTYPE_BYTES, MODEL_DTYPES
 from weights_tool.gguf_tokenizer import tokenizer_files
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 GGUF_MAGIC = b"GGUF"
 _READABLE_VERSIONS = (2, 3)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -98,8 +99,8 @@ def convert_gguf(
     Raises CheckpointError, before any tensor is dequantized, for a file that is not GGUF,
     is cut short or inconsistent, or holds something other than a llama model in supported types.
     """
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if dtype not in MODEL_DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPE_BYTES)}, got {dtype!r}")
     path = Path(gguf_path)
     check_layout(path)
     reader = _open(path)
@@ -240,18 +241,11 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, Any]], model: ModelC
     import torch  # imported here: reading a GGUF's header needs none of it
 
     torch_dtype = getattr(torch, dtype)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in tensors:
-        shape = [int(d) for d in reversed(t.shape)]
-        size = int(np.prod(shape)) * DTYPE_BYTES[dtype]
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f, tqdm(total=offset, unit="B", unit_scale=True, desc="dequantize",
+    raw, size = encode_safetensors_header(
+        ((name, MODEL_DTYPES[dtype], tuple(int(d) for d in reversed(t.shape))) for name, t in tensors),
+        {"format": "pt"})
+    with open(path, "wb") as f, tqdm(total=size, unit="B", unit_scale=True, desc="dequantize",
                                      disable=None if progress else True) as bar:
-        f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, t in tensors:
             w = torch.from_numpy(_dequantized(t, name, model)).to(torch_dtype)

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from weights_tool.format import ShardFormatError, group_name
+from weights_tool.format import ShardFormatError
+from weights_tool.groups import group_name
 from weights_tool.reader import GroupStream, ReadCancelled, ShardReader
 
 log = logging.getLogger(__name__)

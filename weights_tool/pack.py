@@ -17,10 +17,8 @@ compression saving in file size.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,15 +29,15 @@ import numpy as np
 import zstandard
 from tqdm import tqdm
 
-from weights_tool.architecture import CheckpointError, ModelConfig
+from weights_tool.architecture import ModelConfig
 from weights_tool.byte_group import byte_group
+from weights_tool.checkpoint import Checkpoint, CheckpointTensor, read_checkpoint
+from weights_tool.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_SIZES
 from weights_tool.format import (
     CODEC_BYTEGROUP,
     CODEC_RAW,
     CODEC_ZSTD,
     DEFAULT_BLOCK_BYTES,
-    DTYPE_SIZES,
-    FLOAT_DTYPES,
     FRAME_ALIGN,
     PREAMBLE,
     FrameEntry,
@@ -50,10 +48,8 @@ from weights_tool.format import (
     crc32,
     encode_header,
     encode_preamble,
-    group_name,
-    group_names,
-    group_of,
 )
+from weights_tool.groups import EMBED, group_names, group_of
 
 log = logging.getLogger(__name__)
 
@@ -62,43 +58,16 @@ log = logging.getLogger(__name__)
 # finds nothing in mantissas, so higher levels only cost.
 DEFAULT_LEVEL = 1
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-    "chat_template.jinja", "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt",
-)
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
 _SAMPLE_BYTES = DEFAULT_BLOCK_BYTES  # one transposed block, as the frame will see it
 _BYTEGROUP_MIN_GAIN = 0.97
 _RAW_IF_SAVING_BELOW = 0.02
 
 
 @dataclass(frozen=True)
-class _Tensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: int  # index into the checkpoint's files
-    start: int  # absolute offset in that file
-    size: int
-
-
-@dataclass(frozen=True)
-class _Checkpoint:
-    config: dict[str, Any]
-    tokenizer_files: dict[str, str]
-    files: list[Path]
-    source_files: tuple[SourceFile, ...]
-    index_metadata: dict[str, Any] | None
-    tensors: dict[str, _Tensor]
-
-
-@dataclass(frozen=True)
 class _FramePlan:
     codec: str  # CODEC_RAW, CODEC_ZSTD or CODEC_BYTEGROUP (may fall back to raw after compressing)
     element_size: int
-    tensors: tuple[_Tensor, ...]
+    tensors: tuple[CheckpointTensor, ...]
 
     @property
     def size(self) -> int:
@@ -138,9 +107,8 @@ def pack(
     out = Path(out_path)
     ckpt = read_checkpoint(hf_dir)
     model = ModelConfig.from_hf(ckpt.config)
-    model.check_tensors({n: t.shape for n, t in ckpt.tensors.items()})
-    maps = [np.memmap(f, dtype=np.uint8, mode="r") for f in ckpt.files]
-    views = {n: maps[t.file][t.start : t.start + t.size] for n, t in ckpt.tensors.items()}
+    model.check_tensors({n: t.shape for n, t in ckpt.weights.tensors.items()})
+    views = ckpt.weights.tensor_bytes()
 
     plans = _plan_frames(ckpt, model, views, codec, byte_group, level, max_frame_bytes, raw_embeddings)
     packer = {"tool": "zeroqueue weights_tool", "level": level, "codec": codec, "byte_group": byte_group,
@@ -178,8 +146,7 @@ def pack(
                     pos += stored
                     bar.update(plan.size)
                 groups.append(GroupEntry(name, tuple(frames), tuple(tensors)))
-            header = Header(model.num_layers, ckpt.config, ckpt.tokenizer_files, ckpt.source_files,
-                            ckpt.index_metadata, tuple(groups), packer)
+            header = _header(ckpt, model.num_layers, tuple(groups), packer)
             raw_header = encode_header(header)
             if PREAMBLE.size + len(raw_header) > data_start:
                 raise AssertionError("header outgrew its reserved space")  # _worst_case_header is wrong
@@ -196,32 +163,32 @@ def pack(
 
 
 def _plan_frames(
-    ckpt: _Checkpoint, model: ModelConfig, views: dict[str, np.ndarray], codec: str, byte_group: bool | str,
+    ckpt: Checkpoint, model: ModelConfig, views: dict[str, np.ndarray], codec: str, byte_group: bool | str,
     level: int, max_frame_bytes: int, raw_embeddings: bool,
 ) -> dict[str, list[_FramePlan]]:
     """Per group, in load order: frames of tensors that share a codec, each at most max_frame_bytes
     (a bigger tensor gets a frame of its own)."""
     expected = list(model.tensor_shapes())
-    order = expected + sorted(set(ckpt.tensors) - set(expected))
-    members: dict[str, list[_Tensor]] = {g: [] for g in group_names(model.num_layers)}
+    order = expected + sorted(set(ckpt.weights.tensors) - set(expected))
+    members: dict[str, list[CheckpointTensor]] = {g: [] for g in group_names(model.num_layers)}
     for name in order:
-        if name in ckpt.tensors:  # a tied model's lm_head may be absent
-            members[group_of(name)].append(ckpt.tensors[name])
+        if name in ckpt.weights.tensors:  # a tied model's lm_head may be absent
+            members[group_of(name)].append(ckpt.weights.tensors[name])
     plans: dict[str, list[_FramePlan]] = {}
     for g, tensors in members.items():
-        buckets: dict[tuple[str, int], list[_Tensor]] = {}
-        group_codec = CODEC_RAW if raw_embeddings and g == group_name(-1, model.num_layers) else codec
+        buckets: dict[tuple[str, int], list[CheckpointTensor]] = {}
+        group_codec = CODEC_RAW if raw_embeddings and g == EMBED else codec
         widths = _byte_grouped_widths(tensors, views, group_codec, byte_group, level)
         for t in tensors:
-            width = DTYPE_SIZES[t.dtype]
-            key = (CODEC_BYTEGROUP, width) if t.dtype in FLOAT_DTYPES and width in widths else (group_codec, 0)
+            width = SAFETENSORS_SIZES[t.dtype]
+            key = (CODEC_BYTEGROUP, width) if t.dtype in SAFETENSORS_FLOATS and width in widths else (group_codec, 0)
             buckets.setdefault(key, []).append(t)
         plans[g] = [p for (c, width), ts in buckets.items() for p in _split_frames(c, width, ts, max_frame_bytes)]
     return plans
 
 
 def _byte_grouped_widths(
-    tensors: list[_Tensor], views: dict[str, np.ndarray], codec: str, byte_group: bool | str, level: int
+    tensors: list[CheckpointTensor], views: dict[str, np.ndarray], codec: str, byte_group: bool | str, level: int
 ) -> set[int]:
     """Element widths whose float tensors in this group get byte-grouped.
 
@@ -231,19 +198,19 @@ def _byte_grouped_widths(
     """
     if codec != CODEC_ZSTD or not byte_group:
         return set()
-    largest: dict[int, _Tensor] = {}
+    largest: dict[int, CheckpointTensor] = {}
     for t in tensors:
-        width = DTYPE_SIZES[t.dtype]
-        if t.dtype in FLOAT_DTYPES and (width not in largest or t.size > largest[width].size):
+        width = SAFETENSORS_SIZES[t.dtype]
+        if t.dtype in SAFETENSORS_FLOATS and (width not in largest or t.size > largest[width].size):
             largest[width] = t
     if byte_group == "always":
         return set(largest)
     return {w for w, t in largest.items() if _byte_grouping_pays(views[t.name], w, level)}
 
 
-def _split_frames(codec: str, width: int, tensors: list[_Tensor], max_frame_bytes: int) -> list[_FramePlan]:
+def _split_frames(codec: str, width: int, tensors: list[CheckpointTensor], max_frame_bytes: int) -> list[_FramePlan]:
     frames: list[_FramePlan] = []
-    current: list[_Tensor] = []
+    current: list[CheckpointTensor] = []
     current_bytes = 0
     for t in tensors:
         if current and current_bytes + t.size > max_frame_bytes:
@@ -311,7 +278,7 @@ def _blocks(views: list[np.ndarray], block: int) -> Iterator[np.ndarray]:
 
 
 def _worst_case_header(
-    ckpt: _Checkpoint, num_layers: int, plans: dict[str, list[_FramePlan]], packer: dict[str, Any]
+    ckpt: Checkpoint, num_layers: int, plans: dict[str, list[_FramePlan]], packer: dict[str, Any]
 ) -> bytes:
     """The header with every number at its widest, to reserve its space before the frames are written."""
     big, crc = 2**63 - 1, 2**32 - 1
@@ -321,111 +288,14 @@ def _worst_case_header(
         tensors = tuple(TensorEntry(t.name, t.dtype, t.shape, name, big, big, big)
                         for p in frame_plans for t in p.tensors)
         groups.append(GroupEntry(name, frames, tensors))
-    return encode_header(Header(num_layers, ckpt.config, ckpt.tokenizer_files, ckpt.source_files,
-                                ckpt.index_metadata, tuple(groups), packer))
+    return encode_header(_header(ckpt, num_layers, tuple(groups), packer))
+
+
+def _header(ckpt: Checkpoint, num_layers: int, groups: tuple[GroupEntry, ...], packer: dict[str, Any]) -> Header:
+    source_files = tuple(SourceFile(f.path.name, f.metadata, f.tensors) for f in ckpt.weights.files)
+    return Header(num_layers, ckpt.config, ckpt.tokenizer_files, source_files, ckpt.weights.index_metadata,
+                  groups, packer)
 
 
 def _align(n: int) -> int:
     return -(-n // FRAME_ALIGN) * FRAME_ALIGN
-
-
-# ---- reading a checkpoint directory ---------------------------------------------------
-
-
-def read_checkpoint(hf_dir: str | os.PathLike[str]) -> _Checkpoint:
-    """config.json, tokenizer files and every tensor's place in an HF safetensors directory."""
-    root = Path(hf_dir)
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{config_path} not found: a checkpoint directory needs a config.json")
-    config = _read_json(config_path)
-    tokenizer_files = {}
-    for name in TOKENIZER_FILES:
-        if (root / name).is_file():
-            try:
-                tokenizer_files[name] = (root / name).read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
-                raise CheckpointError(f"{root / name} is not UTF-8 text") from None
-    if (root / "tokenizer.model").is_file():
-        log.warning("%s: tokenizer.model (sentencepiece, binary) is not embedded; tokenizer.json is", root)
-
-    index_metadata = None
-    if (root / INDEX_FILE).is_file():
-        index = _read_json(root / INDEX_FILE)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{root / INDEX_FILE} has no weight_map")
-        index_metadata = index.get("metadata") or {}
-        names = list(dict.fromkeys(weight_map.values()))
-    elif (root / SINGLE_FILE).is_file():
-        weight_map, names = None, [SINGLE_FILE]
-    else:
-        raise CheckpointError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-
-    files, source_files, tensors = [], [], {}
-    for k, name in enumerate(names):
-        path = root / name
-        if not path.is_file() or Path(name).name != name:
-            raise CheckpointError(f"weight file {name!r} listed in {INDEX_FILE} is missing or not a plain name")
-        entries, metadata = _read_safetensors_header(path, k)
-        for t in entries:
-            if t.name in tensors:
-                raise CheckpointError(f"tensor {t.name} is stored twice ({names[tensors[t.name].file]} and {name})")
-            if weight_map is not None and weight_map.get(t.name) != name:
-                raise CheckpointError(f"{name} holds tensor {t.name}, which {INDEX_FILE} places in {weight_map.get(t.name)!r}")
-            tensors[t.name] = t
-        files.append(path)
-        source_files.append(SourceFile(name, metadata, tuple(t.name for t in entries)))
-    if weight_map is not None:
-        absent = [n for n in weight_map if n not in tensors]
-        if absent:
-            raise CheckpointError(f"{INDEX_FILE} lists tensor {absent[0]}, which no weight file holds")
-    return _Checkpoint(config, tokenizer_files, files, tuple(source_files), index_metadata, tensors)
-
-
-def _read_safetensors_header(path: Path, file_index: int) -> tuple[list[_Tensor], dict[str, str] | None]:
-    """The tensors of one safetensors file in data order, every offset checked against the file."""
-    file_size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path} is too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_SAFETENSORS_HEADER or 8 + n > file_size:
-            raise CheckpointError(f"{path}: safetensors header size {n} is out of bounds")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise CheckpointError(f"{path}: safetensors header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    data_start, data_size = 8 + n, file_size - 8 - n
-    tensors = []
-    for name, e in header.items():
-        try:
-            dtype, shape, (begin, end) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{path}: malformed header entry for {name}") from None
-        if dtype not in DTYPE_SIZES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size
-                and end - begin == numel * DTYPE_SIZES[dtype]):
-            raise CheckpointError(f"{path}: tensor {name} has data_offsets {[begin, end]} inconsistent with "
-                                  f"{dtype} x {list(shape)} in {data_size} data bytes")
-        tensors.append(_Tensor(name, dtype, shape, file_index, data_start + begin, end - begin))
-    tensors.sort(key=lambda t: t.start)
-    return tensors, metadata
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return data

@@ -31,8 +31,6 @@ from weights_tool.format import (
     ShardFormatError,
     TensorEntry,
     decode_preamble,
-    group_name,
-    parse_header,
 )
 from weights_tool.frames import (
     CHECK_ALL,
@@ -44,6 +42,8 @@ from weights_tool.frames import (
     frame_label,
     open_frame,
 )
+from weights_tool.groups import group_name
+from weights_tool.header import parse_header
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class ShardReader:
         """Decoder layer i (group `layer.{i}`); see read_group."""
         if not 0 <= i < self.num_layers:
             raise IndexError(f"layer {i} outside 0..{self.num_layers - 1}")
-        return self.read_group(f"layer.{i}", into, verify=verify)
+        return self.read_group(group_name(i, self.num_layers), into, verify=verify)
 
     def read_index(
         self, index: int, into: Mapping[str, Any] | None = None, *, verify: bool = True

@@ -25,14 +25,15 @@ import json
 import logging
 import os
 import random
-import struct
 from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from weights_tool.architecture import DTYPE_BYTES, ModelConfig
+from weights_tool.architecture import ModelConfig
+from weights_tool.checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, encode_safetensors_header
+from weights_tool.dtypes import MODEL_DTYPE_BYTES, MODEL_DTYPES, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,6 @@ CHAT_TEMPLATE = """{{- bos_token }}
 """
 
 _WEIGHT_STD = 0.02
-_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # ---- presets -------------------------------------------------------------------
 
@@ -169,8 +168,8 @@ def synthesize(
     Returns out_dir as a Path.
     """
     config = preset_config(preset) if isinstance(preset, str) else copy.deepcopy(dict(preset))
-    if dtype not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(_SAFETENSORS_DTYPES)}")
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(MODEL_DTYPES)}")
     if max_position_embeddings is not None:
         if max_position_embeddings <= 0:
             raise ValueError(f"max_position_embeddings must be positive, got {max_position_embeddings}")
@@ -188,7 +187,7 @@ def synthesize(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [out / "config.json", out / "model.safetensors.index.json", *out.glob("model*.safetensors")]:
+    for stale in [out / CONFIG_FILE, out / INDEX_FILE, *out.glob("model*.safetensors")]:
         stale.unlink(missing_ok=True)
     label = preset if isinstance(preset, str) else model.architecture
     log.info("synthesising %s: %.2f GB of %s in %d shard(s) -> %s",
@@ -197,20 +196,20 @@ def synthesize(
     _write_tokenizer(out, model.vocab_size, model.max_position_embeddings)
     _write_json(out / "generation_config.json", {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": list(EOS_TOKEN_IDS)})
     _write_weights(out, shapes, dtype, seed, num_shards)
-    tmp = out / "config.json.tmp"
+    tmp = out / f"{CONFIG_FILE}.tmp"
     _write_json(tmp, config)
-    tmp.replace(out / "config.json")
+    tmp.replace(out / CONFIG_FILE)
     return out
 
 
 def _write_weights(out: Path, shapes: dict[str, tuple[int, ...]], dtype: str, seed: int, num_shards: int) -> None:
     names = list(shapes)
-    nbytes = [_numel(shapes[n]) * DTYPE_BYTES[dtype] for n in names]
+    nbytes = [_numel(shapes[n]) * MODEL_DTYPE_BYTES[dtype] for n in names]
     if num_shards == 1:
-        _write_safetensors(out / "model.safetensors", {n: shapes[n] for n in names}, dtype, seed)
+        _write_safetensors(out / SINGLE_FILE, {n: shapes[n] for n in names}, dtype, seed)
         return
     weight_map: dict[str, str] = {}
-    for k, shard in enumerate(_split(nbytes, num_shards)):
+    for k, shard in enumerate(split_shards(nbytes, num_shards)):
         filename = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
         _write_safetensors(out / filename, {names[i]: shapes[names[i]] for i in shard}, dtype, seed)
         weight_map.update(dict.fromkeys((names[i] for i in shard), filename))
@@ -220,11 +219,12 @@ def _write_weights(out: Path, shapes: dict[str, tuple[int, ...]], dtype: str, se
         "metadata": {"total_parameters": sum(_numel(s) for s in shapes.values()), "total_size": sum(nbytes)},
         "weight_map": weight_map,
     }
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _split(nbytes: list[int], num_shards: int) -> list[list[int]]:
-    """Contiguous runs of tensor indices, about equal in bytes, none empty."""
+def split_shards(nbytes: list[int], num_shards: int) -> list[list[int]]:
+    """How `num_shards` files share tensors of `nbytes` bytes each: contiguous runs of tensor indices,
+    about equal in bytes, none empty."""
     total = sum(nbytes)
     shards: list[list[int]] = [[]]
     done = 0  # bytes in finished shards and the current one
@@ -240,18 +240,10 @@ def _split(nbytes: list[int], num_shards: int) -> list[list[int]]:
 
 
 def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str, seed: int) -> None:
-    # The safetensors layout, streamed: u64 header length, JSON header padded to 8 bytes, raw tensors.
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in shapes.items():
-        size = _numel(shape) * DTYPE_BYTES[dtype]
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    # Streamed: the header (shapes are known), then each tensor as it is drawn.
+    head, _ = encode_safetensors_header(((n, MODEL_DTYPES[dtype], s) for n, s in shapes.items()), {"format": "pt"})
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(head)
         for name, shape in shapes.items():
             f.write(_random_tensor(name, shape, dtype, seed).view(torch.uint8).numpy())
 
@@ -259,7 +251,7 @@ def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: st
 def _random_tensor(name: str, shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    tensor = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
+    tensor = torch.empty(shape, dtype=torch_dtype(dtype))
     mean = 1.0 if name.endswith("norm.weight") else 0.0  # RMSNorm gains sit near 1
     return tensor.normal_(mean, _WEIGHT_STD, generator=generator)
 
@@ -298,11 +290,11 @@ def _write_tokenizer(out: Path, model_vocab_size: int, max_len: int) -> None:
 
 def tokenizer_json(model_vocab_size: int) -> str:
     """The synthetic tokenizer.json for a model of this vocabulary size (at most 32000 tokens)."""
-    return _trained_tokenizer(min(model_vocab_size, MAX_TOKENIZER_VOCAB))
+    return _cached_tokenizer(min(model_vocab_size, MAX_TOKENIZER_VOCAB))
 
 
-@functools.cache
-def _trained_tokenizer(vocab_size: int) -> str:
+def train_tokenizer(vocab_size: int) -> str:
+    """A byte-level BPE tokenizer.json of `vocab_size` tokens, trained afresh; the same text every time."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -323,6 +315,9 @@ def _trained_tokenizer(vocab_size: int) -> str:
         raise RuntimeError("the BPE trainer did not give the special tokens the first ids")
     return tokenizer.to_str()
 
+
+# Training takes a second or more; every model of one vocabulary size shares a tokenizer.
+_cached_tokenizer = functools.cache(train_tokenizer)
 
 _ENGLISH = (
     "A request is either computing within a few milliseconds of arrival, or it is refused at once. "

@@ -17,10 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from weights_tool.architecture import ModelConfig
+from weights_tool.dtypes import MODEL_DTYPE_OF
 from weights_tool.format import ShardFormatError, TensorEntry
-
-# The dtypes a model is built in: safetensors' name -> the config's (and the loader's) name.
-MODEL_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def check_tensor_table(config: ModelConfig, tensors: Iterable[TensorEntry]) -> str:
@@ -47,14 +45,14 @@ def check_tensor_table(config: ModelConfig, tensors: Iterable[TensorEntry]) -> s
         if name not in declared:
             raise ShardFormatError(f"tensor {name} is missing (the config expects shape {list(shape)})")
     first = declared[next(iter(expected))]
-    if first.dtype not in MODEL_DTYPES:
+    if first.dtype not in MODEL_DTYPE_OF:
         raise ShardFormatError(f"tensor {first.name} is stored as {first.dtype}; weights must be one of "
-                               f"{', '.join(MODEL_DTYPES)}")
+                               f"{', '.join(MODEL_DTYPE_OF)}")
     for t in declared.values():
         if t.dtype != first.dtype:
             raise ShardFormatError(f"tensor {t.name} is stored as {t.dtype} but {first.name} as {first.dtype}; "
                                    f"the weights must share one dtype")
-    return MODEL_DTYPES[first.dtype]
+    return MODEL_DTYPE_OF[first.dtype]
 
 
 def _why_unexpected(name: str, config: ModelConfig) -> str:

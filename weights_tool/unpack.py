@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from weights_tool.format import SourceFile
-from weights_tool.pack import INDEX_FILE
+from weights_tool.checkpoint import INDEX_FILE, encode_safetensors_header
 from weights_tool.reader import ShardReader
 
 
@@ -32,17 +29,18 @@ def unpack(zqs_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
         try:
             for sf in h.source_files:
                 tmp, final = out / f".{sf.name}.tmp", out / sf.name
-                data_size, raw_header = _safetensors_header(sf, reader)
+                entries = [reader.tensors[name] for name in sf.tensors]
+                head, data_size = encode_safetensors_header(((t.name, t.dtype, t.shape) for t in entries), sf.metadata)
                 with open(tmp, "wb") as f:
-                    f.write(struct.pack("<Q", len(raw_header)) + raw_header)
-                    f.truncate(8 + len(raw_header) + data_size)
+                    f.write(head)
+                    f.truncate(len(head) + data_size)
                 data = None
                 if data_size:  # the tensors decode straight into the mapped file
-                    data = np.memmap(tmp, dtype=np.uint8, mode="r+", offset=8 + len(raw_header), shape=(data_size,))
+                    data = np.memmap(tmp, dtype=np.uint8, mode="r+", offset=len(head), shape=(data_size,))
                     pos = 0
-                    for name in sf.tensors:
-                        dests[name] = data[pos : pos + reader.tensors[name].size]
-                        pos += reader.tensors[name].size
+                    for t in entries:
+                        dests[t.name] = data[pos : pos + t.size]
+                        pos += t.size
                 written.append((tmp, final, data))
             total = sum(g.size for g in h.groups)
             with tqdm(total=total, unit="B", unit_scale=True, desc="unpack", disable=None if progress else True) as bar:
@@ -66,17 +64,6 @@ def unpack(zqs_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
             index = {"metadata": h.index_metadata, "weight_map": dict(sorted(weight_map.items()))}
             _write_text(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
     return out
-
-
-def _safetensors_header(sf: SourceFile, reader: ShardReader) -> tuple[int, bytes]:
-    header: dict[str, Any] = {} if sf.metadata is None else {"__metadata__": sf.metadata}
-    pos = 0
-    for name in sf.tensors:
-        t = reader.tensors[name]
-        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.size]}
-        pos += t.size
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    return pos, raw + b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes with spaces
 
 
 def _write_text(path: Path, text: str) -> None:

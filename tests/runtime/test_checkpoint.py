@@ -13,6 +13,8 @@ import actors.checkpoint as checkpoint_mod
 from actors.checkpoint import load_hf_checkpoint
 from tests.runtime.test_model_parity import VOCAB, save_hf_checkpoint
 from weights_tool.architecture import SUPPORTED_ARCHITECTURES, CheckpointError, UnsupportedArchitectureError
+from weights_tool.checkpoint import encode_safetensors_header
+from weights_tool.pack import pack
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +156,35 @@ def test_dtype_defaults_to_the_checkpoint_and_can_be_cast(good_dir: Path, tmp_pa
     assert {p.dtype for p in up.parameters()} == {torch.float32}
     name = "model.layers.0.self_attn.q_proj.bias"
     assert torch.equal(up.state_dict()[name], bf16.state_dict()[name].float())
+
+
+def test_the_packer_refuses_the_same_bad_index_the_loader_does(tmp_path: Path) -> None:
+    # One reader of checkpoint directories: a tensor stored in a shard the index does not list it in.
+    save_hf_checkpoint("llama3_gqa", tmp_path, max_shard_size="40KB")
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.norm.weight"]
+    index_path.write_text(json.dumps(index))
+    for read in (load_hf_checkpoint, lambda path: pack(path, tmp_path / "model.zqs")):
+        with pytest.raises(CheckpointError, match=r"holds tensor model\.norm\.weight, which .* does not list"):
+            read(tmp_path)
+
+
+def test_tensors_at_unaligned_offsets_load_exactly(good_dir: Path, tmp_path: Path) -> None:
+    # safetensors does not align tensors: 3 bytes of U8 first put every fp32 weight at an odd offset.
+    tensors = {"model.rotary_emb.inv_freq": torch.arange(3, dtype=torch.uint8),
+               **{n: t.clone() for n, t in load_file(good_dir / "model.safetensors").items()}}
+    names = {torch.uint8: "U8", torch.float32: "F32"}
+    head, _ = encode_safetensors_header(((n, names[t.dtype], tuple(t.shape)) for n, t in tensors.items()), None)
+    for f in good_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(head)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+    assert load_file(tmp_path / "model.safetensors").keys() == tensors.keys()
+    unaligned, _ = load_hf_checkpoint(tmp_path)
+    aligned, _ = load_hf_checkpoint(good_dir)
+    expected = aligned.state_dict()
+    for name, tensor in unaligned.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name

@@ -18,17 +18,14 @@ from safetensors.torch import save_file
 from weights_tool import reader as reader_module
 from weights_tool.architecture import CheckpointError, ModelConfig
 from weights_tool.byte_group import byte_group, byte_ungroup
-from weights_tool.format import (
-    CODEC_BYTEGROUP,
-    CODEC_RAW,
-    ShardFormatError,
-    group_name,
-)
+from weights_tool.dtypes import MODEL_DTYPES, torch_dtype
+from weights_tool.format import CODEC_BYTEGROUP, CODEC_RAW, ShardFormatError
+from weights_tool.groups import group_name
 from weights_tool.pack import pack
 from weights_tool.reader import GroupStream, ShardReader
 from weights_tool.unpack import unpack
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: torch_dtype(name) for name in MODEL_DTYPES}
 TOKENIZER_FILES = {
     "tokenizer.json": '{"version": "1.0", "model": {"vocab": {"h\u00e9llo": 0, "\u2713": 1}}}\r\n',
     "tokenizer_config.json": '{"chat_template": "{{ messages }}", "eos_token": "</s>"}',

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.unit.test_format import flip_byte, packed_checkpoint
+from weights_tool.dtypes import SAFETENSORS_SIZES
 from weights_tool.format import (
-    DTYPE_SIZES,
     MAX_HEADER_BYTES,
     PREAMBLE,
     VERSION,
@@ -29,9 +29,9 @@ from weights_tool.format import (
     ShardFormatError,
     crc32,
     decode_preamble,
-    group_names,
-    parse_header,
 )
+from weights_tool.groups import group_names
+from weights_tool.header import parse_header
 from weights_tool.reader import ShardReader
 
 
@@ -394,7 +394,7 @@ def _assert_fully_checked(h: Header, header_bytes: int, file_size: int) -> None:
             assert sum(t.size for t in held) == f.size
             assert all(0 <= t.offset and t.offset + t.size <= f.size for t in held)
         for t in g.tensors:
-            assert t.size == DTYPE_SIZES[t.dtype] * int(np.prod(t.shape, dtype=object))
+            assert t.size == SAFETENSORS_SIZES[t.dtype] * int(np.prod(t.shape, dtype=object))
 
 
 def _dumps(doc: Any) -> bytes:

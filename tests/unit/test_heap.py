@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.heap import _libc
+from actors.heap import glibc
 
 MIB = 1 << 20
 
@@ -18,12 +18,9 @@ MIB = 1 << 20
 # per layer; report page faults, resident memory and huge pages after each stage.
 _PROBE = textwrap.dedent("""
     import ctypes, json, resource, sys
-    from actors.heap import _libc, release_freed_memory, retain_freed_memory
+    from actors.heap import glibc, release_freed_memory, retain_freed_memory
 
-    libc = _libc()
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
+    libc = glibc()
 
     def faults_per_cycle(num_cycles=4):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -61,7 +58,7 @@ def _thp_allowed() -> bool:
     return path.is_file() and ("[madvise]" in path.read_text() or "[always]" in path.read_text())
 
 
-@pytest.mark.skipif(_libc() is None, reason="needs glibc's mallopt")
+@pytest.mark.skipif(glibc() is None, reason="needs glibc's mallopt")
 def test_freed_blocks_are_reused_on_huge_pages_and_released_down_to_what_is_kept():
     default, retained = _probe("default"), _probe("retain")
     pages = 64 * MIB // 4096

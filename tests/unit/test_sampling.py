@@ -43,10 +43,10 @@ def test_top_k_restricts_support():
 def test_top_p_keeps_the_same_nucleus_as_transformers(top_p):
     from transformers.generation.logits_process import TopPLogitsWarper
 
-    from actors.sampling import _top_p_filter
+    from actors.sampling import top_p_filter
 
     logits = _logits(v=200, seed=7)
-    ours = torch.isinf(_top_p_filter(logits.clone(), top_p))
+    ours = torch.isinf(top_p_filter(logits.clone(), top_p))
     theirs = torch.isinf(TopPLogitsWarper(top_p)(None, logits.clone()))
     assert torch.equal(ours, theirs)
 

@@ -14,19 +14,19 @@ from safetensors import safe_open
 
 from actors.tokenizer import Tokenizer
 from weights_tool.architecture import ModelConfig
+from weights_tool.dtypes import torch_dtype
 from weights_tool.synth import (
     EOS_TOKEN_IDS,
     PRESETS,
     SPECIAL_TOKENS,
-    _split,
-    _trained_tokenizer,
     preset_config,
+    split_shards,
     synthesize,
     tokenizer_json,
+    train_tokenizer,
 )
 
 TINY_PRESETS = [name for name in PRESETS if name == "tiny" or name.startswith("tiny-")]
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -109,7 +109,7 @@ def test_dtype_and_context_overrides(tmp_path, dtype):
     out = synthesize("tiny-qwen2", tmp_path, dtype=dtype, max_position_embeddings=128)
     config = json.loads((out / "config.json").read_text())
     assert (config["torch_dtype"], config["max_position_embeddings"]) == (dtype, 128)
-    assert {t.dtype for t in _load(out).values()} == {_TORCH_DTYPES[dtype]}
+    assert {t.dtype for t in _load(out).values()} == {torch_dtype(dtype)}
 
 
 def test_same_seed_same_bytes_different_seed_different(tmp_path):
@@ -165,7 +165,7 @@ def test_bad_arguments_fail_before_writing(tmp_path):
 @given(sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=40), data=st.data())
 def test_split_is_contiguous_nonempty_and_complete(sizes, data):
     num_shards = data.draw(st.integers(1, len(sizes)))
-    shards = _split(sizes, num_shards)
+    shards = split_shards(sizes, num_shards)
     assert len(shards) == num_shards
     assert all(shards) and [i for shard in shards for i in shard] == list(range(len(sizes)))
 
@@ -199,4 +199,4 @@ def test_large_vocabularies_get_a_32000_token_tokenizer():
 
 
 def test_tokenizer_training_is_deterministic():
-    assert _trained_tokenizer.__wrapped__(600) == _trained_tokenizer.__wrapped__(600)
+    assert train_tokenizer(600) == train_tokenizer(600)

@@ -6,12 +6,14 @@ import pytest
 
 from tests.unit.test_format import tiny_config
 from weights_tool.architecture import ModelConfig
-from weights_tool.format import DTYPE_SIZES, ShardFormatError, TensorEntry, group_of
+from weights_tool.dtypes import SAFETENSORS_SIZES
+from weights_tool.format import ShardFormatError, TensorEntry
+from weights_tool.groups import group_of
 from weights_tool.tensor_table import check_tensor_table
 
 
 def _entry(name: str, shape: tuple[int, ...], dtype: str = "BF16") -> TensorEntry:
-    size = DTYPE_SIZES[dtype]
+    size = SAFETENSORS_SIZES[dtype]
     for d in shape:
         size *= d
     return TensorEntry(name, dtype, shape, group_of(name), 0, 0, size)
