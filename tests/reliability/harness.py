@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 
 from serve_app.sse import decode_events
+from tests.helpers import request_actors, run_app
+from tests.helpers import undeploy as undeploy  # the reliability tests' `harness.undeploy(ray, namespace)`
 from tests.serve.waiting import wait_for
 
 MODEL = "zq-tiny"
@@ -18,8 +20,6 @@ MODEL = "zq-tiny"
 def deploy(port: int, app: str, namespace: str, zqs_path: str, *, actor_cls: type | None = None,
            registry_cls: type | None = None, **args: Any) -> str:
     """The real ingress on real Serve and HTTP, with the given fault classes bound at its seam."""
-    from ray import serve
-
     from serve_app.app import Ingress
     from serve_app.config import AppArgs, ingress_config
 
@@ -30,23 +30,9 @@ def deploy(port: int, app: str, namespace: str, zqs_path: str, *, actor_cls: typ
         "namespace": namespace,
     } | args)
     seams = {k: v for k, v in {"actor_cls": actor_cls, "registry_cls": registry_cls}.items() if v is not None}
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(Ingress.options(num_replicas=parsed.num_replicas,
-                              graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s)
-              .bind(ingress_config(parsed), **seams), name=app, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
-
-
-def undeploy(ray, namespace: str) -> None:
-    from ray import serve
-
-    serve.shutdown()
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == namespace:
-            try:
-                ray.kill(ray.get_actor(a["name"], namespace=namespace))
-            except ValueError:
-                pass
+    return run_app(port, app, Ingress.options(num_replicas=parsed.num_replicas,
+                                              graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s)
+                   .bind(ingress_config(parsed), **seams))
 
 
 def body(text: str = "hi", max_tokens: int = 8, stream: bool = False) -> dict:
@@ -105,13 +91,11 @@ def assert_nothing_left(ray, namespace: str, timeout: float = 30.0) -> None:
 
     Bounded by the registry's reconcile (1 s) and an actor's exit after its last row, on a slow machine.
     """
-    from serve_app.registry import is_request_actor_name
 
     def settled() -> bool:
         snap = ray.get(registry(ray, namespace).snapshot.remote(), timeout=10)
         known = {a.name for a in snap.actors}
-        alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == namespace and is_request_actor_name(a["name"])}
+        alive = request_actors(ray, namespace)
         is_idle = all(a.num_rows == 0 and a.state in ("idle", "warm", "warming") for a in snap.actors)
         is_reserved_by_actors = all(s.reserved_bytes == sum(a.reserved_bytes for a in snap.actors
                                                             if a.slot_id == s.slot_id) for s in snap.slots)

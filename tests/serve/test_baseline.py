@@ -37,16 +37,10 @@ def _args(zqs, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baseline(ray_cluster, layered_zqs):
-    from ray import serve
-
+def baseline(deploy_app, layered_zqs):
     from benchmarks.baseline.app import build_app
 
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app(_args(layered_zqs)), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{PORT}"
-    serve.delete(APP)
-    serve.shutdown()
+    return deploy_app(PORT, APP, build_app(_args(layered_zqs)))
 
 
 def _body(max_tokens=8, stream=False) -> dict:

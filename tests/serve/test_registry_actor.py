@@ -13,9 +13,10 @@ from serve_app.policy import PolicyConfig
 from serve_app.registry import SlotSpec
 from serve_app.registry_actor import RegistryConfig, get_registry
 from serve_app.snapshot import RequestFeatures
+from tests.helpers import policy
 
 NAMESPACE = "zeroqueue-tests"
-POLICY = PolicyConfig(actor_overhead_bytes=0, max_actors_per_slot=1)
+POLICY = policy()  # every request here is 10 + 10 tokens: short
 NUM_ROUNDS = 20
 SPAWN_600 = RequestFeatures("m", 10, 10, 580, 1, 0)  # a spawn for it reserves 600 bytes, 580 of them resident
 

@@ -26,28 +26,18 @@ TOLERANCE_S = 0.25
 
 
 @pytest.fixture(scope="module")
-def app(ray_cluster, tiny_zqs):
-    ray = ray_cluster
-    from ray import serve
-
+def app(deploy_app, ray_cluster, tiny_zqs):
     from serve_app.app import build_app
 
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    built = build_app({
+    base = deploy_app(PORT, "zeroqueue-retry", build_app({
         "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}],
         "slots": {"kind": "cpu", "num_cpu_slots": 1, "cpu_slot_bytes": 1 << 30},
         "policy": {"max_batch": 1, "max_hot_short_actors": 1, "actor_overhead_bytes": 1 << 20},
         "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
         "rule_scorer": {"actor_start_s": 8.0, "decode_s_per_token": 0.05},
         "namespace": NAMESPACE,
-    })
-    serve.run(built, name="zeroqueue-retry", route_prefix="/")
-    yield f"http://127.0.0.1:{PORT}", ray.get_actor("zq-registry", namespace=NAMESPACE)
-    serve.delete("zeroqueue-retry")
-    serve.shutdown()
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == NAMESPACE:
-            ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE))
+    }), NAMESPACE)
+    return base, ray_cluster.get_actor("zq-registry", namespace=NAMESPACE)
 
 
 def _body(max_tokens: int) -> dict:

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.unit.test_xgb_scorer import _train
+from tests.helpers import request_actors, train_synthetic_scorer
 
 NAMESPACE = "zq-scorer-tests"
 MODEL = "zq-tiny"
@@ -16,19 +16,15 @@ PORT = 8766
 
 
 @pytest.fixture(scope="module")
-def app(ray_cluster, tiny_zqs, tmp_path_factory):
-    ray = ray_cluster
-    from ray import serve
-
+def app(deploy_app, tiny_zqs, tmp_path_factory):
     from serve_app.app import build_app
     from serve_app.xgb_scorer import ScorerCard, save_model
 
     work = tmp_path_factory.mktemp("scorer-app")
-    # Synthetic law (tests/unit/test_xgb_scorer.py): hot TTFT ~0.1 s, cold ~2 s — unlike the rule's ~3 s.
-    save_model(_train(), work / "scorer.ubj", ScorerCard(sha256=""))
+    # Synthetic law (tests/helpers.py): hot TTFT ~0.1 s, cold ~2 s — unlike the rule's ~3 s.
+    save_model(train_synthetic_scorer(), work / "scorer.ubj", ScorerCard(sha256=""))
     traces = work / "traces.jsonl"
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app({
+    base = deploy_app(PORT, "zeroqueue", build_app({
         "models": [{"id": MODEL, "zqs_path": str(tiny_zqs), "total_target_s": 600}],
         "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},
         "policy": {"max_hot_short_actors": 1},
@@ -36,13 +32,8 @@ def app(ray_cluster, tiny_zqs, tmp_path_factory):
         "namespace": NAMESPACE,
         "scorer_path": str(work / "scorer.ubj"),
         "traces": {"enabled": True, "path": str(traces)},
-    }), name="zeroqueue", route_prefix="/")
-    yield f"http://127.0.0.1:{PORT}", traces
-    serve.delete("zeroqueue")
-    serve.shutdown()
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == NAMESPACE:
-            ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE))
+    }), NAMESPACE)
+    return base, traces
 
 
 def _post(base, headers=None, max_tokens=4) -> httpx.Response:
@@ -61,10 +52,7 @@ def _lines(path, at_least: int, timeout_s: float = 15.0) -> list[dict]:
 
 
 def _actors(ray) -> set[str]:
-    from serve_app.registry import is_request_actor_name
-
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and is_request_actor_name(a["name"])}
+    return request_actors(ray, NAMESPACE)
 
 
 def test_requests_are_decided_by_the_xgboost_scorer_and_traced(app):

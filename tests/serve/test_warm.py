@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.helpers import named_actors
 from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-warm-tests"
@@ -31,13 +32,8 @@ def _build(tiny_zqs, layered_zqs):
 
 
 @pytest.fixture(scope="module")
-def zq(ray_cluster, tiny_zqs, layered_zqs):
-    from ray import serve
-
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(_build(tiny_zqs, layered_zqs), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{PORT}"
-    serve.shutdown()
+def zq(deploy_app, tiny_zqs, layered_zqs):
+    return deploy_app(PORT, APP, _build(tiny_zqs, layered_zqs), NAMESPACE)
 
 
 def _registry(ray):
@@ -52,7 +48,7 @@ def _actors_by_state(ray) -> dict[str, list[str]]:
 
 
 def _named(ray) -> set[str]:
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
+    return named_actors(ray, NAMESPACE)
 
 
 def _wait_for(predicate, timeout=60.0, what="condition"):

@@ -15,32 +15,15 @@ from serve_app.decisions import Bind, Dispatch, Join, Reject, Spawn
 from serve_app.memory import ModelNumbers, request_features, workspace_bytes
 from serve_app.policy import PolicyConfig, decide
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction, RuleScorer
-from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, RowView, SlotView
+from serve_app.snapshot import ClusterSnapshot, SlotView
+from tests.helpers import actor as _actor
+from tests.helpers import check_feasible, policy, scenarios, warm_and_evictable
+from tests.helpers import features as _features
+from tests.helpers import slot as _slot
+from tests.helpers import snapshot as _snap
 
-# Short: input <= 100 and max_tokens <= 50.
-POLICY = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=2,
-                      max_hot_long_actors=0, actor_overhead_bytes=0, max_actors_per_slot=1)
-
-
-def _features(input_tokens=10, max_tokens=10, weight_bytes=1000, kv_bytes_per_token=1, workspace_bytes=0,
-              model="m", **kw) -> RequestFeatures:
-    return RequestFeatures(model, input_tokens, max_tokens, weight_bytes, kv_bytes_per_token, workspace_bytes, **kw)
-
-
-def _slot(slot_id, total=10_000, reserved=0, num_actors=0) -> SlotView:
-    return SlotView(slot_id, "node", total, reserved, num_actors)
-
-
-def _actor(name, slot_id, state="idle", lane="short", model="m", is_hot=True, reserved=1000, rows=None,
-           row_tokens=20, tpot=None) -> ActorView:
-    """An actor; a busy or starting one runs `rows` rows (default 1) of `row_tokens` KV positions each."""
-    num_rows = (0 if state == "idle" else 1) if rows is None else rows
-    views = tuple(RowView(row_tokens, row_tokens, tpot, 0.0) for _ in range(num_rows))
-    return ActorView(name, model, slot_id, state, lane, is_hot, reserved, views)
-
-
-def _snap(slots, actors=()) -> ClusterSnapshot:
-    return ClusterSnapshot(tuple(slots), tuple(actors), 1)
+# Short: input <= 100 and max_tokens <= 50; two hot short actors, no long ones kept hot.
+POLICY = policy(max_hot_short_actors=2, max_hot_long_actors=0)
 
 
 # ---------------------------------------------------------------- features and memory
@@ -382,99 +365,8 @@ _values = st.one_of(
 )
 
 
-@st.composite
-def _scenarios(draw):
-    num_slots = draw(st.integers(0, 6))
-    slots = []
-    for i in range(num_slots):
-        total = draw(st.integers(0, 4000))
-        slots.append(SlotView(f"s{i}", "n", total, draw(st.integers(0, total)), draw(st.integers(0, 2))))
-    actors = []
-    for i in range(draw(st.integers(0, 6)) if slots else 0):
-        state = draw(st.sampled_from(["starting", "busy", "idle", "warm", "warming"]))
-        num_rows = {"idle": 0, "warm": 0, "warming": 0, "starting": 1, "busy": draw(st.integers(1, 4))}[state]
-        rows = tuple(RowView(10, draw(st.integers(1, 40)), draw(st.one_of(st.none(), st.floats(0.001, 1))), 0.0)
-                     for _ in range(num_rows))
-        actors.append(ActorView(f"a{i}", draw(st.sampled_from(["m", "m2"])), draw(st.sampled_from(slots)).slot_id,
-                                state, draw(st.sampled_from(["short", "long"])),
-                                state == "idle" or (state not in ("warm", "warming") and draw(st.booleans())),
-                                100, rows, draw(st.floats(0.0, 1.0))))
-    features = _features(input_tokens=draw(st.integers(1, 20)), max_tokens=draw(st.integers(1, 20)),
-                         weight_bytes=draw(st.integers(0, 3000)), kv_bytes_per_token=draw(st.integers(0, 30)),
-                         workspace_bytes=draw(st.integers(0, 300)))
-    policy = PolicyConfig(short_max_input_tokens=10, short_max_output_tokens=10,
-                          max_hot_short_actors=draw(st.integers(0, 2)), max_hot_long_actors=draw(st.integers(0, 2)),
-                          actor_overhead_bytes=0, max_actors_per_slot=draw(st.integers(1, 2)),
-                          max_candidates=draw(st.integers(1, 3)), max_batch=draw(st.integers(1, 4)))
-    return features, ClusterSnapshot(tuple(slots), tuple(actors), 0), policy
-
-
-def _feasible(features, snap, policy):
-    """Every feasible placement, found without `decide`'s code: hot actors, joinable batches, cold slots, in order."""
-    is_short = features.input_tokens <= 10 and features.max_tokens <= 10
-    free = {s.slot_id: s.total_bytes - s.reserved_bytes for s in snap.slots}
-    hot = [a.name for lane in (("short", "long") if is_short else ("long",)) for a in snap.actors
-           if a.lane == lane and a.model == features.model and a.state == "idle"
-           and free[a.slot_id] >= features.dispatch_bytes]
-    joins = [a for a in snap.actors
-             if a.lane == ("short" if is_short else "long") and a.model == features.model and a.state == "busy"
-             and a.is_hot and a.num_rows < policy.max_batch and policy.max_batch > 1
-             and free[a.slot_id] >= features.dispatch_bytes]
-    cold = [s.slot_id for s in snap.slots
-            if free[s.slot_id] >= features.spawn_bytes and s.num_actors < policy.max_actors_per_slot]
-    return hot, joins, cold
-
-
-def _warm_and_evictable(features, snap, policy):
-    """Warm, then warming, actors of the model that fit (any lane), and slots whose idle or warm actors could
-    all be retired."""
-    free = {s.slot_id: s.total_bytes - s.reserved_bytes for s in snap.slots}
-    warm = [a.name for a in snap.actors
-            if a.model == features.model and a.state == "warm" and free[a.slot_id] >= features.dispatch_bytes]
-    warming = [a.name for a in snap.actors
-               if a.model == features.model and a.state == "warming" and free[a.slot_id] >= features.dispatch_bytes]
-    evictable = {}
-    for s in snap.slots:
-        on_slot = [a for a in snap.actors if a.slot_id == s.slot_id]
-        if on_slot and all(a.state in ("idle", "warm", "warming") for a in on_slot) and not any(
-                a.state != "idle" and a.model == features.model for a in on_slot) and (
-                free[s.slot_id] + sum(a.reserved_bytes for a in on_slot) >= features.spawn_bytes
-                and s.num_actors - len(on_slot) < policy.max_actors_per_slot):
-            evictable[s.slot_id] = tuple(a.name for a in on_slot)
-    return warm + warming, evictable
-
-
-def _check_feasible(d, features, snap, policy):
-    hot, joins, cold = _feasible(features, snap, policy)
-    warm, evictable = _warm_and_evictable(features, snap, policy)
-    has_targets = any(t is not None for t in (features.ttft_target_s, features.total_target_s, features.tpot_target_s))
-    usable_warm = [] if has_targets else warm  # a warm actor predicted to miss the request's targets is passed by
-    if isinstance(d, Bind):
-        actor = next(a for a in snap.actors if a.name == d.actor_name)
-        assert d.actor_name in warm and d.slot_id == actor.slot_id and d.reserve_bytes == features.dispatch_bytes
-    elif isinstance(d, Spawn) and d.evict:
-        assert not hot and not joins and not cold and not usable_warm, "evicted with a place to go"
-        assert evictable.get(d.slot_id) == d.evict and d.reserve_bytes == features.spawn_bytes
-    elif isinstance(d, Dispatch):
-        actor = next(a for a in snap.actors if a.name == d.actor_name)
-        assert d.actor_name in hot and d.slot_id == actor.slot_id and d.reserve_bytes == features.dispatch_bytes
-    elif isinstance(d, Join):
-        actor = next(a for a in snap.actors if a.name == d.actor_name)
-        assert actor in joins and d.slot_id == actor.slot_id and d.reserve_bytes == features.dispatch_bytes
-    elif isinstance(d, Spawn):
-        assert d.slot_id in cold and d.reserve_bytes == features.spawn_bytes
-    elif d.reason == "latency_target":  # only a running row's TPOT target can refuse with no target of its own
-        assert joins and not hot and not cold and not usable_warm
-    else:
-        assert not hot and not joins and not cold and not usable_warm and not evictable, (
-            f"rejected ({d.reason}) with feasible {hot} {joins} {cold} {warm} {evictable}")
-        is_too_large = bool(snap.slots) and features.spawn_bytes > max(s.total_bytes for s in snap.slots)
-        assert d.reason == ("too_large" if is_too_large else "no_capacity")
-    return hot, joins, cold
-
-
 @settings(max_examples=300, deadline=None)
-@given(_scenarios(), st.data())
+@given(scenarios(), st.data())
 def test_whatever_the_scorer_says_the_decision_is_feasible(scenario, data):
     features, snap, policy = scenario
 
@@ -482,19 +374,19 @@ def test_whatever_the_scorer_says_the_decision_is_feasible(scenario, data):
         n = max(0, len(candidates) + data.draw(st.integers(-1, 1)))
         return [Prediction(data.draw(_values), data.draw(_values), data.draw(_values)) for _ in range(n)]
 
-    _check_feasible(decide(features, snap, policy, _FixedScorer(garbage)), features, snap, policy)
+    check_feasible(decide(features, snap, policy, _FixedScorer(garbage)), features, snap, policy)
 
 
 @settings(max_examples=300, deadline=None)
-@given(_scenarios())
+@given(scenarios())
 def test_with_the_rule_scorer_the_decision_is_the_first_hot_actor_else_first_fit(scenario):
     features, snap, policy = scenario
     d = decide(features, snap, policy, RULE_SCORER)
-    hot, joins, cold = _check_feasible(d, features, snap, policy)
+    hot, joins, cold = check_feasible(d, features, snap, policy)
     allowed = [a for a in joins if a.min_tpot_target_s is None
                or RULE_SCORER.step_s(a.num_rows + 1, a.batch_tokens + features.num_tokens,
                                      features.kv_bytes_per_token) <= a.min_tpot_target_s]
-    warm, _ = _warm_and_evictable(features, snap, policy)
+    warm, _ = warm_and_evictable(features, snap, policy)
     if hot:
         assert isinstance(d, Dispatch) and d.actor_name == hot[0]
     elif isinstance(d, Bind):  # a warm actor: faster than any allowed join by the rule, or the only place left

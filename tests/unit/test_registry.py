@@ -13,9 +13,9 @@ from serve_app.registry import RegistryState, RowReservation, SlotSpec, is_reque
 from serve_app.scorer import RuleScorer
 from serve_app.snapshot import RequestFeatures
 from serve_app.warm_pool import WarmFill, WarmSpec
+from tests.helpers import policy
 
-POLICY = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=1,
-                      actor_overhead_bytes=0, max_actors_per_slot=1, max_batch=8)
+POLICY = policy(max_batch=8)
 
 
 def _registry(*totals, **kw) -> RegistryState:

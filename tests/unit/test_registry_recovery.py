@@ -6,9 +6,9 @@ from serve_app.decisions import Join, Spawn
 from serve_app.policy import PolicyConfig
 from serve_app.registry import AdoptedRow, RegistryState, SlotSpec
 from serve_app.snapshot import RequestFeatures
+from tests.helpers import policy
 
-POLICY = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=1,
-                      actor_overhead_bytes=0, max_actors_per_slot=1, max_batch=8)
+POLICY = policy(max_batch=8)
 F = RequestFeatures("m", 10, 10, 500, 1, 0)  # a spawn reserves 520 bytes, a row 20
 
 

@@ -5,28 +5,19 @@ from __future__ import annotations
 from serve_app.decisions import Bind, Spawn
 from serve_app.policy import PolicyConfig, decide
 from serve_app.registry import RegistryState, RowReservation, SlotSpec
-from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, SlotView
+from serve_app.snapshot import ActorView, ClusterSnapshot, SlotView
 from serve_app.warm_pool import WarmFill, WarmSpec, plan_fills
+from tests.helpers import features as _features
+from tests.helpers import policy
+from tests.helpers import slot as _slot
+from tests.helpers import snapshot as _snap
 
-POLICY = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=1,
-                      actor_overhead_bytes=0, max_actors_per_slot=1, num_warm_short_actors=1,
-                      num_warm_long_actors=1, max_idle_s=60.0)
-
-
-def _features(input_tokens=10, max_tokens=10, model="m") -> RequestFeatures:
-    return RequestFeatures(model, input_tokens, max_tokens, 1000, 1, 0)
-
-
-def _slot(slot_id, reserved=0, num_actors=0) -> SlotView:
-    return SlotView(slot_id, "node", 10_000, reserved, num_actors)
+# One warm actor per lane; idle actors, and an idle model's warm actors, retire after 60 s.
+POLICY = policy(num_warm_short_actors=1, num_warm_long_actors=1, max_idle_s=60.0)
 
 
 def _warm(name, slot_id, lane="short", model="m", state="warm", fraction=0.5) -> ActorView:
     return ActorView(name, model, slot_id, state, lane, False, 1000, (), fraction)
-
-
-def _snap(slots, actors=()) -> ClusterSnapshot:
-    return ClusterSnapshot(tuple(slots), tuple(actors), 1)
 
 
 def test_the_plan_fills_each_lane_to_its_size_first_fit_and_skips_idle_models():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import inspect
 import json
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from serve_app import xgb_scorer
 from serve_app.decisions import Dispatch, Join, Reject, Spawn
-from serve_app.policy import PolicyConfig, decide
+from serve_app.policy import decide
 from serve_app.scorer import RULE_SCORER, Candidate
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, RowView, SlotView
 from serve_app.xgb_scorer import (
@@ -34,54 +35,21 @@ from serve_app.xgb_scorer import (
     load_scorer,
     save_model,
 )
-from tests.unit.test_policy import _check_feasible, _scenarios
+from tests.helpers import check_feasible, features, policy, scenarios, train_synthetic_scorer
 
-POLICY = PolicyConfig(short_max_input_tokens=1000, short_max_output_tokens=500, max_hot_short_actors=1,
-                      actor_overhead_bytes=0)
+# Short: input <= 1000 and max_tokens <= 500, so the 100-token requests below are short.
+POLICY = policy(short_max_input_tokens=1000, short_max_output_tokens=500)
 # The feature set before hot actors ran batches ("zq-scorer/1"), as the shipped v1 card names it.
 V1_FEATURES = ("is_cold", "slot_fragmentation", "slot_utilization", "node_num_busy", "input_tokens", "max_tokens",
                "is_greedy", "top_k", "top_p", "weight_bytes", "kv_bytes_per_token")
-COLUMN = {name: i for i, name in enumerate(FEATURE_NAMES)}
-
-
-def _law(kind, utilization, batch_rows, kv_read_bytes, max_tokens):
-    """Synthetic truth. Hot: first token at once, but decodes slowly on a busy slot. Cold: 2 s to the first
-    token. Join: a step of the batch first; each step slower by its rows and, mostly, the KV bytes it reads."""
-    join_step = 0.01 * (1 + 0.1 * batch_rows) + kv_read_bytes * 2e-5
-    tpot = np.select([kind == 0, kind == 1], [0.01 * (1 + 10 * utilization), join_step], 0.01)
-    ttft = np.select([kind == 0, kind == 1], [0.1, 0.1 + join_step], 2.0)
-    return ttft, ttft + max_tokens * tpot, tpot
-
-
-def _train(names=FEATURE_NAMES, num_targets=3, seed=0):
-    """A booster that learnt `_law` (kind 0 hot, 1 join, 2 cold), with `names` for its columns."""
-    rng = np.random.default_rng(seed)
-    n = 8000
-    kind = rng.integers(0, 3, n)
-    utilization = rng.choice([0.0, 0.9], n)
-    rows = np.where(kind == 1, rng.integers(1, 8, n), 0)
-    tokens = np.where(kind == 1, rng.integers(50, 5000, n), 0)
-    kv_per_token = rng.choice([1, 4, 512], n)  # 512: the tiny test model's, which the app test serves
-    max_tokens = rng.integers(1, 200, n)
-    input_tokens = rng.integers(1, 1000, n)
-    kv_read_bytes = (tokens + input_tokens + max_tokens) * kv_per_token  # the step's reads, the request's row in it
-    columns = {"is_cold": kind == 2, "is_join": kind == 1, "slot_utilization": utilization, "batch_rows": rows,
-               "batch_tokens": tokens, "batch_kv_read_bytes": kv_read_bytes,
-               "input_tokens": input_tokens, "max_tokens": max_tokens,
-               "kv_bytes_per_token": kv_per_token}
-    x = np.zeros((n, len(names)), dtype=np.float32)
-    for name, values in columns.items():  # by position, so a renamed or shorter set still gets the law's columns
-        if COLUMN[name] < len(names):
-            x[:, COLUMN[name]] = values
-    y = np.log(np.stack(_law(kind, utilization, rows, kv_read_bytes, max_tokens), 1))[:, :num_targets]
-    params = {"max_depth": 5, "eta": 0.3, "tree_method": "hist", "nthread": 1}
-    return xgb.train(params, xgb.DMatrix(x, y, feature_names=list(names)), 200)
+# The shared request (tests.helpers.features), with 100 tokens in and out by default.
+_features = functools.partial(features, input_tokens=100, max_tokens=100)
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("scorer") / "scorer.ubj"
-    save_model(_train(), path, ScorerCard(sha256=""))
+    save_model(train_synthetic_scorer(), path, ScorerCard(sha256=""))
     return path
 
 
@@ -92,10 +60,6 @@ def scorer(model_path):
     return s
 
 
-def _features(input_tokens=100, max_tokens=100, kv_bytes_per_token=1, **kw) -> RequestFeatures:
-    return RequestFeatures("m", input_tokens, max_tokens, 1000, kv_bytes_per_token, 0, **kw)
-
-
 def _join(batch_rows=2, batch_tokens=500):
     return Candidate("join", "c", "j", 10_000, 1, 0.0, 0.0, 1, batch_rows, batch_tokens)
 
@@ -104,7 +68,8 @@ def _candidates(utilization=0.0):
     return [Candidate("hot", "a", "h", 10_000, 1, 0.0, utilization, 1), Candidate("cold", "b", None, 10_000, 0, 0.0, 0.0, 1)]
 
 
-def _snap(hot_utilization):
+def _hot_snap(hot_utilization):
+    """An idle hot actor on slot a, which is `hot_utilization` busy; slot b is free."""
     return ClusterSnapshot((SlotView("a", "n", 10_000, 1000, 1, 0.0, hot_utilization), SlotView("b", "n", 10_000, 0, 0)),
                            (ActorView("h", "m", "a", "idle", "short", True, 1000),), 1)
 
@@ -256,20 +221,20 @@ def _save_with_card(booster, path):
 
 def test_a_model_with_other_features_falls_back(tmp_path, caplog):
     names = tuple(f"f{i}" for i in range(len(FEATURE_NAMES)))
-    _expect_rule(_save_with_card(_train(names), tmp_path / "renamed.ubj"), caplog, "model features")
+    _expect_rule(_save_with_card(train_synthetic_scorer(names), tmp_path / "renamed.ubj"), caplog, "model features")
     fewer = FEATURE_NAMES[:-1]
-    _expect_rule(_save_with_card(_train(fewer), tmp_path / "fewer.ubj"), caplog, "model features")
+    _expect_rule(_save_with_card(train_synthetic_scorer(fewer), tmp_path / "fewer.ubj"), caplog, "model features")
 
 
 @pytest.mark.parametrize("num_targets", [1, 2])
 def test_a_model_with_fewer_targets_falls_back(tmp_path, caplog, num_targets):
-    _expect_rule(_save_with_card(_train(num_targets=num_targets), tmp_path / "few.ubj"), caplog, "predicts shape")
+    _expect_rule(_save_with_card(train_synthetic_scorer(num_targets=num_targets), tmp_path / "few.ubj"), caplog, "predicts shape")
 
 
 def test_a_v1_model_from_before_batching_is_refused_with_a_warning(tmp_path, caplog):
     """The shape of the shipped configs/scorer.ubj + .json: two targets, no batch features, schema 1."""
     path = tmp_path / "scorer.ubj"
-    raw = bytes(_train(V1_FEATURES, num_targets=2).save_raw(raw_format="ubj"))
+    raw = bytes(train_synthetic_scorer(V1_FEATURES, num_targets=2).save_raw(raw_format="ubj"))
     path.write_bytes(raw)
     card_path(path).write_text(json.dumps({
         "sha256": hashlib.sha256(raw).hexdigest(), "schema": "zq-scorer/1", "feature_names": list(V1_FEATURES),
@@ -300,27 +265,27 @@ def test_the_scorer_crosses_processes_as_its_bytes_and_is_checked_again(scorer):
 
 def test_only_ubj_files_are_written(tmp_path):
     with pytest.raises(ValueError, match="UBJSON"):
-        save_model(_train(), tmp_path / "scorer.pkl", ScorerCard(sha256=""))
+        save_model(train_synthetic_scorer(), tmp_path / "scorer.pkl", ScorerCard(sha256=""))
 
 
 # ---------------------------------------------------------------- decide() with the scorer
 
 
 def test_prefers_the_hot_actor_when_the_prediction_says_so(scorer):
-    d = decide(_features(), _snap(hot_utilization=0.0), POLICY, scorer)
+    d = decide(_features(), _hot_snap(hot_utilization=0.0), POLICY, scorer)
     assert isinstance(d, Dispatch) and d.actor_name == "h"
     assert d.prediction.ttft_s < 0.5 and d.candidate.kind == "hot"
 
 
 def test_spawns_when_the_hot_actor_would_miss_the_target(scorer):
     # The hot actor answers first but its slot is busy: 100 tokens take ~10 s there, ~3 s on a fresh actor.
-    assert isinstance(decide(_features(max_tokens=100), _snap(0.9), POLICY, scorer), Dispatch)  # fastest TTFT
-    d = decide(_features(max_tokens=100, total_target_s=5.0), _snap(0.9), POLICY, scorer)
+    assert isinstance(decide(_features(max_tokens=100), _hot_snap(0.9), POLICY, scorer), Dispatch)  # fastest TTFT
+    d = decide(_features(max_tokens=100, total_target_s=5.0), _hot_snap(0.9), POLICY, scorer)
     assert isinstance(d, Spawn) and d.slot_id == "b" and d.prediction.total_s <= 5.0
 
 
 def test_refuses_at_once_when_every_candidate_would_miss_the_target(scorer):
-    d = decide(_features(ttft_target_s=0.01), _snap(0.0), POLICY, scorer)
+    d = decide(_features(ttft_target_s=0.01), _hot_snap(0.0), POLICY, scorer)
     assert isinstance(d, Reject) and d.reason == "latency_target" and d.http_status == 503
     assert d.retry_after_s == POLICY.retry_after_s
 
@@ -341,7 +306,7 @@ def test_spawns_rather_than_slow_a_running_row_past_its_tpot_target(scorer):
 
 
 @settings(max_examples=200, deadline=None)
-@given(_scenarios(), st.floats(0.001, 5.0) | st.none(), st.floats(0.001, 20.0) | st.none(),
+@given(scenarios(), st.floats(0.001, 5.0) | st.none(), st.floats(0.001, 20.0) | st.none(),
        st.floats(0.001, 0.5) | st.none())
 def test_never_an_infeasible_candidate_whatever_the_model_says(scorer, scenario, ttft_target, total_target,
                                                                 tpot_target):
@@ -352,7 +317,7 @@ def test_never_an_infeasible_candidate_whatever_the_model_says(scorer, scenario,
     d = decide(features, snap, policy, scorer)
     if isinstance(d, Reject) and d.reason == "latency_target":
         return  # refused for its targets: nothing placed (the feasible set is checked below otherwise)
-    _check_feasible(d, features, snap, policy)
+    check_feasible(d, features, snap, policy)
 
 
 def test_candidates_carry_the_load_of_their_node():
