@@ -1,4 +1,4 @@
-"""Admission: decide, act and relay one request, and release what it held exactly once.
+"""Admission: decide and place one request, and hand its row to the relay and to rows.py.
 
 The ingress (app.py) validates a request and hands it here:
   1. `registry.admit(features)`: the pure `decide()` and the reservation it implies, in
@@ -8,12 +8,13 @@ The ingress (app.py) validates a request and hands it here:
      create an actor on the reserved slot (first killing the idle actors the decision
      evicts; placement.py) — or refuse with 503 `overloaded_error` and the registry's
      predicted `retry-after`;
-  3. relay the actor's stream (relay.py); however it ends, `_ended` releases its row once.
+  3. wait for the actor's `Started` (relay.py); from then on the row is the relay's, and
+     rows.py releases it once however it ends.
 
 What a request reserved is given back on every path: a refusal commits nothing; a client
 that leaves (or a deadline) while the decision or the placement is in flight abandons it
 (the registry undoes an admission it sees after its abandonment too); once the relay owns
-the row, `Admitted.end` runs exactly once. An actor lost before the client saw anything of
+the row, `Rows.end` runs exactly once. An actor lost before the client saw anything of
 its answer costs one attempt, and the request is decided again (`run`).
 
 The registry link (registry_link.py) survives the registry's deaths: a new registry gets
@@ -39,10 +40,10 @@ from serve_app.loaded_model import LoadedModel
 from serve_app.metrics import IngressMetrics
 from serve_app.offload import within
 from serve_app.placement import Placer
-from serve_app.registry import AdoptedActor, AdoptedRow
 from serve_app.registry_actor import RegistryActor, get_registry
 from serve_app.registry_link import RegistryLink
-from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Admitted, Outcome, Relay
+from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Relay
+from serve_app.rows import Admitted, Rows
 from serve_app.scorer import Scorer
 from serve_app.slots import SlotRefresher
 from serve_app.snapshot import ClusterSnapshot, ClusterSummary, summarize
@@ -54,8 +55,6 @@ log = logging.getLogger(__name__)
 # A request whose actor is lost before the client saw its answer is decided again, up to this many
 # tries in all (a warm pool lost at once, its node gone, costs one try per dead actor still listed).
 MAX_ATTEMPTS = 3
-# Idle hot actors remembered for a new registry: more than a cluster's slots ever hold at once.
-MAX_IDLE_KNOWN = 1024
 
 
 class Admission:
@@ -65,14 +64,12 @@ class Admission:
         self.replica_id = replica_id
         self.registry = RegistryLink(lambda: get_registry(config.registry, config.policy, scorer, registry_cls),
                                      replica_id, heartbeat_s=config.registry_heartbeat_s)
-        self.traces = traces.TraceWriter(config.traces) if config.traces is not None else None
-        self.relay = Relay(config.start_timeout_s, config.token_timeout_s, config.ping_interval_s, self._observe,
-                           self._ended, self._first_token)
-        self._running: dict[str, Admitted] = {}  # request id -> the request, from placement to its end
-        # Hot actors this replica last saw go idle (handed to a new registry with the running rows).
-        self._idle: dict[str, AdoptedActor] = {}
-        self._releasing: set[asyncio.Task] = set()  # rows given up, released once their stream has ended
         self.placer = Placer(actor_cls, config.actor, timeout_s=config.placement_timeout_s)
+        self.rows = Rows(self.registry, self.placer, metrics, config.policy, replica_id,
+                         drain_timeout_s=config.token_timeout_s,
+                         traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None,
+                         on_slot_freed=lambda: self.warm_filler.wake())
+        self.relay = Relay(config.start_timeout_s, config.token_timeout_s, self.rows)
         # The first heartbeat hands this deployment's policy and scorer, and the slots, to the registry
         # (a redeploy's new policy takes effect here); then slots, telemetry and the link are kept current.
         self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor, config.telemetry,
@@ -95,7 +92,7 @@ class Admission:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return self.rows.num_running
 
     async def close(self) -> None:
         """The replica stops: stop refilling, and detach (the last replica takes every actor with it)."""
@@ -114,8 +111,7 @@ class Admission:
         and the rows this replica still relays, so their actors are not killed as orphans.
         On the slot refresher's thread, after the slots were registered."""
         ray.get(self.registry.configure.remote(self.config.policy, self.scorer), timeout=30)
-        rows = [self._adopted_row(a) for a in list(self._running.values()) if a.decision is not None]
-        idle = list(self._idle.values())
+        rows, idle = self.rows.handed_over()
         if rows or idle:
             taken = ray.get(self.registry.adopt.remote(rows, idle), timeout=30)
             log.warning("handed %d of %d running rows and idle hot actors to the new registry", len(taken),
@@ -140,24 +136,8 @@ class Admission:
             except Exception:  # the registry is restarting or busy: the next round sets them
                 log.debug("gauges not refreshed this round", exc_info=True)
 
-    def _resident_bytes(self, a: Admitted) -> int:
-        d = a.decision
-        if isinstance(d, Spawn):
-            return d.resident_bytes
-        return self.models[a.model_id].numbers.weight_bytes + self.config.policy.actor_overhead_bytes
-
-    def _adopted_row(self, a: Admitted) -> AdoptedRow:
-        d, f = a.decision, a.features
-        resident = self._resident_bytes(a)
-        request = d.reserve_bytes - resident if isinstance(d, Spawn) else d.reserve_bytes
-        is_started = a.tier == "hot" or a.num_chunks > 0
-        return AdoptedRow(a.actor_name, a.model_id, d.slot_id, d.lane, d.keep_hot, is_started, resident,
-                          a.request_id, request, f.num_tokens, f.tpot_target_s,
-                          d.prediction.total_s + a.arrival if d.prediction is not None else a.arrival,
-                          self.config.policy.busy_timeout_s(f, not is_started), self.replica_id)
-
     async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
-                   is_collected: bool) -> tuple[Admitted, tuple[str, Completion] | None]:
+                   is_collected: bool, prepared_at: float = 0.0) -> tuple[Admitted, tuple[str, Completion] | None]:
         """Place the request; with `is_collected`, also its whole answer. Raises ApiError.
 
         An actor lost before the client saw anything of its answer — dead before it started
@@ -168,7 +148,7 @@ class Admission:
         """
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                admitted = await self._place(model, features, actor_request, arrival)
+                admitted = await self._place(model, features, actor_request, arrival, prepared_at)
                 return admitted, (await self.relay.collect(admitted) if is_collected else None)
             except ActorLost as lost:
                 log.warning("request %s: its actor was lost (attempt %d of %d)", actor_request.request_id,
@@ -178,7 +158,8 @@ class Admission:
                 await self._reconcile()  # a lost node's slots are gone before the next decision
         raise AssertionError("unreachable")
 
-    async def _place(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float) -> Admitted:
+    async def _place(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float,
+                     prepared_at: float) -> Admitted:
         """One decision and the action it names; returns once the actor has started computing.
 
         Raises ActorLost if the actor was dead before it started. Whatever the admission
@@ -188,11 +169,12 @@ class Admission:
         request_id = actor_request.request_id
         spawn_name = new_actor_name(model.id)
         decision = await self._admit(features, spawn_name, request_id)
+        decided_at = time.time()
         self.metrics.decisions.inc(tags={"model": model.id, "kind": type(decision).__name__.lower()})
         if isinstance(decision, Reject):
             self.metrics.rejections.inc(tags={"reason": decision.reason})
             self.metrics.observe_dispatch(model.id, time.time() - arrival)
-            self._trace(request_id, model.id, arrival, features, decision, None)
+            self.rows.trace(request_id, model.id, arrival, features, decision, None)
             if decision.http_status == 400:
                 raise errors.invalid_request(decision.message)
             raise errors.overloaded(decision.message, decision.retry_after_s or self.config.policy.retry_after_s)
@@ -207,9 +189,9 @@ class Admission:
                 if decision.evict:
                     self.metrics.evictions.inc(len(decision.evict), tags={"model": model.id})
                 for evicted in decision.evict:
-                    self._idle.pop(evicted, None)
+                    self.rows.taken(evicted)
             else:  # Dispatch, Join or Bind: an actor that exists
-                self._idle.pop(name, None)  # busy now, or lost
+                self.rows.taken(name)  # busy now, or lost
                 handle = await self.placer.handle(name)
         except ValueError:  # no such actor: it died and the registry has not noticed yet
             self.registry.finish.remote(name, request_id, "failed")  # forget it
@@ -222,10 +204,13 @@ class Admission:
         stream = handle.generate.remote(actor_request)
         dispatch_time = time.time()
         self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
+        resident = decision.resident_bytes if isinstance(decision, Spawn) else \
+            model.numbers.weight_bytes + self.config.policy.actor_overhead_bytes
         admitted = Admitted(request_id, model.id, name, decision.keep_hot, _tier(decision),
-                            len(actor_request.prompt_ids), stream, started=None, arrival=arrival,
-                            dispatch_time=dispatch_time, features=features, decision=decision)
-        self._running[request_id] = admitted
+                            len(actor_request.prompt_ids), stream, arrival=arrival, dispatch_time=dispatch_time,
+                            features=features, decision=decision, resident_bytes=resident,
+                            prepared_at=prepared_at or arrival, decided_at=decided_at)
+        self.rows.begin(admitted)
         await self.relay.first(admitted)
         return admitted
 
@@ -271,75 +256,6 @@ class Admission:
         model = self.models[fill.model]
         return self.placer.create_now(name, model.zqs_path, fill.node_id, model.warm_layers)
 
-    def _observe(self, admitted: Admitted, done: Completion) -> None:
-        admitted.completion = done
-        t, model = done.timings, admitted.model_id
-        if t.first_token is not None:
-            self.metrics.ttft.observe(t.first_token - admitted.arrival, tags={"model": model, "kind": admitted.tier})
-            if admitted.tier == "cold":
-                self.metrics.cold_start.observe(t.first_token - t.actor_start, tags={"model": model})
-        if t.last_token is not None and done.output_tokens > 1:
-            self.metrics.tpot.observe((t.last_token - t.first_token) / (done.output_tokens - 1), tags={"model": model})
-
-    def _first_token(self, admitted: Admitted) -> None:
-        if admitted.tier != "hot":  # every weight is resident now: starting -> busy, and it may batch
-            self.registry.actor_started.remote(admitted.actor_name)
-
-    def _ended(self, admitted: Admitted, outcome: Outcome) -> None:
-        """Exactly once per placed request (Admitted.end): release its row (the actor may stay hot)."""
-        self._running.pop(admitted.request_id, None)
-        if admitted.error is not None:  # an error event ended its stream: counted as a response's error is
-            self.metrics.errors.inc(tags={"type": admitted.error.type})
-        if outcome == "complete":  # the actor let the row go before it sent the Completion
-            self._finish(admitted, outcome)
-        else:
-            ray.cancel(admitted.stream)  # the row leaves the batch at the actor's next step
-            if outcome == "failed":
-                self.placer.forget(admitted.actor_name)
-                self._finish(admitted, outcome)  # the registry forgets the actor and kills it
-            else:
-                # Released once the actor's stream has ended, i.e. the row has left its batch:
-                # released earlier, a new row could be sent to a batch the actor still sees full.
-                task = asyncio.get_running_loop().create_task(self._finish_when_gone(admitted, outcome))
-                self._releasing.add(task)
-                task.add_done_callback(self._releasing.discard)
-        if self.traces is not None and admitted.decision is not None:
-            ok = outcome == "complete"
-            record = traces.outcome_record(admitted.arrival, admitted.dispatch_time,
-                                           admitted.decision.reserve_bytes, admitted.completion if ok else None,
-                                           None if ok else outcome)
-            self._trace(admitted.request_id, admitted.model_id, admitted.arrival, admitted.features,
-                        admitted.decision, record)
-
-    async def _finish_when_gone(self, admitted: Admitted, outcome: Outcome) -> None:
-        try:
-            await within(_drain(admitted.stream), self.config.token_timeout_s)
-        except Exception:  # cancelled, failed or timed out: the actor's row is gone or the actor is
-            pass
-        self._finish(admitted, outcome)
-
-    def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
-        self.registry.finish.remote(admitted.actor_name, admitted.request_id, outcome)
-        if outcome == "complete" and admitted.keep_hot and admitted.decision is not None:
-            d = admitted.decision
-            self._idle[admitted.actor_name] = AdoptedActor(admitted.actor_name, admitted.model_id, d.slot_id,
-                                                           d.lane, self._resident_bytes(admitted))
-            while len(self._idle) > MAX_IDLE_KNOWN:  # actors retired elsewhere leave their records
-                del self._idle[next(iter(self._idle))]
-        if outcome != "complete" or not admitted.keep_hot:
-            self._idle.pop(admitted.actor_name, None)
-            if outcome == "complete":  # it exits by itself after its last row
-                self.placer.forget(admitted.actor_name)
-            self.warm_filler.wake()  # its actor exits: a slot may come free for a pool
-
-    def _trace(self, request_id: str, model: str, arrival: float, features, decision, outcome) -> None:
-        if self.traces is None:
-            return
-        try:  # a trace is never worth a request
-            self.traces.write(traces.trace_record(request_id, model, arrival, features, decision, outcome))
-        except Exception:
-            log.exception("trace of request %s not recorded", request_id)
-
 
 def _tier(decision) -> str:
     """Where a placed request runs, as X-Request-Tier says: the kind of candidate it was scored as.
@@ -350,8 +266,3 @@ def _tier(decision) -> str:
         return "cold" if isinstance(decision, Spawn) else "hot"
     kind = decision.candidate.kind
     return "hot" if kind == "join" else kind
-
-
-async def _drain(stream) -> None:
-    async for _ in stream:
-        pass

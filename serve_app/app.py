@@ -5,7 +5,7 @@ read the body (bounded in size and time) and validate it — 400/401/404/413 bef
 — parsing large bodies off the event loop; tokenize with the model's chat template and
 check the context window; then hand it to admission (admission.py), which decides, places,
 relays and releases, or refuses with 503 `overloaded_error` and `retry-after`. The answer
-goes back as one JSON message or as SSE (relay.py), in the route's API (api.py and sse.py,
+goes back as one JSON message or as SSE (relay.py, streaming.py), in the route's API (api.py and sse.py,
 or openai_api.py and openai_sse.py); every error carries the request id, and errors on the
 Chat Completions routes come in OpenAI's shape.
 
@@ -31,11 +31,11 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from actors.messages import ActorRequest, Completion
+from actors.messages import ActorRequest, Completion, TextChunk
 from actors.request_actor import RequestActor
 from actors.sampling import SamplingParams
 from actors.tokenizer import Tokenizer
-from serve_app import api, errors, openai_api, openai_sse, sse
+from serve_app import api, errors, model_list, openai_api, openai_sse, sse
 from serve_app.admission import Admission
 from serve_app.config import AppArgs, IngressConfig, ingress_config
 from serve_app.errors import ApiError
@@ -46,8 +46,10 @@ from serve_app.metrics import IngressMetrics
 from serve_app.offload import BoundedExecutor, within
 from serve_app.prompt import count_prompt_tokens, prompt_for
 from serve_app.registry_actor import RegistryActor
-from serve_app.relay import Admitted, RelayedStream, StreamFormat
+from serve_app.relay import RelayedStream
+from serve_app.rows import Admitted
 from serve_app.scorer import RuleScorer
+from serve_app.streaming import StreamFormat, event_stream
 from serve_app.xgb_scorer import load_scorer
 
 log = logging.getLogger(__name__)
@@ -132,7 +134,7 @@ class Ingress:
                 response = await self._count_tokens(request)
             elif route == ("GET", "/v1/models"):
                 infos = [self._model_info(m) for m in self.models.values()]
-                response = JSONResponse(api.models_response(infos, api.parse_models_query(request.query_params)))
+                response = JSONResponse(model_list.models_response(infos, model_list.parse_models_query(request.query_params)))
             elif route[0] == "GET" and route[1].startswith("/v1/models/"):
                 model = self._model(route[1].removeprefix("/v1/models/"))
                 response = JSONResponse(self._model_info(model))
@@ -201,7 +203,7 @@ class Ingress:
     def _model_info(self, m: LoadedModel) -> dict:
         from datetime import datetime, timezone
 
-        return api.model_info(m.id, m.display_name, datetime.fromtimestamp(m.created_at, timezone.utc),
+        return model_list.model_info(m.id, m.display_name, datetime.fromtimestamp(m.created_at, timezone.utc),
                               max_input_tokens=m.max_context)
 
     async def _count_tokens(self, request: Request) -> Response:
@@ -276,21 +278,34 @@ class Ingress:
 
         is_small = len(body) < OFF_LOOP_BODY_BYTES
         req, placed = parse_and_prepare() if is_small else await self._parser.run(parse_and_prepare)
-        admitted, collected = await self.admission.run(*placed, arrival, is_collected=not req.stream)
+        prepared_at = time.time()
+        admitted, collected = await self.admission.run(*placed, arrival, is_collected=not req.stream,
+                                                       prepared_at=prepared_at)
         return req, admitted, collected
 
     def _streamed(self, admitted: Admitted, out: StreamFormat, request_headers: Mapping[str, str]) -> Response:
         mode = _stream_mode(request_headers)  # already checked by _prepare
         headers = self._timing_headers(admitted) | {"cache-control": "no-cache", "X-Stream-Mode": mode}
-        return RelayedStream(admitted, self.admission.relay, out, headers)
+        answer = self.admission.relay.answer(admitted, is_streamed=True)
+        body = event_stream(out, answer, self.config.ping_interval_s, admitted.request_id)
+        return RelayedStream(body, answer.close, headers)
 
     @staticmethod
     def _timing_headers(admitted: Admitted) -> dict[str, str]:
+        a = admitted
+        # Where the ingress's time went, in ms (W3C Server-Timing): parse and tokenize, the registry's
+        # decision, placing it (the actor looked up or created, and called), the actor's Started back
+        # at the ingress, and for a collected answer the rest of it.
+        hops = [("parse", a.prepared_at - a.arrival), ("admit", a.decided_at - a.prepared_at),
+                ("place", a.dispatch_time - a.decided_at), ("start", a.started_at - a.dispatch_time)]
+        if a.answered_at:
+            hops.append(("answer", a.answered_at - a.started_at))
         return {
-            "X-Request-Dispatch-Time": _timing(admitted.dispatch_time),
-            "X-Request-Start-Time": _timing(admitted.started.time),
+            "X-Request-Dispatch-Time": _timing(a.dispatch_time),
+            "X-Request-Start-Time": _timing(a.started.time),
             # Where it ran: "hot" (an idle or batching actor), "warm" (a bound warm actor) or "cold".
-            "X-Request-Tier": admitted.tier,
+            "X-Request-Tier": a.tier,
+            "Server-Timing": ", ".join(f"{name};dur={max(0.0, s) * 1e3:.3f}" for name, s in hops),
         }
 
     def _prepare(self, req: ChatRequest, to_prompt: PromptFor, request_id: str, headers: Mapping[str, str] | None):
@@ -317,16 +332,19 @@ class Ingress:
         return api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
                                     done.input_tokens, done.output_tokens)
 
-    async def stream(self, request: api.MessagesRequest | dict) -> AsyncIterator[dict]:
-        """The SSE events as dicts (call with `handle.options(stream=True).stream.remote(...)`)."""
+    async def stream(self, request: api.MessagesRequest | dict) -> AsyncIterator[TextChunk | Completion]:
+        """The answer as the actor's typed items: `TextChunk`s, then the `Completion` (call with
+        `handle.options(stream=True).stream.remote(...)`); a failure raises ApiError."""
         req = request if isinstance(request, api.MessagesRequest) else api.parse_messages_request(request)
         arrival = time.time()
         admitted, _ = await self.admission.run(*self._prepare(req, prompt_for, api.new_request_id(), None), arrival,
                                                is_collected=False)
-        out = sse.SseStream(api.new_message_id(), req.model, admitted.input_tokens)
-        async for chunk in self.admission.relay.sse(admitted, out):
-            for event in sse.decode_events(chunk):
-                yield event
+        answer = self.admission.relay.answer(admitted, is_streamed=True)
+        try:
+            async for item in answer:
+                yield item
+        finally:
+            answer.close()
 
 
 def _stream_mode(headers: Mapping[str, str]) -> str:

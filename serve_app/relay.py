@@ -1,44 +1,37 @@
-"""Relaying an admitted request's actor stream to its client, as one JSON message or as SSE.
-
-One relay loop serves both APIs' streams: it drives a `StreamFormat` (the Messages API's
-`sse.SseStream` or Chat Completions' `openai_sse.ChunkStream`), which turns each step into
-that API's bytes and keeps them in the order its SDK expects.
+"""An admitted request's answer, item by item from its actor's stream, with a deadline on every wait.
 
 The actor streams `Started`, `TextChunk`s, then one `Completion` (actors/request_actor.py).
-Every wait on it has a deadline: `start_timeout_s` until the first token of an actor that
-is still loading (a cold or warm one), `token_timeout_s` otherwise. An SSE client gets a
-`ping` every `ping_interval_s` while a token is slow, so proxies keep the connection.
-However a relay ends, `on_end(admitted, outcome)` runs exactly once (`Admitted.end`), so
-the ingress releases the request's row exactly once:
+`Relay.first` waits for the `Started` (the actor began computing); `Relay.answer` gives the
+rest as an `Answer`, whose `next()` returns each `TextChunk` and then the `Completion`:
+typed items, which the ingress writes as one JSON body, as either API's stream
+(sse.event_stream), or hands to a Python caller as they are. Every wait has a deadline:
+`start_timeout_s` until the first token of an actor that is still loading (a cold or warm
+one), `token_timeout_s` otherwise.
 
-    "complete"   the Completion arrived (the actor has already let the row go)
-    "cancelled"  the client left, or the actor turned the row away before it started
-                 (its batch was full after all): only this row is given up
-    "failed"     the actor died, failed, or missed a deadline: it is not trusted again
-
-`on_first_token` runs once, at a request's first token: a cold actor's weights are then
-all resident, so the registry may start batching onto it.
+What the stream did is told down to the request's row (rows.py), never back up: its first
+token (a cold actor's weights are all resident, so it may batch), its Completion (its
+timings), and how it ended — complete, cancelled or failed — exactly once. A failure ends
+the request and raises the `ApiError` to tell the client; an actor lost before the client
+saw anything of its answer raises `ActorLost`, which admission may place again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import ray
 from starlette.responses import StreamingResponse
 
 from actors.messages import ActorBusyError, Completion, Started, TextChunk
 from serve_app import errors
-from serve_app.decisions import Decision
 from serve_app.errors import ApiError
 from serve_app.offload import within
-from serve_app.snapshot import RequestFeatures
+from serve_app.rows import Admitted, Outcome, Rows
 
-Outcome = Literal["complete", "cancelled", "failed"]
 # A row turned away by its actor is answered as overload; the client may come straight back.
 BUSY_RETRY_AFTER_S = 0.1
 # A request whose actor died: the registry forgets the actor at once, so capacity returns as soon as
@@ -48,59 +41,15 @@ LOST_RETRY_AFTER_S = 1.0
 log = logging.getLogger(__name__)
 
 
-class StreamFormat(Protocol):
-    """One streamed answer in one API's wire format; each call returns the bytes to send."""
-
-    def start(self) -> bytes: ...
-    def ping(self) -> bytes: ...
-    def text(self, text: str) -> bytes: ...  # b"" for nothing to send
-    def finish(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> bytes: ...
-    def error(self, err: ApiError, request_id: str | None) -> bytes: ...
-
-
 class ActorLost(ApiError):
     """The actor died before the client saw anything of its answer: the ingress may place it again."""
-
-
-@dataclass
-class Admitted:
-    """A request that holds a row on an actor and the actor's stream."""
-
-    request_id: str
-    model_id: str
-    actor_name: str
-    keep_hot: bool
-    tier: str  # "hot" (an idle or batching actor), "warm" (a bound warm actor) or "cold" (a fresh one)
-    input_tokens: int
-    stream: Any  # ray ObjectRefGenerator
-    started: Started | None
-    arrival: float
-    dispatch_time: float
-    features: RequestFeatures | None = None
-    decision: Decision | None = None
-    completion: Completion | None = None
-    num_chunks: int = 0
-    outcome: Outcome | None = None  # set once, by `end`
-    error: ApiError | None = None  # the error event a stream ended with, if it did
-
-    def end(self, outcome: Outcome, on_end: Callable[[Admitted, Outcome], None]) -> None:
-        """Run `on_end` for this request, the first time only: its row is released exactly once."""
-        if self.outcome is None:
-            self.outcome = outcome
-            on_end(self, outcome)
 
 
 @dataclass(frozen=True)
 class Relay:
     start_timeout_s: float
     token_timeout_s: float
-    ping_interval_s: float
-    on_completion: Callable[[Admitted, Completion], None]  # metrics; before on_end
-    on_end: Callable[[Admitted, Outcome], None]  # exactly once per admitted request
-    on_first_token: Callable[[Admitted], None] = lambda admitted: None
-
-    def end(self, admitted: Admitted, outcome: Outcome) -> None:
-        admitted.end(outcome, self.on_end)
+    rows: Rows
 
     async def first(self, admitted: Admitted) -> Started:
         """The actor's `Started`: it began computing. On failure the request is ended and ApiError raised."""
@@ -109,64 +58,31 @@ class Relay:
             if not isinstance(first, Started):
                 raise RuntimeError(f"actor {admitted.actor_name} sent {type(first).__name__} before Started")
         except (asyncio.CancelledError, GeneratorExit):
-            self.end(admitted, "cancelled")
+            self.rows.end(admitted, "cancelled")
             raise
         except BaseException as e:
             raise self._failed(admitted, e, is_answer_started=False) from None
-        admitted.started = first
+        admitted.started, admitted.started_at = first, time.time()
         return first
 
+    def answer(self, admitted: Admitted, *, is_streamed: bool) -> Answer:
+        """The rest of the answer. `is_streamed`: the client has its first bytes already, so a failure
+        is told in the stream (and an actor lost is not placed again)."""
+        return Answer(self, admitted, is_streamed)
+
     async def collect(self, admitted: Admitted) -> tuple[str, Completion]:
-        """The whole text and the `Completion`; raises ApiError."""
+        """The whole text and the `Completion`; raises ApiError (ActorLost: nothing was sent yet)."""
+        answer = self.answer(admitted, is_streamed=False)
         parts: list[str] = []
         try:
-            while True:
-                item = await self._next(admitted)
-                if isinstance(item, TextChunk):
-                    parts.append(item.text)
-                elif isinstance(item, Completion):
-                    self.on_completion(admitted, item)
-                    self.end(admitted, "complete")
+            async for item in answer:
+                if isinstance(item, Completion):
+                    admitted.answered_at = time.time()
                     return "".join(parts), item
-        except (asyncio.CancelledError, GeneratorExit):
-            self.end(admitted, "cancelled")
-            raise  # the caller went away: nobody to answer
-        except BaseException as e:
-            # Nothing was sent yet: a lost actor is ActorLost, which the ingress may place again.
-            raise self._failed(admitted, e, is_answer_started=False) from None
-
-    async def sse(self, admitted: Admitted, out: StreamFormat) -> AsyncIterator[bytes]:
-        """The answer as `out` formats it; a failure after the start is its error event."""
-        pending = None
-        try:
-            yield out.start()
-            pending = asyncio.ensure_future(self._next(admitted))
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=self.ping_interval_s)
-                if not done:
-                    yield out.ping()
-                    continue
-                item = pending.result()
-                if isinstance(item, TextChunk):
-                    chunk = out.text(item.text)
-                    if chunk:
-                        yield chunk
-                    pending = asyncio.ensure_future(self._next(admitted))
-                elif isinstance(item, Completion):
-                    self.on_completion(admitted, item)
-                    # Released before the last event leaves: a client that sends its next request the
-                    # moment it reads message_stop finds this row free.
-                    self.end(admitted, "complete")
-                    yield out.finish(item.stop_reason, item.stop_sequence, item.output_tokens)
-                    return
-        except (asyncio.CancelledError, GeneratorExit):
-            raise  # the client went away
-        except BaseException as e:
-            yield out.error(self._failed(admitted, e, is_answer_started=True), admitted.request_id)
+                parts.append(item.text)
         finally:
-            if pending is not None:
-                pending.cancel()
-            self.end(admitted, "cancelled")  # the client left before the end (a no-op if it had ended)
+            answer.close()
+        raise AssertionError("an answer ends with its Completion")
 
     def _failed(self, admitted: Admitted, e: BaseException, *, is_answer_started: bool) -> ApiError:
         """End the request on `e`; the error to tell the client (ActorLost: nothing was told yet)."""
@@ -175,7 +91,7 @@ class Relay:
             log.warning("request %s on actor %s: %s", admitted.request_id, admitted.actor_name, _describe(e))
         if is_answer_started:  # told in the stream: no response status will count it
             admitted.error = error
-        self.end(admitted, outcome_of(e))
+        self.rows.end(admitted, outcome_of(e))
         if _is_lost(e) and not is_answer_started:
             return ActorLost(error.status, error.type, error.message, error.headers)
         return error
@@ -188,8 +104,48 @@ class Relay:
         if isinstance(item, TextChunk):
             admitted.num_chunks += 1
             if admitted.num_chunks == 1:
-                self.on_first_token(admitted)
+                self.rows.first_token(admitted)
         return item
+
+
+class Answer:
+    """One admitted request's `TextChunk`s, then its `Completion`; `close()` when done with it.
+
+    Each `next()` is a call of its own (cancelling one leaves the answer usable, which a
+    stream writer waiting with pings relies on). The row is released before the Completion
+    is returned: a client that sends its next request the moment it reads the end finds
+    this row free. `close()` releases it as cancelled if it has not ended (the caller left).
+    """
+
+    def __init__(self, relay: Relay, admitted: Admitted, is_streamed: bool) -> None:
+        self._relay, self.admitted, self._is_streamed = relay, admitted, is_streamed
+        self._is_done = False
+
+    async def next(self) -> TextChunk | Completion:
+        if self._is_done:
+            raise StopAsyncIteration
+        relay, admitted = self._relay, self.admitted
+        try:
+            item = await relay._next(admitted)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # the caller stopped waiting; `close` releases the row if nobody waits again
+        except BaseException as e:
+            self._is_done = True
+            raise relay._failed(admitted, e, is_answer_started=self._is_streamed) from None
+        if isinstance(item, Completion):
+            self._is_done = True
+            relay.rows.completed(admitted, item)
+            relay.rows.end(admitted, "complete")
+        return item
+
+    def close(self) -> None:
+        self._relay.rows.end(self.admitted, "cancelled")  # a no-op if it has ended
+
+    def __aiter__(self) -> Answer:
+        return self
+
+    async def __anext__(self) -> TextChunk | Completion:
+        return await self.next()
 
 
 async def _next_item(stream):
@@ -245,17 +201,17 @@ def _describe(e: BaseException) -> str:
 
 
 class RelayedStream(StreamingResponse):
-    """An SSE response whose request is released however the response ends — also when its body
-    never starts (the client left between the headers and the first event), where the relay's
+    """A streamed response whose `on_close` runs however the response ends — also when its body
+    never starts (the client left between the headers and the first event), where the body's
     own cleanup would never run."""
 
-    def __init__(self, admitted: Admitted, relay: Relay, out: StreamFormat, headers: dict[str, str]) -> None:
-        super().__init__(relay.sse(admitted, out), media_type="text/event-stream", headers=headers)
-        self._admitted, self._relay = admitted, relay
+    def __init__(self, body: Any, on_close: Any, headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # a body suspended at an event runs its cleanup now
-            self._relay.end(self._admitted, "cancelled")  # a no-op if it has ended
+            self._on_close()

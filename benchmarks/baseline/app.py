@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from serve_app.config import AppArgs, ingress_config, resolve_model_path
 from serve_app.errors import ApiError
 from serve_app.prompt import prompt_for
 from serve_app.slots import discover_slots
+from serve_app.streaming import event_stream
 
 log = logging.getLogger(__name__)
 
@@ -129,60 +129,61 @@ class QueuedModel:
         # The same checks, in the same order, as zeroqueue's ingress: all before any compute.
         prompt, sampling = prompt_for(req, self.runner.engine.tokenizer, self.runner.engine.max_context)
         headers = {"X-Request-Start-Time": f"{start:.6f}"}
-        if req.stream:
-            # The row joins inside the stream: a request cancelled before its body is read never joins.
+        answer = _RowAnswer(self.runner, prompt, sampling)
+        if req.stream:  # the same stream writer as zeroqueue's ingress
             out = sse.SseStream(api.new_message_id(), req.model, len(prompt))
-            return StreamingResponse(self._sse(prompt, sampling, out, request_id), media_type="text/event-stream",
-                                     headers=headers | {"cache-control": "no-cache"})
-        text, done = await self._collect(self.runner.submit(prompt, sampling))
+            return StreamingResponse(event_stream(out, answer, self.config.ping_interval_s, request_id),
+                                     media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"})
+        parts: list[str] = []
+        try:
+            async for event in answer:
+                if isinstance(event, FinishEvent):
+                    text, done = "".join(parts), event
+                    break
+                parts.append(event.text)
+        finally:
+            answer.close()
         body = api.message_response(api.new_message_id(), req.model, text, done.stop_reason, done.stop_sequence,
                                     done.input_tokens, done.output_tokens)
         return JSONResponse(body, headers=headers)
 
-    async def _collect(self, stream: RowStream) -> tuple[str, FinishEvent]:
-        parts: list[str] = []
-        try:
-            while True:
-                event = await stream.get()
-                if isinstance(event, TokenEvent):
-                    parts.append(event.text)
-                elif isinstance(event, FinishEvent):
-                    return "".join(parts), event
-        except (ApiError, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            raise errors.api_error(f"generation failed: {e!r}") from None
-        finally:
-            stream.cancel()  # a no-op once it finished; else the row leaves at the next step
 
-    async def _sse(self, prompt, sampling, out: sse.SseStream, request_id: str) -> AsyncIterator[bytes]:
-        stream = None
-        try:
-            stream = self.runner.submit(prompt, sampling)
-            yield out.start()
-            while True:
-                try:
-                    event = await asyncio.wait_for(stream.get(), self.config.ping_interval_s)
-                except asyncio.TimeoutError:
-                    yield out.ping()
-                    continue
-                if isinstance(event, TokenEvent):
-                    chunk = out.text(event.text)
-                    if chunk:
-                        yield chunk
-                elif isinstance(event, FinishEvent):
-                    yield out.finish(event.stop_reason, event.stop_sequence, event.output_tokens)
-                    return
-                else:
-                    assert isinstance(event, StartEvent)
-        except (asyncio.CancelledError, GeneratorExit):
-            raise  # the client went away: the row is cancelled below
-        except BaseException as e:
-            err = e if isinstance(e, ApiError) else errors.api_error(f"generation failed: {e!r}")
-            yield out.error(err, request_id)
-        finally:
-            if stream is not None:
-                stream.cancel()
+class _RowAnswer:
+    """One engine row's answer, as zeroqueue's relay gives an actor's: `next()` returns each
+    `TokenEvent`, then the `FinishEvent`; `close()` takes the row out of the batch if it runs."""
+
+    def __init__(self, runner: BatchRunner, prompt: list[int], sampling) -> None:
+        self._runner, self._prompt, self._sampling = runner, prompt, sampling
+        self._stream: RowStream | None = None
+        self._is_done = False
+
+    async def next(self) -> TokenEvent | FinishEvent:
+        if self._is_done:
+            raise StopAsyncIteration
+        if self._stream is None:  # joins at the first read: a request cancelled before it never joins
+            self._stream = self._runner.submit(self._prompt, self._sampling)
+        while True:
+            try:
+                event = await self._stream.get()
+            except (ApiError, asyncio.CancelledError):
+                raise
+            except Exception as e:
+                self._is_done = True
+                raise errors.api_error(f"generation failed: {e!r}") from None
+            if isinstance(event, FinishEvent):
+                self._is_done = True
+            if not isinstance(event, StartEvent):
+                return event
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()  # a no-op once it finished; else the row leaves at the next step
+
+    def __aiter__(self) -> _RowAnswer:
+        return self
+
+    async def __anext__(self) -> TokenEvent | FinishEvent:
+        return await self.next()
 
 
 def resolve_args(args: dict[str, Any]) -> dict[str, Any]:

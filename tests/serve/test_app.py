@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import request_actors
 from tests.serve.waiting import wait_for
 
 KEY = "zq-test-key-5d1c"
@@ -27,16 +28,11 @@ MAX_BATCH = 3
 
 
 @pytest.fixture(scope="module")
-def zq(ray_cluster, tiny_zqs, layered_zqs):
-    ray = ray_cluster
-    from ray import serve
-
+def zq(deploy_app, tiny_zqs, layered_zqs):
     from serve_app.app import build_app
 
     os.environ["ZQ_TEST_API_KEY"] = KEY
-    port = 8765
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({
+    return deploy_app(8765, "zeroqueue", build_app({
         # The layered model decodes slowly enough here to hold a slot for seconds.
         "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}, {"id": SLOW_MODEL, "zqs_path": str(layered_zqs)}],
         "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},
@@ -47,22 +43,11 @@ def zq(ray_cluster, tiny_zqs, layered_zqs):
         "max_body_bytes": 64 * 1024,
         "namespace": NAMESPACE,
         "ping_interval_s": 0.2,
-    })
-    serve.run(app, name="zeroqueue", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    yield base
-    serve.delete("zeroqueue")
-    serve.shutdown()
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == NAMESPACE:
-            ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE))
+    }), NAMESPACE)
 
 
 def _actors(ray) -> set[str]:
-    from serve_app.registry import is_request_actor_name
-
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and is_request_actor_name(a["name"])}
+    return request_actors(ray, NAMESPACE)
 
 
 def _body(max_tokens=8, stream=False, text="Why do queues hurt tail latency?", **extra) -> dict:
@@ -116,10 +101,15 @@ def test_timing_and_request_id_headers(zq):
     assert r.headers["request-id"].startswith("req_")
     assert len(r.headers["X-Request-Dispatch-Time"].split(".")[1]) == 6
     assert dispatch - 0.05 <= start <= dispatch + 60  # the actor starts after the decision
+    hops = dict(part.strip().split(";dur=") for part in r.headers["Server-Timing"].split(","))
+    assert list(hops) == ["parse", "admit", "place", "start", "answer"]  # the ingress's time, hop by hop
+    assert all(float(ms) >= 0 for ms in hops.values())
     with httpx.stream("POST", f"{zq}/v1/messages", json=_body(stream=True), headers={"x-api-key": KEY},
                       timeout=60) as s:
         events = [line.removeprefix("event: ") for line in s.iter_lines() if line.startswith("event: ")]
         assert "X-Request-Start-Time" in s.headers
+        assert [p.split(";")[0].strip() for p in s.headers["Server-Timing"].split(",")] == [
+            "parse", "admit", "place", "start"]  # a stream's headers leave before its answer
     events = [e for e in events if e != "ping"]
     assert events[:2] == ["message_start", "content_block_start"]
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -371,15 +361,16 @@ def test_python_handle_from_another_driver(zq, ray_cluster, tmp_path):
         "h = serve.get_app_handle('zeroqueue')\n"
         f"req = MessagesRequest(model='{MODEL}', max_tokens=6, messages=[{{'role': 'user', 'content': 'hi'}}])\n"
         "msg = h.create.remote(req).result(timeout_s=60)\n"
-        "events = [e['type'] for e in h.options(stream=True).stream.remote(req)]\n"
-        "print(json.dumps({'usage': msg['usage'], 'events': events}))\n"
+        "items = [type(i).__name__ for i in h.options(stream=True).stream.remote(req)]\n"
+        "print(json.dumps({'usage': msg['usage'], 'items': items}))\n"
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["usage"]["output_tokens"] == 6
-    assert result["events"][0] == "message_start" and result["events"][-1] == "message_stop"
+    # Typed items, not SSE bytes decoded back: text chunks, then the Completion.
+    assert set(result["items"][:-1]) == {"TextChunk"} and result["items"][-1] == "Completion"
 
 
 def test_metrics_are_exported_for_prometheus(zq, ray_cluster):

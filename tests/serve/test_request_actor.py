@@ -110,7 +110,7 @@ def test_hot_actor_serves_a_second_request_as_a_fresh_actor_would(ray_cluster, t
     phases = [p for p, _ in ray.get(actor.status.remote()).transitions]
     # The second request joins a loaded actor: no cold prefill phase of its own.
     assert phases == ["STARTING", "LOADING", "PREFILL", "DECODE", "IDLE", "DECODE", "IDLE"]
-    ray.get(actor.release.remote())
+    ray.kill(actor, no_restart=True)  # a hot actor is retired as the registry retires it
     _wait_gone(ray, name)
     _wait_gone(ray, fresh_name)
 
@@ -133,7 +133,7 @@ def test_cancel_mid_decode_stops_the_row_within_a_step_and_a_hot_actor_stays(ray
     assert status.phase == Phase.IDLE
     _, done = _consume(ray, actor.generate.remote(_request(tiny_zqs, max_tokens=3, keep_hot=True)))
     assert done.output_tokens == 3 and not done.is_cold
-    ray.get(actor.release.remote())
+    ray.kill(actor, no_restart=True)  # a hot actor is retired as the registry retires it
     _wait_gone(ray, name)
 
 
@@ -267,7 +267,7 @@ def test_a_hot_actor_runs_several_requests_at_once_each_as_it_would_alone(ray_cl
     status = ray.get(actor.status.remote())
     assert status.num_rows == 0 and status.phase == Phase.IDLE
     assert status.accounted_bytes == weights  # every row's KV cache was freed
-    ray.get(actor.release.remote())
+    ray.kill(actor, no_restart=True)  # a hot actor is retired as the registry retires it
     _wait_gone(ray, name)
 
 
@@ -282,7 +282,7 @@ def test_cancelling_one_row_leaves_the_others_untouched(ray_cluster, tiny_zqs):
     ray.cancel(dropped)
     chunks, done = _consume(ray, kept)
     assert _token_ids(chunks) == _in_process_tokens(tiny_zqs, keep) and done.stop_reason == "max_tokens"
-    ray.get(actor.release.remote())
+    ray.kill(actor, no_restart=True)  # a hot actor is retired as the registry retires it
     _wait_gone(ray, name)
 
 
@@ -293,7 +293,7 @@ def test_back_to_back_requests_never_find_a_hot_actor_busy(ray_cluster, tiny_zqs
     for i in range(40):
         _, done = _consume(ray, actor.generate.remote(_request(tiny_zqs, max_tokens=2, seed=i, keep_hot=True)))
         assert done.output_tokens == 2
-    ray.get(actor.release.remote())
+    ray.kill(actor, no_restart=True)  # a hot actor is retired as the registry retires it
     _wait_gone(ray, name)
 
 
@@ -310,7 +310,7 @@ def test_a_full_batch_refuses_the_extra_request_at_once(ray_cluster, tiny_zqs):
     for g in running:
         ray.cancel(g)
     _wait_rows(ray, actor, 0)
-    ray.get(actor.release.remote())
+    ray.kill(actor, no_restart=True)  # a hot actor is retired as the registry retires it
     _wait_gone(ray, name)
 
 

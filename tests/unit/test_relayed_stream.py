@@ -7,8 +7,10 @@ import asyncio
 import pytest
 from starlette.requests import ClientDisconnect
 
-from serve_app.relay import Admitted, Relay, RelayedStream
+from serve_app.relay import Relay, RelayedStream
+from serve_app.rows import Admitted
 from serve_app.sse import SseStream
+from serve_app.streaming import event_stream
 
 
 class _Stream:
@@ -22,13 +24,26 @@ class _Stream:
 
 
 def _admitted() -> Admitted:
-    return Admitted("req-1", "m", "zq-m-000000000000", False, "hot", 3, _Stream(), started=None, arrival=0.0,
-                    dispatch_time=0.0)
+    return Admitted("req-1", "m", "zq-m-000000000000", False, "hot", 3, _Stream(), arrival=0.0, dispatch_time=0.0)
 
 
-def _relay(ended: list) -> Relay:
+class _Rows:
+    """The release seam: records each end the way rows.Rows makes it happen, once."""
+
+    def __init__(self) -> None:
+        self.ended: list = []
+
+    def end(self, admitted: Admitted, outcome: str) -> None:
+        if admitted.outcome is None:
+            admitted.outcome = outcome
+            self.ended.append((admitted.request_id, outcome))
+
+
+def _response(admitted: Admitted, rows: _Rows) -> RelayedStream:
+    answer = Relay(10.0, 10.0, rows).answer(admitted, is_streamed=True)
     # A ping every 50 ms: with ASGI 2.4 a server tells the app the client left by failing its next send.
-    return Relay(10.0, 10.0, 0.05, lambda a, done: None, lambda a, outcome: ended.append((a.request_id, outcome)))
+    body = event_stream(SseStream("msg_1", "m", 3), answer, 0.05, admitted.request_id)
+    return RelayedStream(body, answer.close, {})
 
 
 def _scope() -> dict:
@@ -37,7 +52,7 @@ def _scope() -> dict:
 
 
 def test_a_client_gone_before_the_first_event_still_releases_the_request():
-    ended: list = []
+    rows = _Rows()
     admitted = _admitted()
 
     async def receive():
@@ -47,12 +62,12 @@ def test_a_client_gone_before_the_first_event_still_releases_the_request():
         raise OSError("the client closed the connection")  # at http.response.start: the body never starts
 
     with pytest.raises(ClientDisconnect):  # starlette's name for the failed send
-        asyncio.run(RelayedStream(admitted, _relay(ended), SseStream("msg_1", "m", 3), {})(_scope(), receive, send))
-    assert ended == [("req-1", "cancelled")]
+        asyncio.run(_response(admitted, rows)(_scope(), receive, send))
+    assert rows.ended == [("req-1", "cancelled")]
 
 
 def test_a_client_that_disconnects_mid_body_releases_the_request_once():
-    ended: list = []
+    rows = _Rows()
     admitted = _admitted()
     sent: list = []
 
@@ -65,6 +80,6 @@ def test_a_client_that_disconnects_mid_body_releases_the_request_once():
         sent.append(message["type"])
 
     with pytest.raises(ClientDisconnect):
-        asyncio.run(RelayedStream(admitted, _relay(ended), SseStream("msg_1", "m", 3), {})(_scope(), receive, send))
+        asyncio.run(_response(admitted, rows)(_scope(), receive, send))
     assert sent[:2] == ["http.response.start", "http.response.body"]  # message_start went out
-    assert ended == [("req-1", "cancelled")]
+    assert rows.ended == [("req-1", "cancelled")]
