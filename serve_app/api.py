@@ -31,9 +31,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -44,8 +42,6 @@ from serve_app.errors import from_validation_error, invalid_request, request_too
 MAX_MODEL_NAME_CHARS = 256
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts any unsigned 64-bit value
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's limit for /v1/messages
-MAX_MODELS_PAGE = 1000
-MODEL_OWNER = "zeroqueue"  # OpenAI's `owned_by` of every model served here
 # Bounds that keep a request's parse and admission cheap, far beyond what a real one needs:
 # no served model's context comes near either (each message is at least a few tokens).
 MAX_OUTPUT_TOKENS = 1 << 20
@@ -337,82 +333,6 @@ def message_response(
 def count_tokens_response(input_tokens: int) -> dict[str, Any]:
     check_token_count("input_tokens", input_tokens)
     return {"input_tokens": input_tokens}
-
-
-def model_info(
-    model_id: str,
-    display_name: str,
-    created_at: datetime,
-    *,
-    max_input_tokens: int | None = None,
-    max_tokens: int | None = None,
-) -> dict[str, Any]:
-    """One Anthropic `ModelInfo` that is also an OpenAI `Model`. `created_at` must be timezone-aware;
-    it is sent as RFC 3339 UTC (Anthropic's `created_at`) and as epoch seconds (OpenAI's `created`)."""
-    if created_at.tzinfo is None:
-        raise ValueError(f"created_at must be timezone-aware, got {created_at!r}")
-    info: dict[str, Any] = {
-        "type": "model",
-        "id": model_id,
-        "display_name": display_name,
-        "created_at": created_at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "lifecycle": "active",
-        "object": "model",
-        "created": int(created_at.timestamp()),
-        "owned_by": MODEL_OWNER,
-    }
-    if max_input_tokens is not None:
-        info["max_input_tokens"] = max_input_tokens
-    if max_tokens is not None:
-        info["max_tokens"] = max_tokens
-    return info
-
-
-@dataclass(frozen=True)
-class ModelsQuery:
-    """`GET /v1/models` paging: `limit` items after `after_id` or before `before_id`."""
-
-    limit: int = 20
-    after_id: str | None = None
-    before_id: str | None = None
-
-
-def parse_models_query(params: Mapping[str, str]) -> ModelsQuery:
-    """Query parameters of `GET /v1/models`; others (e.g. `lifecycle`) are ignored."""
-    raw_limit = params.get("limit", "20")
-    is_number = raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 6
-    if not is_number or not 1 <= int(raw_limit) <= MAX_MODELS_PAGE:
-        raise invalid_request(f"limit: must be an integer from 1 to {MAX_MODELS_PAGE}, got {raw_limit!r}")
-    after_id, before_id = params.get("after_id"), params.get("before_id")
-    if after_id is not None and before_id is not None:
-        raise invalid_request("after_id and before_id cannot both be given")
-    return ModelsQuery(limit=int(raw_limit), after_id=after_id, before_id=before_id)
-
-
-def models_response(infos: Sequence[Mapping[str, Any]], query: ModelsQuery = ModelsQuery()) -> dict[str, Any]:
-    """One page of `infos` (already in listing order, newest first) for `models.list()`."""
-    ids = [info["id"] for info in infos]
-    start, stop = 0, len(infos)
-    for cursor, name in ((query.after_id, "after_id"), (query.before_id, "before_id")):
-        if cursor is not None and cursor not in ids:
-            raise invalid_request(f"{name}: no model with id {cursor!r}")
-    if query.after_id is not None:
-        start = ids.index(query.after_id) + 1
-    if query.before_id is not None:
-        stop = ids.index(query.before_id)
-        start = max(0, stop - query.limit)
-    else:
-        stop = min(stop, start + query.limit)
-    page = [dict(info) for info in infos[start:stop]]
-    # "More" is in the direction of travel: newer items when paging back with before_id.
-    has_more = start > 0 if query.before_id is not None else stop < len(infos)
-    return {
-        "object": "list",
-        "data": page,
-        "has_more": has_more,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-    }
 
 
 def json_bytes(obj: Any) -> bytes:

@@ -110,9 +110,7 @@ class PolicyConfig:
     max_idle_s: float | None = None
     # Rows a hot actor runs at once; 1 turns joining off (a hot actor serves one request).
     max_batch: int = 8
-    # Per actor process beyond its weights. For a GPU actor, its CUDA context and cuBLAS
-    # workspace: no GPU here has measured it, so this is a guess to replace with a measurement
-    # (nvidia-smi's per-process memory of an idle actor) per deployment.
+    # Per actor process beyond its weights (a GPU actor's CUDA context): unmeasured here; set it per deployment.
     actor_overhead_bytes: int = 512 * MiB
     max_actors_per_slot: int = 1  # 1 for num_gpus=1 actors
     max_candidates: int = 8  # per kind (hot, join, cold) handed to the scorer

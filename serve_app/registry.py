@@ -57,6 +57,7 @@ from serve_app.registry_records import (
     SlotSpec,
 )
 from serve_app.registry_recovery import Recovery
+from serve_app.registry_warm import WarmBooks
 from serve_app.retry_after import retry_after_s
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import (
@@ -65,7 +66,7 @@ from serve_app.snapshot import (
     RequestFeatures,
     SlotView,
 )
-from serve_app.warm_pool import LANES, WarmFill, WarmSpec, is_model_active, plan_fills
+from serve_app.warm_pool import LANES
 
 # Re-exported: the registry's callers name these through this module.
 __all__ = ["AdoptedActor", "AdoptedRow", "Outcome", "ReconcileReport", "RegistryState",
@@ -75,7 +76,7 @@ __all__ = ["AdoptedActor", "AdoptedRow", "Outcome", "ReconcileReport", "Registry
 ABANDONED_MEMORY_S = 60.0
 
 
-class RegistryState(Recovery):
+class RegistryState(Recovery, WarmBooks):
     def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
                  max_idle_s: float | None = None, max_batch: int = 8) -> None:
         if max_actors_per_slot < 1 or max_batch < 1:
@@ -213,56 +214,6 @@ class RegistryState(Recovery):
         if not self._add_row(actor, decision.slot_id, decision.reserve_bytes, row):
             return False
         actor.state, actor.lane, actor.is_hot = "starting", decision.lane, decision.keep_hot
-        self._touch_actor(actor)
-        return True
-
-    def try_warm(self, fill: WarmFill, actor_name: str, now: float) -> bool:
-        """Reserve a warm actor's resident bytes on its slot, if they still fit."""
-        if actor_name in self._actors:
-            raise ValueError(f"actor {actor_name} is already registered")
-        slot = self._slots.get(fill.slot_id)
-        if slot is None or slot.free_bytes < fill.resident_bytes or slot.num_actors >= self.max_actors_per_slot:
-            return False
-        self._register(ActorRecord(actor_name, fill.model, slot.slot_id, fill.lane, "warming", False,
-                              fill.resident_bytes, now, resident_fraction=0.0), slot)
-        return True
-
-    def fill_warm(self, specs: list[WarmSpec], policy: PolicyConfig, names: dict[str, list[str]],
-                  now: float) -> list[tuple[str, WarmFill]]:
-        """Plan the warm actors each active model's pool misses and commit them; (name, fill) each.
-
-        `names[model]` offers fresh actor names; a model whose pool is asked for the first
-        time starts its idle clock now.
-        """
-        for spec in specs:
-            self._last_request_at.setdefault(spec.model, now)
-        active = {m for m, t in self._last_request_at.items() if is_model_active(t, now, policy)}
-        committed = []
-        offered = {model: list(reversed(n)) for model, n in names.items()}
-        for fill in plan_fills(self.snapshot(), specs, policy, active):
-            pool = offered.get(fill.model)
-            if not pool:
-                continue
-            name = pool.pop()
-            if self.try_warm(fill, name, now):
-                committed.append((name, fill))
-        return committed
-
-    def drop_warming(self, actor_name: str) -> bool:
-        """A warm actor failed before it was ready: forgotten, unless a request was bound to it meanwhile
-        (then that request's own end releases it)."""
-        actor = self._actors.get(actor_name)
-        if actor is None or actor.state != "warming":
-            return False
-        self._forget(actor)
-        return True
-
-    def warm_ready(self, actor_name: str, resident_fraction: float) -> bool:
-        """A warming actor holds its first layers: it may be bound from now on."""
-        actor = self._actors.get(actor_name)
-        if actor is None or actor.state != "warming":
-            return False
-        actor.state, actor.resident_fraction = "warm", min(1.0, max(0.0, resident_fraction))
         self._touch_actor(actor)
         return True
 

@@ -19,7 +19,7 @@ import pytest
 from anthropic.types import Message, MessageTokensCount, ModelInfo
 from anthropic.types.shared import ErrorResponse
 
-from serve_app import api, errors
+from serve_app import api, errors, model_list
 from serve_app.errors import ApiError
 
 try:
@@ -374,7 +374,7 @@ def test_ids_have_documented_format_and_differ():
 
 EPOCH = datetime(2025, 1, 1, tzinfo=timezone.utc)
 MODELS = [
-    api.model_info(f"model-{i}", f"Model {i}", EPOCH - timedelta(days=i), max_input_tokens=4096, max_tokens=1024)
+    model_list.model_info(f"model-{i}", f"Model {i}", EPOCH - timedelta(days=i), max_input_tokens=4096, max_tokens=1024)
     for i in range(5)
 ]
 
@@ -385,7 +385,7 @@ def test_model_info_is_sdk_shaped():
     assert info.created_at == EPOCH - timedelta(days=1)
     assert MODELS[1]["created_at"] == "2024-12-31T00:00:00Z"
     with pytest.raises(ValueError, match="timezone-aware"):
-        api.model_info("m", "M", datetime(2025, 1, 1))
+        model_list.model_info("m", "M", datetime(2025, 1, 1))
 
 
 @pytest.mark.parametrize(
@@ -401,7 +401,7 @@ def test_model_info_is_sdk_shaped():
     ],
 )
 def test_models_pages(params, ids, has_more):
-    page = api.models_response(MODELS, api.parse_models_query(params))
+    page = model_list.models_response(MODELS, model_list.parse_models_query(params))
     assert [m["id"] for m in page["data"]] == ids
     assert page["has_more"] is has_more
     assert (page["first_id"], page["last_id"]) == ((ids[0], ids[-1]) if ids else (None, None))
@@ -417,12 +417,12 @@ def test_models_pages(params, ids, has_more):
     ],
 )
 def test_models_query_refusals(params, expected):
-    assert refused(params, parse=api.parse_models_query).startswith(expected)
+    assert refused(params, parse=model_list.parse_models_query).startswith(expected)
 
 
 def test_models_unknown_cursor():
-    query = api.parse_models_query({"after_id": "nope"})
-    assert refused(query, parse=lambda q: api.models_response(MODELS, q)) == "after_id: no model with id 'nope'"
+    query = model_list.parse_models_query({"after_id": "nope"})
+    assert refused(query, parse=lambda q: model_list.models_response(MODELS, q)) == "after_id: no model with id 'nope'"
 
 
 def test_json_bytes_survives_any_str():
@@ -445,7 +445,7 @@ def fake_server(request: httpx.Request) -> httpx.Response:
     request_id = api.new_request_id()
     try:
         if request.method == "GET" and request.url.path == "/v1/models":
-            data = api.models_response(MODELS, api.parse_models_query(dict(request.url.params)))
+            data = model_list.models_response(MODELS, model_list.parse_models_query(dict(request.url.params)))
         elif request.url.path == "/v1/messages/count_tokens":
             req = api.parse_count_tokens_request(request.content)
             data = api.count_tokens_response(sum(len(text.split()) for _, text in req.flat_messages()))

@@ -14,7 +14,7 @@ from openai.types import Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from actors.tokenizer import Tokenizer
-from serve_app import api, errors, openai_api
+from serve_app import errors, model_list, openai_api
 from serve_app.errors import ApiError
 from serve_app.openai_sse import ChunkStream
 from serve_app.sse import StreamOrderError
@@ -353,8 +353,8 @@ def test_errors_in_openais_shape_keep_their_status(err, status, etype, code, par
 
 # ---- the official SDK against a miniature server made of these pieces ----------------------
 
-MODELS = [api.model_info("tiny", "Tiny", datetime(2025, 1, 1, tzinfo=timezone.utc)),
-          api.model_info("zq-other", "Other", datetime(2024, 6, 1, tzinfo=timezone.utc))]
+MODELS = [model_list.model_info("tiny", "Tiny", datetime(2025, 1, 1, tzinfo=timezone.utc)),
+          model_list.model_info("zq-other", "Other", datetime(2024, 6, 1, tzinfo=timezone.utc))]
 
 
 def fake_server(request: httpx.Request) -> httpx.Response:
@@ -362,7 +362,7 @@ def fake_server(request: httpx.Request) -> httpx.Response:
     headers = {"x-request-id": "req_fake"}
     try:
         if request.method == "GET" and request.url.path == "/v1/models":
-            return httpx.Response(200, json=api.models_response(MODELS), headers=headers)
+            return httpx.Response(200, json=model_list.models_response(MODELS), headers=headers)
         if request.headers.get("authorization") != "Bearer key":
             raise errors.authentication("invalid x-api-key")
         req = openai_api.parse_chat_request(request.content)
