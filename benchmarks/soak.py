@@ -36,21 +36,27 @@ import random
 import shlex
 import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from actors.actor_names import REGISTRY_NAME
 from benchmarks.common import load_average, version_of
+from benchmarks.soak_chaos import (
+    APP,
+    NAMESPACE,
+    Chaos,
+    RssSampler,
+    ingress_replicas,
+    replica_pids,
+    request_actors,
+    rss,
+)
 from benchmarks.soak_report import write_report
 
 log = logging.getLogger("soak")
 
-NAMESPACE = "zeroqueue-soak"
-APP = DEPLOYMENT = "zeroqueue"
-REGISTRY = "zq-registry"
-SERVE_NAMESPACE = "serve"
 KINDS = ("actor", "registry_restart", "registry_gone", "ingress")
 SETTLE_S = 5.0  # after the load stops, before the registry is read
 
@@ -117,112 +123,6 @@ def chaos_plan(plan: Plan) -> list[tuple[float, str]]:
 
 
 # ---- the cluster: what is alive, and killing it -----------------------------------------------
-
-
-def request_actors() -> list[str]:
-    import ray
-
-    from serve_app.registry import is_request_actor_name
-
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == NAMESPACE and is_request_actor_name(a["name"]))
-
-
-def ingress_replicas() -> list[str]:
-    """The app's Serve replica actors: `SERVE_REPLICA::<app>#<deployment>#<id>` in Serve's namespace."""
-    import ray
-
-    out = []
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith("SERVE_REPLICA::"):
-            parts = a["name"].split("::", 1)[1].split("#")
-            if len(parts) == 3 and parts[0] == APP and parts[1] == DEPLOYMENT:
-                out.append(a["name"])
-    return sorted(out)
-
-
-def replica_pids(names: list[str]) -> dict[str, int]:
-    """name -> pid of the alive replicas, from the GCS actor table (no dashboard needed); else from the
-    process table by Ray's process title (then named by pid)."""
-    try:
-        from ray._private.state import actors
-
-        table = actors()
-        pids = {a["Name"]: a["Pid"] for a in table.values() if a["State"] == "ALIVE" and a["Name"] in names}
-        if pids:
-            return pids
-    except Exception:
-        log.warning("the GCS actor table could not be read; replicas found by process title")
-    import psutil
-
-    title = f"ServeReplica:{APP}:{DEPLOYMENT}"
-    return {f"pid {p.pid}": p.pid for p in psutil.process_iter(["cmdline"])
-            if title in " ".join(p.info["cmdline"] or ())}
-
-
-def rss(pid: int) -> int | None:
-    import psutil
-
-    try:
-        return psutil.Process(pid).memory_info().rss
-    except psutil.Error:
-        return None
-
-
-def _kill(name: str, namespace: str, no_restart: bool) -> tuple[str, str]:
-    import ray
-
-    try:
-        handle = ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return name, "no target"
-    ray.kill(handle, no_restart=no_restart)
-    return name, "killed"
-
-
-class Chaos(threading.Thread):
-    """Kills on the plan's schedule; each target drawn at random (seeded) from what is alive then."""
-
-    def __init__(self, schedule: list[tuple[float, str]], seed: int, t0: float, spare: str | None) -> None:
-        super().__init__(name="soak-chaos", daemon=True)
-        self.schedule, self.t0, self.spare = schedule, t0, spare
-        self.rng = random.Random(f"{seed}/targets")
-        self.kills: list[dict[str, Any]] = []
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        for t, kind in self.schedule:
-            if self.stop_event.wait(max(0.0, self.t0 + t - time.monotonic())):
-                return
-            at = time.monotonic() - self.t0
-            try:
-                target, result = self._kill(kind)
-            except Exception as e:  # a kill that fails is recorded, and the chaos goes on
-                target, result = None, f"failed: {type(e).__name__}: {e}"
-            self.kills.append({"t": at, "kind": kind, "target": target, "result": result})
-            log.info("chaos %.1f s: %s %s: %s", at, kind, target, result)
-
-    def _kill(self, kind: str) -> tuple[str | None, str]:
-        if kind == "actor":
-            names = request_actors()
-            return _kill(self.rng.choice(names), NAMESPACE, True) if names else (None, "no target")
-        if kind in ("registry_restart", "registry_gone"):
-            return _kill(REGISTRY, NAMESPACE, kind == "registry_gone")
-        names = [n for n in ingress_replicas() if n != self.spare]
-        return _kill(self.rng.choice(names), SERVE_NAMESPACE, False) if names else (None, "no target")
-
-
-class RssSampler(threading.Thread):
-    """The witness replica's resident memory every few seconds: its peak over the load."""
-
-    def __init__(self, pid: int | None, every_s: float = 5.0) -> None:
-        super().__init__(name="soak-rss", daemon=True)
-        self.pid, self.every_s, self.peak = pid, every_s, 0
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        while self.pid is not None and not self.stop_event.wait(self.every_s):
-            self.peak = max(self.peak, rss(self.pid) or 0)
 
 
 # ---- the load ------------------------------------------------------------------------------
@@ -363,7 +263,7 @@ def _run_cluster(plan: Plan, args: dict[str, Any], model_id: str, prompts: dict[
         smallest = min(n for n, _ in plan.input_tokens)
         warm_up(base, Probe(model_id, {"short": prompts[smallest]}, {"short": 4}), slots)
         names = ingress_replicas()
-        pids = replica_pids(names)
+        pids = replica_pids(base, names)
         witness = sorted(n for n in pids if n in names)[0] if plan.spare_witness and set(pids) & set(names) else None
         rss_data: dict[str, Any] = {"start": {n: rss(p) for n, p in pids.items()}, "end": {}, "witness": None}
         if witness:
@@ -382,7 +282,7 @@ def _run_cluster(plan: Plan, args: dict[str, Any], model_id: str, prompts: dict[
             chaos.join()
         stopped = time.monotonic()
         data["load_stopped_s"] = stopped - t0
-        end_pids = replica_pids(ingress_replicas())
+        end_pids = replica_pids(base, ingress_replicas())
         rss_data["end"] = {n: rss(p) for n, p in end_pids.items()}
         if witness:
             w = rss_data["witness"]
@@ -409,7 +309,7 @@ def _read_end_state(data: dict[str, Any]) -> None:
     data["alive_before"] = request_actors()
     data["registry_actors"], data["registry_error"] = None, None
     try:
-        snap = ray.get(ray.get_actor(REGISTRY, namespace=NAMESPACE).snapshot.remote(), timeout=10)
+        snap = ray.get(ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE).snapshot.remote(), timeout=10)
         data["registry_actors"] = [{"name": a.name, "state": a.state, "rows": len(a.rows)} for a in snap.actors]
         data["registry_slots"] = [{"slot": s.slot_id, "reserved_bytes": s.reserved_bytes,
                                    "total_bytes": s.total_bytes, "num_actors": s.num_actors} for s in snap.slots]

@@ -7,13 +7,8 @@ import json
 import pytest
 
 from benchmarks.soak import Plan, arrival_plan, chaos_plan, parse_event
+from benchmarks.soak_endings import CANCEL, COMPLETE, ERROR, NONE, OVERFLOW, classify
 from benchmarks.soak_report import (
-    CANCEL,
-    COMPLETE,
-    ERROR,
-    NONE,
-    OVERFLOW,
-    classify,
     end_state,
     judge,
     longest_gap_s,
