@@ -94,10 +94,10 @@ class TextBlock(BaseModel):
     def _has_visible_text(cls, text: str) -> str:
         if not text.strip():
             raise ValueError("text content blocks must contain non-whitespace text")
-        return _unicode(text)
+        return unicode_text(text)
 
 
-def _unicode(text: str) -> str:
+def unicode_text(text: str) -> str:
     """JSON's `\ud800` escapes make lone surrogates, which are not text: no tokenizer takes them."""
     try:
         text.encode("utf-8")
@@ -111,7 +111,7 @@ def _as_blocks(content: Any) -> Any:
     if isinstance(content, str):
         if not content.strip():
             raise ValueError("text content must contain non-whitespace text")
-        return [{"type": "text", "text": _unicode(content)}]
+        return [{"type": "text", "text": unicode_text(content)}]
     if isinstance(content, list):
         return content
     raise ValueError("Input should be a string or a list of content blocks")

@@ -116,15 +116,6 @@ def _refuse_unsupported(data: Any, unsupported: dict[str, tuple[Any, ...]]) -> A
     return {k: v for k, v in data.items() if k not in unsupported}
 
 
-def _unicode(text: str) -> str:
-    """JSON's `\\ud800` escapes make lone surrogates, which are not text: no tokenizer takes them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"text is not valid Unicode: a lone surrogate at character {e.start}") from None
-    return text
-
-
 class TextPart(BaseModel):
     """A `{"type": "text", "text": ...}` content part; the only part type we serve."""
 
@@ -145,7 +136,7 @@ class TextPart(BaseModel):
     @field_validator("text")
     @classmethod
     def _is_unicode(cls, text: str) -> str:
-        return _unicode(text)
+        return api.unicode_text(text)
 
 
 class ChatMessage(BaseModel):

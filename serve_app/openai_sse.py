@@ -36,14 +36,8 @@ def encode_chunk(data: dict[str, Any]) -> bytes:
 class ChunkStream(OrderedStream):
     """The chunks of one streamed chat completion, in the only order the protocol allows.
 
-        stream = ChunkStream(completion_id, model, input_tokens, include_usage=True)
-        yield stream.start()
-        yield stream.ping()          # while waiting, e.g. for a cold actor
-        yield stream.text("Hel")
-        yield stream.finish("end_turn", None, output_tokens=3)
-
-    or, at any point before the end, `yield stream.error(err, request_id)`.
-    Each call returns the bytes to write; a call out of order raises StreamOrderError.
+    Used as `sse.SseStream` is (streaming.StreamFormat): `start`, `ping`s, `text`s, then `finish`,
+    or `error` at any point before the end; a call out of order raises StreamOrderError.
     """
 
     def __init__(self, completion_id: str, model: str, input_tokens: int, *, include_usage: bool,
