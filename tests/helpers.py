@@ -242,3 +242,8 @@ def undeploy(ray, namespace: str | None = None) -> None:
     serve.shutdown()
     if namespace is not None:
         kill_namespace(ray, namespace)
+
+
+def metrics_export_port(ray) -> int:
+    """Where this (one-node) cluster exports its Prometheus metrics, from Ray's public node table."""
+    return next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])

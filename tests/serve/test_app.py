@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import request_actors
+from tests.helpers import metrics_export_port, request_actors
 from tests.serve.waiting import wait_for
 
 KEY = "zq-test-key-5d1c"
@@ -375,7 +375,7 @@ def test_python_handle_from_another_driver(zq, ray_cluster, tmp_path):
 
 def test_metrics_are_exported_for_prometheus(zq, ray_cluster):
     assert _post(zq, _body(max_tokens=2)).status_code == 200
-    port = ray_cluster._private.worker.global_worker.node.metrics_export_port
+    port = metrics_export_port(ray_cluster)
     wanted = ("ray_zq_decisions_total", "ray_zq_rejections_total", "ray_zq_dispatch_latency_seconds_bucket",
               "ray_zq_ttft_seconds_bucket",
               "ray_zq_time_per_output_token_seconds_bucket", "ray_zq_cold_start_seconds_bucket",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import httpx
 
 from serve_app.snapshot import ACTOR_STATES
+from tests.helpers import metrics_export_port
 from tests.reliability import harness
 from tests.reliability.harness import call
 from tests.serve.waiting import wait_for
@@ -23,7 +24,7 @@ MODEL = "zq-metrics-export"
 
 def _series(ray) -> list[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every ray_zq_ line in this node's Prometheus export."""
-    port = ray._private.worker.global_worker.node.metrics_export_port
+    port = metrics_export_port(ray)
     out = []
     for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
         if line.startswith("ray_zq_"):
