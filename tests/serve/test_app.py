@@ -375,6 +375,8 @@ def test_python_handle_from_another_driver(zq, ray_cluster, tmp_path):
 
 def test_metrics_are_exported_for_prometheus(zq, ray_cluster):
     assert _post(zq, _body(max_tokens=2)).status_code == 200
+    # A refusal of its own (a TTFT target nothing can meet), so the test does not lean on earlier ones.
+    assert _post(zq, _body(max_tokens=2), headers={"x-zq-ttft-target-s": "0.000001"}).status_code == 503
     port = metrics_export_port(ray_cluster)
     wanted = ("ray_zq_decisions_total", "ray_zq_rejections_total", "ray_zq_dispatch_latency_seconds_bucket",
               "ray_zq_ttft_seconds_bucket",
@@ -387,7 +389,10 @@ def test_metrics_are_exported_for_prometheus(zq, ray_cluster):
         seen.update(line.split("{")[0] for line in text.splitlines() if line.startswith("ray_zq_"))
         return all(name in seen for name in wanted)
 
-    wait_for(exported, timeout=30, what=f"metrics {sorted(set(wanted) - seen)}")
+    try:
+        wait_for(exported, timeout=30, what="every metric exported")
+    except AssertionError:
+        raise AssertionError(f"not exported: {sorted(set(wanted) - seen)}") from None
 
 
 def test_slot_telemetry_reaches_the_registry(zq, ray_cluster):
