@@ -42,6 +42,7 @@ from actors.layer_loader import load_zqs
 from actors.sampling import SamplingParams
 from benchmarks.bench_cold_start import prepare_model
 from benchmarks.common import load_average, load_text, machine, was_busy
+from benchmarks.run_files import measure_and_report
 
 log = logging.getLogger("bench_overhead")
 
@@ -245,15 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.pairs = 20
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.report_only:
-        data = json.loads(Path(args.report_only).read_text())
-    else:
-        data = measure(args)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
-    text = report(data)
-    Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return measure_and_report(args, measure, report)
 
 
 if __name__ == "__main__":

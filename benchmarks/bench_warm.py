@@ -22,7 +22,6 @@ bound. Two parts, one run, one model (`small`, bf16 by default):
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shlex
 import sys
@@ -44,6 +43,7 @@ from actors.sampling import SamplingParams
 from benchmarks.actor_calls import first_token, wait_gone
 from benchmarks.bench_cold_start import balanced_tokens, prepare_model, prompt_of_length
 from benchmarks.common import cores, load_average, versions
+from benchmarks.run_files import measure_and_report
 from benchmarks.warm_report import FRESH, report
 
 log = logging.getLogger("bench_warm")
@@ -239,15 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats = 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.report_only:
-        data = json.loads(Path(args.report_only).read_text())
-    else:
-        data = measure(args)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
-    text = report(data)
-    Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return measure_and_report(args, measure, report)
 
 
 if __name__ == "__main__":
