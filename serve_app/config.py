@@ -164,7 +164,8 @@ class ModelSpec:
 @dataclass(frozen=True)
 class IngressConfig:
     """What the ingress and its admission need: the components' frozen configs, and AppArgs'
-    deadlines and intervals under the same names (copied by name in `ingress_config`)."""
+    deadlines and intervals under the same names. Built by `ingress_config` only, which copies
+    every field AppArgs has under the same name; the defaults are AppArgs' own."""
 
     models: tuple[ModelSpec, ...]
     slots: SlotArgs
@@ -175,24 +176,22 @@ class IngressConfig:
     rule_scorer: RuleScorer
     api_key: str | None
     traces: TraceConfig | None  # None: off
-    scorer_path: str | None = None
-    max_body_bytes: int = 32 << 20
-    start_timeout_s: float = 300.0
-    token_timeout_s: float = 60.0
-    registry_timeout_s: float = 0.25
-    registry_heartbeat_s: float = 1.0
-    body_timeout_s: float = 30.0
-    placement_timeout_s: float = 10.0
-    ping_interval_s: float = 5.0
-    slot_refresh_s: float = 10.0
-    telemetry_refresh_s: float = 1.0
-    warm_refresh_s: float = 1.0
+    scorer_path: str | None
+    max_body_bytes: int
+    start_timeout_s: float
+    token_timeout_s: float
+    registry_timeout_s: float
+    registry_heartbeat_s: float
+    body_timeout_s: float
+    placement_timeout_s: float
+    ping_interval_s: float
+    slot_refresh_s: float
+    telemetry_refresh_s: float
+    warm_refresh_s: float
 
 
-# IngressConfig's fields that are AppArgs' own, copied as they are.
-_COPIED = ("slots", "policy", "telemetry", "rule_scorer", "scorer_path", "max_body_bytes", "start_timeout_s",
-           "token_timeout_s", "registry_timeout_s", "registry_heartbeat_s", "body_timeout_s",
-           "placement_timeout_s", "ping_interval_s", "slot_refresh_s", "telemetry_refresh_s", "warm_refresh_s")
+# The fields built below rather than copied as they are.
+_BUILT = frozenset({"models", "actor", "registry", "api_key", "traces"})
 
 
 def ingress_config(args: AppArgs) -> IngressConfig:
@@ -214,7 +213,7 @@ def ingress_config(args: AppArgs) -> IngressConfig:
         registry=dataclasses.replace(args.registry, namespace=args.namespace, actor_namespace=args.namespace),
         api_key=api_key,
         traces=TraceConfig(args.traces.path, args.traces.max_bytes) if args.traces.enabled else None,
-        **{name: getattr(args, name) for name in _COPIED},
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(IngressConfig) if f.name not in _BUILT},
     )
 
 
