@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import ray
 
@@ -37,12 +37,11 @@ from serve_app.metrics import IngressMetrics
 from serve_app.offload import within
 from serve_app.placement import Placer
 from serve_app.policy import PolicyConfig
-from serve_app.registry import AdoptedActor, AdoptedRow
+from serve_app.registry import AdoptedActor, AdoptedRow, Outcome
 from serve_app.snapshot import RequestFeatures
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["complete", "cancelled", "failed"]
 # Idle hot actors remembered for a new registry: more than a cluster's slots ever hold at once.
 MAX_IDLE_KNOWN = 1024
 
