@@ -65,10 +65,17 @@ class Admission:
         self.registry = RegistryLink(lambda: get_registry(config.registry, config.policy, scorer, registry_cls),
                                      replica_id, heartbeat_s=config.registry_heartbeat_s)
         self.placer = Placer(actor_cls, config.actor, timeout_s=config.placement_timeout_s)
+        policy = config.policy
+        self.warm_filler = WarmFiller(
+            self.registry,
+            [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes) for m in models.values()],
+            {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in models},
+            self._create_warm, new_actor_name, refresh_s=config.warm_refresh_s,
+            ready_timeout_s=config.actor.load_timeout_s)
         self.rows = Rows(self.registry, self.placer, metrics, config.policy, replica_id,
                          drain_timeout_s=config.token_timeout_s,
                          traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None,
-                         on_slot_freed=lambda: self.warm_filler.wake())
+                         on_slot_freed=self.warm_filler.wake)
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, self.rows)
         # The first heartbeat hands this deployment's policy and scorer, and the slots, to the registry
         # (a redeploy's new policy takes effect here); then slots, telemetry and the link are kept current.
@@ -81,14 +88,7 @@ class Admission:
             self._gauges: asyncio.Task | None = asyncio.get_running_loop().create_task(self._refresh_gauges())
         except RuntimeError:  # no event loop: constructed outside a Serve replica (tests of the class itself)
             self._gauges = None
-        policy = config.policy
-        self.warm_filler = WarmFiller(
-            self.registry,
-            [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes) for m in models.values()],
-            {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in models},
-            self._create_warm, new_actor_name, refresh_s=config.warm_refresh_s,
-            ready_timeout_s=config.actor.load_timeout_s)
-        self.warm_filler.start()
+        self.warm_filler.start()  # once the slots are registered: the pools fill onto them
 
     @property
     def num_running(self) -> int:
