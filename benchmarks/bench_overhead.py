@@ -42,6 +42,7 @@ from actors.layer_loader import load_zqs
 from actors.sampling import SamplingParams
 from benchmarks.bench_cold_start import prepare_model
 from benchmarks.common import load_average, load_text, machine, was_busy
+from benchmarks.load_stats import percentile
 from benchmarks.run_files import measure_and_report
 
 log = logging.getLogger("bench_overhead")
@@ -154,19 +155,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "prompt_tokens": len(prompt), "parse_cost_s": parse_cost_s, "pairs": pairs}
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def report(data: dict[str, Any]) -> str:
     pairs = data["pairs"]
     ms = 1e3
     total = [p["total"] for p in pairs]
     local = [p["in_process"] for p in pairs]
     overhead = [p["total"] - p["in_process"] for p in pairs]
-    o50, o99 = _pct(overhead, 0.5) * ms, _pct(overhead, 0.99) * ms
-    t50, t99 = _pct(total, 0.5), _pct(total, 0.99)
+    o50, o99 = percentile(overhead, 50) * ms, percentile(overhead, 99) * ms
+    t50, t99 = percentile(total, 50), percentile(total, 99)
     tail = t99 / t50
     m = data["machine"]
     lines = [
@@ -192,21 +188,21 @@ def report(data: dict[str, Any]) -> str:
         "|---|--:|--:|--:|--:|--:|",
     ]
     for label, xs in (("HTTP, end to end", total), ("in-process engine", local), ("overhead (pairwise)", overhead)):
-        p50 = _pct(xs, 0.5)
-        lines.append(f"| {label} | {p50 * ms:.1f} | {_pct(xs, 0.9) * ms:.1f} | {_pct(xs, 0.99) * ms:.1f} | "
-                     f"{max(xs) * ms:.1f} | {(_pct(xs, 0.99) / p50) if p50 > 0 else float('nan'):.2f} |")
+        p50 = percentile(xs, 50)
+        lines.append(f"| {label} | {p50 * ms:.1f} | {percentile(xs, 90) * ms:.1f} | {percentile(xs, 99) * ms:.1f} | "
+                     f"{max(xs) * ms:.1f} | {(percentile(xs, 99) / p50) if p50 > 0 else float('nan'):.2f} |")
     lines += ["", "Where the HTTP request's time goes (ms; `answer` holds the compute the in-process row measures):",
               "", "| hop | P50 | P99 | mean |", "|---|--:|--:|--:|"]
     for hop in HOPS:
         xs = [p[hop] for p in pairs]
-        lines.append(f"| {hop} | {_pct(xs, 0.5) * ms:.2f} | {_pct(xs, 0.99) * ms:.2f} | "
+        lines.append(f"| {hop} | {percentile(xs, 50) * ms:.2f} | {percentile(xs, 99) * ms:.2f} | "
                      f"{statistics.fmean(xs) * ms:.2f} |")
     answer_over = [p["answer"] - p["in_process"] for p in pairs]
-    parse50 = _pct([p["parse"] for p in pairs], 0.5) * ms
-    hop = {h: _pct([p[h] for p in pairs], 0.5) * ms for h in HOPS}
+    parse50 = percentile([p["parse"] for p in pairs], 50) * ms
+    hop = {h: percentile([p[h] for p in pairs], 50) * ms for h in HOPS}
     lines += [
         "", f"`answer` minus the in-process run (the actor's and the relay's own work, paired): P50 "
-        f"{_pct(answer_over, 0.5) * ms:.2f} ms, P99 {_pct(answer_over, 0.99) * ms:.2f} ms.", "",
+        f"{percentile(answer_over, 50) * ms:.2f} ms, P99 {percentile(answer_over, 99) * ms:.2f} ms.", "",
         "## Reading the figures", "",
         f"- The ingress's own work is small: validating this body, rendering the chat template and "
         f"tokenizing take {data['parse_cost_s'] * ms:.3f} ms in-process (median of 500), of the `parse` hop's "
@@ -216,7 +212,7 @@ def report(data: dict[str, Any]) -> str:
         f"replica and back (`proxy`, {hop['proxy']:.1f} ms), the body ({parse50:.1f} ms), the registry's decision "
         f"(`admit`, {hop['admit']:.1f} ms, one call), the actor call and its first streamed item (`start`, "
         f"{hop['start']:.1f} ms), and the Completion back (within `answer`, "
-        f"{_pct(answer_over, 0.5) * ms:.1f} ms over the compute).",
+        f"{percentile(answer_over, 50) * ms:.1f} ms over the compute).",
         "- The in-process run itself varies: its P99/P50 bounds how steady the HTTP path can be on this machine.",
         "",
     ]
