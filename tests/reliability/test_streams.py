@@ -32,12 +32,8 @@ MAX_BATCH = 8  # >= N: every stream joins the one hot actor's batch
 MAX_TOKENS = 16
 PING_INTERVAL_S = 0.5  # short, so a stream whose Completion is held shows pings before its end
 HOLD_COMPLETION_S = 1.5  # >= 2 ping intervals: every stream pings at least once while held
-# One request on a hot actor of the tiny model: under a second on a developer machine; 30 s leaves room for
-# a busy 2-core CI machine (the first one also pays the cold start, bounded separately below).
-ALONE_BOUND_S = 30.0
-COLD_BOUND_S = 60.0  # one cold start of the tiny model (process start, imports, load) on a slow machine
-# The concurrent phase, from sending the N streams to the last message_stop, includes the test's own waits:
-# admission of N rows, the hold, N x 16 tokens in one batch, HOLD_COMPLETION_S. 60 s on a slow machine.
+# How long the concurrent streams' clients wait before calling it a hang (the client's own timeout):
+# admission of N rows, the hold, N x 16 tokens in one batch, HOLD_COMPLETION_S, on a slow machine.
 CONCURRENT_BOUND_S = 60.0
 
 _HOLD = re.compile(r"hold:(\S+)")
@@ -60,7 +56,7 @@ def zq(ray_cluster, tiny_zqs):
                           ping_interval_s=PING_INTERVAL_S,
                           policy={"max_hot_short_actors": 1, "max_batch": MAX_BATCH})
     ending = call(base, harness.body(max_tokens=2))  # the hot actor every later request finds
-    assert ending.is_complete and ending.seconds < COLD_BOUND_S, ending
+    assert ending.is_complete, ending
     yield base
     harness.undeploy(ray_cluster, NAMESPACE)
 
@@ -72,10 +68,8 @@ def _payload(text: str, *, stream: bool) -> dict:
 
 def _alone(base: str, text: str) -> dict:
     """The whole Message for `text`, sent alone (greedy: the answer any batch must reproduce)."""
-    t0 = time.monotonic()
     r = httpx.post(f"{base}/v1/messages", json=_payload(text, stream=False), timeout=120)
     assert r.status_code == 200, r.text
-    assert time.monotonic() - t0 < ALONE_BOUND_S
     assert r.headers["x-request-tier"] == "hot", r.headers  # the fixture's actor: no cold start here
     return r.json()
 
@@ -129,7 +123,6 @@ def test_concurrent_streams_batched_on_one_actor_keep_the_event_order_and_their_
     def stream(k: int) -> None:
         endings[k] = call(zq, _payload(prompts[k], stream=True), timeout=CONCURRENT_BOUND_S + 30)
 
-    t0 = time.monotonic()
     threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(N)]
     for t in threads:
         t.start()
@@ -161,13 +154,10 @@ def test_concurrent_streams_batched_on_one_actor_keep_the_event_order_and_their_
     gate.touch()
     for t in threads:
         t.join(CONCURRENT_BOUND_S + 40)
-    elapsed = time.monotonic() - t0
-    assert elapsed < CONCURRENT_BOUND_S, elapsed
 
     for k, ending in enumerate(endings):
         assert ending is not None and ending.is_complete, (k, ending)
         assert ending.request_id and ending.error_type is None, ending
-        assert ending.seconds < CONCURRENT_BOUND_S, ending.seconds
         assert_documented_order(ending.events)
         assert any(e["type"] == "ping" for e in ending.events), ending.events  # held: it pinged
         assert ending.text == expected[k], (k, ending.text, expected)  # its own answer, no other's
