@@ -63,7 +63,8 @@ class Admission:
         self.config, self.models, self.scorer, self.metrics = config, models, scorer, metrics
         self.replica_id = replica_id
         self.registry = RegistryLink(lambda: get_registry(config.registry, config.policy, scorer, registry_cls),
-                                     replica_id, heartbeat_s=config.registry_heartbeat_s)
+                                     replica_id, heartbeat_s=config.registry_heartbeat_s,
+                                     probe_timeout_s=config.registry_probe_timeout_s)
         self.placer = Placer(actor_cls, config.actor, timeout_s=config.placement_timeout_s)
         policy = config.policy
         self.warm_filler = WarmFiller(
@@ -231,11 +232,13 @@ class Admission:
             # Calls from this replica reach the registry in order, and a registry remembers what was
             # abandoned before it was admitted: nothing stays reserved for a request that was refused.
             self.registry.abandon.remote(request_id)
-            self.registry.wake()  # unavailable until a heartbeat is answered; one gone for good is re-created
+            # Late: probe, and go on admitting. Gone: refuse at once until a heartbeat (which re-creates one
+            # gone for good) is answered.
+            self.registry.unanswered(e)
             log.warning("request %s: the registry did not decide in time (%s)", request_id, type(e).__name__)
             raise self._registry_unavailable() from None
         if isinstance(decision, Reject) and decision.reason == "registry_restarted":
-            self.registry.wake()  # the heartbeat hands this replica's rows over; admissions resume after it
+            self.registry.lost()  # the heartbeat hands this replica's rows over; admissions resume after it
             raise self._registry_unavailable()
         return decision
 

@@ -219,8 +219,8 @@ class Ingress:
     async def _health(self) -> dict:
         try:
             snap = await within(self.admission.registry.snapshot.remote(), self.config.registry_timeout_s)
-        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-            self.admission.registry.wake()
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self.admission.registry.unanswered(e)
             raise errors.overloaded("the admission registry is unavailable; retry shortly",
                                     self.config.policy.retry_after_s) from None
         summary = self.admission.summary(snap)

@@ -94,9 +94,14 @@ class AppArgs(_Strict):
     # Every wait has a deadline: for the actor to start computing, and between tokens.
     start_timeout_s: float = Field(default=300.0, gt=0)
     token_timeout_s: float = Field(default=60.0, gt=0)
-    # The decision: a registry that does not answer within this (dead, restarting, stalled) is
-    # answered 503 with retry-after at once, never a 500 or a hang.
-    registry_timeout_s: float = Field(default=0.25, gt=0)
+    # The decision: a registry that does not answer within this is answered 503 with retry-after,
+    # never a 500 or a hang. A dead or restarting registry is known at once (Ray says so); this only
+    # tells a stalled registry from a busy one, whose decision (milliseconds of CPU) can still come
+    # hundreds of ms late while actor processes start on a 2-core machine: long enough for that.
+    registry_timeout_s: float = Field(default=1.0, gt=0)
+    # A heartbeat after an admission came late: a registry that does not answer it within this is
+    # taken as unavailable (admissions refused at once) until a heartbeat is answered.
+    registry_probe_timeout_s: float = Field(default=2.0, gt=0)
     # How often each replica heartbeats the registry: a restarted or lost registry is noticed
     # (and re-created, and handed the running rows) within this.
     registry_heartbeat_s: float = Field(default=1.0, gt=0)
@@ -181,6 +186,7 @@ class IngressConfig:
     start_timeout_s: float
     token_timeout_s: float
     registry_timeout_s: float
+    registry_probe_timeout_s: float
     registry_heartbeat_s: float
     body_timeout_s: float
     placement_timeout_s: float

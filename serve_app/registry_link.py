@@ -8,10 +8,16 @@ what this replica knows (its policy and scorer, its slots, the rows it is still 
 
 Attribute access forwards to the current handle, so callers write `link.admit.remote(...)`
 and reach whichever registry is current. Heartbeats run on the slot refresher's thread
-(slots.py), every `heartbeat_s` or at once after `wake()` — an admission that found the
-registry unavailable wakes it, so a registry gone for good is replaced within a heartbeat,
-and until a heartbeat is answered `is_available` is False: admissions are refused at once
-rather than each waiting `registry_timeout_s` for a registry known to be gone.
+(slots.py), every `heartbeat_s` or at once when an admission asks for one.
+
+Late is not gone. An admission that Ray answers with the registry's death (or a restarted
+registry's refusal) calls `lost()`: `is_available` is False until a heartbeat is answered,
+so later admissions are refused at once rather than each waiting out its deadline on a
+registry known to be gone, and one gone for good is replaced within a heartbeat. An
+admission that only missed its deadline calls `missed()`: a registry that is alive but
+slow (a busy 2-core machine) must not turn one late answer into a run of refusals, so the
+link stays available and probes at once; only a probe that is not answered within
+`probe_timeout_s` turns it unavailable.
 """
 
 from __future__ import annotations
@@ -28,27 +34,41 @@ log = logging.getLogger(__name__)
 
 class RegistryLink:
     def __init__(self, make_registry: Callable[[], Any], replica_id: str, *, heartbeat_s: float = 1.0,
-                 call_timeout_s: float = 5.0) -> None:
+                 probe_timeout_s: float = 2.0, attach_timeout_s: float = 30.0) -> None:
         self._make_registry = make_registry
         self.replica_id = replica_id
         self.heartbeat_s = heartbeat_s
-        self._call_timeout_s = call_timeout_s
+        # A heartbeat of a registry that answered before: within this, or the link is unavailable. The
+        # first attach (and one to a registry re-created here) waits for its process to start instead.
+        self._probe_timeout_s = probe_timeout_s
+        self._attach_timeout_s = attach_timeout_s
         self.handle = make_registry()
         self.incarnation: str | None = None  # the registry's, as of the last heartbeat; None: not yet seen
         self._wake = threading.Event()
         self._is_closed = False
-        # False from an admission the registry did not answer until a heartbeat is answered: admissions
-        # meanwhile are refused at once instead of each waiting out its deadline on a registry that is gone.
+        # False from a registry known to be gone (or a probe it did not answer) until a heartbeat is
+        # answered: admissions meanwhile are refused at once instead of each waiting out its deadline.
         self._is_available = True
 
     def __getattr__(self, name: str) -> Any:
         # Only names this class does not define reach here: the registry's methods.
         return getattr(self.handle, name)
 
-    def wake(self) -> None:
-        """Heartbeat now: the registry did not answer an admission (it is taken as unavailable until then)."""
+    def lost(self) -> None:
+        """Heartbeat now: the registry is dead or restarted; it is taken as unavailable until then."""
         self._is_available = False
         self._wake.set()
+
+    def missed(self) -> None:
+        """Heartbeat now: an answer came late. Still available unless this probe goes unanswered."""
+        self._wake.set()
+
+    def unanswered(self, error: BaseException) -> None:
+        """A call got no answer: `missed` if it was only late, else `lost` (Ray says the actor is gone)."""
+        if isinstance(error, TimeoutError):  # asyncio.TimeoutError is TimeoutError
+            self.missed()
+        else:
+            self.lost()
 
     @property
     def is_available(self) -> bool:
@@ -75,11 +95,10 @@ class RegistryLink:
         if self._is_closed:  # a registry that shut itself down with the app must stay down
             return
         try:
-            incarnation = ray.get(self.handle.attach.remote(self.replica_id), timeout=self._call_timeout_s)
-        except ray.exceptions.RayActorError:
-            # Dead for good, or restarting: `get_if_exists` gives the restarting one, or a new one.
-            self.handle = self._make_registry()
-            incarnation = ray.get(self.handle.attach.remote(self.replica_id), timeout=self._call_timeout_s)
+            incarnation = self._attach()
+        except BaseException:
+            self._is_available = False  # until a heartbeat is answered
+            raise
         if incarnation != self.incarnation:
             if self.incarnation is not None:
                 log.warning("registry restarted (incarnation %s -> %s): handing over this replica's state",
@@ -88,3 +107,13 @@ class RegistryLink:
             # Admissions carry this: the registry refuses them until it is the incarnation handed over to.
             self.incarnation = incarnation
         self._is_available = True
+
+    def _attach(self) -> str:
+        timeout_s = self._probe_timeout_s if self.incarnation is not None else self._attach_timeout_s
+        try:
+            return ray.get(self.handle.attach.remote(self.replica_id), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            # Dead for good, or restarting: `get_if_exists` gives the restarting one, or a new one.
+            self._is_available = False
+            self.handle = self._make_registry()
+            return ray.get(self.handle.attach.remote(self.replica_id), timeout=self._attach_timeout_s)

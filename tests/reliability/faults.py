@@ -80,3 +80,19 @@ class SlowRegistry(RegistryActor):
     def admit(self, *args, **kwargs):
         time.sleep(self.ADMIT_DELAY_S)
         return super().admit(*args, **kwargs)
+
+
+class LateRegistry(RegistryActor):
+    """A registry that answers an admission for `CUE_MAX_TOKENS` tokens `LATE_S` late: busy, not gone.
+
+    It stays single-threaded while it sleeps, as a registry held up by a starved CPU would: the
+    calls behind it (the replica's heartbeat, the next admissions) wait too, and are answered after.
+    """
+
+    CUE_MAX_TOKENS = 7
+    LATE_S = 3.0
+
+    def admit(self, features, *args, **kwargs):
+        if features.max_tokens == self.CUE_MAX_TOKENS:
+            time.sleep(self.LATE_S)
+        return super().admit(features, *args, **kwargs)

@@ -1,9 +1,11 @@
-"""The registry lost — killed for good, or killed and restarted by Ray — while requests arrive and a stream runs.
+"""The registry lost — killed for good, or killed and restarted by Ray — while requests arrive and a stream runs;
+and a registry that is only late.
 
 Until a registry answers again every admission is a fast 503 with its request id (never a 500 or a
 hang); a registry killed for good is re-created by the replicas' next heartbeat; a restarted or
 re-created one comes back empty and is handed the running rows, so the stream already running
-finishes and its actor is not killed as an orphan.
+finishes and its actor is not killed as an orphan. A registry that answers one admission late
+costs that admission only: the requests right behind it are served.
 """
 
 from __future__ import annotations
@@ -14,23 +16,27 @@ import time
 import pytest
 
 from tests.reliability import harness
-from tests.reliability.faults import FaultyActor
+from tests.reliability.faults import FaultyActor, LateRegistry
 from tests.reliability.harness import assert_documented_error, assert_nothing_left, body, call
 from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-registry-loss-tests"
 PORT = 8768
-# A refusal that makes no registry call beyond its deadline: registry_timeout_s (0.25 s), plus the proxy
+# The deadline on a decision; LateRegistry answers its cue later than this.
+REGISTRY_TIMEOUT_S = 2.0
+# A refusal of a registry Ray knows is gone makes no registry call beyond its deadline, plus the proxy
 # and the ingress on a busy 2-core CI machine.
-REFUSAL_BOUND_S = 2.0
+REFUSAL_BOUND_S = REGISTRY_TIMEOUT_S + 1.0
 # Heartbeat (1 s) + creating or restarting the registry + handing over the slots and rows, on a slow machine.
 BACK_BOUND_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def zq(ray_cluster, tiny_zqs):
+    assert LateRegistry.LATE_S > REGISTRY_TIMEOUT_S
     base = harness.deploy(PORT, "zeroqueue-registry-loss", NAMESPACE, tiny_zqs, actor_cls=FaultyActor,
-                          policy={"max_hot_short_actors": 1})
+                          registry_cls=LateRegistry, registry_timeout_s=REGISTRY_TIMEOUT_S,
+                          registry_probe_timeout_s=2 * LateRegistry.LATE_S, policy={"max_hot_short_actors": 1})
     yield base
     harness.undeploy(ray_cluster, NAMESPACE)
 
@@ -90,3 +96,14 @@ def test_an_idle_hot_actor_is_handed_to_a_restarted_registry_not_killed_as_an_or
     assert actors.get(hot) in ("idle", "busy"), actors  # still the registry's, and alive:
     assert {"name": hot, "namespace": NAMESPACE} in ray.util.list_named_actors(all_namespaces=True)
     assert_nothing_left(ray, NAMESPACE)
+
+
+def test_one_late_decision_costs_that_request_only_the_next_ones_are_served(zq, ray_cluster):
+    assert call(zq, body()).is_complete
+    late = call(zq, body(max_tokens=LateRegistry.CUE_MAX_TOKENS))
+    assert_documented_error(late, 503, "overloaded_error")  # its deadline passed: refused, not held
+    # Sent while the registry is still busy with the late one: each waits its turn there and is served,
+    # where a link that took one late answer for a lost registry refused them all until a heartbeat.
+    followers = [call(zq, body(max_tokens=2)) for _ in range(4)]
+    assert all(f.is_complete for f in followers), followers
+    assert_nothing_left(ray_cluster, NAMESPACE)  # the late admission was abandoned and undone

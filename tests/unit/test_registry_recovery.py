@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from serve_app.decisions import Join, Spawn
 from serve_app.policy import PolicyConfig
 from serve_app.registry import AdoptedRow, RegistryState, SlotSpec
@@ -126,11 +128,48 @@ def test_a_link_whose_registry_did_not_answer_is_unavailable_until_a_heartbeat_i
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: "incarnation-1")
     link = RegistryLink(Handle, "replica-1")
     assert link.is_available
-    link.wake()  # an admission got no answer
+    link.lost()  # Ray answered an admission with the registry's death
     assert not link.is_available
     handed_over = []
     link.heartbeat(lambda: handed_over.append(True))
     assert link.is_available and handed_over == [True] and link.incarnation == "incarnation-1"
+
+
+def test_a_late_answer_keeps_the_link_available_and_only_an_unanswered_probe_stops_admissions(monkeypatch):
+    import ray
+
+    from serve_app.registry_link import RegistryLink
+
+    class Handle:
+        class attach:  # noqa: N801  (the shape of a Ray method)
+            @staticmethod
+            def remote(replica_id):
+                return "ref"
+
+    answers = iter(["incarnation-1", TimeoutError("no answer within the probe's deadline"), "incarnation-1"])
+    timeouts: list[float] = []
+
+    def get(ref, timeout=None):
+        timeouts.append(timeout)
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(ray, "get", get)
+    link = RegistryLink(Handle, "replica-1", probe_timeout_s=2.0, attach_timeout_s=30.0)
+    link.heartbeat(lambda: None)
+    link.unanswered(TimeoutError())  # an admission's decision came late
+    assert link.is_available  # late is not gone: the next admissions still ask
+    assert link.wait() is True  # ...and the probe runs at once
+    with pytest.raises(TimeoutError):
+        link.heartbeat(lambda: None)
+    assert not link.is_available  # the probe went unanswered: refused at once from here
+    link.heartbeat(lambda: None)
+    assert link.is_available
+    assert timeouts == [30.0, 2.0, 2.0]  # the first attach waits for the registry's start; probes do not
+    link.unanswered(ray.exceptions.RayActorError())  # dead: Ray said so
+    assert not link.is_available
 
 
 def test_a_restarted_registry_refuses_a_replica_that_has_not_handed_over_and_serves_one_that_has():
@@ -151,7 +190,6 @@ def test_a_restarted_registry_refuses_a_replica_that_has_not_handed_over_and_ser
 
 
 def test_a_link_stays_unavailable_and_on_the_old_incarnation_until_its_hand_over_succeeds(monkeypatch):
-    import pytest
     import ray
 
     from serve_app.registry_link import RegistryLink
@@ -166,7 +204,7 @@ def test_a_link_stays_unavailable_and_on_the_old_incarnation_until_its_hand_over
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: next(answers))
     link = RegistryLink(Handle, "replica-1")
     link.heartbeat(lambda: None)
-    link.wake()
+    link.lost()
 
     def failing_hand_over():
         raise RuntimeError("the new registry did not take the rows")
