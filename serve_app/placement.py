@@ -20,19 +20,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.actor_config import ActorConfig
+from actors.actor_kill import kill_named
 from serve_app.offload import BoundedExecutor
 
 # Handles of actors this replica created or looked up, most recent last; an actor retired or
 # evicted elsewhere leaves a stale entry, which is dropped when the cache is full (or found dead).
 MAX_CACHED_HANDLES = 1024
-
-
-def kill_named(name: str, namespace: str) -> None:
-    """Kill the actor named `name`, for good; one that is gone already is left alone."""
-    try:
-        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-    except ValueError:  # no such actor
-        pass
 
 
 class Placer:

@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.actor_kill import kill_named
 from actors.actor_names import REGISTRY_NAME, is_request_actor_name
 from serve_app.decisions import Decision, Reject
-from serve_app.placement import kill_named
 from serve_app.policy import PolicyConfig
 from serve_app.registry import (
     AdoptedActor,
