@@ -1,14 +1,14 @@
 """Command-line generation: `python -m actors.cli --model DIR_OR_ZQS --prompt ...`.
 
 `--demo DIR` synthesises a random-weight model of a named preset into DIR (once), packs
-it into a `.zqs` file and generates from that, so it runs with nothing downloaded.
+it into a `.zqs` file and generates from that, so it runs with nothing downloaded
+(weights_tool/demo.py makes it).
 Random weights produce fluent-looking nonsense; the point is the path, not the prose.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import sys
 import time
@@ -21,26 +21,7 @@ from actors.engine import Engine, FinishEvent, GenerationRequest, Message, Token
 from actors.layer_loader import load_zqs
 from actors.sampling import SamplingParams
 from actors.tokenizer import Tokenizer
-
-log = logging.getLogger("zq-generate")
-
-
-def demo_model(directory: str | Path, preset: str = "small") -> Path:
-    """The demo's `.zqs` file, synthesised and packed on first use."""
-    from weights_tool.pack import pack
-    from weights_tool.synth import synthesize
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    zqs = directory / f"{preset}.zqs"
-    # Several processes (ingress replicas) may ask at once: one makes it, the others wait.
-    with open(directory / f".{preset}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not zqs.exists():
-            log.info("synthesising the %s demo model into %s (first use only)", preset, directory)
-            hf = synthesize(preset, directory / f"{preset}-hf", dtype="bfloat16", seed=0)
-            pack(hf, zqs)  # written to a temporary name and renamed: never seen half-made
-    return zqs
+from weights_tool.demo import demo_model
 
 
 def load(path: Path, device: str) -> tuple[torch.nn.Module, Tokenizer]:

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from actors.cli import demo_model
 from actors.engine import Engine
 from actors.layer_loader import load_zqs
 from actors.sampling import SamplingParams
 from benchmarks.common import cores, cpu_model, load_average, python_version, version_of, was_busy
+from weights_tool.demo import demo_model
 
 log = logging.getLogger("bench_batch")
 

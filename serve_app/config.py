@@ -31,6 +31,7 @@ from serve_app.policy import PolicyConfig
 from serve_app.registry_actor import RegistryConfig
 from serve_app.scorer import RuleScorer
 from serve_app.traces import TraceConfig
+from weights_tool.demo import resolve_zqs
 
 GiB = 1 << 30
 
@@ -224,13 +225,5 @@ def ingress_config(args: AppArgs) -> IngressConfig:
 
 
 def resolve_model_path(spec: ModelSpec) -> Path:
-    """The model's `.zqs` file; a demo model is synthesised and packed on first use."""
-    if spec.zqs_path is not None:
-        path = Path(spec.zqs_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"model {spec.id!r}: no .zqs file at {path} (make one with `zq-weights pack` "
-                                    f"or `zq-weights fetch`; `make serve` fetches the default model)")
-        return path
-    from actors.cli import demo_model
-
-    return demo_model(spec.demo_dir, spec.demo_preset).resolve()
+    """The model's `.zqs` file; a demo model is synthesised and packed on first use (weights_tool/demo.py)."""
+    return resolve_zqs(spec.id, zqs_path=spec.zqs_path, demo_preset=spec.demo_preset, demo_dir=spec.demo_dir)
