@@ -54,6 +54,7 @@ from typing import Protocol
 
 import numpy as np
 
+from actors.sampling import SamplingParams
 from benchmarks.sim_calibration import ServiceTimes, Workload
 from benchmarks.sim_clusters import MODEL
 from serve_app.decisions import Decision, Join, Reject, Spawn
@@ -203,7 +204,8 @@ def run_zero_queue(workload: Workload, service: ServiceTimes, cluster: Cluster, 
     policy = cluster.policy
     for i, now in enumerate(arrivals):
         rows.run_until(now)
-        features = request_features(MODEL, numbers, ins[i], outs[i], policy)
+        # The simulated requests ask only for a length: the API's default sampling otherwise.
+        features = request_features(MODEL, numbers, ins[i], SamplingParams(max_tokens=outs[i]), policy)
         decision, name = cluster.admit(features, now, i)
         if isinstance(decision, Reject):
             out.is_rejected[i] = True

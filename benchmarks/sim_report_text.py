@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from actors.sampling import SamplingParams
 from benchmarks.sim_config import SimConfig
 from benchmarks.sim_format import num, pct
 from benchmarks.sim_results import SYSTEM_NAMES, ClassMetrics, PointResult, point
@@ -110,7 +111,8 @@ def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability:
 def _memory_text(cfg: SimConfig) -> str:
     policy, numbers = cfg.policy(), cfg.calibration.model_numbers()
     longest = max(cfg.mix, key=lambda c: c.input_tokens[1] + c.output_tokens[1])
-    need = request_features("sim", numbers, longest.input_tokens[1], longest.output_tokens[1], policy)
+    need = request_features("sim", numbers, longest.input_tokens[1],
+                            SamplingParams(max_tokens=longest.output_tokens[1]), policy)
     full = need.resident_bytes + cfg.max_batch * need.dispatch_bytes
     if full <= cfg.calibration.slot_bytes:
         return (f"- **Memory never binds**: a slot's {cfg.calibration.slot_bytes / 2**30:.0f} GiB holds the "

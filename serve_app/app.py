@@ -316,9 +316,9 @@ class Ingress:
             headers or {}, model.ttft_target_s, model.total_target_s, model.tpot_target_s)
         prompt, sampling = to_prompt(req, model.tokenizer, model.max_context)
         is_low_latency = req.stream and _stream_mode(headers or {}) == LOW_LATENCY
-        features = request_features(model.id, model.numbers, len(prompt), sampling.max_tokens, self.config.policy,
-                                    ttft_target_s, total_target_s, sampling.temperature, sampling.top_k,
-                                    sampling.top_p, tpot_target_s)
+        features = request_features(model.id, model.numbers, len(prompt), sampling, self.config.policy,
+                                    ttft_target_s=ttft_target_s, total_target_s=total_target_s,
+                                    tpot_target_s=tpot_target_s)
         return model, features, ActorRequest(request_id, tuple(prompt), sampling, is_low_latency=is_low_latency)
 
     # ---- Python handles (serve.get_app_handle("zeroqueue")) ---------------------------

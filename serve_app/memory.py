@@ -1,16 +1,20 @@
 """A request's memory need, derived from the model's sizes (design invariant 3).
 
-Stdlib only, like the policy: `request_features` turns a model's numbers and a
-request's token counts into the `RequestFeatures` that `decide()` accounts with.
+Stdlib only, like the policy: `request_features` turns a model's numbers, a request's
+prompt length and its sampling settings into the `RequestFeatures` that `decide()` accounts with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve_app.policy import PolicyConfig
 from serve_app.snapshot import RequestFeatures
+
+if TYPE_CHECKING:
+    # For the annotation only: actors.sampling imports torch, which the policy modules must not load.
+    from actors.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -71,22 +75,26 @@ def request_features(
     model: str,
     numbers: ModelNumbers,
     input_tokens: int,
-    max_tokens: int,
+    sampling: SamplingParams,
     policy: PolicyConfig,
+    *,
     ttft_target_s: float | None = None,
     total_target_s: float | None = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
     tpot_target_s: float | None = None,
 ) -> RequestFeatures:
-    """The features of one request, with its memory need derived from the model's sizes."""
-    if input_tokens < 1 or max_tokens < 1:
-        raise ValueError(f"input_tokens and max_tokens must be >= 1, got {input_tokens} and {max_tokens}")
+    """The features of one request, with its memory need derived from the model's sizes.
+
+    `sampling` is the request's own `SamplingParams`, so its max_tokens and the settings the
+    scorer reads come from the one object the actor runs with. The targets are keyword-only:
+    three optional floats in a row are easy to pass in the wrong order.
+    """
+    # SamplingParams has already checked max_tokens >= 1; only the prompt length is left to check.
+    if input_tokens < 1:
+        raise ValueError(f"input_tokens must be >= 1, got {input_tokens}")
     return RequestFeatures(
         model=model,
         input_tokens=input_tokens,
-        max_tokens=max_tokens,
+        max_tokens=sampling.max_tokens,
         weight_bytes=numbers.weight_bytes,
         kv_bytes_per_token=numbers.kv_bytes_per_token,
         workspace_bytes=workspace_bytes(numbers, input_tokens),
@@ -94,7 +102,7 @@ def request_features(
         ttft_target_s=ttft_target_s,
         total_target_s=total_target_s,
         tpot_target_s=tpot_target_s,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
     )

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.sampling import SamplingParams
 from serve_app.decisions import Bind, Dispatch, Join, Reject, Spawn
 from serve_app.memory import ModelNumbers, request_features, workspace_bytes
 from serve_app.policy import PolicyConfig, decide
@@ -49,7 +50,7 @@ def test_memory_need_matches_the_model_config_and_the_actor_kv_cache():
     })
     numbers = ModelNumbers.from_config(cfg)
     assert numbers.dtype_bytes == 2 and numbers.weight_bytes == cfg.weight_bytes()
-    f = request_features("tiny", numbers, input_tokens=40, max_tokens=24, policy=POLICY)
+    f = request_features("tiny", numbers, input_tokens=40, sampling=SamplingParams(max_tokens=24), policy=POLICY)
     # The KV the actor allocates: setup_cache(len(prompt) + max_tokens).
     assert f.kv_bytes == kv_cache_bytes(cfg, 40 + 24, "bfloat16")
     # The MLP phase binds here: 2 bytes * 40 tokens * (4 * 64 + 3 * 176), plus mask, RoPE, logits.
