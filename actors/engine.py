@@ -35,7 +35,7 @@ import torch
 
 from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
-from actors.sampling import SamplingParams, make_generator, sample
+from actors.sampling import SamplingParams, make_generator, mask_tokens, sample
 from actors.scheduler import RowProgress, plan_step
 from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
@@ -215,7 +215,8 @@ class Engine:
         logits = self.model.forward_rows(torch.tensor(tokens, dtype=torch.long, device=self.device), inputs,
                                          wait_layer)
         # One host sync for the whole step: each row samples on its own generator, then all ids come back.
-        ids = torch.cat([sample(logits[i : i + 1], r.params, r.generator) for i, r in enumerate(rows)]).tolist()
+        ids = torch.cat([sample(self._allowed(logits[i : i + 1], r), r.params, r.generator)
+                         for i, r in enumerate(rows)]).tolist()
         now = time.time()
         for row, token_id in zip(rows, ids, strict=True):
             self._deliver(row, token_id, now)
@@ -243,12 +244,20 @@ class Engine:
         self._rows.append(row)
         row.emit(StartEvent(now))
 
+    def _allowed(self, logits: torch.Tensor, row: Row) -> torch.Tensor:
+        """The row's logits [1, V], without the end-of-turn tokens while it is short of its `min_tokens`."""
+        if row.num_out >= row.params.min_tokens:
+            return logits
+        eos = sorted(i for i in self.eos_token_ids if i < logits.shape[-1])  # [K]: a handful of ids
+        return mask_tokens(logits, torch.tensor(eos, dtype=torch.long, device=logits.device)) if eos else logits
+
     def _deliver(self, row: Row, token_id: int, now: float) -> None:
         row.num_out += 1
         row.last_token = token_id
         row.last_time = now
         row.first_time = row.first_time or now
-        is_eos = token_id in self.eos_token_ids
+        # With ignore_eos an end-of-turn token is text like any other (a special token: none shown).
+        is_eos = token_id in self.eos_token_ids and not row.params.ignore_eos
         is_last = is_eos or row.num_out >= row.params.max_tokens
         # Exactly one event per sampled token; the last one also flushes held-back text.
         piece = row.decoder.flush() if is_eos else row.decoder.push(token_id)

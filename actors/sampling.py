@@ -4,6 +4,11 @@ Order of the logits processors is HF's (temperature, then top_k, then top_p), so
 seeded run here and `transformers`' sampling filter the same candidates.
 temperature == 0 means greedy. A seed makes sampling reproducible: the random
 draws come from a private `torch.Generator`, never the global RNG.
+
+Two knobs benchmark clients send (vLLM's extensions): `min_tokens` keeps the end-of-turn
+tokens out of the first `min_tokens` samples (their logits are masked, so the model says
+something else instead), and `ignore_eos` makes an end-of-turn token an ordinary one, so
+exactly `max_tokens` are generated. Stop sequences still end a row either way.
 """
 
 from __future__ import annotations
@@ -30,10 +35,15 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     stop_sequences: tuple[str, ...] = ()
+    min_tokens: int = 0  # no end-of-turn token is sampled before this many tokens
+    ignore_eos: bool = False  # an end-of-turn token does not end the row: exactly max_tokens are made
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
+                                f"got {self.min_tokens!r}")
         # The APIs bound it further: Anthropic's to [0, 1], OpenAI's to [0, 2].
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
@@ -80,6 +90,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # without multinomial's cumulative-sum pass.
     q = torch.empty_like(probs).exponential_(1.0, generator=generator)
     return (probs / q).argmax(dim=-1)
+
+
+def mask_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`logits` with `token_ids` made impossible. logits: [B, V]; token_ids: [K] int64 (all < V)."""
+    return logits.index_fill(-1, token_ids, float("-inf"))
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:

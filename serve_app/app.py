@@ -257,7 +257,7 @@ class Ingress:
                                                         openai_api.prompt_for)
         if collected is None:
             out = openai_sse.ChunkStream(openai_api.new_completion_id(), req.model, admitted.input_tokens,
-                                         include_usage=req.include_usage)
+                                         include_usage=req.include_usage, is_usage_continuous=req.continuous_usage)
             return self._streamed(admitted, out, request.headers)
         text, done = collected
         body = openai_api.completion_response(openai_api.new_completion_id(), int(time.time()), req.model, text,

@@ -15,6 +15,13 @@ the deprecated `max_tokens` when it is absent, else the rest of the context wind
 `stream` with `stream_options.include_usage`. A final assistant message is continued,
 not answered (prompt.py).
 
+Also served, because the benchmark clients people point at an OpenAI server send them
+(vLLM's extensions, with vLLM's meaning): `top_k` (an integer >= 1; -1 or 0 is no top-k),
+`min_tokens` (no end-of-turn token before that many tokens), `ignore_eos` (generate
+exactly the output limit; stop sequences still stop), and
+`stream_options.continuous_usage_stats` (with `include_usage`: every chunk carries the
+usage so far).
+
 Refused as "not supported", because serving them would change the output without
 saying so: tools, tool calls and tool or function messages, `response_format` other
 than text, log probabilities, `logit_bias`, non-zero penalties, more than one choice
@@ -175,7 +182,14 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
 
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk (needs include_usage)
     include_obfuscation: bool | None = None  # accepted and ignored: we add no padding to chunks
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> StreamOptions:
+        if self.continuous_usage_stats and not self.include_usage:
+            raise Refusal("only allowed when include_usage is true", "continuous_usage_stats")
+        return self
 
 
 StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_SEQUENCE_CHARS)]
@@ -196,6 +210,10 @@ class ChatCompletionRequest(BaseModel):
     stop: list[StopSequence] = Field(default_factory=list, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extensions (module doc); top_k -1 or 0 is vLLM's "no top-k".
+    top_k: int | None = Field(default=None, ge=-1)
+    min_tokens: int = Field(default=0, ge=0, le=api.MAX_OUTPUT_TOKENS)
+    ignore_eos: bool = False
     # Accepted and ignored: they never change the output (module doc).
     user: str | None = None
     safety_identifier: str | None = None
@@ -230,6 +248,13 @@ class ChatCompletionRequest(BaseModel):
             raise Refusal("only allowed when stream is true", "stream_options")
         return self
 
+    @model_validator(mode="after")
+    def _min_tokens_within_the_limit(self) -> ChatCompletionRequest:
+        limit = self.output_limit
+        if limit is not None and self.min_tokens > limit:
+            raise Refusal(f"must be at most the output limit ({limit})", "min_tokens")
+        return self
+
     @property
     def output_limit(self) -> int | None:
         """The most tokens to generate; None is the rest of the context window."""
@@ -238,6 +263,14 @@ class ChatCompletionRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def sampling_top_k(self) -> int | None:
+        return self.top_k if self.top_k is not None and self.top_k >= 1 else None
 
     @property
     def sampling_seed(self) -> int | None:
@@ -287,8 +320,9 @@ def prompt_for(req: ChatCompletionRequest, tokenizer: Tokenizer, max_context: in
     `messages`, as OpenAI's context_length_exceeded does."""
     try:
         return chat_prompt(req.turns(), req.system_text(), tokenizer, max_context, max_tokens=req.output_limit,
-                           temperature=req.temperature, top_p=req.top_p, seed=req.sampling_seed,
-                           stop_sequences=req.stop)
+                           temperature=req.temperature, top_k=req.sampling_top_k, top_p=req.top_p,
+                           seed=req.sampling_seed, stop_sequences=req.stop, min_tokens=req.min_tokens,
+                           ignore_eos=req.ignore_eos)
     except ApiError as e:  # chat_prompt refuses with 400s only
         message = e.message if e.message.startswith("messages:") else f"messages: {e.message}"
         raise errors.invalid_request(message, param="messages") from None

@@ -13,6 +13,7 @@ continuation. Clients use it to force a format, e.g. a prefill of `{` for a JSON
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from actors.engine import ContextWindowError, GenerationRequest, Message, build_prompt
 from actors.sampling import SamplingError, SamplingParams
@@ -21,26 +22,25 @@ from serve_app import api, errors
 
 
 def chat_prompt(messages: Sequence[tuple[str, str]], system: str | None, tokenizer: Tokenizer, max_context: int,
-                *, max_tokens: int | None, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, seed: int | None = None, stop_sequences: Sequence[str] = (),
-                ) -> tuple[list[int], SamplingParams]:
+                *, max_tokens: int | None, **sampling: Any) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids (chat template applied) and the sampling parameters; raises ApiError (400).
 
+    `sampling` holds `SamplingParams`' other fields (temperature, top_k, ...; stop_sequences as a sequence).
     `max_tokens=None` (OpenAI's default) is the rest of the context window after the prompt.
     """
     try:
         if messages and messages[-1][0] == "assistant" and messages[-1][1] != messages[-1][1].rstrip():
             # As Anthropic's API: the continuation would start after whitespace the template may drop.
             raise TokenizerError("messages: a final assistant message must not end with whitespace")
-        params = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                      stop_sequences=tuple(stop_sequences))
+        params = sampling | {"stop_sequences": tuple(sampling.get("stop_sequences", ()))}
         turns = tuple(Message(role, text) for role, text in messages)
         if max_tokens is None:
-            probe = SamplingParams(max_tokens=1, **params)  # checks the parameters before the template runs
+            # Checks the parameters before the template runs; min_tokens against the rest, after it.
+            probe = SamplingParams(max_tokens=1, **(params | {"min_tokens": 0}))
             prompt = build_prompt(tokenizer, GenerationRequest(turns, probe, system), max_context)
             return prompt, SamplingParams(max_tokens=max_context - len(prompt), **params)
-        sampling = SamplingParams(max_tokens=max_tokens, **params)
-        return build_prompt(tokenizer, GenerationRequest(turns, sampling, system), max_context), sampling
+        limited = SamplingParams(max_tokens=max_tokens, **params)
+        return build_prompt(tokenizer, GenerationRequest(turns, limited, system), max_context), limited
     except (SamplingError, ContextWindowError, TokenizerError) as e:  # TokenizerError: a template's refusal
         raise errors.invalid_request(str(e)) from None
 

@@ -118,7 +118,7 @@ class SseStream(OrderedStream):
         stream = SseStream(message_id, model, input_tokens)
         yield stream.start()
         yield stream.ping()          # while waiting, e.g. for a cold actor
-        yield stream.text("Hel")
+        yield stream.text("Hel", output_tokens=1)
         yield stream.finish("end_turn", None, output_tokens=3)
 
     or, at any point before the end, `yield stream.error(err, request_id)`.
@@ -137,8 +137,8 @@ class SseStream(OrderedStream):
         self._require(Phase.OPEN, "ping", Phase.OPEN)
         return ping()
 
-    def text(self, text: str) -> bytes:
-        """One text delta; an empty string sends nothing (b"")."""
+    def text(self, text: str, output_tokens: int) -> bytes:
+        """One text delta; an empty string sends nothing (b""). The Messages API counts tokens only at the end."""
         self._require(Phase.OPEN, "text", Phase.OPEN)
         return content_block_delta(TEXT_BLOCK_INDEX, text) if text else b""
 

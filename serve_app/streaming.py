@@ -28,7 +28,7 @@ class StreamFormat(Protocol):
 
     def start(self) -> bytes: ...
     def ping(self) -> bytes: ...
-    def text(self, text: str) -> bytes: ...  # b"" for nothing to send
+    def text(self, text: str, output_tokens: int) -> bytes: ...  # b"" for nothing; output_tokens: so far
     def finish(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> bytes: ...
     def error(self, err: ApiError, request_id: str | None) -> bytes: ...
 
@@ -55,7 +55,7 @@ async def event_stream(out: StreamFormat, answer: StreamedAnswer, ping_interval_
             if hasattr(item, "stop_reason"):
                 yield out.finish(item.stop_reason, item.stop_sequence, item.output_tokens)
                 return
-            chunk = out.text(item.text)
+            chunk = out.text(item.text, item.num_output_tokens)
             if chunk:
                 yield chunk
     except (asyncio.CancelledError, GeneratorExit):

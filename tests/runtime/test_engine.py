@@ -82,6 +82,23 @@ def test_end_turn_on_eos(engine):
     assert finish.stop_reason == "end_turn" and finish.output_tokens == 1 == len(tokens)
 
 
+def test_min_tokens_keeps_the_end_of_turn_out_and_ignore_eos_runs_to_max_tokens(engine):
+    first = _run(engine, _request(max_tokens=1, temperature=0.0))[0][0].token_id
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({first})  # greedy decoding now ends the turn at once
+    try:
+        assert _run(engine, _request(max_tokens=8, temperature=0.0))[1].output_tokens == 1
+        # min_tokens: the end of turn is masked out of the first 3 samples, then it may end the turn.
+        tokens, finish = _run(engine, _request(max_tokens=8, temperature=0.0, min_tokens=3))
+        assert first not in [t.token_id for t in tokens[:3]] and finish.output_tokens >= 3
+        # ignore_eos: the end-of-turn token is sampled, and the row goes on to its limit.
+        tokens, finish = _run(engine, _request(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert tokens[0].token_id == first
+        assert (finish.stop_reason, finish.output_tokens) == ("max_tokens", 8)
+    finally:
+        engine.eos_token_ids = saved
+
+
 def test_cancel_stops_between_steps(engine):
     seen = []
     req = _request(max_tokens=200, temperature=0.0)

@@ -89,6 +89,16 @@ def test_defaults_and_nulls_are_the_parameters_left_out():
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream, as OpenAI
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),  # usage in every chunk, but no usage asked for
+        ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}},
+         "stream_options.continuous_usage_stats"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"use_beam_search": True}, "use_beam_search"),  # a vLLM extension we do not serve: refused by name
         ({"best_of": 2}, "best_of"),
         ({"model": ""}, "model"),
         ({"messages": []}, "messages"),
@@ -232,11 +242,12 @@ def test_completion_ids_are_unique_and_prefixed():
 # ---- the chunk stream ----------------------------------------------------------------------
 
 def complete_stream(pieces: list[str], *, include_usage: bool, num_pings: int = 0,
-                    stop=("end_turn", None)) -> bytes:
-    stream = ChunkStream("chatcmpl-1", "tiny", 5, include_usage=include_usage, created=1700000000)
+                    stop=("end_turn", None), is_usage_continuous: bool = False) -> bytes:
+    stream = ChunkStream("chatcmpl-1", "tiny", 5, include_usage=include_usage,
+                         is_usage_continuous=is_usage_continuous, created=1700000000)
     out = [stream.start()]
     out += [stream.ping() for _ in range(num_pings)]
-    out += [stream.text(piece) for piece in pieces]
+    out += [stream.text(piece, n) for n, piece in enumerate(pieces, 1)]
     out.append(stream.finish(stop[0], stop[1], output_tokens=len(pieces)))
     assert stream.is_closed
     return b"".join(out)
@@ -268,10 +279,38 @@ def test_chunk_order_and_every_chunk_parses_as_the_sdks_type(include_usage):
         assert len(chunks) == 4
 
 
+def test_the_extensions_benchmark_clients_send_are_served_with_vllms_meaning(tokenizer):
+    req = openai_api.parse_chat_request(body(
+        max_tokens=16, min_tokens=4, ignore_eos=True, top_k=-1, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert (req.min_tokens, req.ignore_eos, req.sampling_top_k, req.continuous_usage) == (4, True, None, True)
+    assert openai_api.parse_chat_request(body(top_k=0)).sampling_top_k is None  # vLLM's "no top-k" too
+    assert openai_api.parse_chat_request(body(top_k=40)).sampling_top_k == 40
+    _, sampling = openai_api.prompt_for(req, tokenizer, 512)
+    assert (sampling.max_tokens, sampling.min_tokens, sampling.ignore_eos, sampling.top_k) == (16, 4, True, None)
+    # No output limit: the rest of the window, which must still hold min_tokens.
+    _, open_ended = openai_api.prompt_for(openai_api.parse_chat_request(body(min_tokens=4)), tokenizer, 512)
+    assert open_ended.min_tokens == 4 and open_ended.max_tokens >= 4
+    with pytest.raises(ApiError) as info:
+        openai_api.prompt_for(openai_api.parse_chat_request(body(min_tokens=600)), tokenizer, 512)
+    assert "min_tokens" in info.value.message
+
+
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk():
+    raw = complete_stream(["Hel", "lo"], include_usage=True, is_usage_continuous=True)
+    chunks = [json.loads(line) for line in data_lines(raw)[:-1]]
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 2, 2]
+    assert all(c["usage"]["prompt_tokens"] == 5 and c["usage"]["total_tokens"] == 5 + c["usage"]["completion_tokens"]
+               for c in chunks)
+    assert chunks[-1]["choices"] == []  # the usage chunk still ends the stream, as with include_usage alone
+
+
 def test_empty_text_sends_nothing():
     stream = ChunkStream("chatcmpl-1", "tiny", 1, include_usage=False)
     stream.start()
-    assert stream.text("") == b""
+    assert stream.text("", 0) == b""
 
 
 def _open() -> ChunkStream:
@@ -295,15 +334,15 @@ def _failed() -> ChunkStream:
 @pytest.mark.parametrize(
     "make, call",
     [
-        (lambda: ChunkStream("c", "tiny", 1, include_usage=False), lambda s: s.text("x")),
+        (lambda: ChunkStream("c", "tiny", 1, include_usage=False), lambda s: s.text("x", 1)),
         (lambda: ChunkStream("c", "tiny", 1, include_usage=False), lambda s: s.ping()),
         (lambda: ChunkStream("c", "tiny", 1, include_usage=False), lambda s: s.finish("end_turn", None, 0)),
         (_open, lambda s: s.start()),
-        (_finished, lambda s: s.text("x")),
+        (_finished, lambda s: s.text("x", 1)),
         (_finished, lambda s: s.ping()),
         (_finished, lambda s: s.finish("end_turn", None, 1)),
         (_finished, lambda s: s.error(errors.api_error("late"))),
-        (_failed, lambda s: s.text("x")),
+        (_failed, lambda s: s.text("x", 1)),
         (_failed, lambda s: s.finish("end_turn", None, 1)),
         (_failed, lambda s: s.error(errors.api_error("again"))),
     ],
@@ -374,7 +413,7 @@ def fake_server(request: httpx.Request) -> httpx.Response:
         stop_reason = "max_tokens" if req.output_limit == len(words) else "end_turn"
         if req.stream:
             stream = ChunkStream("chatcmpl-1", req.model, 3, include_usage=req.include_usage)
-            raw = stream.start() + stream.ping() + b"".join(stream.text(w) for w in words)
+            raw = stream.start() + stream.ping() + b"".join(stream.text(w, n) for n, w in enumerate(words, 1))
             if "fail" in words[-1]:
                 raw += stream.error(errors.api_error("the model failed"), "req_fake")
             else:

@@ -71,6 +71,8 @@ def test_sampling_follows_the_distribution():
         {"max_tokens": 1, "top_p": 1.2},
         {"max_tokens": 1, "stop_sequences": ("",)},
         {"max_tokens": 1, "stop_sequences": tuple(str(i) for i in range(17))},
+        {"max_tokens": 4, "min_tokens": 5},
+        {"max_tokens": 4, "min_tokens": -1},
     ],
 )
 def test_out_of_range_params_are_refused(kwargs):

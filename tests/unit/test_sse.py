@@ -27,7 +27,7 @@ def complete_stream(pieces: list[str], *, num_pings: int = 0, stop=("end_turn", 
     stream = SseStream("msg_test", "tiny", input_tokens=5)
     out = [stream.start()]
     out += [stream.ping() for _ in range(num_pings)]  # e.g. waiting for a cold actor
-    out += [stream.text(piece) for piece in pieces]
+    out += [stream.text(piece, n) for n, piece in enumerate(pieces, 1)]
     out.append(stream.finish(stop[0], stop[1], output_tokens=len(pieces)))
     assert stream.is_closed
     return b"".join(out)
@@ -114,7 +114,7 @@ def test_non_ascii_text_round_trips_through_the_sdk(serve):
 def test_error_mid_stream_reaches_the_sdk_as_its_typed_error(serve):
     stream = SseStream("msg_test", "tiny", input_tokens=5)
     err = errors.api_error("the actor died")
-    raw = stream.start() + stream.text("partial") + stream.error(err, request_id="req_stream")
+    raw = stream.start() + stream.text("partial", 1) + stream.error(err, request_id="req_stream")
     assert stream.is_closed
     seen = []
     client = serve(raw)
@@ -149,7 +149,7 @@ def test_exact_bytes():
 def test_empty_text_sends_nothing():
     stream = SseStream("msg_test", "tiny", input_tokens=1)
     stream.start()
-    assert stream.text("") == b""
+    assert stream.text("", 0) == b""
 
 
 def _open() -> SseStream:
@@ -173,15 +173,15 @@ def _failed() -> SseStream:
 @pytest.mark.parametrize(
     "make, call",
     [
-        (lambda: SseStream("m", "tiny", 1), lambda s: s.text("x")),
+        (lambda: SseStream("m", "tiny", 1), lambda s: s.text("x", 1)),
         (lambda: SseStream("m", "tiny", 1), lambda s: s.ping()),
         (lambda: SseStream("m", "tiny", 1), lambda s: s.finish("end_turn", None, 0)),
         (_open, lambda s: s.start()),
-        (_finished, lambda s: s.text("x")),
+        (_finished, lambda s: s.text("x", 1)),
         (_finished, lambda s: s.ping()),
         (_finished, lambda s: s.finish("end_turn", None, 1)),
         (_finished, lambda s: s.error(errors.api_error("late"))),
-        (_failed, lambda s: s.text("x")),
+        (_failed, lambda s: s.text("x", 1)),
         (_failed, lambda s: s.ping()),
         (_failed, lambda s: s.finish("end_turn", None, 1)),
         (_failed, lambda s: s.error(errors.api_error("again"))),
