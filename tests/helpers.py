@@ -206,10 +206,18 @@ def train_synthetic_scorer(names=None, num_targets=3, seed=0):
 # ---------------------------------------------------------------- apps on Serve, and their namespace
 
 
+# One Serve instance serves the whole session, its proxy on this port: each module deploys its app
+# there and deletes it afterwards (`undeploy`), instead of starting Serve and shutting it down again.
+SERVE_PORT = 8766
+
+
 def run_app(port: int, name: str, app) -> str:
-    """Start Serve's HTTP proxy on `port` and run the built `app` there as `name`, at "/"; its base URL."""
+    """Run the built `app` as `name`, at "/", on the session's Serve (started here if it is not running);
+    its base URL. `port` is the session's SERVE_PORT: a running proxy keeps the port it was started on."""
     from ray import serve
 
+    if port != SERVE_PORT:
+        raise ValueError(f"apps run on the session's Serve at port {SERVE_PORT}, not {port}")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(app, name=name, route_prefix="/")
     return f"http://127.0.0.1:{port}"
@@ -236,10 +244,16 @@ def kill_namespace(ray, namespace: str) -> None:
 
 
 def undeploy(ray, namespace: str | None = None) -> None:
-    """Shut Serve down (every app, its replicas and proxies), then clear `namespace`'s actors."""
+    """Delete every app on the session's Serve (each one's last replica takes its actors and registry with
+    it), keeping Serve itself for the next module; then clear `namespace`'s actors."""
     from ray import serve
 
-    serve.shutdown()
+    try:
+        names = list(serve.status().applications)
+    except Exception:  # noqa: BLE001  (Serve is not running: a test shut it down, nothing is deployed)
+        names = []
+    for name in names:
+        serve.delete(name)
     if namespace is not None:
         kill_namespace(ray, namespace)
 

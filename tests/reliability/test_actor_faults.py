@@ -11,12 +11,13 @@ import httpx
 import pytest
 
 from serve_app.sse import decode_events
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.faults import FaultyActor
 from tests.reliability.harness import assert_documented_error, assert_nothing_left, body, call
 
 NAMESPACE = "zq-actor-fault-tests"
-PORT = 8771
+PORT = SERVE_PORT
 TOKEN_TIMEOUT_S = 3.0
 START_TIMEOUT_S = 12.0  # a cold actor's first token: the tiny model loads within it on any CI machine
 # A request that needs up to three cold starts of the tiny model on a busy 2-core CI machine.

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.harness import MODEL, assert_nothing_left
 from tests.reliability.test_bad_input import (
@@ -25,7 +26,7 @@ from tests.reliability.test_bad_input import (
 )
 
 NAMESPACE = "zq-auth-tests"
-PORT = 8792
+PORT = SERVE_PORT
 KEY_ENV = "ZQ_AUTH_TEST_KEY"
 KEY = "zq-auth-key-9c41d07a"
 CLIENT = Client(PORT, KEY)

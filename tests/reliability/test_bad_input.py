@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.harness import MODEL, Ending, assert_documented_error, assert_nothing_left
 
 NAMESPACE = "zq-bad-input-tests"
-PORT = 8791
+PORT = SERVE_PORT
 HOST = "127.0.0.1"
 KEY_ENV = "ZQ_BAD_INPUT_TEST_KEY"
 KEY = "zq-bad-input-key-2b7e19"

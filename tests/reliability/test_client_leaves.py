@@ -9,13 +9,14 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.faults import FaultyActor, SlowRegistry
 from tests.reliability.harness import assert_documented_error, assert_nothing_left, body, call
 from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-client-leaves-tests"
-PORT = 8772
+PORT = SERVE_PORT
 NUM_SLOTS = 2  # one actor per slot and batches of one: exactly two requests run at once
 # A refusal makes one registry call (SlowRegistry: 2 s) and no actor call; on a busy CI machine within this.
 REFUSAL_BOUND_S = SlowRegistry.ADMIT_DELAY_S * (NUM_SLOTS + 3) + 10

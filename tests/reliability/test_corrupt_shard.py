@@ -25,13 +25,14 @@ from pathlib import Path
 import pytest
 
 from serve_app.registry import is_request_actor_name
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.harness import assert_nothing_left, body, call
 from tests.serve.waiting import wait_for
 from weights_tool.reader import ShardReader
 
 NAMESPACE = "zq-corrupt-shard-tests"
-PORT = 8781
+PORT = SERVE_PORT
 START_TIMEOUT_S = 30.0  # a cold actor's first token; the tiny model loads well within it on any CI machine
 # What a corrupt model file answers: a server-side fault (serve_app/errors.py), 500 api_error, whether the
 # actor raised while it loaded (a frame's check failed) or in its constructor (the file missing or cut

@@ -15,13 +15,14 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.faults import FaultyActor
 from tests.reliability.harness import assert_nothing_left, body, call
 from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-redeploy-tests"
-PORT = 8782
+PORT = SERVE_PORT
 APP = "zeroqueue-redeploy"
 OLD = {"registry_timeout_s": 0.25, "policy": {"max_hot_short_actors": 0, "max_batch": 1}}
 NEW = {"registry_timeout_s": 0.5, "policy": {"max_hot_short_actors": 1, "max_batch": 4}}

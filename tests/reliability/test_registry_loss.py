@@ -15,13 +15,14 @@ import time
 
 import pytest
 
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.faults import FaultyActor, LateRegistry
 from tests.reliability.harness import assert_documented_error, assert_nothing_left, body, call
 from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-registry-loss-tests"
-PORT = 8768
+PORT = SERVE_PORT
 # The deadline on a decision; LateRegistry answers its cue later than this.
 REGISTRY_TIMEOUT_S = 2.0
 # A refusal of a registry Ray knows is gone makes no registry call beyond its deadline, plus the proxy

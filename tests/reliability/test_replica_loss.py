@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.faults import FaultyActor
 from tests.reliability.harness import assert_nothing_left, body, call
@@ -22,7 +23,7 @@ from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-replica-loss-tests"
 APP = "zeroqueue-replica-loss"
-PORT = 8773
+PORT = SERVE_PORT
 # Ten missed heartbeats (replica_silence_s), one reconcile pass, Serve starting a new replica, on a slow machine.
 RELEASE_BOUND_S = 60.0
 

@@ -20,13 +20,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.faults import FaultyActor
 from tests.reliability.harness import MODEL, assert_nothing_left, call
 from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-streams-tests"
-PORT = 8780
+PORT = SERVE_PORT
 N = 6  # concurrent streams, all rows of one batch (of 12 candidate prompts, the first N with distinct answers)
 MAX_BATCH = 8  # >= N: every stream joins the one hot actor's batch
 MAX_TOKENS = 16

@@ -1,4 +1,5 @@
-"""Fixtures the serve tests share: an app deployed on real Serve and HTTP for a module, and cleared after it."""
+"""Fixtures the serve tests share: an app deployed on the session's real Serve and HTTP for a module,
+and cleared after it."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from tests.helpers import kill_namespace, run_app, undeploy
 
 @pytest.fixture(scope="module")
 def deploy_app(ray_cluster):
-    """`deploy_app(port, name, app, namespace=None)` runs the built `app` on Serve at `port` as `name` and
-    returns its base URL; after the module, Serve is shut down and the named actors left in `namespace`
-    (request actors, the registry, telemetry agents) are killed."""
+    """`deploy_app(port, name, app, namespace=None)` runs the built `app` on the session's Serve (`port` is
+    SERVE_PORT) as `name` and returns its base URL; after the module, its app is deleted (Serve stays for
+    the next module) and the named actors left in `namespace` (request actors, the registry, telemetry
+    agents) are killed."""
     namespaces: list[str | None] = []
 
     def deploy(port: int, name: str, app, namespace: str | None = None) -> str:

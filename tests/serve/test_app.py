@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import metrics_export_port, request_actors
+from tests.helpers import SERVE_PORT, metrics_export_port, request_actors
 from tests.serve.waiting import wait_for
 
 KEY = "zq-test-key-5d1c"
@@ -32,7 +32,7 @@ def zq(deploy_app, tiny_zqs, layered_zqs):
     from serve_app.app import build_app
 
     os.environ["ZQ_TEST_API_KEY"] = KEY
-    return deploy_app(8765, "zeroqueue", build_app({
+    return deploy_app(SERVE_PORT, "zeroqueue", build_app({
         # The layered model decodes slowly enough here to hold a slot for seconds.
         "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}, {"id": SLOW_MODEL, "zqs_path": str(layered_zqs)}],
         "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},

@@ -16,9 +16,11 @@ import httpx
 import pytest
 import yaml
 
+from tests.helpers import SERVE_PORT
+
 ROOT = Path(__file__).parents[2]
 MODEL = "zq-layered"
-PORT = 8766
+PORT = SERVE_PORT
 APP = "baseline-test"
 MAX_BATCH = 2
 LONG = 1900  # tokens: seconds of decoding for the layered model

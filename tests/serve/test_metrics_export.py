@@ -12,13 +12,13 @@ from __future__ import annotations
 import httpx
 
 from serve_app.snapshot import ACTOR_STATES
-from tests.helpers import metrics_export_port
+from tests.helpers import SERVE_PORT, metrics_export_port
 from tests.reliability import harness
 from tests.reliability.harness import call
 from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-metrics-export-tests"
-PORT = 8772
+PORT = SERVE_PORT
 MODEL = "zq-metrics-export"
 
 

@@ -14,12 +14,13 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import SERVE_PORT
 from tests.reliability import harness
 from tests.reliability.faults import FaultyActor
 from tests.reliability.harness import MODEL
 
 NAMESPACE = "zq-openai-tests"
-PORT = 8771
+PORT = SERVE_PORT
 KEY_ENV = "ZQ_OPENAI_TEST_KEY"
 KEY = "zq-openai-key-3f7a2c"
 HI = [{"role": "user", "content": "hi"}]
@@ -67,6 +68,18 @@ def test_stream_with_usage(client):
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert len({c.id for c in chunks}) == 1
+
+
+def test_a_benchmark_clients_default_body_is_served_with_vllms_meaning(client):
+    # What GuideLLM sends by default: ignore_eos and continuous usage, beside the SDK's own parameters.
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=HI, max_completion_tokens=6, temperature=0.7, seed=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "min_tokens": 2, "top_k": 20}))
+    assert all(c.usage is not None for c in chunks)  # the usage so far on every chunk
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6  # exactly the limit: ignore_eos
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
 def test_timing_and_request_id_headers(zq, client):

@@ -17,9 +17,11 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import SERVE_PORT
+
 NAMESPACE = "zq-retry-tests"
 MODEL = "zq-tiny"
-PORT = 8767
+PORT = SERVE_PORT
 # The refusal's figure against the registry's own prediction, seen from the client: the
 # request's round trip separates the two clocks' readings.
 TOLERANCE_S = 0.25

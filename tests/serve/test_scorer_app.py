@@ -8,11 +8,11 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import request_actors, train_synthetic_scorer
+from tests.helpers import SERVE_PORT, request_actors, train_synthetic_scorer
 
 NAMESPACE = "zq-scorer-tests"
 MODEL = "zq-tiny"
-PORT = 8766
+PORT = SERVE_PORT
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.helpers import named_actors
+from tests.helpers import SERVE_PORT, named_actors
 from tests.serve.waiting import wait_for
 
 NAMESPACE = "zq-warm-tests"
 MODEL = "zq-tiny"
 OTHER = "zq-layered"
 APP = "zeroqueue-warm"
-PORT = 8767
+PORT = SERVE_PORT
 POOL = 2  # the tiny model's short-lane warm actors: one per slot
 
 
