@@ -87,8 +87,12 @@ def test_a_redeploy_drains_the_running_streams_then_serves_with_the_new_policy(z
     r = _post(base, body(max_tokens=4))
     assert r.headers["x-request-tier"] == "cold"
     wait_for(lambda: not _request_actors(ray), 30, "the old policy's actor to exit after its request")
-    old_replica = _replica_id(base)
-    assert old_replica is not None
+    # /health reads the registry within the old config's 0.25 s deadline, which a loaded machine can miss
+    # (a 503): asked again, as for the new replica below.
+    seen: list[str | None] = []
+    wait_for(lambda: seen.append(_replica_id(base)) or seen[-1] is not None, REPLICA_BOUND_S,
+             "the old replica's /health")
+    old_replica = seen[-1]
 
     # Two streams, held at their Completion: their tokens are out, their relays open on the old replica.
     gate = tmp_path / "gate"
