@@ -114,19 +114,22 @@ def test_idle_hot_actors_handed_over_are_idle_again_not_orphans_and_a_busy_one_s
     reg.check_invariants()
 
 
+class _Handle:
+    """A registry handle's `attach` as the link calls it (`handle.attach.remote(...)`); `ray.get` is patched."""
+
+    class attach:  # noqa: N801  (the shape of a Ray method)
+        @staticmethod
+        def remote(replica_id):
+            return "ref"
+
+
 def test_a_link_whose_registry_did_not_answer_is_unavailable_until_a_heartbeat_is_answered(monkeypatch):
     import ray
 
     from serve_app.registry_link import RegistryLink
 
-    class Handle:
-        class attach:  # noqa: N801  (the shape of a Ray method: handle.attach.remote(...))
-            @staticmethod
-            def remote(replica_id):
-                return "ref"
-
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: "incarnation-1")
-    link = RegistryLink(Handle, "replica-1")
+    link = RegistryLink(_Handle, "replica-1")
     assert link.is_available
     link.lost()  # Ray answered an admission with the registry's death
     assert not link.is_available
@@ -140,12 +143,6 @@ def test_a_late_answer_keeps_the_link_available_and_only_an_unanswered_probe_sto
 
     from serve_app.registry_link import RegistryLink
 
-    class Handle:
-        class attach:  # noqa: N801  (the shape of a Ray method)
-            @staticmethod
-            def remote(replica_id):
-                return "ref"
-
     answers = iter(["incarnation-1", TimeoutError("no answer within the probe's deadline"), "incarnation-1"])
     timeouts: list[float] = []
 
@@ -157,7 +154,7 @@ def test_a_late_answer_keeps_the_link_available_and_only_an_unanswered_probe_sto
         return answer
 
     monkeypatch.setattr(ray, "get", get)
-    link = RegistryLink(Handle, "replica-1", probe_timeout_s=2.0, attach_timeout_s=30.0)
+    link = RegistryLink(_Handle, "replica-1", probe_timeout_s=2.0, attach_timeout_s=30.0)
     link.heartbeat(lambda: None)
     link.unanswered(TimeoutError())  # an admission's decision came late
     assert link.is_available  # late is not gone: the next admissions still ask
@@ -194,15 +191,9 @@ def test_a_link_stays_unavailable_and_on_the_old_incarnation_until_its_hand_over
 
     from serve_app.registry_link import RegistryLink
 
-    class Handle:
-        class attach:  # noqa: N801  (the shape of a Ray method)
-            @staticmethod
-            def remote(replica_id):
-                return "ref"
-
     answers = iter(["incarnation-1", "incarnation-2", "incarnation-2"])
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: next(answers))
-    link = RegistryLink(Handle, "replica-1")
+    link = RegistryLink(_Handle, "replica-1")
     link.heartbeat(lambda: None)
     link.lost()
 
