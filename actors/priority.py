@@ -13,6 +13,14 @@ Two costs: a runtime_env gives the actor a worker process of its own, never a po
 (a start costs a fresh interpreter), and Ray's runtime-env setup step for it still runs at
 normal priority.
 
+The control plane is the other side of the same setting. Ray runs every worker's Python
+threads at `RAY_worker_niceness`, 15 by default: the registry, the ingress replica and
+the proxy would compute at nice 15, with 2.4 times the CPU share of a request actor at 19
+but 1/28 of any process at nice 0 (a load generator on the same machine, a build). Seen on
+2 cores: the registry then misses its deadlines for seconds. `control_plane_runtime_env()`
+keeps an actor's Python at nice 0; the registry and the ingress are started with it. Serve's
+proxy and controller, which Serve starts, stay at Ray's 15.
+
 `lower_threads` lowers every thread of the calling process in place (nice is per thread on
 Linux: a new thread inherits its creator's value): the actor calls it in `__init__`, a
 no-op when its worker started niced, the fallback when it did not (a driver's own actor).
@@ -25,6 +33,11 @@ import os
 import sys
 
 log = logging.getLogger(__name__)
+
+
+def control_plane_runtime_env() -> dict:
+    """The runtime_env of the control plane's actors: their Python threads at nice 0, not Ray's 15."""
+    return {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def runtime_env_for(nice: int, python: str | None = None) -> dict:

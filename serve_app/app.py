@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from actors.messages import ActorRequest, Completion, TextChunk
+from actors.priority import control_plane_runtime_env
 from actors.request_actor import RequestActor
 from actors.sampling import SamplingParams
 from actors.tokenizer import Tokenizer
@@ -87,7 +88,8 @@ def _timing(t: float) -> str:
     # during replica assignment and are refused with capacity to spare.)
     max_ongoing_requests=512,
     max_queued_requests=64,
-    ray_actor_options={"num_cpus": 0},
+    # Its Python at nice 0, not Ray's default 15: ahead of the request actors for the CPU (priority.py).
+    ray_actor_options={"num_cpus": 0, "runtime_env": control_plane_runtime_env()},
     health_check_period_s=5,
 )
 class Ingress:
@@ -237,7 +239,9 @@ class Ingress:
             "models": list(self.models),
             # Which replica answered, and what it holds: soak runs watch its memory across hours.
             "replica": {"id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
-                        "running": self.admission.num_running, "threads": threading.active_count()},
+                        "running": self.admission.num_running, "threads": threading.active_count(),
+                        # The CPU priority this replica decides at (0: ahead of the request actors).
+                        "nice": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())},
         }
 
     # ---- /v1/messages and /v1/chat/completions ---------------------------------------

@@ -51,6 +51,7 @@ import ray
 
 from actors.actor_kill import kill_named
 from actors.actor_names import REGISTRY_NAME, is_request_actor_name
+from actors.priority import control_plane_runtime_env
 from serve_app.decisions import Decision, Reject
 from serve_app.policy import PolicyConfig
 from serve_app.registry import (
@@ -311,4 +312,5 @@ def get_registry(config: RegistryConfig, policy: PolicyConfig, scorer: Scorer | 
         num_cpus=0,
         max_restarts=-1,
         max_task_retries=0,
+        runtime_env=control_plane_runtime_env(),  # ahead of the request actors for the CPU (priority.py)
     ).remote(config, policy, scorer)

@@ -179,6 +179,7 @@ def test_health_reports_jitter_actors_and_slots(zq):
     assert h["dispatch_latency_us"]["count"] >= 1 and h["dispatch_latency_us"]["p50"] > 0
     # Seed 001's operators read the jitter at the top level.
     assert h["dispatch_jitter_us"] == h["dispatch_latency_us"]["jitter"] >= 0
+    assert h["replica"]["nice"] == 0  # ahead of the request actors for the CPU, not at Ray's default 15
 
 
 def test_x_stream_mode_low_latency_streams_the_same_answer_a_token_an_event(zq):

@@ -229,3 +229,14 @@ def _heartbeat_sees_a_new_incarnation(link, hand_over, before: str) -> bool:
     except ray.exceptions.RayActorError:  # still restarting
         return False
     return link.incarnation != before
+
+
+def test_the_registry_decides_at_nice_0_ahead_of_the_request_actors(ray_cluster, make_registry):
+    import os
+    import threading
+
+    registry = make_registry()
+    # The thread that runs its methods: Ray's workers would run it at RAY_worker_niceness, 15 by default.
+    nice = ray_cluster.get(registry.__ray_call__.remote(
+        lambda self: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    assert nice == 0
