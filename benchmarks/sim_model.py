@@ -54,7 +54,7 @@ from typing import Protocol
 
 import numpy as np
 
-from actors.sampling import SamplingParams
+from actors.sampling_params import SamplingParams
 from benchmarks.sim_calibration import ServiceTimes, Workload
 from benchmarks.sim_clusters import MODEL
 from serve_app.decisions import Decision, Join, Reject, Spawn

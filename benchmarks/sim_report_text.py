@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from actors.sampling import SamplingParams
+from actors.sampling_params import SamplingParams
 from benchmarks.sim_config import SimConfig
 from benchmarks.sim_format import num, pct
 from benchmarks.sim_results import SYSTEM_NAMES, ClassMetrics, PointResult, point

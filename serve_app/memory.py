@@ -7,14 +7,11 @@ prompt length and its sampling settings into the `RequestFeatures` that `decide(
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from actors.sampling_params import SamplingParams  # torch-free, as the policy modules must be
 from serve_app.policy import PolicyConfig
 from serve_app.snapshot import RequestFeatures
-
-if TYPE_CHECKING:
-    # For the annotation only: actors.sampling imports torch, which the policy modules must not load.
-    from actors.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
