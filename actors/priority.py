@@ -16,8 +16,8 @@ normal priority.
 The control plane is the other side of the same setting. Ray runs every worker's Python
 threads at `RAY_worker_niceness`, 15 by default: the registry, the ingress replica and
 the proxy would compute at nice 15, with 2.4 times the CPU share of a request actor at 19
-but 1/28 of any process at nice 0 (a load generator on the same machine, a build). Seen on
-2 cores: the registry then misses its deadlines for seconds. `control_plane_runtime_env()`
+but 1/28 of any process at nice 0 (a load generator on the same machine, a build), by the
+kernel's weights for those nice values (36, 15 and 1024). `control_plane_runtime_env()`
 keeps an actor's Python at nice 0; the registry and the ingress are started with it. Serve's
 proxy and controller, which Serve starts, stay at Ray's 15.
 

@@ -98,7 +98,7 @@ class AppArgs(_Strict):
     # The decision: a registry that does not answer within this is answered 503 with retry-after,
     # never a 500 or a hang. A dead or restarting registry is known at once (Ray says so); this only
     # tells a stalled registry from a busy one, whose decision (milliseconds of CPU) can still come
-    # hundreds of ms late while actor processes start on a 2-core machine: long enough for that.
+    # late while actor processes start on a 2-core machine (the 0.25 s it replaces was missed there).
     registry_timeout_s: float = Field(default=1.0, gt=0)
     # A heartbeat after an admission came late: a registry that does not answer it within this is
     # taken as unavailable (admissions refused at once) until a heartbeat is answered.
