@@ -104,8 +104,9 @@ def test_timing_and_request_id_headers(zq):
     hops = dict(part.strip().split(";dur=") for part in r.headers["Server-Timing"].split(","))
     assert list(hops) == ["parse", "admit", "place", "start", "answer"]  # the ingress's time, hop by hop
     assert all(float(ms) >= 0 for ms in hops.values())
-    with httpx.stream("POST", f"{zq}/v1/messages", json=_body(stream=True), headers={"x-api-key": KEY},
-                      timeout=60) as s:
+    # Seeded as test_create: unseeded, the random model may end its turn at once and stream no delta.
+    with httpx.stream("POST", f"{zq}/v1/messages", json=_body(stream=True, seed=3, temperature=0.7),
+                      headers={"x-api-key": KEY}, timeout=60) as s:
         events = [line.removeprefix("event: ") for line in s.iter_lines() if line.startswith("event: ")]
         assert "X-Request-Start-Time" in s.headers
         assert [p.split(";")[0].strip() for p in s.headers["Server-Timing"].split(",")] == [
@@ -360,7 +361,8 @@ def test_python_handle_from_another_driver(zq, ray_cluster, tmp_path):
         "from serve_app.api import MessagesRequest\n"
         f"ray.init(address='{address}', logging_level='ERROR')\n"
         "h = serve.get_app_handle('zeroqueue')\n"
-        f"req = MessagesRequest(model='{MODEL}', max_tokens=6, messages=[{{'role': 'user', 'content': 'hi'}}])\n"
+        f"req = MessagesRequest(model='{MODEL}', max_tokens=6, seed=3, temperature=0.7,\n"
+        "                      messages=[{'role': 'user', 'content': 'hi'}])\n"
         "msg = h.create.remote(req).result(timeout_s=60)\n"
         "items = [type(i).__name__ for i in h.options(stream=True).stream.remote(req)]\n"
         "print(json.dumps({'usage': msg['usage'], 'items': items}))\n"

@@ -162,7 +162,7 @@ def test_no_capacity_is_a_503_with_retry_after_as_the_sdks_status_error(client, 
     computing, outcome = threading.Event(), {}
 
     def hold() -> None:
-        stream = client.chat.completions.create(model=MODEL, max_tokens=4, stream=True,
+        stream = client.chat.completions.create(model=MODEL, max_tokens=4, stream=True, seed=3, temperature=0.7,
                                                 messages=[{"role": "user", "content": f"hold gate:{gate} please"}])
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
