@@ -1,14 +1,19 @@
 """Building a runnable model from a `.zqs` shard file alone, its layers streamed in place.
 
-The model is allocated empty (`Transformer.empty`) in the file's dtype and a
+The model is allocated empty (`Transformer.empty`) in its compute dtype and a
 `LayerStream` decompresses every group straight into the parameters' storage: on the
 CPU into the tensors themselves, on CUDA through pinned staging buffers and a side
-stream. Nothing is cast or copied a second time, so the stored dtype is the model's.
-`wait_layer(i)` — the runtime's hook — then blocks compute on group i only.
+stream. `wait_layer(i)` — the runtime's hook — then blocks compute on group i only.
+The compute dtype is the file's, except where `compute_dtype` widens a 16-bit file to
+fp32 on a CPU without native 16-bit arithmetic (actors/compute_dtype.py): then each
+group's bytes land in the leading half of its fp32 parameters and are widened in place
+on the loading thread before the group counts as resident, so no second copy of the
+weights is ever held.
 
 Layer 0 cannot compute before its input's embedding rows are in, but it needs only the
 prompt's rows, not the table (the `small` shape's table is a quarter of its weights).
-When the file stores the table raw (the packer's default), `load_rows(prompt)` reads
+When the file stores the table raw (the packer's default) and the model is not widened
+(whose table holds stored bytes until the group is in), `load_rows(prompt)` reads
 just those rows and the stream loads the decoder layers first, the table after them:
 layer 0 waits for one layer, not for the table plus one layer. The whole table must be
 in before the first decode step (its input is a new token) and before the logits of a
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from actors.compute_dtype import compute_dtype_for, widen_in_place
 from actors.model import Transformer
 from actors.tokenizer import Tokenizer
 from weights_tool.architecture import ModelConfig
@@ -94,19 +100,29 @@ def open_zqs(path: str | Path) -> tuple[ShardReader, ModelConfig, Tokenizer]:
 
 
 def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2,
-               warm_layers: int | None = None) -> StreamedModel:
+               warm_layers: int | None = None, compute_dtype: str = "model") -> StreamedModel:
     """Start loading `path` into a fresh model on `device`; returns once the stream has started.
 
     `warm_layers=N` loads the embeddings and the first N layers only, then holds (module doc).
+    `compute_dtype`: a setting of actors/compute_dtype.py ("model": the file's dtype).
     """
     reader, config, dtype = _open_header(path)
     try:
         device = torch.device(device)
-        model = Transformer.empty(config, torch_dtype(dtype), device)
+        stored = torch_dtype(dtype)
+        model = Transformer.empty(config, torch_dtype(compute_dtype_for(compute_dtype, dtype, device.type)), device)
         # The header declares exactly the model's tensors (`check_tensor_table`): each lands in its parameter.
-        dests = {name: p.data for group in range(-1, config.num_layers + 1)
-                 for name, p in model.group_parameters(group).items()}
-        is_embedding_raw = _is_raw(reader, EMBEDDING_TENSOR)
+        params = {group: model.group_parameters(group) for group in range(-1, config.num_layers + 1)}
+        dests = {name: p.data for group in params.values() for name, p in group.items()}
+        after_group = None
+        if model.dtype != stored:  # widened: the stored bytes land in each parameter's leading half
+
+            def after_group(group: int) -> None:
+                for p in params[group].values():
+                    widen_in_place(p.data, stored)
+
+            dests = {name: t.view(-1).view(torch.uint8)[: t.numel() * stored.itemsize] for name, t in dests.items()}
+        is_embedding_raw = _is_raw(reader, EMBEDDING_TENSOR) and model.dtype == stored
         layers_first = [*range(config.num_layers), EMBEDDINGS_GROUP, config.num_layers]
         order = layers_first if is_embedding_raw else None
         hold_after = None
@@ -120,7 +136,8 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
         else:
             # Flat byte views of the parameters: the stream writes the weights where they live.
             views = {name: t.reshape(-1).view(torch.uint8).numpy() for name, t in dests.items()}
-            stream = LayerStream(reader, views, num_threads=num_threads, order=order, hold_after=hold_after)
+            stream = LayerStream(reader, views, num_threads=num_threads, order=order, hold_after=hold_after,
+                                 after_group=after_group)
     except BaseException:
         reader.close()
         raise
@@ -134,10 +151,10 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
 
 
 def load_zqs(
-    path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2
+    path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2, compute_dtype: str = "model"
 ) -> tuple[Transformer, Tokenizer]:
     """Load every layer, then return the model and its tokenizer."""
-    streamed = stream_zqs(path, device=device, num_threads=num_threads)
+    streamed = stream_zqs(path, device=device, num_threads=num_threads, compute_dtype=compute_dtype)
     try:
         streamed.wait_all()
         if streamed.model.device.type == "cuda":

@@ -117,7 +117,7 @@ class RequestActor:
         if device == "cpu" and config.cpu_nice:
             lower_threads(config.cpu_nice)  # a no-op where the worker started niced (actor_options)
         self._streamed = stream_zqs(zqs_path, device=device, num_threads=config.load_threads,
-                                    warm_layers=warm_layers)
+                                    warm_layers=warm_layers, compute_dtype=config.compute_dtype)
         self._warm_layers = warm_layers
         self._model = self._streamed.model
         self._engine = Engine(self._model, self._streamed.tokenizer, max_batch=config.max_batch,

@@ -237,6 +237,8 @@ class Ingress:
             "batch_occupancy": round(summary.batch_occupancy, 3),
             "slots": {"total": summary.num_slots, "free": summary.num_free_slots, "free_bytes": summary.free_bytes},
             "models": list(self.models),
+            # What each model's actors compute in (actors/compute_dtype.py): fp32 on a CPU without bf16.
+            "compute_dtype": {m.id: m.compute_dtype for m in self.models.values()},
             # Which replica answered, and what it holds: soak runs watch its memory across hours.
             "replica": {"id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
                         "running": self.admission.num_running, "threads": threading.active_count(),

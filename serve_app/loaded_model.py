@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from actors.actor_config import ActorConfig
 from actors.cold_start import warm_layers
+from actors.compute_dtype import compute_dtype_for
 from actors.layer_loader import open_zqs
 from actors.tokenizer import Tokenizer
 from serve_app.config import ModelSpec, resolve_model_path
@@ -28,6 +29,7 @@ class LoadedModel:
     total_target_s: float | None = None
     tpot_target_s: float | None = None
     warm_layers: int = 0  # a warm actor's layers resident before its request
+    compute_dtype: str = "float32"  # what the actors compute in (actors/compute_dtype.py)
 
 
 def load_model(spec: ModelSpec, actor: ActorConfig) -> LoadedModel:
@@ -37,9 +39,12 @@ def load_model(spec: ModelSpec, actor: ActorConfig) -> LoadedModel:
     num_warm = actor.warm_layers if actor.warm_layers is not None else warm_layers(
         config, actor.initial_load_bytes_per_s, actor.prefill_flops_per_s, actor.warm_prompt_tokens)
     window = config.max_position_embeddings
+    # The actors' compute dtype, as they resolve it: what their weights and KV caches take.
+    # Slots' CPUs are assumed to be like the ingress's own (one kind of node per cluster).
+    dtype = compute_dtype_for(actor.compute_dtype, config.dtype, "cuda" if actor.num_gpus > 0 else "cpu")
     return LoadedModel(
         id=spec.id, display_name=spec.display_name, zqs_path=str(path), tokenizer=tokenizer,
-        numbers=ModelNumbers.from_config(config),
+        numbers=ModelNumbers.from_config(config, dtype), compute_dtype=dtype,
         max_context=min(window, spec.max_context) if spec.max_context else window,
         created_at=path.stat().st_mtime, ttft_target_s=spec.ttft_target_s, total_target_s=spec.total_target_s,
         tpot_target_s=spec.tpot_target_s, warm_layers=min(num_warm, config.num_layers),

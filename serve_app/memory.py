@@ -29,11 +29,14 @@ class ModelNumbers:
     dtype_bytes: int
 
     @classmethod
-    def from_config(cls, config: Any) -> ModelNumbers:
-        """From a `weights_tool.architecture.ModelConfig` (duck-typed: policy imports no model code)."""
-        kv_per_token = config.kv_bytes_per_token()
+    def from_config(cls, config: Any, dtype: str | None = None) -> ModelNumbers:
+        """From a `weights_tool.architecture.ModelConfig` (duck-typed: policy imports no model code).
+
+        `dtype`: the one the actors compute in (actors/compute_dtype.py); None: the file's.
+        """
+        kv_per_token = config.kv_bytes_per_token(dtype)
         return cls(
-            weight_bytes=config.weight_bytes(),
+            weight_bytes=config.weight_bytes(dtype),
             kv_bytes_per_token=kv_per_token,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,

@@ -6,6 +6,10 @@ loader that reads the prompt's embedding rows on its own streams the layers firs
 `num_threads` threads; `wait(i)` returns once group i is in place (and only group i's error is raised
 there: the other groups still load). `close()` stops the threads within one 4 MiB read.
 
+`after_group(i)` runs on the loading thread once group i's bytes are in, before its
+waiters go (the loader widens a 16-bit file's weights to fp32 there); what it raises is
+group i's error.
+
 `hold_after=k` loads only the first k groups of the order, then holds until `resume()`:
 a warm actor keeps the embeddings and its first layers resident, ahead of any request,
 and streams the rest only once a request is bound to it.
@@ -22,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,12 +56,14 @@ class LayerStream:
         verify: bool = True,
         order: Sequence[int] | None = None,
         hold_after: int | None = None,
+        after_group: Callable[[int], None] | None = None,
     ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {num_threads}")
         self.reader = reader
         self.num_layers = reader.num_layers
         self._verify = verify
+        self._after_group = after_group
         self._order = list(range(-1, self.num_layers + 1))
         if order is not None:
             if sorted(order) != self._order:
@@ -177,6 +183,8 @@ class LayerStream:
                 self._next += 1
             try:
                 self._load(index)
+                if self._after_group is not None:
+                    self._after_group(index)
             except ReadCancelled:
                 return  # close() marks the unfinished groups
             except BaseException as e:  # kept for wait(index); the other groups still load

@@ -65,6 +65,7 @@ class BaselineConfig:
     device: str  # "cpu" or "cuda", as the zeroqueue actors choose it
     load_threads: int
     compute_threads: int
+    compute_dtype: str
     cpu_nice: int
     is_freed_memory_retained: bool
     max_body_bytes: int
@@ -94,7 +95,8 @@ class QueuedModel:
         device = config.device if config.device != "cuda" or torch.cuda.is_available() else "cpu"
         if device == "cpu" and config.cpu_nice:
             lower_threads(config.cpu_nice)  # the priority zeroqueue's CPU actors compute at
-        model, tokenizer = load_zqs(config.zqs_path, device=device, num_threads=config.load_threads)
+        model, tokenizer = load_zqs(config.zqs_path, device=device, num_threads=config.load_threads,
+                                    compute_dtype=config.compute_dtype)
         engine = Engine(model, tokenizer, max_context=config.max_context, max_batch=config.max_batch,
                         prefill_chunk_tokens=config.prefill_chunk_tokens)
         self.runner = BatchRunner(engine, name="baseline-batch")
@@ -225,6 +227,7 @@ def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any
         device="cuda" if on_gpu else "cpu",
         load_threads=actor.load_threads,
         compute_threads=actor.compute_threads,
+        compute_dtype=actor.compute_dtype,
         cpu_nice=actor.cpu_nice,
         is_freed_memory_retained=actor.is_freed_memory_retained,
         max_body_bytes=ingress.max_body_bytes,

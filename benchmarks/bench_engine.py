@@ -1,0 +1,210 @@
+"""The engine's settings on the served model, side by side in one run: compute dtype, threads per slot, batch.
+
+    .venv/bin/python -m benchmarks.bench_engine           # ~5 min; writes benchmarks/results/engine.md (+ .json)
+    .venv/bin/python -m benchmarks.bench_engine --quick   # a harness check; writes .cache/bench/engine/
+
+The model `make serve` serves (SmolLM2-135M-Instruct, stored bf16) through the actors' engine
+(`actors/engine.py`), each cell in a fresh process as an actor would run it, with GuideLLM's
+profile's shapes: 128-token prompts, decode steps at that context.
+
+1. Compute dtype × torch threads × batch, one process alone on the machine: a 128-token
+   prefill (one row's time to first token, compute only) and a decode step (= per-row TPOT;
+   tokens/s = rows / step).
+2. The CPU slot's trade-off at equal rows, with the compute dtype `auto` picks here: two
+   slots of one thread each (two processes stepping at once, B rows each) against one slot of
+   two threads (one process, 2B rows). Aggregate decode tokens/s and per-row TPOT.
+
+Cells are visited in rotation `--repeats` times and each figure is the median over repeats
+of the median of `--steps` timed steps, so a noisy neighbour slows every cell alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import cores, cpu_model, load_average, python_version, version_of, was_busy
+
+log = logging.getLogger("bench_engine")
+PROMPT_TOKENS = 128
+DTYPES = ("bfloat16", "float32")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    import torch
+
+    return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _null(event) -> None:
+    if isinstance(event, BaseException):
+        raise event
+
+
+def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, barrier=None) -> dict:
+    """In a fresh process: prefill seconds of one prompt, and the median decode step per batch size."""
+    import torch
+
+    from actors.engine import Engine
+    from actors.layer_loader import load_zqs
+    from actors.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=dtype)
+    engine = Engine(model, tokenizer, max_batch=max(batches), prefill_chunk_tokens=1_000_000)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
+    out: dict = {"dtype": str(model.dtype).removeprefix("torch."), "prefill_s": [], "step_s": {}}
+    for attempt in range(3):  # the first touches every buffer; the later two are timed
+        row = engine.add(_prompt(PROMPT_TOKENS, attempt), SamplingParams(max_tokens=1, temperature=0.0), _null)
+        t0 = time.perf_counter()
+        while engine.has_work:
+            engine.step()
+        if attempt:
+            out["prefill_s"].append(time.perf_counter() - t0)
+        assert row.num_out == 1
+    if barrier is not None:
+        barrier.wait()  # both slots start stepping together
+    for batch in batches:
+        rows = [engine.add(_prompt(PROMPT_TOKENS, i), params, _null) for i in range(batch)]
+        while any(r.num_out == 0 for r in rows):
+            engine.step()
+        engine.step()  # one decode step untimed: first touch of this batch's buffers
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        for r in rows:
+            engine.cancel(r)
+        while engine.has_work:
+            engine.step()
+        out["step_s"][str(batch)] = statistics.median(times)
+    return out
+
+
+def _in_process(args: tuple) -> dict:
+    return _measure(*args)
+
+
+def _run(pool_args: list[tuple]) -> list[dict]:
+    """Each tuple's `_measure` in its own fresh process, all at once (a barrier lines up their steps)."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Manager().Barrier(len(pool_args)) if len(pool_args) > 1 else None
+    with ctx.Pool(len(pool_args)) as pool:
+        return pool.map(_in_process, [(*a, barrier) for a in pool_args])
+
+
+def measure(zqs: str, batches: list[int], steps: int, repeats: int) -> dict:
+    from actors.compute_dtype import compute_dtype_for
+
+    auto = compute_dtype_for("auto", "bfloat16", "cpu")
+    cells: dict[str, list] = {}
+    slots: dict[str, list] = {}
+    for repeat in range(repeats):
+        for dtype in DTYPES:
+            for threads in (1, 2):
+                [r] = _run([(zqs, dtype, threads, batches, steps)])
+                cells.setdefault(f"{dtype}/{threads}", []).append(r)
+                log.info("repeat %d %s x %d thread(s): prefill %.0f ms, steps %s", repeat, dtype, threads,
+                         statistics.median(r["prefill_s"]) * 1e3,
+                         {b: round(s * 1e3, 1) for b, s in r["step_s"].items()})
+        two = _run([(zqs, auto, 1, batches, steps)] * 2)
+        one = _run([(zqs, auto, 2, [2 * b for b in batches], steps)])
+        slots.setdefault("2x1", []).append(two)
+        slots.setdefault("1x2", []).append(one)
+        log.info("repeat %d slots: 2x1 %s | 1x2 %s", repeat, [t["step_s"] for t in two], one[0]["step_s"])
+    return {"auto": auto, "cells": cells, "slots": slots}
+
+
+def _median_step(runs: list[dict], batch: int) -> float:
+    return statistics.median(r["step_s"][str(batch)] for r in runs)
+
+
+def report(data: dict, batches: list[int], steps: int, repeats: int, command: str, elapsed_s: float,
+           load: tuple[float, float]) -> str:
+    cells, auto = data["cells"], data["auto"]
+    lines = [
+        "# The engine's settings: compute dtype, threads per CPU slot, batch",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {cores()} cores, {cpu_model()}, Python {python_version()}, torch {version_of('torch')}. "
+        f"Load average {load[0]:.2f} at the start{' (busy: other work shared the machine)' if was_busy(load[0]) else ''}"
+        f", {load[1]:.2f} at the end; {elapsed_s / 60:.1f} min. Nothing else of ours ran meanwhile.",
+        "",
+        f"Model: SmolLM2-135M-Instruct as `make serve` packs it (bf16 file; 30 layers, hidden 576, 9 heads / 3 KV "
+        f"heads, vocab 49,152, tied embeddings) through the actors' engine, each cell a fresh process. "
+        f"{PROMPT_TOKENS}-token prompts; every figure is the median over {repeats} repeats of the median of "
+        f"{steps} timed steps. `auto` picks **{auto}** on this CPU.",
+        "",
+        "## 1. Compute dtype × threads × batch (one process alone)",
+        "",
+        f"| compute dtype | threads | prefill {PROMPT_TOKENS} tokens (ms) | "
+        + " | ".join(f"step at batch {b} (ms)" for b in batches) + f" | tokens/s at batch {max(batches)} |",
+        "|---|--:|--:|" + "--:|" * len(batches) + "--:|",
+    ]
+    for dtype in DTYPES:
+        for threads in (1, 2):
+            runs = cells[f"{dtype}/{threads}"]
+            prefill = statistics.median(statistics.median(r["prefill_s"]) for r in runs)
+            row_steps = [_median_step(runs, b) for b in batches]
+            lines.append(f"| {dtype} | {threads} | {prefill * 1e3:.0f} | "
+                         + " | ".join(f"{s * 1e3:.1f}" for s in row_steps)
+                         + f" | {max(batches) / row_steps[-1]:.0f} |")
+    bf, fp = cells["bfloat16/1"], cells["float32/1"]
+    lines += [
+        "",
+        "bf16 ÷ fp32 time, one thread: prefill "
+        f"{statistics.median(statistics.median(r['prefill_s']) for r in bf) / statistics.median(statistics.median(r['prefill_s']) for r in fp):.2f}×"
+        + "".join(f", step at batch {b} {_median_step(bf, b) / _median_step(fp, b):.2f}×" for b in batches) + ".",
+        "",
+        f"## 2. Two slots × one thread against one slot × two threads ({auto}, equal rows)",
+        "",
+        "| rows in all | 2 slots × 1 thread: step (ms) = TPOT | tokens/s | 1 slot × 2 threads: step (ms) = TPOT "
+        "| tokens/s | 1×2 tokens/s ÷ 2×1 |",
+        "|--:|--:|--:|--:|--:|--:|",
+    ]
+    for b in batches:
+        two = statistics.median(statistics.median(t["step_s"][str(b)] for t in pair) for pair in data["slots"]["2x1"])
+        one = statistics.median(r[0]["step_s"][str(2 * b)] for r in data["slots"]["1x2"])
+        lines.append(f"| {2 * b} | {two * 1e3:.1f} | {2 * b / two:.0f} | {one * 1e3:.1f} | {2 * b / one:.0f} | "
+                     f"{two / one:.2f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two batch sizes, one repeat: a harness check")
+    parser.add_argument("--zqs", default=".cache/models/smollm2-135m-instruct.zqs",
+                        help="the served model (`make serve` packs it there)")
+    parser.add_argument("--out", help="default benchmarks/results/engine.md (.cache/bench/engine/ with --quick)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if not Path(args.zqs).exists():
+        print(f"{args.zqs} is missing: `make serve` (or `zq-weights fetch smollm2-135m-instruct -o {args.zqs}`) "
+              "packs it", file=sys.stderr)
+        return 2
+    batches, steps, repeats = ([1, 8], 4, 1) if args.quick else ([1, 4, 8, 16], 16, 2)
+    out = Path(args.out or (".cache/bench/engine/engine.md" if args.quick else "benchmarks/results/engine.md"))
+    command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_engine", *(argv or sys.argv[1:])])
+    load_start = load_average()[0]
+    t0 = time.monotonic()
+    data = measure(args.zqs, batches, steps, repeats)
+    text = report(data, batches, steps, repeats, command, time.monotonic() - t0, (load_start, load_average()[0]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"command": command, **data}, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

