@@ -86,6 +86,11 @@ class FinishEvent:
     compute_start: float  # epoch seconds; prefill began (arrival time if cancelled before)
     first_token_time: float | None
     last_token_time: float | None
+    # The step clock: seconds of the steps the row took part in (the engine computing it), and
+    # the rows those steps ran in all, summed over them (÷ num_steps: its mean batch).
+    engine_s: float = 0.0
+    num_steps: int = 0
+    num_step_rows: int = 0
 
 
 Event = StartEvent | TokenEvent | FinishEvent
@@ -112,6 +117,9 @@ class Row:
     generator: torch.Generator | None = None
     decoder: StreamDecoder | None = None
     stops: StopSequenceFilter | None = None
+    engine_s: float = 0.0  # see FinishEvent
+    num_steps: int = 0
+    num_step_rows: int = 0
     stop: tuple[str, str | None] | None = field(default=None)  # (reason, sequence) once it has ended
 
     @property
@@ -199,6 +207,7 @@ class Engine:
             return
         plan = plan_step([RowProgress(r.id, len(r.prompt), r.num_prefilled) for r in self._rows],
                          self.prefill_chunk_tokens)
+        clock = _StepClock(self.device)
         rows, tokens, inputs = [], [], []
         for row, (_, n) in zip(self._rows, plan, strict=True):
             if row.num_prefilled < len(row.prompt):
@@ -216,7 +225,14 @@ class Engine:
                                          wait_layer)
         # One host sync for the whole step: each row samples on its own generator, then all ids come back.
         ids = torch.cat([sample(self._allowed(logits[i : i + 1], r), r.params, r.generator)
-                         for i, r in enumerate(rows)]).tolist()
+                         for i, r in enumerate(rows)])
+        clock.stop()
+        ids = ids.tolist()
+        seconds = clock.seconds()
+        for row in self._rows:  # every row advances every step (actors/scheduler.py)
+            row.engine_s += seconds
+            row.num_steps += 1
+            row.num_step_rows += len(self._rows)
         now = time.time()
         for row, token_id in zip(rows, ids, strict=True):
             self._deliver(row, token_id, now)
@@ -298,7 +314,8 @@ class Engine:
         row.stop = stop
         return FinishEvent(stop_reason=stop[0], stop_sequence=stop[1], input_tokens=len(row.prompt),
                            output_tokens=row.num_out, compute_start=row.compute_start or row.added_at,
-                           first_token_time=row.first_time, last_token_time=row.last_time)
+                           first_token_time=row.first_time, last_token_time=row.last_time,
+                           engine_s=row.engine_s, num_steps=row.num_steps, num_step_rows=row.num_step_rows)
 
     # ---- one request on the calling thread ----------------------------------------------
 
@@ -332,6 +349,31 @@ class Engine:
         finally:
             if row.stop is None:
                 self._drop(row)  # closed early or failed: the row must not stay in the batch
+
+
+class _StepClock:
+    """One step's compute time: CUDA events on a GPU (the device's own time, not the host's
+    launches), the host's clock on a CPU (the step computes on the calling thread)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._start = time.perf_counter()
+        self._end = self._start
+
+    def stop(self) -> None:
+        """Mark the step's end (its work queued on the device; `seconds` waits for it)."""
+        if self._events is not None:
+            self._events[1].record()
+        self._end = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._end - self._start
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
 
 
 def build_prompt(tokenizer: Tokenizer, request: GenerationRequest, max_context: int) -> list[int]:

@@ -86,6 +86,22 @@ class Completion:
     first_layers: int
     timings: Timings
     peak_bytes: int | None = None  # see actors/peak_memory.py; None where it cannot be measured
+    # The engine's step clock (actors/engine.py): seconds of the steps this row took part in (a cold
+    # row's first step includes its waits on the weights), and the mean rows those steps ran.
+    engine_s: float = 0.0
+    mean_step_rows: float = 0.0
+
+    def compute_density(self, arrival: float) -> float | None:
+        """Engine time on this request ÷ its wall time from `arrival` (epoch s) to its last token.
+
+        Seed 001's per-request monitoring dimension in place of a queue length: 1 means the
+        engine computed it the whole time; what is missing is time it waited (a start, a load,
+        a step it joined late). None when it produced no token.
+        """
+        last = self.timings.last_token
+        if last is None or last <= arrival:
+            return None
+        return min(1.0, self.engine_s / (last - arrival))
 
 
 @dataclass(frozen=True)

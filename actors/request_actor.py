@@ -322,6 +322,8 @@ class RequestActor:
                 last_token=event.last_token_time,
             ),
             peak_bytes=self._peak.read(),
+            engine_s=event.engine_s,
+            mean_step_rows=event.num_step_rows / event.num_steps if event.num_steps else 0.0,
         )
 
     def _first_layers(self, prompt_tokens: int) -> int:

@@ -232,6 +232,9 @@ class Ingress:
             "dispatch_latency_us": dispatch_us,
             # p99 - p50 of recent dispatch latencies (µs), where operators of seed 001 read it; null before any.
             "dispatch_jitter_us": dispatch_us.get("jitter"),
+            # Seed 001's per-request dimension in place of a queue length: engine time over time in the
+            # system (1: computed the whole time), and the rows its steps ran with, over recent requests.
+            "compute_density": self.metrics.recent_density(),
             "actors": {state: n for state, n in summary.actors.items() if n},
             "rows": summary.num_rows,
             "batch_occupancy": round(summary.batch_occupancy, 3),

@@ -12,6 +12,7 @@ from ray.util import metrics
 from serve_app.snapshot import ClusterSummary
 
 _LATENCY_BOUNDARIES = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
+_DENSITY_BOUNDARIES = [0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0]
 _SECONDS_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
 
 
@@ -37,6 +38,13 @@ class IngressMetrics:
         self.batch_rows = metrics.Histogram(
             "zq_batch_rows", "Rows of the batch each admitted request runs in, itself included (1: alone).",
             boundaries=[1, 2, 3, 4, 6, 8, 12, 16, 32], tag_keys=("model",))
+        # Seed 001's per-request dimension in place of a queue length (Completion.compute_density).
+        self.compute_density = metrics.Histogram(
+            "zq_compute_density", "Engine time on a request over its time from arrival to last token (1: never "
+            "waited).", boundaries=_DENSITY_BOUNDARIES, tag_keys=("model", "tier"))
+        self.step_rows = metrics.Histogram(
+            "zq_step_rows", "Mean rows of the steps each request ran in, itself included: its slot's concurrent work.",
+            boundaries=[1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32], tag_keys=("model",))
         self.evictions = metrics.Counter(
             "zq_evictions_total", "Idle hot or warm actors retired to make room for a request.",
             tag_keys=("model",))
@@ -49,8 +57,9 @@ class IngressMetrics:
         self.rows = metrics.Gauge("zq_rows", "Requests holding a row on an actor (registry view).")
         self.batch_occupancy = metrics.Gauge(
             "zq_batch_occupancy", "Rows on busy hot actors over the rows they could hold (max_batch each).")
-        # Recent dispatch latencies (µs) for /health's jitter figures.
+        # Recent dispatch latencies (µs) for /health's jitter figures, and recent requests' densities.
         self._recent_dispatch_us: deque[float] = deque(maxlen=window)
+        self._recent_density: deque[tuple[float, float]] = deque(maxlen=window)  # (density, mean step rows)
 
     def set_cluster(self, summary: ClusterSummary) -> None:
         for state, n in summary.actors.items():
@@ -62,6 +71,20 @@ class IngressMetrics:
     def observe_dispatch(self, model: str, seconds: float) -> None:
         self.dispatch_latency.observe(seconds, tags={"model": model})
         self._recent_dispatch_us.append(seconds * 1e6)
+
+    def observe_density(self, model: str, tier: str, density: float, step_rows: float) -> None:
+        self.compute_density.observe(density, tags={"model": model, "tier": tier})
+        self.step_rows.observe(step_rows, tags={"model": model})
+        self._recent_density.append((density, step_rows))
+
+    def recent_density(self) -> dict[str, float | int]:
+        """Recent requests' compute density (p10 / p50: a low one waited) and mean step rows, for /health."""
+        if not self._recent_density:
+            return {"count": 0}
+        densities = sorted(d for d, _ in self._recent_density)
+        n = len(densities)
+        return {"count": n, "p10": round(densities[int(0.1 * n)], 3), "p50": round(densities[int(0.5 * n)], 3),
+                "mean_step_rows": round(sum(r for _, r in self._recent_density) / n, 2)}
 
     def dispatch_jitter_us(self) -> dict[str, float | int]:
         """p50/p99/max and the spread (p99 - p50) of recent dispatch latencies, in µs."""

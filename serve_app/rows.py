@@ -117,6 +117,9 @@ class Rows:
         if t.last_token is not None and done.output_tokens > 1:
             self._metrics.tpot.observe((t.last_token - t.first_token) / (done.output_tokens - 1),
                                        tags={"model": model})
+        density = done.compute_density(admitted.arrival)
+        if density is not None:
+            self._metrics.observe_density(model, admitted.tier, density, done.mean_step_rows)
 
     def end(self, admitted: Admitted, outcome: Outcome) -> None:
         """Release the request's row, the first time only (later calls are no-ops)."""

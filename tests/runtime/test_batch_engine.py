@@ -6,6 +6,9 @@ re-drawn at a larger std so that greedy choices are far from ties.
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
 import torch
 
@@ -185,3 +188,36 @@ def test_a_failing_step_ends_every_row_with_the_error(parts, monkeypatch):
     engine.fail_all(e.value)
     assert [type(r.events[-1]) for r in recs] == [OSError, OSError]
     assert not engine.has_work
+
+
+def test_the_step_clock_gives_each_row_the_steps_it_ran_in_and_their_rows(parts):
+    engine = make_engine(parts)
+    first, second = Recorder(), Recorder()
+    a = engine.add(prompt_ids(engine, PROMPTS[0]), SamplingParams(max_tokens=6, temperature=0.0), first)
+    engine.step()  # a alone: its prompt whole, its first token
+    engine.step()
+    b = engine.add(prompt_ids(engine, PROMPTS[1]), SamplingParams(max_tokens=2, temperature=0.0), second)
+    t0 = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    elapsed_with_b = time.perf_counter() - t0
+    done_a, done_b = first.events[-1], second.events[-1]
+    assert isinstance(done_a, FinishEvent) and isinstance(done_b, FinishEvent)
+    # a: 6 steps (one a token each), b joined for 2 of them; b: those 2 steps, both with a.
+    assert (done_a.num_steps, done_a.num_step_rows) == (6, 6 + 2)
+    assert (done_b.num_steps, done_b.num_step_rows) == (2, 4)
+    assert 0 < done_b.engine_s < done_a.engine_s  # b's steps are a subset of a's
+    assert done_b.engine_s <= elapsed_with_b
+
+
+def test_compute_density_is_engine_time_over_the_time_in_the_system():
+    from actors.messages import Completion, Timings
+
+    timings = Timings(actor_start=0.0, request_arrival=100.0, first_layer_resident=None, embeddings_resident=None,
+                      all_layers_resident=None, compute_start=100.5, first_layer_compute_start=100.5,
+                      first_token=100.8, last_token=102.0)
+    done = Completion("req_1", "max_tokens", None, 10, 8, False, 0, timings, engine_s=1.5, mean_step_rows=3.0)
+    assert done.compute_density(100.0) == pytest.approx(0.75)  # waited 0.5 s of its 2 s
+    assert done.compute_density(101.999) == 1.0  # another clock's arrival: never above 1
+    no_token = dataclasses.replace(timings, first_token=None, last_token=None)
+    assert Completion("req_2", "cancelled", None, 10, 0, False, 0, no_token).compute_density(100.0) is None

@@ -21,6 +21,7 @@ DASHBOARD = REPO / "configs" / "grafana.json"
 METRICS_SOURCE = REPO / "serve_app" / "metrics.py"
 DATASOURCE_UID = "${DS_PROMETHEUS}"
 GRID_WIDTH = 24
+LOW_TAIL = frozenset({"zq_compute_density"})
 
 _SERIES = re.compile(r"\bray_[A-Za-z0-9_:]+")
 _BY = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
@@ -187,7 +188,8 @@ def test_quantile_panels_chart_p50_and_p99(dashboard: dict, metrics: dict[str, M
             for e in _exprs(dashboard)
             for q in re.findall(rf"histogram_quantile\(([0-9.]+),[^;]*\b{m.series()[0]}\b", e)
         }
-        assert quantiles == {0.5, 0.99}, name
+        # A density's bad tail is its low end: a request that waited more than it computed.
+        assert quantiles == ({0.1, 0.5} if name in LOW_TAIL else {0.5, 0.99}), name
 
 
 @pytest.mark.parametrize(
