@@ -86,27 +86,38 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _guidellm(server: Server, rate: float, seconds: int, tokenizer: Path, out: Path, guidellm: Path) -> None:
-    """One constant-rate GuideLLM run against `server`, its JSON to `out`."""
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                        "GUIDELLM__MAX_WORKER_PROCESSES": "1"}  # one async worker: the machine has 2 cores
-    command = [
+GUIDELLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "GUIDELLM__MAX_WORKER_PROCESSES": "1"}  # one async worker process: the machine has 2 cores
+
+
+def guidellm_command(guidellm: Path, base: str, model: str, tokenizer: Path, profile: str, constraint: str,
+                     out: Path, *, prompt_tokens: int = 128, output_tokens: int = 16,
+                     api_key: str | None = None) -> list[str]:
+    """GuideLLM's `run` with its default request body: streamed chat completions, `ignore_eos`, continuous usage."""
+    key = f",api_key={api_key}" if api_key else ""
+    return [
         str(guidellm), "run",
-        "--backend", f"kind=openai_http,target={server.base},model={MODEL},"
-                     "request_format=/v1/chat/completions,stream=true,timeout=120",
+        "--backend", f"kind=openai_http,target={base},model={model},"
+                     f"request_format=/v1/chat/completions,stream=true,timeout=120{key}",
         "--tokenizer", json.dumps({"kind": "hf_auto", "model": str(tokenizer.resolve())}),
-        "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=16",
+        "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
         "--data-loader", "kind=pytorch,prefetch_factor=64",
-        "--profile", f"kind=constant,rate={rate}",
-        "--constraint", f"kind=max_duration,seconds={seconds}",
+        "--profile", profile,
+        "--constraint", constraint,
         "--output", f"kind=json,path={out.resolve()}",
         "--disable-console-interactive",
     ]
+
+
+def _guidellm(server: Server, rate: float, seconds: int, tokenizer: Path, out: Path, guidellm: Path) -> None:
+    """One constant-rate GuideLLM run against `server`, its JSON to `out`."""
+    command = guidellm_command(guidellm, server.base, MODEL, tokenizer, f"kind=constant,rate={rate}",
+                               f"kind=max_duration,seconds={seconds}", out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.with_suffix(".log").open("w") as log_file:
         # Its working directory: GuideLLM reads a .env from there.
-        subprocess.run(command, cwd=out.parent, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                       check=True, timeout=seconds + 300)
+        subprocess.run(command, cwd=out.parent, env=os.environ | GUIDELLM_ENV, stdout=log_file,
+                       stderr=subprocess.STDOUT, check=True, timeout=seconds + 300)
 
 
 def _keep(path: Path) -> Path:

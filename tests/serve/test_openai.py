@@ -7,8 +7,11 @@ One slot and batches of one: a request held open (FaultyActor's `gate:`) is all 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -194,3 +197,22 @@ def test_an_actor_lost_mid_stream_is_the_sdks_api_error(client):
             seen.append(chunk.choices[0].delta.content)
     assert seen == [""]  # the role chunk, then the error
     assert info.value.type == "server_error" and "request id req_" in info.value.message
+
+
+GUIDELLM = Path(__file__).parents[2] / ".cache/peer/guidellm/bin/guidellm"
+
+
+@pytest.mark.skipif(not GUIDELLM.exists(), reason="GuideLLM is not installed here (bash benchmarks/peer/setup.sh "
+                                                   "installs it; it pulls ~1.5 GB the suite does not need)")
+def test_guidellm_with_its_default_body_and_health_check_gets_no_error(zq, tiny_checkpoint, tmp_path):
+    from benchmarks.bench_peer import GUIDELLM_ENV, guidellm_command
+
+    # One request at a time: the module's single row never refuses one (a 503 would count as an error).
+    out = tmp_path / "guidellm.json"
+    command = guidellm_command(GUIDELLM, zq, MODEL, tiny_checkpoint, "kind=synchronous", "kind=max_requests,count=5",
+                               out, prompt_tokens=32, output_tokens=8, api_key=KEY)
+    run = subprocess.run(command, cwd=tmp_path, env=os.environ | GUIDELLM_ENV, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    totals = json.loads(out.read_text())["benchmarks"][0]["metrics"]["request_totals"]
+    assert (totals["successful"], totals["errored"], totals["incomplete"]) == (5, 0, 0)
