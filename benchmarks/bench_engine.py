@@ -13,6 +13,9 @@ profile's shapes: 128-token prompts, decode steps at that context.
 2. The CPU slot's trade-off at equal rows, with the compute dtype `auto` picks here: two
    slots of one thread each (two processes stepping at once, B rows each) against one slot of
    two threads (one process, 2B rows). Aggregate decode tokens/s and per-row TPOT.
+3. Why: the weight bytes a second the kernels stream for 1 and 8 rows (60 of the model's MLP
+   weights, 212 MB in fp32: beyond any cache, as in a real step) at 1 and 2 threads, beside a
+   plain sum over 540 MB (what the memory system gives one reader).
 
 Cells are visited in rotation `--repeats` times and each figure is the median over repeats
 of the median of `--steps` timed steps, so a noisy neighbour slows every cell alike.
@@ -55,11 +58,11 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     from actors.engine import Engine
     from actors.layer_loader import load_zqs
     from actors.sampling import SamplingParams
+    from benchmarks.bench_batch import step_time
 
     torch.set_num_threads(threads)
     model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=dtype)
     engine = Engine(model, tokenizer, max_batch=max(batches), prefill_chunk_tokens=1_000_000)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
     out: dict = {"dtype": str(model.dtype).removeprefix("torch."), "prefill_s": [], "step_s": {}}
     for attempt in range(3):  # the first touches every buffer; the later two are timed
         row = engine.add(_prompt(PROMPT_TOKENS, attempt), SamplingParams(max_tokens=1, temperature=0.0), _null)
@@ -72,21 +75,42 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     if barrier is not None:
         barrier.wait()  # both slots start stepping together
     for batch in batches:
-        rows = [engine.add(_prompt(PROMPT_TOKENS, i), params, _null) for i in range(batch)]
-        while any(r.num_out == 0 for r in rows):
-            engine.step()
-        engine.step()  # one decode step untimed: first touch of this batch's buffers
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        for r in rows:
-            engine.cancel(r)
-        while engine.has_work:
-            engine.step()
-        out["step_s"][str(batch)] = statistics.median(times)
+        out["step_s"][str(batch)] = step_time(engine, batch, PROMPT_TOKENS, steps)
     return out
+
+
+def _kernels(threads: int, barrier=None) -> dict:
+    """GB/s of weight streamed: F.linear for 1 and 8 fp32 rows, the runtime's bf16 row kernel, and a sum."""
+    import torch
+    import torch.nn.functional as F
+
+    from actors.layers import linear
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(1536, 576, generator=g) for _ in range(60)]  # [I, h] x 60: 212 MB fp32
+    halves = [w.bfloat16() for w in weights]
+    big = torch.randn(135_000_000, generator=g)  # 540 MB: the fp32 model's weights
+
+    def gb_per_s(run, nbytes: int) -> float:
+        run()
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times) / 1e9
+
+    fp32_bytes, bf16_bytes = sum(w.nbytes for w in weights), sum(w.nbytes for w in halves)
+    one, eight = torch.randn(1, 576, generator=g), torch.randn(8, 576, generator=g)
+    return {
+        "fp32 F.linear, 1 row": gb_per_s(lambda: [F.linear(one, w) for w in weights], fp32_bytes),
+        "fp32 F.linear, 8 rows": gb_per_s(lambda: [F.linear(eight, w) for w in weights], fp32_bytes),
+        "bf16, 1 row (the runtime's kernel)": gb_per_s(lambda: [linear(one.bfloat16(), w) for w in halves],
+                                                       bf16_bytes),
+        "bf16 F.linear, 8 rows": gb_per_s(lambda: [F.linear(eight.bfloat16(), w) for w in halves], bf16_bytes),
+        "sum over 540 MB": gb_per_s(lambda: big.sum(), big.nbytes),
+    }
 
 
 def _in_process(args: tuple) -> dict:
@@ -120,7 +144,14 @@ def measure(zqs: str, batches: list[int], steps: int, repeats: int) -> dict:
         slots.setdefault("2x1", []).append(two)
         slots.setdefault("1x2", []).append(one)
         log.info("repeat %d slots: 2x1 %s | 1x2 %s", repeat, [t["step_s"] for t in two], one[0]["step_s"])
-    return {"auto": auto, "cells": cells, "slots": slots}
+    kernels = {str(threads): _run_kernels(threads) for threads in (1, 2)}
+    return {"auto": auto, "cells": cells, "slots": slots, "kernels": kernels}
+
+
+def _run_kernels(threads: int) -> dict:
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_kernels, (threads,))
 
 
 def _median_step(runs: list[dict], batch: int) -> float:
@@ -176,7 +207,16 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
         one = statistics.median(r[0]["step_s"][str(2 * b)] for r in data["slots"]["1x2"])
         lines.append(f"| {2 * b} | {two * 1e3:.1f} | {2 * b / two:.0f} | {one * 1e3:.1f} | {2 * b / one:.0f} | "
                      f"{two / one:.2f} |")
-    lines.append("")
+    kernels = data["kernels"]
+    lines += [
+        "",
+        "## 3. What the kernels stream (GB of weights a second, fresh process, nothing cached)",
+        "",
+        "| kernel | 1 thread | 2 threads |",
+        "|---|--:|--:|",
+        *(f"| {name} | {kernels['1'][name]:.1f} | {kernels['2'][name]:.1f} |" for name in kernels["1"]),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import load_text, machine
+from benchmarks.common import load_text, machine, stop_session
 from benchmarks.load_stats import percentile
 from benchmarks.run_files import measure_and_report
 
@@ -108,12 +107,7 @@ def _one_run(index: int, log_dir: Path) -> dict[str, Any]:
         load_before = os.getloadavg()
         results = asyncio.run(_newcomer())
     finally:
-        app.send_signal(signal.SIGTERM)
-        try:
-            app.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(app.pid, signal.SIGKILL)
-            app.wait()
+        stop_session(app)
     return {"ready_s": round(ready_s, 1), "load_before": load_before, "results": results}
 
 

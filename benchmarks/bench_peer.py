@@ -1,7 +1,7 @@
 """zeroqueue against llama.cpp's server on the same model and machine, driven by GuideLLM, in one run.
 
     bash benchmarks/peer/setup.sh                 # once: GuideLLM's venv and llama.cpp's server (~10 min)
-    .venv/bin/python -m benchmarks.bench_peer     # ~8 min; writes benchmarks/results/peer.md, .json, .png
+    .venv/bin/python -m benchmarks.bench_peer     # ~11 min; writes benchmarks/results/peer.md, .json, .png
 
 Each server runs alone on the machine, one after the other: zeroqueue as `make serve` runs it
 (`serve run configs/serve.yaml`), then `llama-server` with its usual setup (8 parallel slots, 2
@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import cores, cpu_model, load_average, version_of
+from actors.actor_config import ActorConfig
+from benchmarks.common import cores, cpu_model, load_average, stop_session, version_of
 
 log = logging.getLogger("bench_peer")
 MODEL = "smollm2-135m-instruct"
@@ -46,15 +46,21 @@ class Server:
     name: str
     base: str
     command: list[str]
+    # The load generator shares the 2 cores with the server: it runs at the priority the server
+    # computes at, so that it takes its CPU from each server's compute alike. (zeroqueue's actors
+    # compute at nice 19 and llama.cpp at 0; GuideLLM at 0 beside actors at 19 would take a core
+    # from zeroqueue's compute alone: tried, 16 of 30 served at 1 req/s, 11 s a request.)
+    client_nice: int
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
     serve = Path(sys.executable).with_name("serve")
     return [
-        Server("zeroqueue", "http://127.0.0.1:8000", [str(serve), "run", "configs/serve.yaml"]),
+        Server("zeroqueue", "http://127.0.0.1:8000", [str(serve), "run", "configs/serve.yaml"],
+               client_nice=ActorConfig().cpu_nice),
         Server("llama.cpp", "http://127.0.0.1:8090",
                [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", "8090",
-                "--alias", MODEL, "-np", "8", "-t", "2", "-c", "8192"]),
+                "--alias", MODEL, "-np", "8", "-t", "2", "-c", "8192"], client_nice=0),
     ]
 
 
@@ -73,17 +79,8 @@ def _start(server: Server, log_path: Path) -> subprocess.Popen:
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    _stop(proc)
+    stop_session(proc)
     raise TimeoutError(f"{server.name} did not answer GET /v1/models within 300 s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 GUIDELLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -96,7 +93,7 @@ def guidellm_command(guidellm: Path, base: str, model: str, tokenizer: Path, pro
     """GuideLLM's `run` with its default request body: streamed chat completions, `ignore_eos`, continuous usage."""
     key = f",api_key={api_key}" if api_key else ""
     return [
-        str(guidellm), "run",
+        str(guidellm.absolute()), "run",
         "--backend", f"kind=openai_http,target={base},model={model},"
                      f"request_format=/v1/chat/completions,stream=true,timeout=120{key}",
         "--tokenizer", json.dumps({"kind": "hf_auto", "model": str(tokenizer.resolve())}),
@@ -114,18 +111,21 @@ def _guidellm(server: Server, rate: float, seconds: int, tokenizer: Path, out: P
     command = guidellm_command(guidellm, server.base, MODEL, tokenizer, f"kind=constant,rate={rate}",
                                f"kind=max_duration,seconds={seconds}", out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.with_suffix(".log").open("w") as log_file:
+    (PEER_DIR / "logs").mkdir(parents=True, exist_ok=True)
+    with (PEER_DIR / "logs" / out.with_suffix(".log").name).open("w") as log_file:
         # Its working directory: GuideLLM reads a .env from there.
-        subprocess.run(command, cwd=out.parent, env=os.environ | GUIDELLM_ENV, stdout=log_file,
+        subprocess.run(["nice", "-n", str(server.client_nice), *command], cwd=out.parent, env=os.environ | GUIDELLM_ENV, stdout=log_file,
                        stderr=subprocess.STDOUT, check=True, timeout=seconds + 300)
 
 
 def _keep(path: Path) -> Path:
-    """GuideLLM's JSON holds every prompt (MBs a run): kept zstd-compressed beside the report."""
+    """GuideLLM's JSON holds every prompt (MBs a run): kept zstd-compressed beside the report,
+    with this checkout's paths made relative to it."""
     import zstandard
 
     kept = path.with_suffix(".json.zst")
-    kept.write_bytes(zstandard.ZstdCompressor(level=19).compress(path.read_bytes()))
+    text = path.read_text().replace(f"{Path.cwd()}/", "")
+    kept.write_bytes(zstandard.ZstdCompressor(level=19).compress(text.encode()))
     path.unlink()
     return kept
 
@@ -182,7 +182,7 @@ def measure(args: argparse.Namespace) -> dict:
                 data["servers"].setdefault(server.name, {})[f"{rate:g}"] = row
                 log.info("%s at %g req/s: %s", server.name, rate, row)
         finally:
-            _stop(proc)
+            stop_session(proc)
         time.sleep(5)  # the last server's processes gone before the next one starts
     return data
 
@@ -208,6 +208,9 @@ def report(data: dict, args: argparse.Namespace, command: str, elapsed_s: float)
         "",
         f"Load: GuideLLM {args.guidellm_version}, constant rate, {args.seconds} s per rate, streamed chat "
         "completions, ~128 prompt tokens, 16 output tokens, its default body (`ignore_eos`, continuous usage).",
+        "",
+        "GuideLLM shares the machine with each server, at the CPU priority that server computes at (nice 19 "
+        "beside zeroqueue's actors, 0 beside llama.cpp), so it takes its CPU from both alike.",
         "",
         f"Goodput: served requests with TTFT <= {args.slo_ttft_s:g} s, per second of the run.",
         "",
@@ -247,7 +250,7 @@ def plot(data: dict, path: Path) -> None:
         axes[0].plot(rates, [s["served"] / max(1, s["sent"]) for s in series], marker="o", label=name)
         axes[1].plot(rates, [(s["ttft_p99_s"] or float("nan")) for s in series], marker="o", label=name)
         axes[2].plot(rates, [s["goodput_per_s"] for s in series], marker="o", label=name)
-    for ax, title in zip(axes, ("served / sent", "TTFT P99 of the served (s)", "goodput (req/s)")):
+    for ax, title in zip(axes, ("served / sent", "TTFT P99 of the served (s)", "goodput (req/s)"), strict=True):
         ax.set_xlabel("offered rate (req/s)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -259,8 +262,10 @@ def plot(data: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1, 3, 6, 10, 20])
-    parser.add_argument("--seconds", type=int, default=30)
+    # From light load to twice the peer's capacity on a 2-core CPU machine (~2 req/s: a first run at
+    # 1-20 req/s had llama.cpp serving 61 of 91 at 3 req/s and queueing the rest).
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 1, 2, 4])
+    parser.add_argument("--seconds", type=int, default=40)
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
     parser.add_argument("--zqs", type=Path, default=Path(".cache/models/smollm2-135m-instruct.zqs"))
     parser.add_argument("--gguf", type=Path, default=PEER_DIR / "models/smollm2-135m-instruct-bf16.gguf")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
+import subprocess
 from collections.abc import Sequence
 from importlib import import_module
 from importlib.metadata import version as distribution_version
@@ -93,3 +95,13 @@ def versions(*packages: str) -> dict[str, str]:
 def machine(*packages: str) -> dict[str, Any]:
     """What a run records of its machine: cores, CPU, memory (GiB), Python's and each package's version."""
     return {"cores": cores(), "cpu": cpu_model(), "mem_gib": mem_gib(), **versions(*packages)}
+
+
+def stop_session(proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Stop a server started in a session of its own (`start_new_session=True`): SIGTERM, then its whole group."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -193,10 +193,10 @@ def test_a_failing_step_ends_every_row_with_the_error(parts, monkeypatch):
 def test_the_step_clock_gives_each_row_the_steps_it_ran_in_and_their_rows(parts):
     engine = make_engine(parts)
     first, second = Recorder(), Recorder()
-    a = engine.add(prompt_ids(engine, PROMPTS[0]), SamplingParams(max_tokens=6, temperature=0.0), first)
+    engine.add(prompt_ids(engine, PROMPTS[0]), SamplingParams(max_tokens=6, temperature=0.0), first)
     engine.step()  # a alone: its prompt whole, its first token
     engine.step()
-    b = engine.add(prompt_ids(engine, PROMPTS[1]), SamplingParams(max_tokens=2, temperature=0.0), second)
+    engine.add(prompt_ids(engine, PROMPTS[1]), SamplingParams(max_tokens=2, temperature=0.0), second)
     t0 = time.perf_counter()
     while engine.has_work:
         engine.step()

@@ -70,8 +70,8 @@ def test_the_ingress_accounts_the_actors_compute_dtype_not_the_files(bf16_zqs, s
     from actors.actor_config import ActorConfig
     from serve_app.config import ModelSpec
     from serve_app.loaded_model import load_model
-    from weights_tool.reader import ShardReader
     from weights_tool.architecture import ModelConfig
+    from weights_tool.reader import ShardReader
 
     with ShardReader(bf16_zqs) as reader:
         config = ModelConfig.from_hf(reader.config)
