@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.compute_dtype import COMPUTE_DTYPE_SETTINGS
+from actors.compute_dtype import check_setting
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class ActorConfig:
     compute_threads: int = 1
     # The dtype the model computes in (actors/compute_dtype.py): "auto" keeps the file's dtype
     # except on a CPU without native 16-bit arithmetic, where a bf16 model computes several
-    # times slower than in fp32 (benchmarks/results/dtype.md) and is widened, at 2x its memory.
+    # times slower than in fp32 (benchmarks/results/engine.md) and is widened, at 2x its memory.
     compute_dtype: str = "auto"
     # Rows a hot actor runs at once (the policy's max_batch: the ingress sets both from one value).
     max_batch: int = 8
@@ -64,9 +64,7 @@ class ActorConfig:
     idle_trim_after_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.compute_dtype not in COMPUTE_DTYPE_SETTINGS:
-            raise ValueError(f"ActorConfig.compute_dtype must be one of {', '.join(COMPUTE_DTYPE_SETTINGS)}, "
-                             f"got {self.compute_dtype!r}")
+        check_setting(self.compute_dtype)
         if self.warm_layers is not None and self.warm_layers < 0:
             raise ValueError(f"ActorConfig.warm_layers must be >= 0, got {self.warm_layers}")
         if self.max_batch < 1 or self.prefill_chunk_tokens < 1 or self.warm_prompt_tokens < 1:

@@ -2,8 +2,9 @@
 
 A CPU without native bf16 arithmetic (no AVX512-BF16 or AMX; AVX2-only parts) converts every
 bf16 operand to fp32 inside each kernel, and torch's bf16 matmuls there run several times
-slower than fp32 ones over the same weights (benchmarks/results/dtype.md: 3.6x for a decode
-step of 8 rows, 6.9x for a 256-token prefill chunk, SmolLM2-135M's shapes). On such a CPU the
+slower than fp32 ones over the same weights (benchmarks/results/engine.md, SmolLM2-135M on such
+a CPU: a 128-token prefill 6.3x, a decode step of 16 rows 2.6x; only a lone row is faster in
+bf16, 0.78x, its bytes being half). On such a CPU the
 server computes in fp32, at twice the weights' and KV cache's memory, which the ingress
 accounts for (`ModelNumbers.from_config(config, dtype)`). GPUs compute the file's dtype.
 
@@ -22,13 +23,18 @@ from weights_tool.dtypes import MODEL_DTYPES
 COMPUTE_DTYPE_SETTINGS = ("auto", "model", *MODEL_DTYPES)
 
 
+def check_setting(setting: str) -> None:
+    """ValueError naming the settings unless `setting` is one of them."""
+    if setting not in COMPUTE_DTYPE_SETTINGS:
+        raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPE_SETTINGS)}, got {setting!r}")
+
+
 def resolve_compute_dtype(setting: str, file_dtype: str, device_type: str, *, is_cpu_native: bool) -> str:
     """The model dtype to build the model in; `is_cpu_native`: this CPU computes `file_dtype` natively.
 
     Pure: the caller probes the CPU (`cpu_computes_natively`) and says which device.
     """
-    if setting not in COMPUTE_DTYPE_SETTINGS:
-        raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPE_SETTINGS)}, got {setting!r}")
+    check_setting(setting)
     if setting == "model":
         return file_dtype
     if setting == "auto":

@@ -83,7 +83,7 @@ class IngressMetrics:
             return {"count": 0}
         densities = sorted(d for d, _ in self._recent_density)
         n = len(densities)
-        return {"count": n, "p10": round(densities[int(0.1 * n)], 3), "p50": round(densities[int(0.5 * n)], 3),
+        return {"count": n, "p10": round(_rank(densities, 0.1), 3), "p50": round(_rank(densities, 0.5), 3),
                 "mean_step_rows": round(sum(r for _, r in self._recent_density) / n, 2)}
 
     def dispatch_jitter_us(self) -> dict[str, float | int]:
@@ -93,7 +93,12 @@ class IngressMetrics:
             return {"count": 0}
 
         def q(p: float) -> float:
-            return round(xs[min(len(xs) - 1, int(p * len(xs)))], 1)
+            return round(_rank(xs, p), 1)
 
         return {"count": len(xs), "p50": q(0.5), "p99": q(0.99), "max": round(xs[-1], 1),
                 "jitter": round(q(0.99) - q(0.5), 1)}
+
+
+def _rank(xs: list[float], p: float) -> float:
+    """The value at rank p (0..1) of sorted, non-empty `xs`: /health's recent figures."""
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
