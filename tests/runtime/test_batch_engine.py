@@ -7,11 +7,11 @@ re-drawn at a larger std so that greedy choices are far from ties.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
 
+from actors import engine as engine_module
 from actors.checkpoint import load_hf_checkpoint
 from actors.engine import BatchFullError, Engine, FinishEvent, StartEvent, TokenEvent
 from actors.sampling import SamplingParams
@@ -190,24 +190,22 @@ def test_a_failing_step_ends_every_row_with_the_error(parts, monkeypatch):
     assert not engine.has_work
 
 
-def test_the_step_clock_gives_each_row_the_steps_it_ran_in_and_their_rows(parts):
+def test_the_step_clock_gives_each_row_the_steps_it_ran_in_and_their_rows(parts, monkeypatch):
+    # Every step lasts 0.25 s by the clock: what is checked is which steps count for which row.
+    monkeypatch.setattr(engine_module._StepClock, "seconds", lambda self: 0.25)
     engine = make_engine(parts)
     first, second = Recorder(), Recorder()
     engine.add(prompt_ids(engine, PROMPTS[0]), SamplingParams(max_tokens=6, temperature=0.0), first)
     engine.step()  # a alone: its prompt whole, its first token
     engine.step()
     engine.add(prompt_ids(engine, PROMPTS[1]), SamplingParams(max_tokens=2, temperature=0.0), second)
-    t0 = time.perf_counter()
     while engine.has_work:
         engine.step()
-    elapsed_with_b = time.perf_counter() - t0
     done_a, done_b = first.events[-1], second.events[-1]
     assert isinstance(done_a, FinishEvent) and isinstance(done_b, FinishEvent)
     # a: 6 steps (one a token each), b joined for 2 of them; b: those 2 steps, both with a.
-    assert (done_a.num_steps, done_a.num_step_rows) == (6, 6 + 2)
-    assert (done_b.num_steps, done_b.num_step_rows) == (2, 4)
-    assert 0 < done_b.engine_s < done_a.engine_s  # b's steps are a subset of a's
-    assert done_b.engine_s <= elapsed_with_b
+    assert (done_a.num_steps, done_a.num_step_rows, done_a.engine_s) == (6, 6 + 2, 6 * 0.25)
+    assert (done_b.num_steps, done_b.num_step_rows, done_b.engine_s) == (2, 4, 2 * 0.25)
 
 
 def test_compute_density_is_engine_time_over_the_time_in_the_system():
