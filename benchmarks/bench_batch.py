@@ -55,12 +55,12 @@ class Plan:
     chunk: int  # prefill_chunk_tokens
 
 
-def _prompt(n: int, seed: int) -> list[int]:
+def random_prompt(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, 30000, (n,), generator=g).tolist()
 
 
-def _null(event) -> None:
+def raise_errors(event) -> None:
     if isinstance(event, BaseException):
         raise event
 
@@ -68,7 +68,7 @@ def _null(event) -> None:
 def step_time(engine: Engine, batch: int, context: int, steps: int) -> float:
     """Median seconds of one decode step with `batch` rows of `context` prompt tokens each."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
-    rows = [engine.add(_prompt(context, i), params, _null) for i in range(batch)]
+    rows = [engine.add(random_prompt(context, i), params, raise_errors) for i in range(batch)]
     while any(r.num_prefilled < len(r.prompt) for r in rows) or any(r.num_out == 0 for r in rows):
         engine.step()
     engine.step()  # one decode step untimed: first-touch of this size's buffers
@@ -87,10 +87,10 @@ def step_time(engine: Engine, batch: int, context: int, steps: int) -> float:
 def join_stall(engine: Engine, prompt: int, running: int, steps_before: int = 3) -> float:
     """The longest step `running` decoding rows see while a `prompt`-token request joins them."""
     params = SamplingParams(max_tokens=2000, temperature=0.0)
-    rows = [engine.add(_prompt(64, i), params, _null) for i in range(running)]
+    rows = [engine.add(random_prompt(64, i), params, raise_errors) for i in range(running)]
     for _ in range(steps_before + 2):
         engine.step()
-    joiner = engine.add(_prompt(prompt, 99), SamplingParams(max_tokens=4, temperature=0.0), _null)
+    joiner = engine.add(random_prompt(prompt, 99), SamplingParams(max_tokens=4, temperature=0.0), raise_errors)
     longest = 0.0
     while joiner.num_out == 0:
         t0 = time.perf_counter()

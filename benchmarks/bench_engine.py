@@ -40,17 +40,6 @@ PROMPT_TOKENS = 128
 DTYPES = ("bfloat16", "float32")
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    import torch
-
-    return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _null(event) -> None:
-    if isinstance(event, BaseException):
-        raise event
-
-
 def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, barrier=None) -> dict:
     """In a fresh process: prefill seconds of one prompt, and the median decode step per batch size."""
     import torch
@@ -58,14 +47,15 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     from actors.engine import Engine
     from actors.layer_loader import load_zqs
     from actors.sampling import SamplingParams
-    from benchmarks.bench_batch import step_time
+    from benchmarks.bench_batch import raise_errors, random_prompt, step_time
 
     torch.set_num_threads(threads)
     model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=dtype)
     engine = Engine(model, tokenizer, max_batch=max(batches), prefill_chunk_tokens=1_000_000)
     out: dict = {"dtype": str(model.dtype).removeprefix("torch."), "prefill_s": [], "step_s": {}}
     for attempt in range(3):  # the first touches every buffer; the later two are timed
-        row = engine.add(_prompt(PROMPT_TOKENS, attempt), SamplingParams(max_tokens=1, temperature=0.0), _null)
+        row = engine.add(random_prompt(PROMPT_TOKENS, attempt), SamplingParams(max_tokens=1, temperature=0.0),
+                         raise_errors)
         t0 = time.perf_counter()
         while engine.has_work:
             engine.step()

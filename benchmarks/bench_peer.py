@@ -1,7 +1,8 @@
 """zeroqueue against llama.cpp's server on the same model and machine, driven by GuideLLM, in one run.
 
-    bash benchmarks/peer/setup.sh                 # once: GuideLLM's venv and llama.cpp's server (~10 min)
-    .venv/bin/python -m benchmarks.bench_peer     # ~11 min; writes benchmarks/results/peer.md, .json, .png
+    bash benchmarks/peer/setup.sh                 # once: GuideLLM's venv and a CMake build of llama.cpp's server
+    .venv/bin/python -m benchmarks.bench_peer     # 11 min; writes benchmarks/results/peer.md, .json, .png
+    .venv/bin/python -m benchmarks.bench_peer --report-only   # the report again, from the kept JSON
 
 Each server runs alone on the machine, one after the other: zeroqueue as `make serve` runs it
 (`serve run configs/serve.yaml`), then `llama-server` with its usual setup (8 parallel slots, 2
@@ -20,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import httpx
 
 from actors.actor_config import ActorConfig
 from benchmarks.common import cores, cpu_model, load_average, stop_session, version_of
+from benchmarks.load_stats import percentile
 
 log = logging.getLogger("bench_peer")
 MODEL = "smollm2-135m-instruct"
@@ -48,8 +48,8 @@ class Server:
     command: list[str]
     # The load generator shares the 2 cores with the server: it runs at the priority the server
     # computes at, so that it takes its CPU from each server's compute alike. (zeroqueue's actors
-    # compute at nice 19 and llama.cpp at 0; GuideLLM at 0 beside actors at 19 would take a core
-    # from zeroqueue's compute alone: tried, 16 of 30 served at 1 req/s, 11 s a request.)
+    # compute at nice 19 and llama.cpp at 0; GuideLLM at 0 beside actors at 19 would take its CPU,
+    # most of a core, from zeroqueue's compute alone.)
     client_nice: int
 
 
@@ -137,18 +137,17 @@ def summarise(path: Path, slo_ttft_s: float) -> dict:
     bench = json.loads(zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes()))["benchmarks"][0]
     served = bench["requests"]["successful"]
     totals = bench["metrics"]["request_totals"]
-    ttft = sorted(r["time_to_first_token_ms"] / 1e3 for r in served)
+    ttft = [r["time_to_first_token_ms"] / 1e3 for r in served]
     itl = [r["inter_token_latency_ms"] / 1e3 for r in served if r["inter_token_latency_ms"] is not None]
     duration = bench["duration"]
 
     def pct(values: list[float], q: float) -> float | None:
-        return values[max(0, math.ceil(q * len(values)) - 1)] if values else None  # nearest rank
+        return percentile(values, q) if values else None
 
     return {
         "sent": totals["total"], "served": totals["successful"], "failed": totals["errored"],
         "unfinished": totals["incomplete"],
-        "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
-        "itl_p50_s": statistics.median(itl) if itl else None,
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50),
         "output_tokens_per_s": sum(r["output_tokens"] for r in served) / duration,
         "goodput_per_s": sum(t <= slo_ttft_s for t in ttft) / duration,
         "duration_s": duration,
@@ -191,8 +190,17 @@ def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.0f}"
 
 
-def report(data: dict, args: argparse.Namespace, command: str, elapsed_s: float) -> str:
+def resummarise(data: dict) -> dict:
+    """`data` (peer.json) with every row summarised again from the GuideLLM JSON kept beside it."""
+    servers = {name: {rate: summarise(RESULTS / "peer" / f"{name}-{rate}.json.zst", data["slo_ttft_s"])
+                      | {"load_before": row["load_before"]} for rate, row in rows.items()}
+               for name, rows in data["servers"].items()}
+    return data | {"servers": servers}
+
+
+def report(data: dict) -> str:
     zq, peer = data["servers"]["zeroqueue"], data["servers"]["llama.cpp"]
+    command, elapsed_s = data["command"], data["elapsed_s"]
     lines = [
         "# zeroqueue against llama.cpp's server: the same model, machine and GuideLLM profile, in one run",
         "",
@@ -206,13 +214,13 @@ def report(data: dict, args: argparse.Namespace, command: str, elapsed_s: float)
         "as `actor.compute_dtype: auto` decides). llama.cpp: `llama-server` on the wheel's GGUF converted to BF16, "
         "8 parallel slots, 2 threads, its queue unbounded.",
         "",
-        f"Load: GuideLLM {args.guidellm_version}, constant rate, {args.seconds} s per rate, streamed chat "
+        f"Load: GuideLLM {data['guidellm_version']}, constant rate, {data['seconds']} s per rate, streamed chat "
         "completions, ~128 prompt tokens, 16 output tokens, its default body (`ignore_eos`, continuous usage).",
         "",
         "GuideLLM shares the machine with each server, at the CPU priority that server computes at (nice 19 "
         "beside zeroqueue's actors, 0 beside llama.cpp), so it takes its CPU from both alike.",
         "",
-        f"Goodput: served requests with TTFT <= {args.slo_ttft_s:g} s, per second of the run.",
+        f"Goodput: served requests with TTFT <= {data['slo_ttft_s']:g} s, per second of the run.",
         "",
         "| rate (req/s) | server | sent | served | refused / failed | unfinished | TTFT P50 (ms) | TTFT P99 (ms) "
         "| ITL P50 (ms) | output tok/s | goodput (req/s) |",
@@ -262,8 +270,8 @@ def plot(data: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # From light load to twice the peer's capacity on a 2-core CPU machine (~2 req/s: a first run at
-    # 1-20 req/s had llama.cpp serving 61 of 91 at 3 req/s and queueing the rest).
+    # From light load to twice the peer's capacity on a 2-core CPU machine (~2 req/s: results/peer.md,
+    # where llama.cpp starts to queue).
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 1, 2, 4])
     parser.add_argument("--seconds", type=int, default=40)
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
@@ -271,22 +279,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", type=Path, default=PEER_DIR / "models/smollm2-135m-instruct-bf16.gguf")
     parser.add_argument("--llama-server", type=Path, default=PEER_DIR / "bin/llama-server")
     parser.add_argument("--guidellm", type=Path, default=PEER_DIR / "guidellm/bin/guidellm")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite peer.md/.png from peer.json and the GuideLLM JSON kept, measuring nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.report_only:
+        return _write(resummarise(json.loads((RESULTS / "peer.json").read_text())))
     missing = [p for p in (args.zqs, args.gguf, args.llama_server, args.guidellm) if not p.exists()]
     if missing:
         print(f"missing: {', '.join(map(str, missing))}; `make serve` packs the model and "
               "`bash benchmarks/peer/setup.sh` installs the tools", file=sys.stderr)
         return 2
-    args.guidellm_version = subprocess.run([str(args.guidellm.with_name("python")), "-c",
-                                            "import importlib.metadata as m; print(m.version('guidellm'))"],
-                                           capture_output=True, text=True).stdout.strip()
+    version = subprocess.run([str(args.guidellm.with_name("python")), "-c",
+                              "import importlib.metadata as m; print(m.version('guidellm'))"],
+                             capture_output=True, text=True).stdout.strip()
     command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_peer", *(argv or sys.argv[1:])])
     t0 = time.monotonic()
     data = measure(args)
-    text = report(data, args, command, time.monotonic() - t0)
+    return _write({"command": command, "elapsed_s": time.monotonic() - t0, "guidellm_version": version,
+                   "seconds": args.seconds, "slo_ttft_s": args.slo_ttft_s, **data})
+
+
+def _write(data: dict) -> int:
+    text = report(data)
     (RESULTS / "peer.md").write_text(text)
-    (RESULTS / "peer.json").write_text(json.dumps({"command": command, **data}, indent=1))
+    (RESULTS / "peer.json").write_text(json.dumps(data, indent=1))
     plot(data, RESULTS / "peer.png")
     print(text)
     return 0
