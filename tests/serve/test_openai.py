@@ -203,7 +203,7 @@ GUIDELLM = Path(__file__).parents[2] / ".cache/peer/guidellm/bin/guidellm"
 
 
 @pytest.mark.skipif(not GUIDELLM.exists(), reason="GuideLLM is not installed here (bash benchmarks/peer/setup.sh "
-                                                   "installs it; it pulls ~1.5 GB the suite does not need)")
+                                                   "installs it, with a torch of its own the suite does not need)")
 def test_guidellm_with_its_default_body_and_health_check_gets_no_error(zq, tiny_checkpoint, tmp_path):
     from benchmarks.bench_peer import GUIDELLM_ENV, guidellm_command
 
