@@ -1,6 +1,6 @@
 """The engine's settings on the served model, side by side in one run: compute dtype, threads per slot, batch.
 
-    .venv/bin/python -m benchmarks.bench_engine           # ~5 min; writes benchmarks/results/engine.md (+ .json)
+    .venv/bin/python -m benchmarks.bench_engine           # 11 min; writes benchmarks/results/engine.md (+ .json)
     .venv/bin/python -m benchmarks.bench_engine --quick   # a harness check; writes .cache/bench/engine/
 
 The model `make serve` serves (SmolLM2-135M-Instruct, stored bf16) through the actors' engine
