@@ -150,6 +150,7 @@ class Engine:
         self._inbox: list[Row] = []  # added, joining at the next step boundary
         self._lock = threading.Lock()
         self._next_id = 0
+        self._clock = _StepClock(self.device)
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize and validate; raises before any compute. Returns the prompt token ids."""
@@ -207,7 +208,8 @@ class Engine:
             return
         plan = plan_step([RowProgress(r.id, len(r.prompt), r.num_prefilled) for r in self._rows],
                          self.prefill_chunk_tokens)
-        clock = _StepClock(self.device)
+        clock = self._clock
+        clock.start()
         rows, tokens, inputs = [], [], []
         for row, (_, n) in zip(self._rows, plan, strict=True):
             if row.num_prefilled < len(row.prompt):
@@ -353,15 +355,19 @@ class Engine:
 
 class _StepClock:
     """One step's compute time: CUDA events on a GPU (the device's own time, not the host's
-    launches), the host's clock on a CPU (the step computes on the calling thread)."""
+    launches), the host's clock on a CPU (the step computes on the calling thread).
+    One per engine, restarted every step (the stepping thread's alone)."""
 
     def __init__(self, device: torch.device) -> None:
         self._events = None
         if device.type == "cuda":
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._start = self._end = 0.0
+
+    def start(self) -> None:
+        if self._events is not None:
             self._events[0].record()
         self._start = time.perf_counter()
-        self._end = self._start
 
     def stop(self) -> None:
         """Mark the step's end (its work queued on the device; `seconds` waits for it)."""

@@ -25,11 +25,11 @@ class LoadedModel:
     numbers: ModelNumbers
     max_context: int
     created_at: float
+    compute_dtype: str  # what the actors compute in (actors/compute_dtype.py)
     ttft_target_s: float | None = None
     total_target_s: float | None = None
     tpot_target_s: float | None = None
     warm_layers: int = 0  # a warm actor's layers resident before its request
-    compute_dtype: str = "float32"  # what the actors compute in (actors/compute_dtype.py)
 
 
 def load_model(spec: ModelSpec, actor: ActorConfig) -> LoadedModel:
