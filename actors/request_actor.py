@@ -45,6 +45,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,7 +68,7 @@ from actors.messages import (
 from actors.model import EMBEDDINGS_GROUP, WaitLayer
 from actors.peak_memory import PeakMemory
 from actors.priority import lower_threads
-from actors.telemetry_agent import AgentReporter
+from actors.telemetry_agent import NO_REPORTER, AgentReporter
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +99,16 @@ class _Cold:
 
 class RequestActor:
     def __init__(self, zqs_path: str, config: ActorConfig, device: str | None = None,
-                 warm_layers: int | None = None):
+                 warm_layers: int | None = None, *, name: str | None = None,
+                 on_exit: Callable[[], None] | None = None):
+        """`name` and `on_exit` run the actor outside Ray (serve_app/local_cluster.py): named by its
+        owner, and ended by it (`on_exit` runs once the actor is done), with no telemetry agent."""
         import torch
 
         from actors.layer_loader import stream_zqs
 
-        self.name = _own_name()
+        self.name = name or _own_name()
+        self._on_exit = on_exit
         self.config = config
         self._state = _State()
         self._state.enter(Phase.STARTING)
@@ -114,8 +119,9 @@ class RequestActor:
         self._idle_trimmer = IdleTrimmer(config.idle_trim_after_s)
         if device is None:
             device = "cuda" if config.num_gpus > 0 and torch.cuda.is_available() else "cpu"
-        if device == "cpu" and config.cpu_nice:
-            lower_threads(config.cpu_nice)  # a no-op where the worker started niced (actor_options)
+        # A no-op where the worker started niced (actor_options). Not in-process: that would lower its host.
+        if device == "cpu" and config.cpu_nice and on_exit is None:
+            lower_threads(config.cpu_nice)
         self._streamed = stream_zqs(zqs_path, device=device, num_threads=config.load_threads,
                                     warm_layers=warm_layers, compute_dtype=config.compute_dtype)
         self._warm_layers = warm_layers
@@ -127,13 +133,14 @@ class RequestActor:
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self._model.parameters())
         is_cuda = str(device).startswith("cuda")
         self._peak = PeakMemory(is_cuda)
-        self._reporter = AgentReporter(self.name, config.namespace, is_cuda)
+        self._reporter = AgentReporter(self.name, config.namespace, is_cuda) if on_exit is None else NO_REPORTER
         self._reporter.report(self._weight_bytes)
         self._stream_open = True
         self._is_loaded = False  # every group resident (then cached: it never goes back)
         self._cold: _Cold | None = None  # the first request's part in loading; set once it arrives
         self._keep_hot = False  # what the latest request asked for
         self._is_failed = False
+        self._is_closed = False
         self._state.enter(Phase.LOADING)
         log.info("%s: streaming %s onto %s", self.name, Path(zqs_path).name, device)
 
@@ -373,13 +380,23 @@ class RequestActor:
         self._reporter.report(self._accounted_bytes())
 
     def _exit(self) -> None:
+        self.close()
+        if self._on_exit is not None:
+            self._on_exit()
+            return
         import ray
 
+        ray.get_runtime_context().current_actor.shutdown.remote()
+
+    def close(self) -> None:
+        """Stop computing and let go of everything (its process, under Ray, ends after this)."""
+        if self._is_closed:
+            return
+        self._is_closed = True
         self._state.enter(Phase.EXITED)
         self._runner.close()
         self._reporter.forget()
         self._streamed.close()
-        ray.get_runtime_context().current_actor.shutdown.remote()
 
 
 def _coalesce(items: list) -> list:

@@ -267,3 +267,16 @@ class AgentReporter:
                 self._agent.forget.remote(self._actor_name)
             except Exception:
                 log.warning("%s: could not withdraw its memory report", self._actor_name, exc_info=True)
+
+
+class _NoReporter:
+    """An actor outside Ray (an in-process cluster) has no agent to tell."""
+
+    def report(self, accounted_bytes: int) -> None:
+        pass
+
+    def forget(self) -> None:
+        pass
+
+
+NO_REPORTER = _NoReporter()

@@ -1,13 +1,14 @@
 """Admission: decide and place one request, and hand its row to the relay and to rows.py.
 
-The ingress (app.py) validates a request and hands it here:
-  1. `registry.admit(features)`: the pure `decide()` and the reservation it implies, in
-     one atomic call on the shared registry actor (no replica can over-commit a slot or a
-     batch) — or a 503 at once when the registry does not answer within `registry_timeout_s`;
-  2. act: call the idle hot actor, add a row to a hot actor's batch, bind a warm actor, or
-     create an actor on the reserved slot (first killing the idle actors the decision
-     evicts; placement.py) — or refuse with 503 `overloaded_error` and the registry's
-     predicted `retry-after`;
+The ingress (app.py) validates a request and hands it here; everything it asks of the
+world goes through the cluster port (cluster.py: Ray's, or the in-process one):
+  1. `cluster.admit(features)`: the pure `decide()` and the reservation it implies, in
+     one atomic step on the shared registry (no replica can over-commit a slot or a
+     batch) — or a 503 at once when the registry does not answer within its deadline;
+  2. act: open the actor's stream — on the idle hot actor, as one more row of a hot
+     actor's batch, on a bound warm actor, or on an actor created on the reserved slot
+     (after killing the idle actors the decision evicts) — or refuse with 503
+     `overloaded_error` and the registry's predicted `retry-after`;
   3. wait for the actor's `Started` (relay.py); from then on the row is the relay's, and
      rows.py releases it once however it ends.
 
@@ -16,10 +17,6 @@ that leaves (or a deadline) while the decision or the placement is in flight aba
 (the registry undoes an admission it sees after its abandonment too); once the relay owns
 the row, `Rows.end` runs exactly once. An actor lost before the client saw anything of
 its answer costs one attempt, and the request is decided again (`run`).
-
-The registry link (registry_link.py) survives the registry's deaths: a new registry gets
-this deployment's policy and scorer and the rows still running here (`_hand_over`).
-Warm pools are refilled on a background thread (warm_filler.py), never awaited by a request.
 """
 
 from __future__ import annotations
@@ -29,26 +26,17 @@ import dataclasses
 import logging
 import time
 
-import ray
-
 from actors.actor_names import new_actor_name
 from actors.messages import ActorRequest, Completion
 from serve_app import errors, traces
+from serve_app.cluster import ActorGone, Cluster, NewActor, RegistryUnavailable
 from serve_app.config import IngressConfig
 from serve_app.decisions import Bind, Reject, Spawn
 from serve_app.loaded_model import LoadedModel
 from serve_app.metrics import IngressMetrics
-from serve_app.offload import within
-from serve_app.placement import Placer
-from serve_app.registry_actor import RegistryActor, get_registry
-from serve_app.registry_link import RegistryLink
 from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Relay
 from serve_app.rows import Admitted, Rows
-from serve_app.scorer import Scorer
-from serve_app.slots import SlotRefresher
 from serve_app.snapshot import ClusterSnapshot, ClusterSummary, summarize
-from serve_app.warm_filler import WarmFiller
-from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,38 +46,17 @@ MAX_ATTEMPTS = 3
 
 
 class Admission:
-    def __init__(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer, replica_id: str,
-                 metrics: IngressMetrics, actor_cls: type, registry_cls: type[RegistryActor]) -> None:
-        self.config, self.models, self.scorer, self.metrics = config, models, scorer, metrics
-        self.replica_id = replica_id
-        self.registry = RegistryLink(lambda: get_registry(config.registry, config.policy, scorer, registry_cls),
-                                     replica_id, heartbeat_s=config.registry_heartbeat_s,
-                                     probe_timeout_s=config.registry_probe_timeout_s)
-        self.placer = Placer(actor_cls, config.actor, timeout_s=config.placement_timeout_s)
-        policy = config.policy
-        self.warm_filler = WarmFiller(
-            self.registry,
-            [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes) for m in models.values()],
-            {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in models},
-            self._create_warm, new_actor_name, refresh_s=config.warm_refresh_s,
-            ready_timeout_s=config.actor.load_timeout_s)
-        self.rows = Rows(self.registry, self.placer, metrics, config.policy, replica_id,
-                         drain_timeout_s=config.token_timeout_s,
-                         traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None,
-                         on_slot_freed=self.warm_filler.wake)
+    def __init__(self, config: IngressConfig, models: dict[str, LoadedModel], cluster: Cluster,
+                 metrics: IngressMetrics, replica_id: str) -> None:
+        self.config, self.models, self.cluster, self.metrics = config, models, cluster, metrics
+        self.rows = Rows(cluster, metrics, config.policy, replica_id, drain_timeout_s=config.token_timeout_s,
+                         traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None)
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, self.rows)
-        # The first heartbeat hands this deployment's policy and scorer, and the slots, to the registry
-        # (a redeploy's new policy takes effect here); then slots, telemetry and the link are kept current.
-        self.slot_refresher = SlotRefresher(self.registry, config.slots, config.actor, config.telemetry,
-                                            slot_refresh_s=config.slot_refresh_s,
-                                            telemetry_refresh_s=config.telemetry_refresh_s,
-                                            on_new_incarnation=self._hand_over)
-        self.slot_refresher.start()
+        cluster.start(self.rows.handed_over)
         try:
             self._gauges: asyncio.Task | None = asyncio.get_running_loop().create_task(self._refresh_gauges())
         except RuntimeError:  # no event loop: constructed outside a Serve replica (tests of the class itself)
             self._gauges = None
-        self.warm_filler.start()  # once the slots are registered: the pools fill onto them
 
     @property
     def num_running(self) -> int:
@@ -97,26 +64,9 @@ class Admission:
 
     async def close(self) -> None:
         """The replica stops: stop refilling, and detach (the last replica takes every actor with it)."""
-        self.registry.close()  # before detaching: a registry gone with the app is not re-created
         if self._gauges is not None:
             self._gauges.cancel()
-        self.warm_filler.stop()
-        self.placer.close()
-        try:
-            await asyncio.wait_for(self.registry.detach.remote(self.replica_id), timeout=30)
-        except Exception:  # the registry shut itself down while answering, or is gone already
-            log.info("registry detach of %s ended without an answer", self.replica_id)
-
-    def _hand_over(self) -> None:
-        """A new registry (first seen, restarted, or re-created): this deployment's policy and scorer,
-        and the rows this replica still relays, so their actors are not killed as orphans.
-        On the slot refresher's thread, after the slots were registered."""
-        ray.get(self.registry.configure.remote(self.config.policy, self.scorer), timeout=30)
-        rows, idle = self.rows.handed_over()
-        if rows or idle:
-            taken = ray.get(self.registry.adopt.remote(rows, idle), timeout=30)
-            log.warning("handed %d of %d running rows and idle hot actors to the new registry", len(taken),
-                        len(rows) + len(idle))
+        await self.cluster.close()
 
     def summary(self, snap: ClusterSnapshot) -> ClusterSummary:
         """The registry's view in counts; the gauges follow it (also set each heartbeat, below)."""
@@ -130,10 +80,10 @@ class Admission:
         reach it out of order, and Ray then holds that caller's later calls (registry_actor.admit)."""
         while True:
             await asyncio.sleep(self.config.registry_heartbeat_s)
-            if not self.registry.is_available:
+            if not self.cluster.is_available:
                 continue
             try:
-                self.summary(await within(self.registry.snapshot.remote(), self.config.registry_timeout_s * 4))
+                self.summary(await self.cluster.snapshot(self.config.registry_timeout_s * 4))
             except Exception:  # the registry is restarting or busy: the next round sets them
                 log.debug("gauges not refreshed this round", exc_info=True)
 
@@ -156,7 +106,8 @@ class Admission:
                             attempt, MAX_ATTEMPTS)
                 if attempt == MAX_ATTEMPTS:
                     raise errors.overloaded(lost.message, LOST_RETRY_AFTER_S) from None
-                await self._reconcile()  # a lost node's slots are gone before the next decision
+                # A lost node's slots are gone before the next decision.
+                await self.cluster.reconcile(self.config.registry_timeout_s * 4)
         raise AssertionError("unreachable")
 
     async def _place(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float,
@@ -184,25 +135,21 @@ class Admission:
         self.metrics.admissions.inc(tags={"model": model.id, "tier": _tier(decision)})
         actor_request = dataclasses.replace(actor_request, keep_hot=decision.keep_hot)
         name = spawn_name if isinstance(decision, Spawn) else decision.actor_name
+        new = NewActor(model.zqs_path, decision.node_id, decision.evict) if isinstance(decision, Spawn) else None
+        for taken in (decision.evict if new is not None else (name,)):
+            self.rows.taken(taken)  # an idle actor is busy now, evicted, or lost
         try:
-            if isinstance(decision, Spawn):
-                handle = await self.placer.create(name, model.zqs_path, decision.node_id, evict=decision.evict)
-                if decision.evict:
-                    self.metrics.evictions.inc(len(decision.evict), tags={"model": model.id})
-                for evicted in decision.evict:
-                    self.rows.taken(evicted)
-            else:  # Dispatch, Join or Bind: an actor that exists
-                self.rows.taken(name)  # busy now, or lost
-                handle = await self.placer.handle(name)
-        except ValueError:  # no such actor: it died and the registry has not noticed yet
-            self.registry.finish.remote(name, request_id, "failed")  # forget it
+            stream = await self.cluster.open(name, actor_request, new)
+        except ActorGone:  # it died and the registry has not noticed yet
+            self.cluster.finish(name, request_id, "failed")  # forget it
             raise ActorLost(503, "overloaded_error", "the model's process was lost; retry") from None
         except BaseException:  # a deadline, or the client left: nothing was sent, give the row back
-            self.registry.abandon.remote(request_id)
+            self.cluster.abandon(request_id)
             raise
+        if new is not None and new.evict:
+            self.metrics.evictions.inc(len(new.evict), tags={"model": model.id})
         if isinstance(decision, Bind):
-            self.warm_filler.wake()  # its pool is one short now
-        stream = handle.generate.remote(actor_request)
+            self.cluster.wake_warm()  # its pool is one short now
         dispatch_time = time.time()
         self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
         resident = decision.resident_bytes if isinstance(decision, Spawn) else \
@@ -216,48 +163,25 @@ class Admission:
         return admitted
 
     async def _admit(self, features, spawn_name: str, request_id: str):
-        """The registry's decision, or a 503 at once when it does not answer within `registry_timeout_s`
-        (or is known not to answer: until the link's next heartbeat is answered, nothing is asked)."""
-        if not self.registry.is_available:
+        """The registry's decision, or a 503 at once when it does not answer in time (or is known not to
+        answer: until the cluster's next heartbeat is answered, nothing is asked)."""
+        if not self.cluster.is_available:
             raise self._registry_unavailable()
         try:
-            decision = await within(
-                self.registry.admit.remote(features, spawn_name, request_id, self.slot_refresher.take_stats(),
-                                           self.replica_id, self.registry.incarnation),
-                self.config.registry_timeout_s)
+            return await self.cluster.admit(features, spawn_name, request_id)
         except asyncio.CancelledError:  # the client left: whatever the admission commits is undone
-            self.registry.abandon.remote(request_id)
+            self.cluster.abandon(request_id)
             raise
-        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            # Calls from this replica reach the registry in order, and a registry remembers what was
-            # abandoned before it was admitted: nothing stays reserved for a request that was refused.
-            self.registry.abandon.remote(request_id)
-            # Late: probe, and go on admitting. Gone: refuse at once until a heartbeat (which re-creates one
-            # gone for good) is answered.
-            self.registry.unanswered(e)
-            log.warning("request %s: the registry did not decide in time (%s)", request_id, type(e).__name__)
+        except RegistryUnavailable as e:
+            self.cluster.abandon(request_id)  # an answer that comes late commits nothing
+            log.warning("request %s: the registry did not decide in time (%s)", request_id, e)
             raise self._registry_unavailable() from None
-        if isinstance(decision, Reject) and decision.reason == "registry_restarted":
-            self.registry.lost()  # the heartbeat hands this replica's rows over; admissions resume after it
-            raise self._registry_unavailable()
-        return decision
 
     def _registry_unavailable(self) -> errors.ApiError:
         self.metrics.rejections.inc(tags={"reason": "registry_unavailable"})
         # Back within a heartbeat or two (a restart, or a new registry) when it comes back at all.
         return errors.overloaded("the admission registry is unavailable; retry shortly",
                                  max(self.config.policy.retry_after_s, self.config.registry_heartbeat_s))
-
-    async def _reconcile(self) -> None:
-        try:
-            await within(self.registry.reconcile_now.remote(), self.config.registry_timeout_s * 4)
-        except Exception:  # best effort: the registry's own loop does the same within a second
-            log.info("reconcile before a retry did not answer in time")
-
-    def _create_warm(self, name: str, fill: WarmFill):
-        """The warm filler's thread: a warm actor of `fill.model` on its slot."""
-        model = self.models[fill.model]
-        return self.placer.create_now(name, model.zqs_path, fill.node_id, model.warm_layers)
 
 
 def _tier(decision) -> str:

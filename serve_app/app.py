@@ -11,7 +11,9 @@ Chat Completions routes come in OpenAI's shape.
 
 Nothing here waits for capacity: every await is on work already placed, and has a deadline.
 `build_app(args)` is the app builder `configs/serve.yaml` names by `import_path`;
-`Ingress.bind(config, actor_cls=..., registry_cls=...)` is the seam where tests inject faults.
+`Ingress.bind(config, cluster=spec)` chooses the cluster behind admission (cluster.py): Ray's
+by default, with the seam where tests inject faulty actors and registries, or the in-process
+one (local_cluster.py) that the HTTP tests drive through `asgi_app` with no Serve at all.
 """
 
 from __future__ import annotations
@@ -26,27 +28,27 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-import ray
 from ray import serve
+from ray.util import metrics as ray_metrics
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from actors.messages import ActorRequest, Completion, TextChunk
 from actors.priority import control_plane_runtime_env
-from actors.request_actor import RequestActor
 from actors.sampling import SamplingParams
 from actors.tokenizer import Tokenizer
 from serve_app import api, errors, model_list, openai_api, openai_sse, sse
 from serve_app.admission import Admission
+from serve_app.cluster import ClusterSpec, RegistryUnavailable
 from serve_app.config import AppArgs, IngressConfig, ingress_config
 from serve_app.errors import ApiError
 from serve_app.latency_targets import request_targets
 from serve_app.loaded_model import LoadedModel, load_model
 from serve_app.memory import request_features
 from serve_app.metrics import IngressMetrics
-from serve_app.offload import BoundedExecutor, within
+from serve_app.offload import BoundedExecutor
 from serve_app.prompt import count_prompt_tokens, prompt_for
-from serve_app.registry_actor import RegistryActor
+from serve_app.ray_cluster.cluster import RayClusterSpec
 from serve_app.relay import RelayedStream
 from serve_app.rows import Admitted
 from serve_app.scorer import RuleScorer
@@ -93,12 +95,10 @@ def _timing(t: float) -> str:
     health_check_period_s=5,
 )
 class Ingress:
-    def __init__(self, config: IngressConfig, actor_cls: type = RequestActor,
-                 registry_cls: type[RegistryActor] = RegistryActor) -> None:
-        """`actor_cls` and `registry_cls` are the fault seam: tests inject actors and registries that
-        stall, die on cue or answer slowly; `build_app` binds the real ones."""
+    def __init__(self, config: IngressConfig, cluster: ClusterSpec | None = None) -> None:
+        """`cluster`: what admission places requests on (cluster.py); Ray's real one by default."""
         self.config = config
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(ray_metrics)
         self.models = {m.id: load_model(m, config.actor) for m in config.models}
         # Loaded (and validated) here; a missing or invalid model means the rule, with a warning.
         scorer = load_scorer(config.scorer_path)
@@ -107,10 +107,10 @@ class Ingress:
         self.replica_id = _replica_id()
         self._parser = BoundedExecutor("request parsing", max_threads=2, max_pending=8,
                                        timeout_s=config.body_timeout_s)
-        self.admission = Admission(config, self.models, scorer, self.replica_id, self.metrics, actor_cls,
-                                   registry_cls)
-        log.info("zeroqueue ingress: models %s, %d slots", list(self.models),
-                 len(self.admission.slot_refresher.slots))
+        spec = cluster if cluster is not None else RayClusterSpec()
+        self.admission = Admission(config, self.models, spec.build(config, self.models, scorer, self.replica_id),
+                                   self.metrics, self.replica_id)
+        log.info("zeroqueue ingress: models %s, %d slots", list(self.models), self.admission.cluster.num_slots)
 
     async def __del__(self) -> None:
         """Serve stops this replica: the last one to go takes every actor with it (admission.py)."""
@@ -220,9 +220,8 @@ class Ingress:
 
     async def _health(self) -> dict:
         try:
-            snap = await within(self.admission.registry.snapshot.remote(), self.config.registry_timeout_s)
-        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            self.admission.registry.unanswered(e)
+            snap = await self.admission.cluster.snapshot(self.config.registry_timeout_s)
+        except RegistryUnavailable:
             raise errors.overloaded("the admission registry is unavailable; retry shortly",
                                     self.config.policy.retry_after_s) from None
         summary = self.admission.summary(snap)

@@ -28,7 +28,7 @@ from actors.actor_config import ActorConfig
 from actors.telemetry import TelemetryConfig
 from serve_app.latency_targets import MAX_TARGET_S
 from serve_app.policy import PolicyConfig
-from serve_app.registry_actor import RegistryConfig
+from serve_app.registry import RegistryConfig
 from serve_app.scorer import RuleScorer
 from serve_app.traces import TraceConfig
 from weights_tool.demo import resolve_zqs

@@ -1,4 +1,5 @@
-"""The ingress's metrics, through Ray's metrics system (exported for Prometheus by every Ray node).
+"""The ingress's metrics, through the metrics system the app hands in: Ray's (`ray.util.metrics`,
+exported for Prometheus by every Ray node, which also records nothing harmlessly outside Ray).
 
 Names are prefixed `zq_`; Ray exports them as `ray_zq_*`. `configs/grafana.json` charts them.
 """
@@ -6,8 +7,7 @@ Names are prefixed `zq_`; Ray exports them as `ray_zq_*`. `configs/grafana.json`
 from __future__ import annotations
 
 from collections import deque
-
-from ray.util import metrics
+from types import ModuleType
 
 from serve_app.snapshot import ClusterSummary
 
@@ -17,7 +17,8 @@ _SECONDS_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64
 
 
 class IngressMetrics:
-    def __init__(self, window: int = 1024) -> None:
+    def __init__(self, metrics: ModuleType, window: int = 1024) -> None:
+        """`metrics`: a module with Ray's `Counter`, `Histogram` and `Gauge` (ray.util.metrics)."""
         self.dispatch_latency = metrics.Histogram(
             "zq_dispatch_latency_seconds", "Arrival to decision acted on (actor called or request refused).",
             boundaries=_LATENCY_BOUNDARIES, tag_keys=("model",))

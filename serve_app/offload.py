@@ -39,7 +39,9 @@ async def within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
     except BaseException:
         if not future.done():
             future.cancel()
-            future.add_done_callback(_retrieve)
+        # Also one that finished as we stopped waiting (a client leaving as the item arrives): nobody reads
+        # its exception now, and one left unread is logged by a finalizer, at whatever moment GC runs.
+        future.add_done_callback(_retrieve)
         raise
 
 

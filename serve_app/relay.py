@@ -1,6 +1,7 @@
 """An admitted request's answer, item by item from its actor's stream, with a deadline on every wait.
 
-The actor streams `Started`, `TextChunk`s, then one `Completion` (actors/request_actor.py).
+The actor streams `Started`, `TextChunk`s, then one `Completion` (actors/request_actor.py),
+through the cluster port's `ActorStream` (cluster.py), whose typed endings map to API errors here.
 `Relay.first` waits for the `Started` (the actor began computing); `Relay.answer` gives the
 rest as an `Answer`, whose `next()` returns each `TextChunk` and then the `Completion`:
 typed items, which the ingress writes as one JSON body, as either API's stream
@@ -23,11 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 from starlette.responses import StreamingResponse
 
-from actors.messages import ActorBusyError, Completion, Started, TextChunk
+from actors.messages import Completion, Started, TextChunk
 from serve_app import errors
+from serve_app.cluster import StreamBusy, StreamEnded, StreamFailed, StreamLost
 from serve_app.errors import ApiError
 from serve_app.offload import within
 from serve_app.rows import Admitted, Outcome, Rows
@@ -92,7 +93,7 @@ class Relay:
         if is_answer_started:  # told in the stream: no response status will count it
             admitted.error = error
         self.rows.end(admitted, outcome_of(e))
-        if _is_lost(e) and not is_answer_started:
+        if isinstance(e, StreamLost) and not is_answer_started:
             return ActorLost(error.status, error.type, error.message, error.headers)
         return error
 
@@ -100,7 +101,7 @@ class Relay:
         # Until its first token, an actor that is loading its weights may take as long as a load does.
         is_loading = admitted.num_chunks == 0 and admitted.tier != "hot"
         timeout = self.start_timeout_s if is_loading else self.token_timeout_s
-        item = await within(_next_item(admitted.stream), timeout)
+        item = await within(admitted.stream.next(), timeout)
         if isinstance(item, TextChunk):
             admitted.num_chunks += 1
             if admitted.num_chunks == 1:
@@ -148,55 +149,35 @@ class Answer:
         return await self.next()
 
 
-async def _next_item(stream):
-    """The stream's next item: one deadline covers its arrival and its value."""
-    ref = await stream.__anext__()
-    return await ref
-
-
-def is_busy_refusal(e: BaseException) -> bool:
-    """The actor turned the row away (ActorBusyError): nothing ran, the actor is fine."""
-    return isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ActorBusyError)
-
-
 def outcome_of(e: BaseException) -> Outcome:
-    if isinstance(e, (asyncio.CancelledError, GeneratorExit, ray.exceptions.TaskCancelledError)) \
-            or is_busy_refusal(e):
+    """How a row whose stream raised `e` is released: only the client's leaving, a cancelled call or a
+    row the actor turned away is "cancelled"; anything else fails the actor."""
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
         return "cancelled"
-    return "failed"
+    return e.outcome if isinstance(e, StreamEnded) else "failed"
 
 
 def as_api_error(e: BaseException) -> ApiError:
     """What the client is told. Internal names and exception texts stay in the log (with the request id)."""
     if isinstance(e, ApiError):
         return e
-    if is_busy_refusal(e):
+    if isinstance(e, StreamBusy):
         return errors.overloaded("the chosen actor could not take the request after all", BUSY_RETRY_AFTER_S)
     if isinstance(e, asyncio.TimeoutError):
         return errors.timeout("the model did not answer in time")
-    if _is_lost(e):
+    if isinstance(e, StreamLost):
         # A process lost (killed, out of memory, its node gone) is capacity lost, not a bug: retry.
         return errors.overloaded("the model's process was lost while serving the request; retry",
                                  LOST_RETRY_AFTER_S)
-    if isinstance(e, ray.exceptions.RayActorError):  # its constructor raised: the model cannot be loaded
+    if isinstance(e, StreamFailed) and e.is_load_failure:
+        # Its model file missing or cut short fails the same way on every placement: a server fault.
         return errors.api_error("the model could not be loaded")
     return errors.api_error("the model failed while serving the request")
 
 
-def _is_lost(e: BaseException) -> bool:
-    """The actor is gone, or could never be placed (its node died after the registry chose it).
-
-    Not an actor whose constructor raised (its model file missing or cut short): that fails the same way
-    on every placement, so it is a server fault (500), not capacity to retry elsewhere.
-    """
-    if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:
-        return False
-    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError))
-
-
 def _describe(e: BaseException) -> str:
-    if isinstance(e, ray.exceptions.RayTaskError):
-        return f"{type(e.cause).__name__}: {e.cause}"
+    if isinstance(e, StreamEnded):
+        return f"{type(e).__name__}: {e.detail}"
     return f"{type(e).__name__}: {e}"
 
 

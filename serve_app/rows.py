@@ -23,19 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import ray
 
 from actors.messages import Completion, Started
 from serve_app import traces
+from serve_app.cluster import ActorStream, Cluster
 from serve_app.decisions import Decision, Spawn
 from serve_app.errors import ApiError
 from serve_app.metrics import IngressMetrics
 from serve_app.offload import within
-from serve_app.placement import Placer
 from serve_app.policy import PolicyConfig
 from serve_app.registry import AdoptedActor, AdoptedRow, Outcome
 from serve_app.snapshot import RequestFeatures
@@ -60,7 +56,7 @@ class Admitted:
     keep_hot: bool
     tier: str  # "hot" (an idle or batching actor), "warm" (a bound warm actor) or "cold" (a fresh one)
     input_tokens: int
-    stream: Any  # ray ObjectRefGenerator
+    stream: ActorStream
     arrival: float
     dispatch_time: float
     features: RequestFeatures | None = None
@@ -80,14 +76,12 @@ class Admitted:
 
 
 class Rows:
-    def __init__(self, registry: Any, placer: Placer, metrics: IngressMetrics, policy: PolicyConfig,
-                 replica_id: str, *, drain_timeout_s: float, traces_writer: traces.TraceWriter | None,
-                 on_slot_freed: Callable[[], None]) -> None:
-        self._registry, self._placer, self._metrics, self._policy = registry, placer, metrics, policy
+    def __init__(self, cluster: Cluster, metrics: IngressMetrics, policy: PolicyConfig, replica_id: str, *,
+                 drain_timeout_s: float, traces_writer: traces.TraceWriter | None) -> None:
+        self._cluster, self._metrics, self._policy = cluster, metrics, policy
         self._replica_id = replica_id
         self._drain_timeout_s = drain_timeout_s
         self._traces = traces_writer
-        self._on_slot_freed = on_slot_freed  # the warm filler's wake: a pool may refill there
         self._running: dict[str, Admitted] = {}  # request id -> the request, from placement to its end
         self._idle: dict[str, AdoptedActor] = {}  # hot actors this replica last saw go idle
         self._releasing: set[asyncio.Task] = set()  # rows given up, released once their stream has ended
@@ -105,7 +99,7 @@ class Rows:
 
     def first_token(self, admitted: Admitted) -> None:
         if admitted.tier != "hot":  # every weight is resident now: starting -> busy, and it may batch
-            self._registry.actor_started.remote(admitted.actor_name)
+            self._cluster.actor_started(admitted.actor_name)
 
     def completed(self, admitted: Admitted, done: Completion) -> None:
         admitted.completion = done
@@ -132,9 +126,9 @@ class Rows:
         if outcome == "complete":  # the actor let the row go before it sent the Completion
             self._finish(admitted, outcome)
         else:
-            ray.cancel(admitted.stream)  # the row leaves the batch at the actor's next step
+            admitted.stream.cancel()  # the row leaves the batch at the actor's next step
             if outcome == "failed":
-                self._placer.forget(admitted.actor_name)
+                self._cluster.forget(admitted.actor_name)
                 self._finish(admitted, outcome)  # the registry forgets the actor and kills it
             else:
                 task = asyncio.get_running_loop().create_task(self._finish_when_gone(admitted, outcome))
@@ -164,13 +158,13 @@ class Rows:
 
     async def _finish_when_gone(self, admitted: Admitted, outcome: Outcome) -> None:
         try:
-            await within(_drain(admitted.stream), self._drain_timeout_s)
+            await within(admitted.stream.drain(), self._drain_timeout_s)
         except Exception:  # cancelled, failed or timed out: the actor's row is gone or the actor is
             pass
         self._finish(admitted, outcome)
 
     def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
-        self._registry.finish.remote(admitted.actor_name, admitted.request_id, outcome)
+        self._cluster.finish(admitted.actor_name, admitted.request_id, outcome)
         if outcome == "complete" and admitted.keep_hot and admitted.decision is not None:
             d = admitted.decision
             self._idle[admitted.actor_name] = AdoptedActor(admitted.actor_name, admitted.model_id, d.slot_id,
@@ -180,8 +174,8 @@ class Rows:
         if outcome != "complete" or not admitted.keep_hot:
             self._idle.pop(admitted.actor_name, None)
             if outcome == "complete":  # it exits by itself after its last row
-                self._placer.forget(admitted.actor_name)
-            self._on_slot_freed()
+                self._cluster.forget(admitted.actor_name)
+            self._cluster.wake_warm()  # a pool may refill on the slot freed
 
     def _adopted_row(self, a: Admitted) -> AdoptedRow:
         d, f = a.decision, a.features
@@ -192,7 +186,3 @@ class Rows:
                           d.prediction.total_s + a.arrival if d.prediction is not None else a.arrival,
                           self._policy.busy_timeout_s(f, not is_started), self._replica_id)
 
-
-async def _drain(stream) -> None:
-    async for _ in stream:
-        pass

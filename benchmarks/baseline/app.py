@@ -47,7 +47,7 @@ from serve_app import api, errors, sse
 from serve_app.config import AppArgs, ingress_config, resolve_model_path
 from serve_app.errors import ApiError
 from serve_app.prompt import prompt_for
-from serve_app.slots import discover_slots
+from serve_app.ray_cluster.slots import discover_slots
 from serve_app.streaming import event_stream
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from actors.messages import Started, TextChunk
 from actors.request_actor import RequestActor
-from serve_app.registry_actor import RegistryActor
+from serve_app.ray_cluster.registry_actor import RegistryActor
 
 _FAULT = re.compile(r"fault:([a-z-]+)")
 _ONCE = re.compile(r"once:(\S+)")

@@ -22,6 +22,7 @@ def deploy(port: int, app: str, namespace: str, zqs_path: str, *, actor_cls: typ
     """The real ingress on real Serve and HTTP, with the given fault classes bound at its seam."""
     from serve_app.app import Ingress
     from serve_app.config import AppArgs, ingress_config
+    from serve_app.ray_cluster.cluster import RayClusterSpec
 
     parsed = AppArgs.model_validate({
         "models": [{"id": MODEL, "zqs_path": str(zqs_path)}],
@@ -32,7 +33,7 @@ def deploy(port: int, app: str, namespace: str, zqs_path: str, *, actor_cls: typ
     seams = {k: v for k, v in {"actor_cls": actor_cls, "registry_cls": registry_cls}.items() if v is not None}
     return run_app(port, app, Ingress.options(num_replicas=parsed.num_replicas,
                                               graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s)
-                   .bind(ingress_config(parsed), **seams))
+                   .bind(ingress_config(parsed), cluster=RayClusterSpec(**seams)))
 
 
 def body(text: str = "hi", max_tokens: int = 8, stream: bool = False) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.registry_actor import RegistryConfig
+from serve_app.registry import RegistryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = Path(__file__).with_name("node_loss_scenario.py")

@@ -82,7 +82,7 @@ def test_a_lost_registry_means_fast_503s_then_service_again_and_the_running_stre
 
 
 def test_an_idle_hot_actor_is_handed_to_a_restarted_registry_not_killed_as_an_orphan(zq, ray_cluster):
-    from serve_app.registry_actor import RegistryConfig
+    from serve_app.registry import RegistryConfig
 
     ray = ray_cluster
     assert call(zq, body()).is_complete

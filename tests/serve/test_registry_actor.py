@@ -10,8 +10,8 @@ import pytest
 
 from serve_app.decisions import Reject, Spawn
 from serve_app.policy import PolicyConfig
-from serve_app.registry import SlotSpec
-from serve_app.registry_actor import RegistryConfig, get_registry
+from serve_app.ray_cluster.registry_actor import get_registry
+from serve_app.registry import RegistryConfig, SlotSpec
 from serve_app.snapshot import RequestFeatures
 from tests.helpers import policy
 
@@ -189,8 +189,8 @@ def test_a_restarted_registry_refuses_a_replicas_admissions_until_that_replica_h
     """Ray restarts the registry empty. Between the heartbeat that sees it and the end of the hand-over,
     an admission from the same replica would be decided on books that lack the replica's running rows
     (and could place onto their slot): it is refused; once the rows are handed over, it is served."""
+    from serve_app.ray_cluster.registry_link import RegistryLink
     from serve_app.registry import AdoptedRow
-    from serve_app.registry_link import RegistryLink
 
     ray = ray_cluster
     registry = make_registry()

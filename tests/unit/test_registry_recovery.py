@@ -126,7 +126,7 @@ class _Handle:
 def test_a_link_whose_registry_did_not_answer_is_unavailable_until_a_heartbeat_is_answered(monkeypatch):
     import ray
 
-    from serve_app.registry_link import RegistryLink
+    from serve_app.ray_cluster.registry_link import RegistryLink
 
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: "incarnation-1")
     link = RegistryLink(_Handle, "replica-1")
@@ -141,7 +141,7 @@ def test_a_link_whose_registry_did_not_answer_is_unavailable_until_a_heartbeat_i
 def test_a_late_answer_keeps_the_link_available_and_only_an_unanswered_probe_stops_admissions(monkeypatch):
     import ray
 
-    from serve_app.registry_link import RegistryLink
+    from serve_app.ray_cluster.registry_link import RegistryLink
 
     answers = iter(["incarnation-1", TimeoutError("no answer within the probe's deadline"), "incarnation-1"])
     timeouts: list[float] = []
@@ -171,7 +171,8 @@ def test_a_late_answer_keeps_the_link_available_and_only_an_unanswered_probe_sto
 
 def test_a_restarted_registry_refuses_a_replica_that_has_not_handed_over_and_serves_one_that_has():
     from serve_app.decisions import Reject
-    from serve_app.registry_actor import RegistryActor, RegistryConfig
+    from serve_app.ray_cluster.registry_actor import RegistryActor
+    from serve_app.registry import RegistryConfig
 
     registry = RegistryActor(RegistryConfig(reconcile_interval_s=3600.0), POLICY)
     try:
@@ -189,7 +190,7 @@ def test_a_restarted_registry_refuses_a_replica_that_has_not_handed_over_and_ser
 def test_a_link_stays_unavailable_and_on_the_old_incarnation_until_its_hand_over_succeeds(monkeypatch):
     import ray
 
-    from serve_app.registry_link import RegistryLink
+    from serve_app.ray_cluster.registry_link import RegistryLink
 
     answers = iter(["incarnation-1", "incarnation-2", "incarnation-2"])
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: next(answers))

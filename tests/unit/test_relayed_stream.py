@@ -14,13 +14,16 @@ from serve_app.streaming import event_stream
 
 
 class _Stream:
-    """An actor stream that never yields: the body would wait on it for ever."""
+    """An actor stream (cluster.ActorStream) that never yields: the body would wait on it for ever."""
 
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
+    async def next(self):
         await asyncio.sleep(3600)
+
+    def cancel(self) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
 
 
 def _admitted() -> Admitted:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from actors.telemetry import DeviceTelemetry, NodeTelemetry
+from serve_app.ray_cluster.slots import slot_stats
 from serve_app.registry import SlotSpec
-from serve_app.slots import slot_stats
 
 
 def _device(node: str, kind: str, index: int, fragmentation: float, utilization: float) -> DeviceTelemetry:

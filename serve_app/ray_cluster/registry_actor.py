@@ -45,12 +45,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import ray
 
 from actors.actor_kill import kill_named
-from actors.actor_names import REGISTRY_NAME, is_request_actor_name
+from actors.actor_names import is_request_actor_name
 from actors.priority import control_plane_runtime_env
 from serve_app.decisions import Decision, Reject
 from serve_app.policy import PolicyConfig
@@ -59,6 +58,7 @@ from serve_app.registry import (
     AdoptedRow,
     Outcome,
     ReconcileReport,
+    RegistryConfig,
     RegistryState,
     SlotSpec,
 )
@@ -67,30 +67,6 @@ from serve_app.snapshot import ClusterSnapshot, RequestFeatures
 from serve_app.warm_pool import WarmFill, WarmSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RegistryConfig:
-    name: str = REGISTRY_NAME
-    namespace: str = "zeroqueue"  # where the registry lives
-    actor_namespace: str = "zeroqueue"  # where request actors live (ActorConfig.namespace)
-    reconcile_interval_s: float = 1.0
-    # An actor is committed before it is created; creation shows in Ray's table within
-    # milliseconds, so this only has to outlast a slow ingress between commit and spawn.
-    spawn_grace_s: float = 10.0
-    # An ingress replica not heard from for this long is gone; with none left, everything goes.
-    replica_lease_s: float = 120.0
-    # After a (re)start, how long the replicas have to hand their running rows back before
-    # unknown actors are killed as orphans: five heartbeats, where a hand-over needs one; short,
-    # because until then an orphan holds a slot.
-    adopt_grace_s: float = 5.0
-    # A replica not heard from for this long (ten heartbeats) is gone: the rows it relayed are released.
-    replica_silence_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not self.reconcile_interval_s > 0 or not self.replica_lease_s > 0 or self.adopt_grace_s < 0:
-            raise ValueError(f"reconcile_interval_s and replica_lease_s must be > 0 and adopt_grace_s >= 0, got "
-                             f"{self.reconcile_interval_s}, {self.replica_lease_s}, {self.adopt_grace_s}")
 
 
 class RegistryActor:

@@ -1,4 +1,4 @@
-"""Bad input over real HTTP: oversized bodies, huge header sets, deep nesting, out-of-range and malformed
+"""Bad input over real HTTP (uvicorn, as Serve's proxy runs it, over the in-process cluster): oversized bodies, huge header sets, deep nesting, out-of-range and malformed
 parameters. Each is refused with its documented status and error type, carrying its request id, within a
 stated bound, before any work, and leaves no reservation, actor or thread behind.
 
@@ -18,12 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import SERVE_PORT
-from tests.reliability import harness
-from tests.reliability.harness import MODEL, Ending, assert_documented_error, assert_nothing_left
+from tests.ingress.local import MODEL, LocalServer, assert_nothing_left, serve_locally
+from tests.reliability.harness import Ending, assert_documented_error
 
-NAMESPACE = "zq-bad-input-tests"
-PORT = SERVE_PORT
 HOST = "127.0.0.1"
 KEY_ENV = "ZQ_BAD_INPUT_TEST_KEY"
 KEY = "zq-bad-input-key-2b7e19"
@@ -120,29 +117,27 @@ def messages_body(**fields: Any) -> dict:
 class Deployed:
     client: Client
     threads: int  # the replica's threads once the happy path has run
-
-
-CLIENT = Client(PORT, KEY)
+    server: LocalServer
 
 
 @pytest.fixture(scope="module")
-def zq(ray_cluster, tiny_zqs):
+def zq(tiny_zqs):
     with pytest.MonkeyPatch.context() as env:
-        # Before deploy: `ingress_config` resolves `api_key_env` here, in this driver, at bind time.
+        # Before the app is built: `ingress_config` resolves `api_key_env` then.
         env.setenv(KEY_ENV, KEY)
-        harness.deploy(PORT, "zeroqueue-bad-input", NAMESPACE, tiny_zqs, api_key_env=KEY_ENV,
-                       max_body_bytes=MAX_BODY_BYTES)
-        try:
-            warm = CLIENT.post("/v1/messages", messages_body())
-            assert warm.status == 200, warm  # the happy path runs, and the pools have their threads
-            yield Deployed(CLIENT, CLIENT.health()["replica"]["threads"])
-        finally:
-            harness.undeploy(ray_cluster, NAMESPACE)
+        server = serve_locally(tiny_zqs, api_key_env=KEY_ENV, max_body_bytes=MAX_BODY_BYTES)
+    try:
+        client = Client(int(server.base.rsplit(":", 1)[1]), KEY)
+        warm = client.post("/v1/messages", messages_body())
+        assert warm.status == 200, warm  # the happy path runs, and the pools have their threads
+        yield Deployed(client, client.health()["replica"]["threads"], server)
+    finally:
+        server.stop()
 
 
-def assert_clean(zq: Deployed, ray) -> None:
+def assert_clean(zq: Deployed) -> None:
     """No reservation, busy actor or orphan left, and no thread beyond the pools' own."""
-    assert_nothing_left(ray, NAMESPACE)
+    assert_nothing_left(zq.server)
     assert zq.client.health()["replica"]["threads"] <= zq.threads + MAX_POOL_THREADS
 
 
@@ -160,45 +155,45 @@ ROUTES_WITH_BODIES = ["/v1/messages", "/v1/messages/count_tokens"]
 # ---- 1. oversized bodies -------------------------------------------------------------------------------
 
 def _head(path: str, *headers: str) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", f"host: {HOST}:{PORT}", "content-type: application/json", *headers]
+    lines = [f"POST {path} HTTP/1.1", f"host: {HOST}", "content-type: application/json", *headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
 @pytest.mark.parametrize("path", ROUTES_WITH_BODIES)
-def test_a_declared_content_length_over_the_limit_is_a_413_before_the_body_is_sent(zq, ray_cluster, path):
+def test_a_declared_content_length_over_the_limit_is_a_413_before_the_body_is_sent(zq, path):
     # 100 MB declared, 1 KiB sent: the answer comes while the client still holds the rest.
     head = _head(path, f"x-api-key: {KEY}", f"content-length: {100 << 20}")
-    answer = CLIENT.send_partly(head, [b"{" + b" " * 1023])
+    answer = zq.client.send_partly(head, [b"{" + b" " * 1023])
     assert_refused(answer, 413, "request_too_large", naming=str(MAX_BODY_BYTES))
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 @pytest.mark.parametrize("path", ROUTES_WITH_BODIES)
-def test_a_chunked_body_growing_past_the_limit_is_a_413_before_it_ends(zq, ray_cluster, path):
+def test_a_chunked_body_growing_past_the_limit_is_a_413_before_it_ends(zq, path):
     # No Content-Length: 16 KiB chunks until just past the limit, and no final chunk ever. Sending little
     # more than the limit keeps every byte in flight within the sockets' buffers, whenever the server stops.
     chunk = b"a" * (16 << 10)
     parts = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (MAX_BODY_BYTES // len(chunk) + 1)
-    answer = CLIENT.send_partly(_head(path, f"x-api-key: {KEY}", "transfer-encoding: chunked"), parts)
+    answer = zq.client.send_partly(_head(path, f"x-api-key: {KEY}", "transfer-encoding: chunked"), parts)
     assert_refused(answer, 413, "request_too_large", naming=str(MAX_BODY_BYTES))
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
-def test_a_content_length_beyond_any_integer_is_refused_never_a_500(zq, ray_cluster):
+def test_a_content_length_beyond_any_integer_is_refused_never_a_500(zq):
     # The HTTP parser refuses it itself (a plain-text 400 from uvicorn), before the ingress sees it.
     head = _head("/v1/messages", f"x-api-key: {KEY}", "content-length: " + "9" * 30)
-    answer = CLIENT.send_partly(head, [b"{"])
+    answer = zq.client.send_partly(head, [b"{"])
     assert answer.status in (400, 413), answer
     if answer.error_type is not None:
         assert_refused(answer, 413, "request_too_large")
     assert answer.seconds < REFUSAL_BOUND_S
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
-def test_an_oversized_body_without_the_key_is_a_401_before_its_size_is_considered(zq, ray_cluster):
-    answer = CLIENT.send_partly(_head("/v1/messages", f"content-length: {100 << 20}"), [b"{"])
+def test_an_oversized_body_without_the_key_is_a_401_before_its_size_is_considered(zq):
+    answer = zq.client.send_partly(_head("/v1/messages", f"content-length: {100 << 20}"), [b"{"])
     assert_refused(answer, 401, "authentication_error")
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 # ---- 2. huge header sets -------------------------------------------------------------------------------
@@ -210,16 +205,16 @@ HUGE_HEADERS = {
 
 
 @pytest.mark.parametrize("name", HUGE_HEADERS)
-def test_a_huge_header_set_is_a_413_before_authentication(zq, ray_cluster, name):
+def test_a_huge_header_set_is_a_413_before_authentication(zq, name):
     """Serve's HTTP proxy (uvicorn on httptools, Ray 2.60) sets no limit on headers, so the ingress
     refuses them itself, first, key or no key."""
     # The socket's timeout is the bound: a hang would raise.
-    with_key = CLIENT.send("GET", "/v1/models", None, {**HUGE_HEADERS[name], **CLIENT.auth}, REFUSAL_BOUND_S)
-    without = CLIENT.send("GET", "/v1/models", None, HUGE_HEADERS[name], REFUSAL_BOUND_S)
+    with_key = zq.client.send("GET", "/v1/models", None, {**HUGE_HEADERS[name], **zq.client.auth}, REFUSAL_BOUND_S)
+    without = zq.client.send("GET", "/v1/models", None, HUGE_HEADERS[name], REFUSAL_BOUND_S)
     for answer in (with_key, without):
         assert_documented_error(answer, 413, "request_too_large")
         assert answer.seconds < REFUSAL_BOUND_S, answer
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 # ---- 3. nested JSON ------------------------------------------------------------------------------------
@@ -233,31 +228,31 @@ NESTINGS = {
 
 @pytest.mark.parametrize("path", ROUTES_WITH_BODIES)
 @pytest.mark.parametrize("name", NESTINGS)
-def test_json_nested_too_deeply_is_a_400(zq, ray_cluster, path, name):
-    answer = CLIENT.post(path, NESTINGS[name])
+def test_json_nested_too_deeply_is_a_400(zq, path, name):
+    answer = zq.client.post(path, NESTINGS[name])
     assert_refused(answer, 400, "invalid_request_error", naming="nested too deeply")
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
-def test_deep_but_parseable_nesting_in_an_ignored_field_is_served_or_refused_never_a_500(zq, ray_cluster):
+def test_deep_but_parseable_nesting_in_an_ignored_field_is_served_or_refused_never_a_500(zq):
     # 500 levels: within the JSON decoder's recursion limit, in `cache_control`, which takes any JSON value.
     deep = json.loads("[" * 500 + "]" * 500)
-    answer = CLIENT.post("/v1/messages", messages_body(cache_control={"deep": deep}))
+    answer = zq.client.post("/v1/messages", messages_body(cache_control={"deep": deep}))
     assert answer.status in (200, 400), answer
     if answer.status == 400:
         assert_refused(answer, 400, "invalid_request_error", bound_s=SERVED_BOUND_S)
     assert answer.seconds < SERVED_BOUND_S
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 # ---- 4. huge max_tokens --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("max_tokens", [2**20, 2**20 + 1, 2**31, 2**63, 10**12, 10**100, 0, -1, 1.5, True])
-def test_max_tokens_out_of_range_is_a_400_naming_it(zq, ray_cluster, max_tokens):
+def test_max_tokens_out_of_range_is_a_400_naming_it(zq, max_tokens):
     # 2**20 passes the schema's cap and is refused against the model's 2048-token window, naming it too.
-    answer = CLIENT.post("/v1/messages", messages_body(max_tokens=max_tokens))
+    answer = zq.client.post("/v1/messages", messages_body(max_tokens=max_tokens))
     assert_refused(answer, 400, "invalid_request_error", naming="max_tokens")
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 # ---- 5. many messages ----------------------------------------------------------------------------------
@@ -266,22 +261,22 @@ def _turns(n: int) -> list[dict]:
     return [{"role": ("user", "assistant")[i % 2], "content": "x"} for i in range(n)]
 
 
-def test_more_messages_than_the_cap_is_a_400(zq, ray_cluster):
+def test_more_messages_than_the_cap_is_a_400(zq):
     from serve_app.api import MAX_MESSAGES
 
     for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
-        answer = CLIENT.post(path, {"model": MODEL, "messages": _turns(MAX_MESSAGES + 1), **extra})
+        answer = zq.client.post(path, {"model": MODEL, "messages": _turns(MAX_MESSAGES + 1), **extra})
         assert_refused(answer, 400, "invalid_request_error", bound_s=BIG_BODY_BOUND_S, naming="messages")
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
-def test_messages_just_under_the_cap_beyond_the_context_window_are_a_400_naming_it(zq, ray_cluster):
+def test_messages_just_under_the_cap_beyond_the_context_window_are_a_400_naming_it(zq):
     from serve_app.api import MAX_MESSAGES
 
     turns = _turns(MAX_MESSAGES - 1)  # odd, so the last is the user's (not a prefill)
-    answer = CLIENT.post("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": turns})
+    answer = zq.client.post("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": turns})
     assert_refused(answer, 400, "invalid_request_error", bound_s=BIG_BODY_BOUND_S, naming="context window")
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 # ---- 6. bad parameters ---------------------------------------------------------------------------------
@@ -335,17 +330,17 @@ BAD_FIELDS = {  # name: (fields over a valid body, what the 400's message names)
 
 
 @pytest.mark.parametrize("name", BAD_FIELDS)
-def test_a_bad_parameter_is_a_400_naming_it(zq, ray_cluster, name):
+def test_a_bad_parameter_is_a_400_naming_it(zq, name):
     fields, naming = BAD_FIELDS[name]
-    answer = CLIENT.post("/v1/messages", messages_body(**fields))
+    answer = zq.client.post("/v1/messages", messages_body(**fields))
     assert_refused(answer, 400, "invalid_request_error", naming=naming)
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
-def test_an_unknown_model_is_a_404(zq, ray_cluster):
-    answer = CLIENT.post("/v1/messages", messages_body(model="no-such-model"))
+def test_an_unknown_model_is_a_404(zq):
+    answer = zq.client.post("/v1/messages", messages_body(model="no-such-model"))
     assert_refused(answer, 404, "not_found_error", naming="no-such-model")
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 @pytest.mark.parametrize(("fields", "status", "error_type", "naming"), [
@@ -354,12 +349,12 @@ def test_an_unknown_model_is_a_404(zq, ray_cluster):
     ({"messages": []}, 400, "invalid_request_error", "messages"),
     ({"messages": [{"role": "user", "content": 42}]}, 400, "invalid_request_error", "messages.0.content"),
 ], ids=["unknown-model", "max_tokens", "empty-messages", "content-a-number"])
-def test_a_bad_parameter_to_count_tokens_is_its_documented_4xx(zq, ray_cluster, fields, status, error_type,
+def test_a_bad_parameter_to_count_tokens_is_its_documented_4xx(zq, fields, status, error_type,
                                                                naming):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} | fields
-    answer = CLIENT.post("/v1/messages/count_tokens", body)
+    answer = zq.client.post("/v1/messages/count_tokens", body)
     assert_refused(answer, status, error_type, naming=naming)
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 MODELS_QUERIES = {
@@ -372,18 +367,18 @@ MODELS_QUERIES = {
 
 
 @pytest.mark.parametrize("name", MODELS_QUERIES)
-def test_a_bad_models_query_is_a_400(zq, ray_cluster, name):
-    answer = CLIENT.send("GET", f"/v1/models?{MODELS_QUERIES[name]}", headers=CLIENT.auth)
+def test_a_bad_models_query_is_a_400(zq, name):
+    answer = zq.client.send("GET", f"/v1/models?{MODELS_QUERIES[name]}", headers=zq.client.auth)
     assert_refused(answer, 400, "invalid_request_error")
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 @pytest.mark.parametrize("value", ["abc", "nan", "inf", "0", "-1", "86401", "1e400", "1" * 40, ""])
 @pytest.mark.parametrize("header", ["x-zq-ttft-target-s", "x-zq-total-target-s", "x-zq-tpot-target-s"])
-def test_a_bad_latency_target_header_is_a_400_naming_it(zq, ray_cluster, header, value):
-    answer = CLIENT.post("/v1/messages", messages_body(), headers={header: value})
+def test_a_bad_latency_target_header_is_a_400_naming_it(zq, header, value):
+    answer = zq.client.post("/v1/messages", messages_body(), headers={header: value})
     assert_refused(answer, 400, "invalid_request_error", naming=header)
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 def valid_body(path: str) -> dict:
@@ -419,11 +414,11 @@ BAD_BODIES = {  # name: (the valid body -> the bad one, what the message says, i
 
 @pytest.mark.parametrize("path", ROUTES_WITH_BODIES)
 @pytest.mark.parametrize("name", BAD_BODIES)
-def test_a_malformed_body_is_a_400(zq, ray_cluster, path, name):
+def test_a_malformed_body_is_a_400(zq, path, name):
     make, naming = BAD_BODIES[name]
-    answer = CLIENT.post(path, make(valid_body(path)))
+    answer = zq.client.post(path, make(valid_body(path)))
     assert_refused(answer, 400, "invalid_request_error", naming=naming)
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 @pytest.mark.parametrize("content_type", [
@@ -431,19 +426,19 @@ def test_a_malformed_body_is_a_400(zq, ray_cluster, path, name):
     "text/plain",  # what a browser sends cross-origin without a preflight
     "multipart/form-data; boundary=zq",
 ])
-def test_a_json_body_under_a_content_type_other_than_json_is_a_400(zq, ray_cluster, content_type):
+def test_a_json_body_under_a_content_type_other_than_json_is_a_400(zq, content_type):
     # The body is valid JSON: only its declared type is wrong. (A form-encoded body would be refused as
     # invalid JSON anyway; this checks that the content type itself is.)
-    answer = CLIENT.post("/v1/messages", messages_body(), headers={"content-type": content_type})
+    answer = zq.client.post("/v1/messages", messages_body(), headers={"content-type": content_type})
     assert_refused(answer, 400, "invalid_request_error", naming="content-type")
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 @pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
                                           "Application/JSON", None])
-def test_a_json_content_type_or_none_is_served(zq, ray_cluster, content_type):
-    headers = CLIENT.auth if content_type is None else {**CLIENT.auth, "content-type": content_type}
-    answer = CLIENT.send("POST", "/v1/messages", json.dumps(messages_body()).encode(), headers)
+def test_a_json_content_type_or_none_is_served(zq, content_type):
+    headers = zq.client.auth if content_type is None else {**zq.client.auth, "content-type": content_type}
+    answer = zq.client.send("POST", "/v1/messages", json.dumps(messages_body()).encode(), headers)
     assert answer.status == 200 and answer.data["type"] == "message", answer
     assert answer.seconds < SERVED_BOUND_S
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)

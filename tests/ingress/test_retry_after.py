@@ -17,44 +17,36 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import SERVE_PORT
+from tests.ingress.local import MODEL, serve_locally
 
-NAMESPACE = "zq-retry-tests"
-MODEL = "zq-tiny"
-PORT = SERVE_PORT
 # The refusal's figure against the registry's own prediction, seen from the client: the
 # request's round trip separates the two clocks' readings.
 TOLERANCE_S = 0.25
 
 
 @pytest.fixture(scope="module")
-def app(deploy_app, ray_cluster, tiny_zqs):
-    from serve_app.app import build_app
-
-    base = deploy_app(PORT, "zeroqueue-retry", build_app({
-        "models": [{"id": MODEL, "zqs_path": str(tiny_zqs)}],
-        "slots": {"kind": "cpu", "num_cpu_slots": 1, "cpu_slot_bytes": 1 << 30},
-        "policy": {"max_batch": 1, "max_hot_short_actors": 1, "actor_overhead_bytes": 1 << 20},
-        "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
-        "rule_scorer": {"actor_start_s": 8.0, "decode_s_per_token": 0.05},
-        "namespace": NAMESPACE,
-    }), NAMESPACE)
-    return base, ray_cluster.get_actor("zq-registry", namespace=NAMESPACE)
+def app(tiny_zqs):
+    server = serve_locally(
+        tiny_zqs, slots={"kind": "cpu", "num_cpu_slots": 1, "cpu_slot_bytes": 1 << 30},
+        policy={"max_batch": 1, "max_hot_short_actors": 1, "actor_overhead_bytes": 1 << 20},
+        rule_scorer={"actor_start_s": 8.0, "decode_s_per_token": 0.05})
+    yield server
+    server.stop()
 
 
 def _body(max_tokens: int) -> dict:
     return {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hello there"}]}
 
 
-def test_a_refusal_quotes_the_holders_predicted_end_and_a_retry_then_is_admitted(app, ray_cluster):
-    base, registry = app
+def test_a_refusal_quotes_the_holders_predicted_end_and_a_retry_then_is_admitted(app):
+    base = app.base
     held: list[httpx.Response] = []
     holder = threading.Thread(target=lambda: held.append(httpx.post(f"{base}/v1/messages", json=_body(40),
                                                                      timeout=120)))
     holder.start()
     # The holder's row is committed the moment it is admitted; its actor then needs seconds to start.
     deadline = time.monotonic() + 30
-    while not (rows := [r for a in ray_cluster.get(registry.snapshot.remote()).actors for r in a.rows]):
+    while not (rows := [r for a in app.books().actors for r in a.rows]):
         assert time.monotonic() < deadline, "the holder was never admitted"
         time.sleep(0.01)
     (row,) = rows

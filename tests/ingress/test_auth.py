@@ -1,4 +1,4 @@
-"""The API key on every route and path variant, over real HTTP: without the right key every request is the
+"""The API key on every route and path variant, over real HTTP (uvicorn over the in-process cluster): without the right key every request is the
 same 401 `authentication_error`, whatever its route, method or path (nothing about the routes leaks before
 authentication, never a 200, never a 500); with it, each gets its documented answer, and odd methods and
 paths a 404 `not_found_error`. Each answer comes within a stated bound and leaves nothing behind.
@@ -12,10 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.helpers import SERVE_PORT
-from tests.reliability import harness
-from tests.reliability.harness import MODEL, assert_nothing_left
-from tests.reliability.test_bad_input import (
+from tests.ingress.local import MODEL, LocalServer, assert_nothing_left, serve_locally
+from tests.ingress.test_bad_input import (
     MAX_POOL_THREADS,
     REFUSAL_BOUND_S,
     SERVED_BOUND_S,
@@ -25,11 +23,8 @@ from tests.reliability.test_bad_input import (
     valid_body,
 )
 
-NAMESPACE = "zq-auth-tests"
-PORT = SERVE_PORT
 KEY_ENV = "ZQ_AUTH_TEST_KEY"
 KEY = "zq-auth-key-9c41d07a"
-CLIENT = Client(PORT, KEY)
 
 ROUTES = {  # name: (method, path, what its documented answer holds)
     "messages": ("POST", "/v1/messages", lambda d: d["type"] == "message" and d["content"][0]["text"] != ""),
@@ -74,29 +69,31 @@ RIGHT_CREDENTIALS = {
 
 
 class Deployed:
-    def __init__(self, threads: int, refusal: Answer) -> None:
+    def __init__(self, server: LocalServer, client: Client, threads: int, refusal: Answer) -> None:
+        self.server, self.client = server, client
         self.threads = threads  # the replica's threads once the happy path has run
         self.refusal = refusal  # what a request without the key gets
 
 
 @pytest.fixture(scope="module")
-def zq(ray_cluster, tiny_zqs):
+def zq(tiny_zqs):
     with pytest.MonkeyPatch.context() as env:
-        env.setenv(KEY_ENV, KEY)  # before deploy: `ingress_config` resolves `api_key_env` here, at bind time
-        harness.deploy(PORT, "zeroqueue-auth", NAMESPACE, tiny_zqs, api_key_env=KEY_ENV)
-        try:
-            warm = CLIENT.post("/v1/messages", valid_body("/v1/messages"))
-            assert warm.status == 200, warm  # the happy path runs, and the pools have their threads
-            refusal = CLIENT.send("GET", "/v1/models")
-            assert_refused(refusal, 401, "authentication_error")
-            yield Deployed(CLIENT.health()["replica"]["threads"], refusal)
-        finally:
-            harness.undeploy(ray_cluster, NAMESPACE)
+        env.setenv(KEY_ENV, KEY)  # before the app is built: `ingress_config` resolves `api_key_env` then
+        server = serve_locally(tiny_zqs, api_key_env=KEY_ENV)
+    try:
+        client = Client(int(server.base.rsplit(":", 1)[1]), KEY)
+        warm = client.post("/v1/messages", valid_body("/v1/messages"))
+        assert warm.status == 200, warm  # the happy path runs, and the pools have their threads
+        refusal = client.send("GET", "/v1/models")
+        assert_refused(refusal, 401, "authentication_error")
+        yield Deployed(server, client, client.health()["replica"]["threads"], refusal)
+    finally:
+        server.stop()
 
 
-def assert_clean(zq: Deployed, ray) -> None:
-    assert_nothing_left(ray, NAMESPACE)
-    assert CLIENT.health()["replica"]["threads"] <= zq.threads + MAX_POOL_THREADS
+def assert_clean(zq: Deployed) -> None:
+    assert_nothing_left(zq.server)
+    assert zq.client.health()["replica"]["threads"] <= zq.threads + MAX_POOL_THREADS
 
 
 def assert_the_refusal(zq: Deployed, answer: Answer, what: str) -> None:
@@ -112,14 +109,14 @@ def assert_the_refusal(zq: Deployed, answer: Answer, what: str) -> None:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("route", ROUTES)
-def test_every_route_and_variant_needs_the_key_and_then_gets_its_documented_answer(zq, ray_cluster, route,
+def test_every_route_and_variant_needs_the_key_and_then_gets_its_documented_answer(zq, route,
                                                                                      shape):
     method, path, holds = ROUTES[route]
     method, path, is_route = SHAPES[shape](method, path)
     body = json.dumps(valid_body(ROUTES[route][1])).encode() if method == "POST" else None
 
     def send(credentials: dict[str, str]) -> Answer:
-        return CLIENT.send(method, path, body, {"content-type": "application/json", **credentials})
+        return zq.client.send(method, path, body, {"content-type": "application/json", **credentials})
 
     for name, credentials in WRONG_CREDENTIALS.items():
         answer = send(credentials)
@@ -143,7 +140,7 @@ def test_every_route_and_variant_needs_the_key_and_then_gets_its_documented_answ
             assert answer.seconds < REFUSAL_BOUND_S
         else:
             assert_refused(answer, 404, "not_found_error")
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)
 
 
 @pytest.mark.parametrize(("path", "host", "expected"), [
@@ -155,13 +152,13 @@ def test_every_route_and_variant_needs_the_key_and_then_gets_its_documented_answ
     ("/v1/models", "a b", 200),
 ], ids=["hash-in-path", "question-mark-in-path", "question-mark-after-model", "host-with-a-path",
         "host-unparseable", "host-with-a-space"])
-def test_odd_paths_and_host_headers_neither_change_the_route_nor_give_a_500(zq, ray_cluster, path, host,
+def test_odd_paths_and_host_headers_neither_change_the_route_nor_give_a_500(zq, path, host,
                                                                             expected):
     headers = {} if host is None else {"host": host}
-    assert_the_refusal(zq, CLIENT.send("GET", path, headers=headers, timeout=REFUSAL_BOUND_S), "no key")
-    answer = CLIENT.send("GET", path, headers={**headers, **CLIENT.auth}, timeout=REFUSAL_BOUND_S)
+    assert_the_refusal(zq, zq.client.send("GET", path, headers=headers, timeout=REFUSAL_BOUND_S), "no key")
+    answer = zq.client.send("GET", path, headers={**headers, **zq.client.auth}, timeout=REFUSAL_BOUND_S)
     if expected == 404:
         assert_refused(answer, 404, "not_found_error")
     else:
         assert answer.status == 200 and answer.request_id, answer
-    assert_clean(zq, ray_cluster)
+    assert_clean(zq)

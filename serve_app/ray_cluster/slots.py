@@ -30,8 +30,8 @@ from actors.actor_config import ActorConfig
 from actors.telemetry import NodeTelemetry, TelemetryConfig
 from actors.telemetry_agent import cluster_snapshot, ensure_agents
 from serve_app.config import SlotArgs
+from serve_app.ray_cluster.registry_link import RegistryLink
 from serve_app.registry import SlotSpec
-from serve_app.registry_link import RegistryLink
 
 log = logging.getLogger(__name__)
 

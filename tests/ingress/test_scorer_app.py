@@ -1,4 +1,4 @@
-"""The app with the XGBoost scorer, traces and latency targets, on real Ray Serve and real HTTP."""
+"""The app with the XGBoost scorer, traces and latency targets, on real HTTP over the in-process cluster."""
 
 from __future__ import annotations
 
@@ -8,32 +8,23 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import SERVE_PORT, request_actors, train_synthetic_scorer
-
-NAMESPACE = "zq-scorer-tests"
-MODEL = "zq-tiny"
-PORT = SERVE_PORT
+from tests.helpers import train_synthetic_scorer
+from tests.ingress.local import MODEL, serve_locally
 
 
 @pytest.fixture(scope="module")
-def app(deploy_app, tiny_zqs, tmp_path_factory):
-    from serve_app.app import build_app
+def app(tiny_zqs, tmp_path_factory):
     from serve_app.xgb_scorer import ScorerCard, save_model
 
     work = tmp_path_factory.mktemp("scorer-app")
     # Synthetic law (tests/helpers.py): hot TTFT ~0.1 s, cold ~2 s — unlike the rule's ~3 s.
     save_model(train_synthetic_scorer(), work / "scorer.ubj", ScorerCard(sha256=""))
     traces = work / "traces.jsonl"
-    base = deploy_app(PORT, "zeroqueue", build_app({
-        "models": [{"id": MODEL, "zqs_path": str(tiny_zqs), "total_target_s": 600}],
-        "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},
-        "policy": {"max_hot_short_actors": 1},
-        "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
-        "namespace": NAMESPACE,
-        "scorer_path": str(work / "scorer.ubj"),
-        "traces": {"enabled": True, "path": str(traces)},
-    }), NAMESPACE)
-    return base, traces
+    server = serve_locally(tiny_zqs, models=[{"id": MODEL, "zqs_path": str(tiny_zqs), "total_target_s": 600}],
+                           policy={"max_hot_short_actors": 1}, scorer_path=str(work / "scorer.ubj"),
+                           traces={"enabled": True, "path": str(traces)})
+    yield server, traces
+    server.stop()
 
 
 def _post(base, headers=None, max_tokens=4) -> httpx.Response:
@@ -51,12 +42,9 @@ def _lines(path, at_least: int, timeout_s: float = 15.0) -> list[dict]:
     raise AssertionError(f"fewer than {at_least} trace lines after {timeout_s} s")
 
 
-def _actors(ray) -> set[str]:
-    return request_actors(ray, NAMESPACE)
-
-
 def test_requests_are_decided_by_the_xgboost_scorer_and_traced(app):
-    base, traces = app
+    server, traces = app
+    base = server.base
     assert _post(base).status_code == 200  # cold: spawns the hot actor
     assert _post(base).status_code == 200  # hot
     cold, hot = _lines(traces, 2)[:2]
@@ -74,25 +62,25 @@ def test_requests_are_decided_by_the_xgboost_scorer_and_traced(app):
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "inf", "nan"])
-def test_a_malformed_target_header_is_refused_before_any_work(app, ray_cluster, value):
-    base, _ = app
-    before = _actors(ray_cluster)
+def test_a_malformed_target_header_is_refused_before_any_work(app, value):
+    server, _ = app
+    base, before = server.base, server.actor_names()
     r = _post(base, {"x-zq-ttft-target-s": value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error" and "x-zq-ttft-target-s" in r.json()["error"]["message"]
-    assert _actors(ray_cluster) <= before
+    assert server.actor_names() <= before
 
 
-def test_an_unmeetable_target_is_refused_at_once_and_honestly(app, ray_cluster):
-    base, traces = app
-    before = _actors(ray_cluster)
+def test_an_unmeetable_target_is_refused_at_once_and_honestly(app):
+    server, traces = app
+    base, before = server.base, server.actor_names()
     num_lines = len(_lines(traces, 0))
     t0 = time.perf_counter()
     r = _post(base, {"X-ZQ-TTFT-Target-S": "0.001"})
     elapsed = time.perf_counter() - t0
     assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
     assert int(r.headers["retry-after"]) >= 1 and "latency target" in r.json()["error"]["message"]
-    assert elapsed < 1.0 and _actors(ray_cluster) <= before  # nothing was started
+    assert elapsed < 1.0 and server.actor_names() <= before  # nothing was started
     line = _lines(traces, num_lines + 1)[num_lines]
     assert line["decision"] == {"kind": "reject", "reason": "latency_target", "retry_after_s": 1.0}
     assert line["features"]["ttft_target_s"] == 0.001 and line["outcome"] is None

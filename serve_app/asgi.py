@@ -1,0 +1,59 @@
+"""The ingress as a plain ASGI app, without Serve: the same `Ingress` class, the same routes and answers.
+
+Built at the ASGI lifespan's startup, on the server's own event loop, and closed at its
+shutdown. With the in-process cluster (local_cluster.py) the whole request path runs in one
+process — what the HTTP tests drive through Starlette's TestClient:
+
+    with TestClient(IngressApp(config, LocalClusterSpec())) as client:
+        client.post("/v1/messages", json=...)
+
+Serve's proxy, replica routing and direct ingress are not here; `build_app` is the way to serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+
+from serve_app.app import Ingress
+from serve_app.cluster import ClusterSpec
+from serve_app.config import IngressConfig
+
+_STOPPED: list[Ingress] = []
+
+
+class IngressApp:
+    def __init__(self, config: IngressConfig, cluster: ClusterSpec) -> None:
+        self.config, self.cluster = config, cluster
+        self.ingress: Ingress | None = None  # the deployment's class itself, once started
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, which the ingress runs on
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if self.ingress is None:
+            raise RuntimeError("IngressApp serves requests only between its lifespan's startup and shutdown")
+        response = await self.ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.loop = asyncio.get_running_loop()
+                try:
+                    self.ingress = Ingress.func_or_class(self.config, self.cluster)
+                except Exception as e:
+                    await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
+                    raise
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.ingress is not None:
+                    await self.ingress.__del__()
+                    # Kept for good: collected, Python would call its async __del__ again, unawaited.
+                    _STOPPED.append(self.ingress)
+                    self.ingress = None
+                await send({"type": "lifespan.shutdown.complete"})
+                return

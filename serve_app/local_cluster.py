@@ -1,0 +1,352 @@
+"""The cluster in this process: the registry's own `RegistryState`, and `RequestActor`s as plain objects.
+
+No Ray, no Serve: the same books decide and reserve (`admit` is `RegistryState.admit` under a
+lock, as in the registry actor), and the same engine computes — each actor streams its `.zqs`
+file, batches its rows on its own thread and exits after its last row unless kept hot. What
+differs is only how the world is reached: an actor is an object here, its stream an asyncio
+task (`LocalStream`), its death `kill()`. So every behaviour that is not Ray's own — validation,
+decisions, hot/join/bind/spawn placement, refusals and retry-after, streaming, cancellation,
+an actor lost before or after its first item — can be tested through the ASGI app
+(app.asgi_app) in one process, in milliseconds.
+
+What only Ray has stays out: processes that die by themselves, other ingress replicas, registry
+restarts and hand-overs, nodes. One node, `slots.num_cpu_slots` CPU slots of `cpu_slot_bytes`.
+`calls` counts the registry's calls by name (as a task summary would on Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from actors.actor_names import new_actor_name
+from actors.messages import ActorBusyError, ActorRequest
+from actors.request_actor import RequestActor
+from serve_app.cluster import (
+    ActorGone,
+    HandOver,
+    Item,
+    NewActor,
+    StreamBusy,
+    StreamCancelled,
+    StreamEnded,
+    StreamFailed,
+    StreamLost,
+)
+from serve_app.config import IngressConfig
+from serve_app.decisions import Decision
+from serve_app.loaded_model import LoadedModel
+from serve_app.registry import Outcome, RegistryState, SlotSpec
+from serve_app.scorer import Scorer
+from serve_app.snapshot import ClusterSnapshot, RequestFeatures
+from serve_app.warm_pool import LANES, WarmSpec
+
+log = logging.getLogger(__name__)
+
+NODE_ID = "local"
+
+
+@dataclass(frozen=True)
+class LocalClusterSpec:
+    """`actor_cls`: the fault seam, as on Ray (a subclass of RequestActor that stalls or fails on cue)."""
+
+    actor_cls: type = RequestActor
+
+    def build(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer,
+              replica_id: str) -> LocalCluster:
+        return LocalCluster(config, models, scorer, replica_id, actor_cls=self.actor_cls)
+
+
+class LocalStream:
+    """An actor's `generate`, pumped by a task of its own into a queue: a caller that stops waiting for
+    `next()` (a deadline, a ping) leaves the row running, as it does with a Ray stream."""
+
+    _END = object()
+
+    def __init__(self, items: AsyncIterator[Item], on_end: Callable[[LocalStream], None]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._on_end = on_end
+        self._task = asyncio.get_running_loop().create_task(self._pump(items))
+
+    async def _pump(self, items: AsyncIterator[Item]) -> None:
+        try:
+            async for item in items:
+                self._queue.put_nowait(item)
+            self._queue.put_nowait(self._END)
+        except asyncio.CancelledError:
+            self._queue.put_nowait(StreamCancelled("the actor's call was cancelled"))
+        except ActorBusyError as e:
+            self._queue.put_nowait(StreamBusy(str(e)))
+        except Exception as e:  # the actor raised while serving
+            self._queue.put_nowait(StreamFailed(f"{type(e).__name__}: {e}"))
+        finally:
+            self._on_end(self)
+
+    async def next(self) -> Item:
+        item = await self._queue.get()
+        if item is self._END or isinstance(item, StreamEnded):
+            self._queue.put_nowait(self._END)  # after its end, a stream only says it has ended
+            if isinstance(item, StreamEnded):
+                raise item
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    def lose(self, detail: str) -> None:
+        """The actor died: whoever waits hears StreamLost first."""
+        self._queue.put_nowait(StreamLost(detail))
+        self._task.cancel()
+
+    async def drain(self) -> None:
+        await asyncio.wait({self._task})
+
+
+class _FailedStream:
+    """The stream of an actor whose constructor raised: what Ray answers a call to such an actor."""
+
+    def __init__(self, detail: str) -> None:
+        self._detail = detail
+
+    async def next(self) -> Item:
+        raise StreamFailed(self._detail, is_load_failure=True)
+
+    def cancel(self) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+
+class _Actor:
+    """One actor's place in the cluster: created (or still being created), its open streams, and dead once
+    killed or exited."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.actor: RequestActor | None = None  # None until its constructor returns
+        self.streams: set[LocalStream] = set()
+        self.is_dead = False
+
+    def generate(self, request: ActorRequest) -> LocalStream:
+        stream = LocalStream(self.actor.generate(request), self.streams.discard)
+        self.streams.add(stream)
+        return stream
+
+    def kill(self) -> None:
+        self.is_dead = True
+        for stream in list(self.streams):
+            stream.lose(f"actor {self.name} was killed")
+        if self.actor is not None:
+            self.actor.close()
+
+
+class LocalCluster:
+    def __init__(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer, replica_id: str, *,
+                 actor_cls: type = RequestActor) -> None:
+        self._config, self._models, self._scorer, self.replica_id = config, models, scorer, replica_id
+        self._actor_cls = actor_cls
+        policy = config.policy
+        self.state = RegistryState(policy.max_actors_per_slot, config.registry.spawn_grace_s, policy.max_idle_s,
+                                   policy.max_batch)
+        self._lock = threading.Lock()  # the books and `actors`: tests read them from their own thread
+        self.actors: dict[str, _Actor] = {}
+        self.calls: Counter[str] = Counter()
+        self._slots = [SlotSpec(f"{NODE_ID}/cpu{i}", NODE_ID, config.slots.cpu_slot_bytes)
+                       for i in range(config.slots.num_cpu_slots)]
+        self._warm_specs = [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes)
+                            for m in models.values()]
+        self._pool_sizes = {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in models}
+        self._tasks: set[asyncio.Task] = set()
+        self._warm_wake: asyncio.Event | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self, hand_over: HandOver) -> None:
+        """The slots; warm pools and reconciling start with the event loop (`_ensure_running`). Nothing is
+        ever handed over: this registry lives as long as the process."""
+        with self._lock:
+            self.state.register_slots(self._slots)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # built outside a loop: the background work starts with the first request
+        self._ensure_running()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for name in list(self.actors):
+            self.kill(name)
+
+    def _ensure_running(self) -> None:
+        if self._warm_wake is not None:
+            return
+        self._warm_wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for work in (self._keep_warm(), self._reconcile_loop()):
+            task = loop.create_task(work)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._warm_wake.set()
+
+    @property
+    def is_available(self) -> bool:
+        return True
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    # ---- the registry ----------------------------------------------------------------
+
+    def _call(self, name: str, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            self.calls[name] += 1
+            return fn()
+
+    async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str) -> Decision:
+        self._ensure_running()
+        return self._call("admit", lambda: self.state.admit(features, self._config.policy, spawn_name, request_id,
+                                                            time.time(), self._scorer, self.replica_id))
+
+    def abandon(self, request_id: str) -> None:
+        undone = self._call("abandon", lambda: self.state.abandon(request_id, time.time()))
+        if undone is not None and undone[1]:
+            self.kill(undone[0])
+
+    def finish(self, actor_name: str, request_id: str, outcome: Outcome) -> None:
+        if self._call("finish", lambda: self.state.finish(actor_name, request_id, outcome, time.time())):
+            self.kill(actor_name)
+
+    def actor_started(self, actor_name: str) -> None:
+        self._call("actor_started", lambda: self.state.actor_started(actor_name))
+
+    async def snapshot(self, timeout_s: float) -> ClusterSnapshot:
+        return self.snapshot_now()
+
+    def snapshot_now(self) -> ClusterSnapshot:
+        """The books (thread-safe: tests read them from their own thread)."""
+        return self._call("snapshot", self.state.snapshot)
+
+    def actor_names(self) -> set[str]:
+        """The actors alive or being created (thread-safe)."""
+        with self._lock:
+            return {name for name, entry in self.actors.items() if not entry.is_dead}
+
+    async def reconcile(self, timeout_s: float) -> None:
+        self.reconcile_now()
+
+    def reconcile_now(self) -> None:
+        """The books against the actors alive here: ghosts dropped; expired, retired and orphans killed."""
+        alive = self.actor_names()
+        report = self._call("reconcile", lambda: self.state.reconcile(alive, time.time(), {NODE_ID}))
+        for name in report.to_kill:
+            self.kill(name)
+
+    # ---- actors ----------------------------------------------------------------------
+
+    async def open(self, name: str, request: ActorRequest, new: NewActor | None = None) -> LocalStream | _FailedStream:
+        if new is not None:
+            for evicted in new.evict:  # forgotten by the registry already; gone before the new actor starts
+                self.kill(evicted)
+            entry = await self._create(name, new.zqs_path, None)
+            if entry.actor is None:
+                return _FailedStream(f"actor {name} could not be constructed")
+        else:
+            with self._lock:
+                entry = self.actors.get(name)
+            if entry is None or entry.is_dead or entry.actor is None:
+                raise ActorGone(name)
+        return entry.generate(request)
+
+    def forget(self, name: str) -> None:
+        pass  # no handle is cached here: `actors` is the truth
+
+    def wake_warm(self) -> None:
+        if self._warm_wake is not None:
+            self._warm_wake.set()
+
+    def kill(self, name: str) -> None:
+        """End actor `name` as a process's death would: its streams end StreamLost, it computes no more."""
+        with self._lock:
+            entry = self.actors.pop(name, None)
+        if entry is not None:
+            entry.kill()
+
+    async def _create(self, name: str, zqs_path: str, warm_layers: int | None) -> _Actor:
+        """A new actor, constructed on a thread (it allocates its model and starts its loader threads); one
+        killed meanwhile is closed as soon as it exists. Its `actor` stays None if its constructor raised."""
+        entry = _Actor(name)
+        with self._lock:
+            self.actors[name] = entry
+
+        def construct() -> RequestActor:
+            return self._actor_cls(zqs_path, self._config.actor, warm_layers=warm_layers, name=name,
+                                   on_exit=lambda: self._exited(entry))
+
+        try:
+            actor = await asyncio.to_thread(construct)
+        except Exception:
+            log.exception("actor %s could not be constructed", name)
+            self._exited(entry)
+            return entry
+        entry.actor = actor
+        if entry.is_dead:
+            actor.close()
+        return entry
+
+    def _exited(self, entry: _Actor) -> None:
+        """The actor ended itself (after its last row, or a failed step): gone, as a Ray actor that exits."""
+        entry.is_dead = True
+        with self._lock:
+            if self.actors.get(entry.name) is entry:
+                del self.actors[entry.name]
+
+    # ---- background work ---------------------------------------------------------------
+
+    async def _keep_warm(self) -> None:
+        """Each model's warm pool kept full: the registry's plan, actors created, then marked ready."""
+        specs = [s for s in self._warm_specs if self._pool_sizes.get(s.model, 0) > 0]
+        while specs:
+            await self._warm_wake.wait()
+            self._warm_wake.clear()
+            fills = self._call("fill_warm", lambda: self.state.fill_warm(specs, self._config.policy,
+                                                                         self._new_names(specs), time.time()))
+            for name, fill in fills:
+                task = asyncio.get_running_loop().create_task(self._warm_up(name, fill.model))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def _new_names(self, specs: list[WarmSpec]) -> dict[str, list[str]]:
+        return {s.model: [new_actor_name(s.model) for _ in range(self._pool_sizes[s.model])] for s in specs}
+
+    async def _warm_up(self, name: str, model_id: str) -> None:
+        model = self._models[model_id]
+        entry = await self._create(name, model.zqs_path, model.warm_layers)
+        try:
+            if entry.actor is None:
+                raise RuntimeError("not constructed")
+            status = await entry.actor.ready(self._config.actor.load_timeout_s)
+        except Exception as e:  # dropped, and replaced by the next round
+            log.warning("warm actor %s failed before it was ready (%s); replacing it", name, type(e).__name__)
+            self._call("drop_warming", lambda: self.state.drop_warming(name))
+            self.kill(name)
+            self.wake_warm()
+            return
+        self._call("warm_ready", lambda: self.state.warm_ready(name, status.resident_fraction))
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.registry.reconcile_interval_s)
+            try:
+                self.reconcile_now()
+            except Exception:
+                log.exception("reconcile pass failed")

@@ -1,0 +1,97 @@
+"""The ingress on real HTTP with no Serve and no Ray: uvicorn (what Serve's proxy runs) serving
+`IngressApp` over the in-process cluster, on a free port, from a thread of the test process.
+
+A test talks to `server.base` exactly as it would to a deployment; it reads the registry's books
+(`books()`) and the actors alive (`actor_names()`) in this process instead of through Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+from serve_app.asgi import IngressApp
+from serve_app.config import AppArgs, ingress_config
+from serve_app.local_cluster import LocalCluster, LocalClusterSpec
+from serve_app.snapshot import ClusterSnapshot
+from tests.serve.waiting import wait_for
+
+MODEL = "zq-tiny"
+# Two CPU slots of 1 GiB, one load and one compute thread: the deployments of tests/serve, in-process.
+BASE_ARGS: dict[str, Any] = {
+    "slots": {"kind": "cpu", "num_cpu_slots": 2, "cpu_slot_bytes": 1 << 30},
+    "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
+}
+
+
+class LocalServer:
+    def __init__(self, args: dict[str, Any], actor_cls: type | None = None) -> None:
+        config = ingress_config(AppArgs.model_validate(args))
+        spec = LocalClusterSpec(actor_cls) if actor_cls is not None else LocalClusterSpec()
+        self.app = IngressApp(config, spec)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on",
+                                                     access_log=False, log_level="warning", log_config=None))
+        self._thread = threading.Thread(target=self._server.run, name="zq-test-uvicorn", daemon=True)
+        self._thread.start()
+        wait_for(lambda: self._server.started or not self._thread.is_alive(), 60, "the local server to start")
+        if not self._server.started:
+            raise RuntimeError("the local server did not start (see the log)")
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+
+    @property
+    def cluster(self) -> LocalCluster:
+        return self.app.ingress.admission.cluster
+
+    def books(self) -> ClusterSnapshot:
+        return self.cluster.snapshot_now()
+
+    def actor_names(self) -> set[str]:
+        return self.cluster.actor_names()
+
+    def on_loop(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run on the server's event loop, where the cluster lives; its result."""
+
+        async def call() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.app.loop).result(timeout=30)
+
+    def kill(self, name: str) -> None:
+        """Kill actor `name` as a process's death would: its streams end StreamLost."""
+        self.on_loop(lambda: self.cluster.kill(name))
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=60)
+
+
+def serve_locally(zqs_path: str, actor_cls: type | None = None, **args: Any) -> LocalServer:
+    """`BASE_ARGS` with the tiny model as `MODEL`, and what a test changes."""
+    return LocalServer(BASE_ARGS | {"models": [{"id": MODEL, "zqs_path": str(zqs_path)}]} | args, actor_cls)
+
+
+def assert_nothing_left(server: LocalServer, timeout: float = 30.0) -> None:
+    """No row reserved, no actor still starting or busy, and no actor alive that the books do not know."""
+
+    def settled() -> bool:
+        snap = server.books()
+        known = {a.name for a in snap.actors}
+        is_idle = all(a.num_rows == 0 and a.state in ("idle", "warm", "warming") for a in snap.actors)
+        is_reserved_by_actors = all(s.reserved_bytes == sum(a.reserved_bytes for a in snap.actors
+                                                            if a.slot_id == s.slot_id) for s in snap.slots)
+        return is_idle and is_reserved_by_actors and server.actor_names() <= known
+
+    wait_for(settled, timeout, "no reservation, no busy actor and no orphan left")
+
+
+def api_key_env(name: str, key: str) -> str:
+    """Set the key's variable (the app reads it at build time); returns its name for `api_key_env`."""
+    os.environ[name] = key
+    return name
+
