@@ -304,11 +304,14 @@ class LocalCluster:
         return entry
 
     def _exited(self, entry: _Actor) -> None:
-        """The actor ended itself (after its last row, or a failed step): gone, as a Ray actor that exits."""
-        entry.is_dead = True
+        """The actor ended itself (after its last row, or a failed step): gone, as a Ray actor whose process
+        exits — a stream still open on it ends StreamLost (one whose Completion was sent has nothing left).
+        As on Ray, the exit comes after the call that made it: what that call raises reaches its caller
+        first (a load that failed is StreamFailed, not StreamLost)."""
         with self._lock:
             if self.actors.get(entry.name) is entry:
                 del self.actors[entry.name]
+        asyncio.get_running_loop().call_soon(entry.kill)
 
     # ---- background work ---------------------------------------------------------------
 

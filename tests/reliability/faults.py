@@ -1,10 +1,14 @@
-"""Faults injected at the ingress's seam (`Ingress.bind(config, actor_cls=..., registry_cls=...)`).
+"""Faults injected at the cluster's seam (`RayClusterSpec(actor_cls=..., registry_cls=...)`, or
+`LocalClusterSpec(actor_cls=...)` in-process).
 
 `FaultyActor` is the real request actor on a real (tiny) model; it misbehaves only when
 the request's prompt says so, so one deployment serves healthy and faulty requests side
 by side. A prompt names its fault as `fault:<kind>`, optionally with `once:<path>` (the
 fault happens only for the first request to create `path`: a retry then runs clean) and
 `gate:<path>` (the request holds its last item until `path` exists).
+
+A death is the process's exit on Ray; in-process, the actor ends itself as a dead process would end
+(its cluster ends every stream it had open: `StreamLost`).
 
   die-before-start  the process exits before the request's `Started`
   die-mid-load      after `Started`, before the first token (a cold actor's load); with `after:<path>`,
@@ -53,10 +57,10 @@ class FaultyActor(RequestActor):
         kind = fault.group(1) if fault is not None and _is_armed(text) else None
         gate = _GATE.search(text)
         if kind == "die-before-start":
-            os._exit(1)
+            await self._die()
         async for item in super().generate(request):
             if kind == "die-mid-decode" and isinstance(item, TextChunk):
-                os._exit(1)
+                await self._die()
             if gate is not None and not isinstance(item, (Started, TextChunk)):
                 while not Path(gate.group(1)).exists():  # the Completion waits for the test's go
                     await asyncio.sleep(0.02)
@@ -65,11 +69,18 @@ class FaultyActor(RequestActor):
                 after = _AFTER.search(text)
                 while after is not None and not Path(after.group(1)).exists():
                     await asyncio.sleep(0.02)
-                os._exit(1)
+                await self._die()
             if isinstance(item, Started) and kind == "stall":
                 await asyncio.sleep(3600)
             if isinstance(item, Started) and kind == "slow-load":
                 await asyncio.sleep(self.SLOW_LOAD_S)
+
+
+    async def _die(self) -> None:
+        if self._on_exit is None:  # a Ray worker: the process ends
+            os._exit(1)
+        self._exit()  # in-process: the cluster ends this actor's streams, this one's task included
+        await asyncio.sleep(3600)
 
 
 class SlowRegistry(RegistryActor):

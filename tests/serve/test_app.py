@@ -74,6 +74,9 @@ def test_sdk_create_and_stream_work_unmodified(zq):
     assert final.usage.output_tokens == 10 and final.stop_reason == "max_tokens"
     assert text == final.content[0].text and msg.content[0].text.startswith(text[:5])
     assert [m.id for m in client.models.list()] == [MODEL, SLOW_MODEL]
+    # Serve's proxy gives every response its `x-request-id`; the app's own is `request-id`, not a second one.
+    r = _post(zq, _body(max_tokens=1, seed=3, temperature=0.7))
+    assert len(r.headers.get_list("x-request-id")) == 1 and r.headers["request-id"].startswith("req_")
     assert client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
 
 

@@ -20,14 +20,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import SERVE_PORT
+from tests.ingress.local import MODEL, assert_nothing_left, serve_locally
 from tests.reliability import harness
 from tests.reliability.faults import FaultyActor
-from tests.reliability.harness import MODEL, assert_nothing_left, call
+from tests.reliability.harness import call
 from tests.serve.waiting import wait_for
 
-NAMESPACE = "zq-streams-tests"
-PORT = SERVE_PORT
 N = 6  # concurrent streams, all rows of one batch (of 12 candidate prompts, the first N with distinct answers)
 MAX_BATCH = 8  # >= N: every stream joins the one hot actor's batch
 MAX_TOKENS = 16
@@ -52,14 +50,13 @@ class HeldActor(FaultyActor):
 
 
 @pytest.fixture(scope="module")
-def zq(ray_cluster, tiny_zqs):
-    base = harness.deploy(PORT, "zeroqueue-streams", NAMESPACE, tiny_zqs, actor_cls=HeldActor,
-                          ping_interval_s=PING_INTERVAL_S,
-                          policy={"max_hot_short_actors": 1, "max_batch": MAX_BATCH})
-    ending = call(base, harness.body(max_tokens=2))  # the hot actor every later request finds
+def zq(tiny_zqs):
+    server = serve_locally(tiny_zqs, HeldActor, ping_interval_s=PING_INTERVAL_S,
+                           policy={"max_hot_short_actors": 1, "max_batch": MAX_BATCH})
+    ending = call(server.base, harness.body(max_tokens=2))  # the hot actor every later request finds
     assert ending.is_complete, ending
-    yield base
-    harness.undeploy(ray_cluster, NAMESPACE)
+    yield server
+    server.stop()
 
 
 def _payload(text: str, *, stream: bool) -> dict:
@@ -90,9 +87,8 @@ def assert_documented_order(events: list[dict]) -> None:
     assert events[-3]["index"] == 0
 
 
-def test_concurrent_streams_batched_on_one_actor_keep_the_event_order_and_their_own_text(zq, ray_cluster,
-                                                                                          tmp_path):
-    ray = ray_cluster
+def test_concurrent_streams_batched_on_one_actor_keep_the_event_order_and_their_own_text(zq, tmp_path):
+    server, zq = zq, zq.base
     hold, gate = tmp_path / "hold", tmp_path / "gate"
     candidates = [f"{topic} hold:{hold} gate:{gate} thanks" for topic in
                   ["the sea", "seven green apples", "why is the sky blue", "count to ten", "a poem about rust",
@@ -117,7 +113,7 @@ def test_concurrent_streams_batched_on_one_actor_keep_the_event_order_and_their_
     assert len(set(expected)) == N, expected
     hold.unlink()
     gate.unlink()
-    assert_nothing_left(ray, NAMESPACE)
+    assert_nothing_left(server)
 
     endings: list[harness.Ending | None] = [None] * N
 
@@ -129,16 +125,18 @@ def test_concurrent_streams_batched_on_one_actor_keep_the_event_order_and_their_
         t.start()
 
     # All N rows admitted onto the one hot actor, none of them computed yet.
-    registry = harness.registry(ray, NAMESPACE)
-
     def batched() -> list:
-        return [a for a in ray.get(registry.snapshot.remote(), timeout=10).actors if a.num_rows]
+        return [a for a in server.books().actors if a.num_rows]
 
     wait_for(lambda: sum(a.num_rows for a in batched()) == N, 30, f"{N} rows admitted")
     running = batched()
     assert len(running) == 1 and running[0].num_rows == N and running[0].state == "busy", running
-    actor = ray.get_actor(running[0].name, namespace=NAMESPACE)
-    before = ray.get(actor.status.remote(), timeout=10)
+    name = running[0].name
+
+    def status():
+        return server.on_loop(lambda: server.cluster.actors[name].actor.status())
+
+    before = status()
     assert before.num_rows == 0  # held out of the engine until now
 
     # Into the batch together; every row decodes (the actor counts it served as it makes its Completion)
@@ -146,8 +144,8 @@ def test_concurrent_streams_batched_on_one_actor_keep_the_event_order_and_their_
     hold.touch()
 
     def decoded() -> bool:
-        status = ray.get(actor.status.remote(), timeout=10)
-        return status.num_requests_served == before.num_requests_served + N and status.num_rows == 0
+        now = status()
+        return now.num_requests_served == before.num_requests_served + N and now.num_rows == 0
 
     wait_for(decoded, 30, "every row decoded, its Completion held")
     assert sum(a.num_rows for a in batched()) == N
@@ -167,4 +165,4 @@ def test_concurrent_streams_batched_on_one_actor_keep_the_event_order_and_their_
         assert finish["usage"]["output_tokens"] == alone[k]["usage"]["output_tokens"]
         assert ending.events[0]["message"]["usage"]["input_tokens"] == alone[k]["usage"]["input_tokens"]
     assert len({e.request_id for e in endings}) == N
-    assert_nothing_left(ray, NAMESPACE)
+    assert_nothing_left(server)

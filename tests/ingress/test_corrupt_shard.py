@@ -1,4 +1,4 @@
-"""A model file corrupted on disk after the deployment is up, seen over real HTTP.
+"""A model file corrupted on disk after the app is up, seen over real HTTP (over the in-process cluster).
 
 The ingress reads only the `.zqs` header at its start; every actor reads the file again at its cold
 start (policy max_hot_short_actors=0: every request starts a fresh actor). A corrupt file is a
@@ -24,15 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.registry import is_request_actor_name
-from tests.helpers import SERVE_PORT
-from tests.reliability import harness
-from tests.reliability.harness import assert_nothing_left, body, call
+from tests.ingress.local import assert_nothing_left, serve_locally
+from tests.reliability.harness import body, call
 from tests.serve.waiting import wait_for
 from weights_tool.reader import ShardReader
 
-NAMESPACE = "zq-corrupt-shard-tests"
-PORT = SERVE_PORT
 START_TIMEOUT_S = 30.0  # a cold actor's first token; the tiny model loads well within it on any CI machine
 # What a corrupt model file answers: a server-side fault (serve_app/errors.py), 500 api_error, whether the
 # actor raised while it loaded (a frame's check failed) or in its constructor (the file missing or cut
@@ -50,17 +46,11 @@ def model_file(tmp_path_factory, tiny_zqs) -> Path:
 
 
 @pytest.fixture(scope="module")
-def zq(ray_cluster, model_file):
-    base = harness.deploy(PORT, "zeroqueue-corrupt-shard", NAMESPACE, model_file,
-                          start_timeout_s=START_TIMEOUT_S, policy={"max_hot_short_actors": 0})
-    assert call(base, body(max_tokens=2)).is_complete
-    yield base
-    harness.undeploy(ray_cluster, NAMESPACE)
-
-
-def _request_actors(ray) -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and is_request_actor_name(a["name"])]
+def zq(model_file):
+    server = serve_locally(model_file, start_timeout_s=START_TIMEOUT_S, policy={"max_hot_short_actors": 0})
+    assert call(server.base, body(max_tokens=2)).is_complete
+    yield server
+    server.stop()
 
 
 def _frame(path: Path, group: str):
@@ -110,7 +100,8 @@ def restore(model_file):
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_a_corrupt_model_file_is_a_documented_server_error_then_served_again_once_restored(
-        zq, ray_cluster, model_file, restore, corruption, stream):
+        zq, model_file, restore, corruption, stream):
+    server, zq = zq, zq.base
     good = model_file.read_bytes()
     CORRUPTIONS[corruption](model_file)
 
@@ -128,13 +119,13 @@ def test_a_corrupt_model_file_is_a_documented_server_error_then_served_again_onc
         # Refused before any event (the actor failed before `Started`): a JSON error with its status.
         assert (ending.status, ending.error_type) in SERVER_FAULTS, (corruption, ending)
         assert not ending.events
-    assert_nothing_left(ray_cluster, NAMESPACE)  # the failed actors forgotten and killed, no reservation
+    assert_nothing_left(server)  # the failed actors forgotten and killed, no reservation
     # No hot actor is kept and no warm pool is filled here: every actor this request started is gone.
-    wait_for(lambda: not _request_actors(ray_cluster), 30, "the failed actors killed")
+    wait_for(lambda: not server.actor_names(), 30, "the failed actors killed")
 
     model_file.with_suffix(".gone").unlink(missing_ok=True)
     _replace(model_file, good)
     ending = call(zq, body(max_tokens=8, stream=stream))
     # Complete; its text may be empty: a random-weight model samples ids the synthetic tokenizer has no text for.
     assert ending.is_complete, ending
-    assert_nothing_left(ray_cluster, NAMESPACE)
+    assert_nothing_left(server)
