@@ -25,7 +25,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from ray import serve
@@ -110,14 +110,18 @@ class Ingress:
         spec = cluster if cluster is not None else RayClusterSpec()
         self.admission = Admission(config, self.models, spec.build(config, self.models, scorer, self.replica_id),
                                    self.metrics, self.replica_id)
+        self._is_closed = False
         log.info("zeroqueue ingress: models %s, %d slots", list(self.models), self.admission.cluster.num_slots)
 
-    async def __del__(self) -> None:
-        """Serve stops this replica: the last one to go takes every actor with it (admission.py)."""
-        if not hasattr(self, "admission"):  # __init__ failed: nothing was started
-            return
+    def __del__(self) -> Awaitable[None] | None:
+        """Serve stops this replica, and awaits what this returns: the last replica to go takes every actor
+        with it (admission.py). A plain method, so that a replica collected after it was closed (or whose
+        __init__ failed) leaves no coroutine unawaited."""
+        if getattr(self, "_is_closed", True):
+            return None
+        self._is_closed = True
         self._parser.close()
-        await self.admission.close()
+        return self.admission.close()
 
     # ---- HTTP ------------------------------------------------------------------------
 

@@ -20,8 +20,6 @@ from serve_app.app import Ingress
 from serve_app.cluster import ClusterSpec
 from serve_app.config import IngressConfig
 
-_STOPPED: list[Ingress] = []
-
 
 class IngressApp:
     def __init__(self, config: IngressConfig, cluster: ClusterSpec) -> None:
@@ -51,9 +49,9 @@ class IngressApp:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.ingress is not None:
-                    await self.ingress.__del__()
-                    # Kept for good: collected, Python would call its async __del__ again, unawaited.
-                    _STOPPED.append(self.ingress)
+                    closing = self.ingress.__del__()  # as Serve stops a replica
+                    if closing is not None:
+                        await closing
                     self.ingress = None
                 await send({"type": "lifespan.shutdown.complete"})
                 return

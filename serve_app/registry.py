@@ -32,7 +32,10 @@ overlap is harmless, and waiting for Ray to confirm the exit would idle the slot
 Predictions. Each row keeps the end its admission predicted (now + the scorer's total
 time), from which a refusal's retry-after is computed (retry_after.py).
 
-Crashes and restarts: registry_recovery.py (reconcile with Ray, hand-overs to a new registry).
+The books themselves (slots, actors, rows and the operations that keep them consistent) are
+registry_books.py's; `RegistryState` commits decisions on them, with two collaborators on the
+same books: `WarmBooks` (registry_warm.py: warm pools) and `Recovery` (registry_recovery.py:
+reconcile with what is alive, hand-overs to a new registry).
 
 Time. `now` and `busy_deadline` are epoch seconds from the registry's own clock (the
 wrapper adds a timeout to its own `time.time()`), so replicas' clocks never mix.
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 from actors.actor_names import REGISTRY_NAME, is_request_actor_name
 from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
 from serve_app.policy import PolicyConfig, decide, warm_candidates
+from serve_app.registry_books import Books
 from serve_app.registry_records import (
     ActorRecord,
     AdoptedActor,
@@ -54,20 +58,14 @@ from serve_app.registry_records import (
     Outcome,
     ReconcileReport,
     RowReservation,
-    SlotRecord,
     SlotSpec,
 )
 from serve_app.registry_recovery import Recovery
 from serve_app.registry_warm import WarmBooks
 from serve_app.retry_after import retry_after_s
 from serve_app.scorer import RULE_SCORER, Scorer
-from serve_app.snapshot import (
-    ActorView,
-    ClusterSnapshot,
-    RequestFeatures,
-    SlotView,
-)
-from serve_app.warm_pool import LANES
+from serve_app.snapshot import ClusterSnapshot, RequestFeatures
+from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
 # Re-exported: the registry's callers name these through this module.
 __all__ = ["AdoptedActor", "AdoptedRow", "Outcome", "ReconcileReport", "RegistryState",
@@ -102,25 +100,12 @@ class RegistryConfig:
                              f"{self.reconcile_interval_s}, {self.replica_lease_s}, {self.adopt_grace_s}")
 
 
-class RegistryState(Recovery, WarmBooks):
+class RegistryState:
     def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
                  max_idle_s: float | None = None, max_batch: int = 8) -> None:
-        if max_actors_per_slot < 1 or max_batch < 1:
-            raise ValueError(f"max_actors_per_slot and max_batch must be >= 1, got {max_actors_per_slot}, {max_batch}")
-        if spawn_grace_s < 0 or (max_idle_s is not None and max_idle_s < 0):
-            raise ValueError(f"spawn_grace_s and max_idle_s must be >= 0, got {spawn_grace_s}, {max_idle_s}")
-        self.max_actors_per_slot = max_actors_per_slot
-        self.max_batch = max_batch
-        self.spawn_grace_s = spawn_grace_s
-        self.max_idle_s = max_idle_s
-        self._slots: dict[str, SlotRecord] = {}  # ordered by slot_id: the first-fit order
-        self._actors: dict[str, ActorRecord] = {}
-        # Views are rebuilt only for what changed, so a snapshot of 1,000 slots stays cheap.
-        self._slot_views: dict[str, SlotView] = {}
-        self._actor_views: dict[str, ActorView] = {}
-        self._version = 0
-        self._snapshot: ClusterSnapshot | None = None
-        self._last_request_at: dict[str, float] = {}  # model -> its latest admission (or its pool's first fill)
+        self.books = Books(max_actors_per_slot, spawn_grace_s, max_idle_s, max_batch)
+        self.warm = WarmBooks(self.books)
+        self.recovery = Recovery(self.books, self.finish)
         # Decisions by kind, actors evicted, and spawns decided while a warm actor of the model fitted
         # (a process start the warm pool was there to spare): what benchmarks and /health report.
         self.counters: Counter[str] = Counter()
@@ -128,119 +113,80 @@ class RegistryState(Recovery, WarmBooks):
         # an admission that arrives after its abandonment must not commit.
         self._abandoned: dict[str, float] = {}
 
+    @property
+    def max_actors_per_slot(self) -> int:
+        return self.books.max_actors_per_slot
+
+    @property
+    def max_batch(self) -> int:
+        return self.books.max_batch
+
     def reconfigure(self, max_actors_per_slot: int, max_idle_s: float | None, max_batch: int) -> None:
         """A redeploy's policy: applies to commits from now on (actors and rows already placed stay)."""
-        if max_actors_per_slot < 1 or max_batch < 1 or (max_idle_s is not None and max_idle_s < 0):
-            raise ValueError(f"invalid limits: {max_actors_per_slot}, {max_idle_s}, {max_batch}")
-        self.max_actors_per_slot, self.max_idle_s, self.max_batch = max_actors_per_slot, max_idle_s, max_batch
+        self.books.set_limits(max_actors_per_slot, max_idle_s, max_batch)
 
-    # ---- slots -----------------------------------------------------------------------
+    # ---- slots and reads -------------------------------------------------------------
 
     def register_slots(self, slots: Iterable[SlotSpec]) -> None:
         """Add slots, or update the node and total of known ones (never below what is reserved)."""
-        for spec in slots:
-            if spec.total_bytes < 0:
-                raise ValueError(f"slot {spec.slot_id}: total_bytes must be >= 0, got {spec.total_bytes}")
-            slot = self._slots.get(spec.slot_id)
-            if slot is None:
-                slot = self._slots[spec.slot_id] = SlotRecord(spec.slot_id, spec.node_id, spec.total_bytes)
-            elif spec.total_bytes < slot.reserved_bytes:
-                raise ValueError(f"slot {spec.slot_id}: total_bytes {spec.total_bytes} is below the "
-                                 f"{slot.reserved_bytes} bytes already reserved on it")
-            slot.node_id, slot.total_bytes = spec.node_id, spec.total_bytes
-            self._touch_slot(slot)
-        self._slots = dict(sorted(self._slots.items()))
-        self._slot_views = {k: self._slot_views[k] for k in self._slots}
+        self.books.register_slots(slots)
 
     @property
     def slot_ids(self):
         """A live view of the registered slot ids (no copy: admissions consult it)."""
-        return self._slots.keys()
+        return self.books.slots.keys()
 
     def update_slot_stats(self, slot_id: str, fragmentation: float, utilization: float) -> None:
-        slot = self._slots.get(slot_id)
-        if slot is None:
-            raise KeyError(f"unknown slot {slot_id!r}")
-        slot.fragmentation, slot.utilization = fragmentation, utilization
-        self._touch_slot(slot)
-
-    # ---- reads -----------------------------------------------------------------------
+        self.books.update_slot_stats(slot_id, fragmentation, utilization)
 
     def snapshot(self) -> ClusterSnapshot:
-        if self._snapshot is None:
-            self._snapshot = ClusterSnapshot(
-                tuple(self._slot_views.values()), tuple(self._actor_views.values()), self._version
-            )
-        return self._snapshot
+        return self.books.snapshot()
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every slot's books match its actors and their rows exactly."""
-        reserved = dict.fromkeys(self._slots, 0)
-        counts = dict.fromkeys(self._slots, 0)
-        for a in self._actors.values():
-            assert a.slot_id in self._slots, f"actor {a.name} is on unknown slot {a.slot_id}"
-            assert a.resident_bytes >= 0 and all(r.request_bytes >= 0 for r in a.rows.values()), (
-                f"actor {a.name} has negative bytes")
-            assert (a.state in ("idle", "warm", "warming")) == (not a.rows), (
-                f"actor {a.name} is {a.state} with {len(a.rows)} rows")
-            assert a.state not in ("warm", "warming") or not a.is_hot, f"warm actor {a.name} is marked hot"
-            assert a.state != "starting" or len(a.rows) == 1, f"starting actor {a.name} has {len(a.rows)} rows"
-            assert len(a.rows) <= self.max_batch, f"actor {a.name} runs {len(a.rows)} rows > {self.max_batch}"
-            assert len(a.rows) <= 1 or a.is_hot, f"actor {a.name} batches rows but is not hot"
-            reserved[a.slot_id] += a.reserved_bytes
-            counts[a.slot_id] += 1
-        for s in self._slots.values():
-            assert s.reserved_bytes == reserved[s.slot_id], (
-                f"slot {s.slot_id}: reserved {s.reserved_bytes} != sum over its actors {reserved[s.slot_id]}")
-            assert s.reserved_bytes <= s.total_bytes, f"slot {s.slot_id} over-committed"
-            assert s.num_actors == counts[s.slot_id] <= self.max_actors_per_slot, (
-                f"slot {s.slot_id}: {s.num_actors} actors recorded, {counts[s.slot_id]} registered")
-        assert self.snapshot() == ClusterSnapshot(
-            tuple(s.view() for s in self._slots.values()), tuple(a.view() for a in self._actors.values()),
-            self._version), "the cached snapshot is stale"
+        self.books.check_invariants()
 
     # ---- compare-and-set -------------------------------------------------------------
 
     def try_spawn(self, decision: Spawn, actor_name: str, model: str, row: RowReservation, now: float) -> bool:
         """Reserve `decision.reserve_bytes` on its slot for a new actor and its first row, if it still fits."""
-        if actor_name in self._actors:
+        books = self.books
+        if actor_name in books.actors:
             raise ValueError(f"actor {actor_name} is already registered")
-        slot = self._slots.get(decision.slot_id)
+        slot = books.slots.get(decision.slot_id)
         if (slot is None or slot.free_bytes < decision.reserve_bytes
-                or slot.num_actors >= self.max_actors_per_slot):
+                or slot.num_actors >= books.max_actors_per_slot):
             return False
         row.request_bytes = decision.reserve_bytes - decision.resident_bytes
-        self._register(ActorRecord(actor_name, model, slot.slot_id, decision.lane, "starting", decision.keep_hot,
-                              decision.resident_bytes, now, {row.request_id: row}), slot)
+        books.register(ActorRecord(actor_name, model, slot.slot_id, decision.lane, "starting", decision.keep_hot,
+                                   decision.resident_bytes, now, {row.request_id: row}), slot)
         return True
 
     def try_dispatch(self, decision: Dispatch, row: RowReservation) -> bool:
         """Give an idle actor its one row, if it is still idle and the row fits."""
-        actor = self._actors.get(decision.actor_name)
-        if actor is None or actor.state != "idle":
-            return False
-        if not self._add_row(actor, decision.slot_id, decision.reserve_bytes, row):
+        actor = self.books.actors.get(decision.actor_name)
+        if actor is None or actor.state != "idle" or not self._add_row(actor, decision.slot_id,
+                                                                          decision.reserve_bytes, row):
             return False
         actor.is_hot = decision.keep_hot
-        self._touch_actor(actor)
+        self.books.touch_actor(actor)
         return True
 
     def try_join(self, decision: Join, row: RowReservation) -> bool:
         """Add a row to a busy hot actor's batch, if it is still hot, has a free row, and the row fits."""
-        actor = self._actors.get(decision.actor_name)
-        if actor is None or actor.state != "busy" or not actor.is_hot or len(actor.rows) >= self.max_batch:
+        actor = self.books.actors.get(decision.actor_name)
+        if actor is None or actor.state != "busy" or not actor.is_hot or len(actor.rows) >= self.books.max_batch:
             return False
         return self._add_row(actor, decision.slot_id, decision.reserve_bytes, row)
 
     def try_bind(self, decision: Bind, row: RowReservation) -> bool:
         """Give a warm (or warming) actor its request, if it is still unbound and the row fits."""
-        actor = self._actors.get(decision.actor_name)
-        if actor is None or actor.state not in ("warm", "warming"):
-            return False
-        if not self._add_row(actor, decision.slot_id, decision.reserve_bytes, row):
+        actor = self.books.actors.get(decision.actor_name)
+        if actor is None or actor.state not in ("warm", "warming") or not self._add_row(
+                actor, decision.slot_id, decision.reserve_bytes, row):
             return False
         actor.state, actor.lane, actor.is_hot = "starting", decision.lane, decision.keep_hot
-        self._touch_actor(actor)
+        self.books.touch_actor(actor)
         return True
 
     def admit(self, features: RequestFeatures, policy: PolicyConfig, spawn_name: str, request_id: str,
@@ -254,7 +200,7 @@ class RegistryState(Recovery, WarmBooks):
                              f"{policy.max_batch}) != the registry's ({self.max_actors_per_slot}, {self.max_batch})")
         if request_id in self._abandoned:
             return Reject("no_capacity", None, f"request {request_id} was given up before it was admitted")
-        self._last_request_at[features.model] = now
+        self.books.last_request_at[features.model] = now
         snapshot = self.snapshot()
         decision = decide(features, snapshot, policy, scorer)
         if isinstance(decision, Reject):
@@ -288,11 +234,11 @@ class RegistryState(Recovery, WarmBooks):
 
     def actor_started(self, actor_name: str) -> bool:
         """A cold actor's first token: every weight is resident, so it may batch from now on."""
-        actor = self._actors.get(actor_name)
+        actor = self.books.actors.get(actor_name)
         if actor is None or actor.state != "starting":
             return False
         actor.state = "busy"
-        self._touch_actor(actor)
+        self.books.touch_actor(actor)
         return True
 
     def finish(self, actor_name: str, request_id: str, outcome: Outcome, now: float) -> bool:
@@ -300,22 +246,20 @@ class RegistryState(Recovery, WarmBooks):
 
         Unknown actors or rows (already finished, reclaimed, or never committed) change nothing.
         """
-        actor = self._actors.get(actor_name)
+        books = self.books
+        actor = books.actors.get(actor_name)
         if actor is None or request_id not in actor.rows:
             return False
         if outcome == "failed" or (outcome == "cancelled" and actor.state == "starting"):
-            self._forget(actor)
+            books.forget(actor)
             return True
-        row = actor.rows.pop(request_id)
-        slot = self._slots[actor.slot_id]
-        slot.reserved_bytes -= row.request_bytes
+        books.end_row(actor, request_id)
         if not actor.rows:
             if not actor.is_hot:
-                self._forget(actor)  # it exits by itself after its last row
+                books.forget(actor)  # it exits by itself after its last row
                 return False
             actor.state, actor.idle_since = "idle", now
-        self._touch_slot(slot)
-        self._touch_actor(actor)
+        books.touch_actor(actor)
         return False
 
     def abandon(self, request_id: str, now: float) -> tuple[str, bool] | None:
@@ -324,69 +268,52 @@ class RegistryState(Recovery, WarmBooks):
         The row is finished as cancelled (an actor still starting for it is forgotten); returns
         (the actor's name, whether it must be killed), or None when nothing holds the request.
         """
-        for actor in self._actors.values():
-            if request_id in actor.rows:
-                return actor.name, self.finish(actor.name, request_id, "cancelled", now)
+        holder = self.books.row_holder(request_id)
+        if holder is not None:
+            return holder.name, self.finish(holder.name, request_id, "cancelled", now)
         # Not admitted yet (or never will be): remembered, so that a late admission does not commit.
         self._abandoned = {r: t for r, t in self._abandoned.items() if now - t < ABANDONED_MEMORY_S}
         self._abandoned[request_id] = now
         return None
 
     def remove(self, actor_name: str) -> bool:
-        actor = self._actors.get(actor_name)
+        actor = self.books.actors.get(actor_name)
         if actor is None:
             return False
-        self._forget(actor)
+        self.books.forget(actor)
         return True
 
-    def _evict(self, names: tuple[str, ...]) -> bool:
-        """Forget actors a Spawn retires, if every one is still idle or warm (all or none)."""
-        actors = [self._actors.get(n) for n in names]
-        if any(a is None or a.state not in ("idle", "warm", "warming") for a in actors):
-            return False
-        for a in actors:
-            self._forget(a)
-        return True
+    # ---- warm pools and recovery (the collaborators' own docs say how) -----------------
+
+    def fill_warm(self, specs: list[WarmSpec], policy: PolicyConfig, names: dict[str, list[str]],
+                  now: float) -> list[tuple[str, WarmFill]]:
+        return self.warm.fill_warm(specs, policy, names, now)
+
+    def warm_ready(self, actor_name: str, resident_fraction: float) -> bool:
+        return self.warm.warm_ready(actor_name, resident_fraction)
+
+    def drop_warming(self, actor_name: str) -> bool:
+        return self.warm.drop_warming(actor_name)
+
+    def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None) -> ReconcileReport:
+        return self.recovery.reconcile(alive, now, alive_nodes)
+
+    def adopt(self, rows: Iterable[AdoptedRow], now: float, idle: Iterable[AdoptedActor] = ()) -> list[str]:
+        return self.recovery.adopt(rows, now, idle)
+
+    def release_rows_of(self, replica_ids: set[str], now: float) -> list[str]:
+        return self.recovery.release_rows_of(replica_ids, now)
 
     # ---- internals -------------------------------------------------------------------
 
-    def _register(self, actor: ActorRecord, slot: SlotRecord) -> None:
-        """A new actor on `slot`, holding everything it reserves from now on."""
-        self._actors[actor.name] = actor
-        slot.reserved_bytes += actor.reserved_bytes
-        slot.num_actors += 1
-        self._touch_slot(slot)
-        self._touch_actor(actor)
-
-    def _add_row(self, actor: ActorRecord, slot_id: str, reserve_bytes: int, row: RowReservation) -> bool:
-        slot = self._slots[actor.slot_id]
-        if actor.slot_id != slot_id or slot.free_bytes < reserve_bytes:
+    def _evict(self, names: tuple[str, ...]) -> bool:
+        """Forget actors a Spawn retires, if every one is still idle or warm (all or none)."""
+        actors = [self.books.actors.get(n) for n in names]
+        if any(a is None or a.state not in ("idle", "warm", "warming") for a in actors):
             return False
-        row.request_bytes = reserve_bytes
-        actor.rows[row.request_id] = row
-        actor.state, actor.idle_since = "busy", None
-        slot.reserved_bytes += reserve_bytes
-        self._touch_slot(slot)
-        self._touch_actor(actor)
+        for a in actors:
+            self.books.forget(a)
         return True
 
-    def _forget(self, actor: ActorRecord) -> None:
-        slot = self._slots[actor.slot_id]
-        slot.reserved_bytes -= actor.reserved_bytes
-        slot.num_actors -= 1
-        del self._actors[actor.name]
-        del self._actor_views[actor.name]
-        self._touch_slot(slot)
-
-    def _touch_slot(self, slot: SlotRecord) -> None:
-        self._slot_views[slot.slot_id] = slot.view()
-        self._changed()
-
-    def _touch_actor(self, actor: ActorRecord) -> None:
-        self._actor_views[actor.name] = actor.view()
-        self._changed()
-
-    def _changed(self) -> None:
-        self._version += 1
-        self._snapshot = None
-
+    def _add_row(self, actor: ActorRecord, slot_id: str, reserve_bytes: int, row: RowReservation) -> bool:
+        return actor.slot_id == slot_id and self.books.add_row(actor, row, reserve_bytes)

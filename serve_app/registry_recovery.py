@@ -1,6 +1,6 @@
 """The registry's side of failures: matching its books to what Ray lists alive, and taking back
-what a registry that restarted empty lost. A mixin of `RegistryState` (registry.py), whose books
-(`_slots`, `_actors`) these read and change under the same lock; pure, no Ray.
+what a registry that restarted empty lost. A collaborator of `RegistryState` (registry.py) on the
+same books (registry_books.py), under the same lock; pure, no Ray.
 
 Crashes. `reconcile(alive, now, alive_nodes)` compares the registry with the request
 actors and the nodes Ray lists as alive (a dead node's slots are removed, and its actors
@@ -27,12 +27,18 @@ Rows carry the replica relaying them: the rows of a replica that has gone silent
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from serve_app.registry_books import Books
 from serve_app.registry_records import ActorRecord, AdoptedActor, AdoptedRow, ReconcileReport, RowReservation
 
 
 class Recovery:
+    def __init__(self, books: Books, finish: Callable[[str, str, str, float], bool]) -> None:
+        """`finish`: the registry's own end of a row (RegistryState.finish), for rows a silent replica held."""
+        self.books = books
+        self._finish = finish
+
     def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None) -> ReconcileReport:
         """Match the registry to Ray's alive request actors, listed at `now` (see the module doc).
 
@@ -40,14 +46,15 @@ class Recovery:
         forgotten as ghosts at once (however young: nothing runs on a node that is gone), so
         no decision places anything there again.
         """
-        dead_slots = {s.slot_id for s in self._slots.values()
+        books = self.books
+        dead_slots = {s.slot_id for s in books.slots.values()
                       if alive_nodes is not None and s.node_id not in alive_nodes}
-        orphans = tuple(sorted(name for name in alive if name not in self._actors))
+        orphans = tuple(sorted(name for name in alive if name not in books.actors))
         ghosts, expired, retired = [], [], []
         released = 0
-        for actor in list(self._actors.values()):
+        for actor in list(books.actors.values()):
             if actor.slot_id in dead_slots or actor.name not in alive:
-                if actor.slot_id not in dead_slots and now - actor.spawned_at < self.spawn_grace_s:
+                if actor.slot_id not in dead_slots and now - actor.spawned_at < books.spawn_grace_s:
                     continue
                 ghosts.append(actor.name)
             elif any(now > r.busy_deadline for r in actor.rows.values()):
@@ -57,21 +64,20 @@ class Recovery:
             else:
                 continue
             released += actor.reserved_bytes
-            self._forget(actor)
+            books.forget(actor)
         for slot_id in sorted(dead_slots):
-            del self._slots[slot_id]
-            del self._slot_views[slot_id]
-            self._changed()
+            books.remove_slot(slot_id)
         return ReconcileReport(tuple(ghosts), tuple(expired), tuple(retired), orphans, released,
                                tuple(sorted(dead_slots)))
 
     def _is_retired(self, actor: ActorRecord, now: float) -> bool:
-        if self.max_idle_s is None:
+        max_idle_s = self.books.max_idle_s
+        if max_idle_s is None:
             return False
         if actor.state in ("warm", "warming"):
-            last = self._last_request_at.get(actor.model, actor.spawned_at)
-            return now - max(last, actor.spawned_at) > self.max_idle_s
-        return actor.idle_since is not None and now - actor.idle_since > self.max_idle_s
+            last = self.books.last_request_at.get(actor.model, actor.spawned_at)
+            return now - max(last, actor.spawned_at) > max_idle_s
+        return actor.idle_since is not None and now - actor.idle_since > max_idle_s
 
     def adopt(self, rows: Iterable[AdoptedRow], now: float, idle: Iterable[AdoptedActor] = ()) -> list[str]:
         """Take back the rows an ingress replica still relays, and the idle hot actors it knows of;
@@ -82,36 +88,32 @@ class Recovery:
         known, or one whose slot is unknown or has no room for it, is not taken. An idle actor
         that has died meanwhile is a ghost at the next reconcile.
         """
+        books = self.books
         taken = []
         for r in rows:
-            slot = self._slots.get(r.slot_id)
-            actor = self._actors.get(r.actor_name)
-            if slot is None or any(r.request_id in a.rows for a in self._actors.values()):
+            slot = books.slots.get(r.slot_id)
+            actor = books.actors.get(r.actor_name)
+            if slot is None or books.row_holder(r.request_id) is not None:
                 continue
             row = RowReservation(r.request_id, r.num_tokens, r.tpot_target_s, r.predicted_end,
                                  now + r.busy_timeout_s, r.request_bytes, r.replica_id)
             if actor is None:
-                if (slot.num_actors >= self.max_actors_per_slot
+                if (slot.num_actors >= books.max_actors_per_slot
                         or slot.free_bytes < r.resident_bytes + r.request_bytes):
                     continue
                 state = "busy" if r.is_started else "starting"
-                self._register(ActorRecord(r.actor_name, r.model, r.slot_id, r.lane, state, r.is_hot, r.resident_bytes,
-                                      now, {r.request_id: row}), slot)
-            elif actor.slot_id != r.slot_id or slot.free_bytes < r.request_bytes or actor.state == "starting":
+                books.register(ActorRecord(r.actor_name, r.model, r.slot_id, r.lane, state, r.is_hot,
+                                           r.resident_bytes, now, {r.request_id: row}), slot)
+            elif (actor.slot_id != r.slot_id or actor.state == "starting"
+                  or not books.add_row(actor, row, r.request_bytes)):
                 continue
-            else:
-                actor.rows[r.request_id] = row
-                actor.state, actor.idle_since = "busy", None
-                slot.reserved_bytes += r.request_bytes
-                self._touch_slot(slot)
-                self._touch_actor(actor)
             taken.append(r.request_id)
         for a in idle:
-            slot = self._slots.get(a.slot_id)
-            if (a.actor_name in self._actors or slot is None or slot.num_actors >= self.max_actors_per_slot
+            slot = books.slots.get(a.slot_id)
+            if (a.actor_name in books.actors or slot is None or slot.num_actors >= books.max_actors_per_slot
                     or slot.free_bytes < a.resident_bytes):
                 continue
-            self._register(ActorRecord(a.actor_name, a.model, a.slot_id, a.lane, "idle", True, a.resident_bytes, now,
+            books.register(ActorRecord(a.actor_name, a.model, a.slot_id, a.lane, "idle", True, a.resident_bytes, now,
                                   idle_since=now), slot)
             taken.append(a.actor_name)
         return taken
@@ -123,14 +125,14 @@ class Recovery:
         of gone replicas is forgotten and reported to be killed, since it still computes them.
         """
         to_kill = []
-        for actor in list(self._actors.values()):
+        for actor in list(self.books.actors.values()):
             gone = [r for r in actor.rows.values() if r.replica_id in replica_ids]
             if not gone:
                 continue
             if len(gone) == len(actor.rows):
-                self._forget(actor)
+                self.books.forget(actor)
                 to_kill.append(actor.name)
                 continue
             for row in gone:
-                self.finish(actor.name, row.request_id, "cancelled", now)
+                self._finish(actor.name, row.request_id, "cancelled", now)
         return to_kill

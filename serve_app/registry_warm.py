@@ -1,7 +1,7 @@
 """The registry's warm actors: planned for each model's pool, committed as "warming", then "warm"
-once their first layers are in. A mixin of `RegistryState` (registry.py), whose books these read
-and change under the same lock; pure, no Ray. warm_pool.py plans the fills; warm_filler.py
-creates the actors the commits name.
+once their first layers are in. A collaborator of `RegistryState` (registry.py) on the same books
+(registry_books.py), under the same lock; pure, no Ray. warm_pool.py plans the fills; the cluster
+(ray_cluster/warm_filler.py, or local_cluster.py) creates the actors the commits name.
 
     fill_warm      a pool's missing actors, planned and committed ("warming", resident bytes reserved)
     warm_ready     "warming" -> "warm": it may be bound from now on
@@ -11,19 +11,24 @@ creates the actors the commits name.
 from __future__ import annotations
 
 from serve_app.policy import PolicyConfig
+from serve_app.registry_books import Books
 from serve_app.registry_records import ActorRecord
 from serve_app.warm_pool import WarmFill, WarmSpec, is_model_active, plan_fills
 
 
 class WarmBooks:
+    def __init__(self, books: Books) -> None:
+        self.books = books
+
     def try_warm(self, fill: WarmFill, actor_name: str, now: float) -> bool:
         """Reserve a warm actor's resident bytes on its slot, if they still fit."""
-        if actor_name in self._actors:
+        books = self.books
+        if actor_name in books.actors:
             raise ValueError(f"actor {actor_name} is already registered")
-        slot = self._slots.get(fill.slot_id)
-        if slot is None or slot.free_bytes < fill.resident_bytes or slot.num_actors >= self.max_actors_per_slot:
+        slot = books.slots.get(fill.slot_id)
+        if slot is None or slot.free_bytes < fill.resident_bytes or slot.num_actors >= books.max_actors_per_slot:
             return False
-        self._register(ActorRecord(actor_name, fill.model, slot.slot_id, fill.lane, "warming", False,
+        books.register(ActorRecord(actor_name, fill.model, slot.slot_id, fill.lane, "warming", False,
                               fill.resident_bytes, now, resident_fraction=0.0), slot)
         return True
 
@@ -35,11 +40,11 @@ class WarmBooks:
         time starts its idle clock now.
         """
         for spec in specs:
-            self._last_request_at.setdefault(spec.model, now)
-        active = {m for m, t in self._last_request_at.items() if is_model_active(t, now, policy)}
+            self.books.last_request_at.setdefault(spec.model, now)
+        active = {m for m, t in self.books.last_request_at.items() if is_model_active(t, now, policy)}
         committed = []
         offered = {model: list(reversed(n)) for model, n in names.items()}
-        for fill in plan_fills(self.snapshot(), specs, policy, active):
+        for fill in plan_fills(self.books.snapshot(), specs, policy, active):
             pool = offered.get(fill.model)
             if not pool:
                 continue
@@ -51,17 +56,17 @@ class WarmBooks:
     def drop_warming(self, actor_name: str) -> bool:
         """A warm actor failed before it was ready: forgotten, unless a request was bound to it meanwhile
         (then that request's own end releases it)."""
-        actor = self._actors.get(actor_name)
+        actor = self.books.actors.get(actor_name)
         if actor is None or actor.state != "warming":
             return False
-        self._forget(actor)
+        self.books.forget(actor)
         return True
 
     def warm_ready(self, actor_name: str, resident_fraction: float) -> bool:
         """A warming actor holds its first layers: it may be bound from now on."""
-        actor = self._actors.get(actor_name)
+        actor = self.books.actors.get(actor_name)
         if actor is None or actor.state != "warming":
             return False
         actor.state, actor.resident_fraction = "warm", min(1.0, max(0.0, resident_fraction))
-        self._touch_actor(actor)
+        self.books.touch_actor(actor)
         return True

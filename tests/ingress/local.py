@@ -1,8 +1,9 @@
-"""The ingress on real HTTP with no Serve and no Ray: uvicorn (what Serve's proxy runs) serving
-`IngressApp` over the in-process cluster, on a free port, from a thread of the test process.
+"""The ingress on real HTTP with no Serve: uvicorn (what Serve's proxy runs) serving `IngressApp` on a
+free port, from a thread of the test process — over the in-process cluster (no Ray at all), or, for
+the port's contract test, over Ray's.
 
 A test talks to `server.base` exactly as it would to a deployment; it reads the registry's books
-(`books()`) and the actors alive (`actor_names()`) in this process instead of through Ray.
+(`books()`) through the port, and the in-process actors (`actor_names()`, `kill`) directly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from serve_app.asgi import IngressApp
+from serve_app.cluster import ClusterSpec
 from serve_app.config import AppArgs, ingress_config
 from serve_app.local_cluster import LocalCluster, LocalClusterSpec
 from serve_app.snapshot import ClusterSnapshot
@@ -30,10 +32,8 @@ BASE_ARGS: dict[str, Any] = {
 
 
 class LocalServer:
-    def __init__(self, args: dict[str, Any], actor_cls: type | None = None) -> None:
-        config = ingress_config(AppArgs.model_validate(args))
-        spec = LocalClusterSpec(actor_cls) if actor_cls is not None else LocalClusterSpec()
-        self.app = IngressApp(config, spec)
+    def __init__(self, args: dict[str, Any], spec: ClusterSpec) -> None:
+        self.app = IngressApp(ingress_config(AppArgs.model_validate(args)), spec)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on",
                                                      access_log=False, log_level="warning", log_config=None))
         self._thread = threading.Thread(target=self._server.run, name="zq-test-uvicorn", daemon=True)
@@ -49,7 +49,7 @@ class LocalServer:
         return self.app.ingress.admission.cluster
 
     def books(self) -> ClusterSnapshot:
-        return self.cluster.snapshot_now()
+        return asyncio.run_coroutine_threadsafe(self.cluster.snapshot(10.0), self.app.loop).result(timeout=30)
 
     def actor_names(self) -> set[str]:
         return self.cluster.actor_names()
@@ -73,7 +73,8 @@ class LocalServer:
 
 def serve_locally(zqs_path: str, actor_cls: type | None = None, **args: Any) -> LocalServer:
     """`BASE_ARGS` with the tiny model as `MODEL`, and what a test changes."""
-    return LocalServer(BASE_ARGS | {"models": [{"id": MODEL, "zqs_path": str(zqs_path)}]} | args, actor_cls)
+    spec = LocalClusterSpec(actor_cls) if actor_cls is not None else LocalClusterSpec()
+    return LocalServer(BASE_ARGS | {"models": [{"id": MODEL, "zqs_path": str(zqs_path)}]} | args, spec)
 
 
 def assert_nothing_left(server: LocalServer, timeout: float = 30.0) -> None:

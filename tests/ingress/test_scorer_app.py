@@ -28,7 +28,9 @@ def app(tiny_zqs, tmp_path_factory):
 
 
 def _post(base, headers=None, max_tokens=4) -> httpx.Response:
-    body = {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Why no queue?"}]}
+    # Seeded: unseeded, the random model may end its turn before max_tokens.
+    body = {"model": MODEL, "max_tokens": max_tokens, "seed": 3, "temperature": 0.7,
+            "messages": [{"role": "user", "content": "Why no queue?"}]}
     return httpx.post(f"{base}/v1/messages", json=body, headers=headers or {}, timeout=120)
 
 

@@ -400,7 +400,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def finish(self, i, k, outcome):
         name = self._pick(i)
         view = self._view(name)
-        rows = list(self.reg._actors[name].rows.values()) if view else []
+        rows = list(self.reg.books.actors[name].rows.values()) if view else []
         row = rows[k % len(rows)] if rows else None
         reserved_before = sum(s.reserved_bytes for s in self.reg.snapshot().slots)
         must_kill = self.reg.finish(name, row.request_id if row else "none", outcome, self.now)
