@@ -27,6 +27,9 @@ def ray_cluster():
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,
+            # Metrics reach Prometheus every second (Ray's floor) instead of every 10 s: the export tests
+            # wait for them.
+            _system_config={"metrics_report_interval_ms": 1000},
         )
     yield ray
     ray.shutdown()
