@@ -101,8 +101,9 @@ class RequestActor:
     def __init__(self, zqs_path: str, config: ActorConfig, device: str | None = None,
                  warm_layers: int | None = None, *, name: str | None = None,
                  on_exit: Callable[[], None] | None = None):
-        """`name` and `on_exit` run the actor outside Ray (serve_app/local_cluster.py): named by its
-        owner, and ended by it (`on_exit` runs once the actor is done), with no telemetry agent."""
+        """`name` and `on_exit` run the actor outside Ray, in its host's process (serve_app/local_cluster.py):
+        named by its owner and ended by it (`on_exit` runs once the actor is done). It then reports to no
+        telemetry agent, and leaves the process's nice and torch thread count as the host set them."""
         import torch
 
         from actors.layer_loader import stream_zqs
@@ -113,7 +114,8 @@ class RequestActor:
         self._state = _State()
         self._state.enter(Phase.STARTING)
         self._actor_start = self._state.transitions[0][1]
-        torch.set_num_threads(config.compute_threads)
+        if on_exit is None:
+            torch.set_num_threads(config.compute_threads)
         if config.is_freed_memory_retained:
             retain_freed_memory()
         self._idle_trimmer = IdleTrimmer(config.idle_trim_after_s)

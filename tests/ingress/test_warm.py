@@ -1,0 +1,104 @@
+"""Warm pools over the in-process cluster, on real HTTP: bind, refill, a warm actor lost unseen, eviction.
+What only Serve shows — every actor gone with the app, or with `serve shutdown` — is in tests/serve/test_warm.py."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.ingress.local import LocalServer, serve_locally
+from tests.serve.waiting import wait_for
+
+MODEL = "zq-tiny"
+OTHER = "zq-layered"
+POOL = 2  # the tiny model's short-lane warm actors: one per slot
+ARGS = {
+    # No hot actors: a bound warm actor serves its one request and exits, so the pool refills.
+    "policy": {"short_max_input_tokens": 512, "short_max_output_tokens": 256, "max_hot_short_actors": 0,
+               "max_hot_long_actors": 0, "warm_overrides": [[MODEL, POOL, 0]], "max_idle_s": 600},
+    "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1, "warm_layers": 1},
+    "warm_refresh_s": 0.2,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_zqs, layered_zqs):
+    local = serve_locally(tiny_zqs, models=[{"id": MODEL, "zqs_path": str(tiny_zqs)},
+                                            {"id": OTHER, "zqs_path": str(layered_zqs)}], **ARGS)
+    yield local
+    local.stop()
+
+
+def _actors_by_state(server: LocalServer) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for a in server.books().actors:
+        out.setdefault(a.state, []).append(a.name)
+    return out
+
+
+def _post(server: LocalServer, model=MODEL, max_tokens=12, seed=5) -> httpx.Response:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
+            "messages": [{"role": "user", "content": "Why do queues hurt tail latency?"}]}
+    return httpx.post(f"{server.base}/v1/messages", json=body, timeout=120)
+
+
+def _pool_full(server: LocalServer) -> bool:
+    return len(_actors_by_state(server).get("warm", [])) == POOL
+
+
+def _in_process_text(zqs, max_tokens=12, seed=5) -> str:
+    from actors.engine import Engine
+    from actors.layer_loader import load_zqs
+    from serve_app import api
+    from serve_app.prompt import prompt_for
+
+    model, tokenizer = load_zqs(zqs)
+    req = api.parse_messages_request(
+        {"model": MODEL, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
+         "messages": [{"role": "user", "content": "Why do queues hurt tail latency?"}]})
+    prompt, sampling = prompt_for(req, tokenizer, 2048)
+    events = Engine(model, tokenizer).generate(prompt, sampling)
+    return "".join(e.text for e in events if hasattr(e, "token_id"))
+
+
+def test_a_request_binds_a_warm_actor_and_gets_what_a_fresh_actor_computes(server, tiny_zqs):
+    wait_for(lambda: _pool_full(server), 60, "the warm pool to fill")
+    warm = set(_actors_by_state(server)["warm"])
+    r = _post(server)
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Request-Tier"] == "warm"
+    assert r.json()["content"][0]["text"] == _in_process_text(tiny_zqs)
+    # The bound actor served its one request and exits; the pool refills to its size, never past it.
+    sizes = []
+
+    def refilled() -> bool:
+        states = _actors_by_state(server)
+        sizes.append(len(states.get("warm", [])) + len(states.get("warming", [])))
+        return len(states.get("warm", [])) == POOL and not warm <= set(states["warm"])
+
+    wait_for(refilled, 60, "the pool to refill with a new warm actor")
+    assert max(sizes) <= POOL
+    server.on_loop(server.cluster.state.check_invariants)
+
+
+def test_a_warm_actor_that_dies_unseen_is_replaced_and_its_request_placed_elsewhere(server):
+    wait_for(lambda: _pool_full(server), 60, "the warm pool to fill")
+    for name in _actors_by_state(server)["warm"]:
+        server.kill(name)  # both: the books still list them
+    r = _post(server)
+    assert r.status_code == 200, r.text  # bound to a dead actor, found out, decided again: a fresh spawn
+    assert r.headers["request-id"].startswith("req_") and r.headers["X-Request-Tier"] == "cold"
+    wait_for(lambda: _pool_full(server), 60, "the pool to be rebuilt")
+    server.on_loop(server.cluster.state.check_invariants)
+
+
+def test_another_models_request_evicts_a_warm_actor_and_the_evicted_actor_is_ended(server):
+    wait_for(lambda: _pool_full(server), 60, "the warm pool to fill")  # both slots held by warm tiny actors
+    warm = set(_actors_by_state(server)["warm"])
+    r = _post(server, model=OTHER, max_tokens=4)
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Request-Tier"] == "cold"
+    evicted = warm - set(_actors_by_state(server).get("warm", []))
+    assert len(evicted) == 1
+    wait_for(lambda: not evicted & server.actor_names(), 30, "the evicted actor to be ended")
+    wait_for(lambda: _pool_full(server), 60, "the pool to refill once the other model's actor is gone")
