@@ -93,7 +93,7 @@ class RayCluster:
         self._warm.stop()
         self._placer.close()
         try:
-            await asyncio.wait_for(self._link.detach.remote(self.replica_id), timeout=30)
+            await asyncio.wait_for(self._link.handle.detach.remote(self.replica_id), timeout=30)
         except Exception:  # the registry shut itself down while answering, or is gone already
             log.info("registry detach of %s ended without an answer", self.replica_id)
 
@@ -101,10 +101,10 @@ class RayCluster:
         """A new registry (first seen, restarted, or re-created): this deployment's policy and scorer, and
         the rows this replica still relays, so their actors are not killed as orphans. On the slot
         refresher's thread, after the slots were registered."""
-        ray.get(self._link.configure.remote(self._config.policy, self._scorer), timeout=30)
+        ray.get(self._link.handle.configure.remote(self._config.policy, self._scorer), timeout=30)
         rows, idle = self._handed_over()
         if rows or idle:
-            taken = ray.get(self._link.adopt.remote(rows, idle), timeout=30)
+            taken = ray.get(self._link.handle.adopt.remote(rows, idle), timeout=30)
             log.warning("handed %d of %d running rows and idle hot actors to the new registry", len(taken),
                         len(rows) + len(idle))
 
@@ -122,7 +122,7 @@ class RayCluster:
         stats = self._slots.take_stats() if self._slots is not None else None
         try:
             decision = await within(
-                self._link.admit.remote(features, spawn_name, request_id, stats, self.replica_id,
+                self._link.handle.admit.remote(features, spawn_name, request_id, stats, self.replica_id,
                                         self._link.incarnation),
                 self._config.registry_timeout_s)
         except _UNANSWERED as e:
@@ -138,24 +138,24 @@ class RayCluster:
     def abandon(self, request_id: str) -> None:
         # Calls from this replica reach the registry in order, and a registry remembers what was abandoned
         # before it was admitted: nothing stays reserved for a request that was refused.
-        self._link.abandon.remote(request_id)
+        self._link.handle.abandon.remote(request_id)
 
     def finish(self, actor_name: str, request_id: str, outcome: Outcome) -> None:
-        self._link.finish.remote(actor_name, request_id, outcome)
+        self._link.handle.finish.remote(actor_name, request_id, outcome)
 
     def actor_started(self, actor_name: str) -> None:
-        self._link.actor_started.remote(actor_name)
+        self._link.handle.actor_started.remote(actor_name)
 
     async def snapshot(self, timeout_s: float) -> ClusterSnapshot:
         try:
-            return await within(self._link.snapshot.remote(), timeout_s)
+            return await within(self._link.handle.snapshot.remote(), timeout_s)
         except _UNANSWERED as e:
             self._link.unanswered(e)
             raise RegistryUnavailable(type(e).__name__) from None
 
     async def reconcile(self, timeout_s: float) -> None:
         try:
-            await within(self._link.reconcile_now.remote(), timeout_s)
+            await within(self._link.handle.reconcile_now.remote(), timeout_s)
         except Exception:  # best effort: the registry's own loop does the same within a second
             log.info("reconcile did not answer in time")
 

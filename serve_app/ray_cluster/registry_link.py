@@ -6,7 +6,7 @@ returns the live one, or makes it). Either way it comes back empty, under a new
 incarnation; the heartbeat sees that and calls its `on_new_incarnation`, which hands over
 what this replica knows (its policy and scorer, its slots, the rows it is still relaying).
 
-Attribute access forwards to the current handle, so callers write `link.admit.remote(...)`
+`link.handle` is the registry of the moment: callers write `link.handle.admit.remote(...)`
 and reach whichever registry is current. Heartbeats run on the slot refresher's thread
 (slots.py), every `heartbeat_s` or at once when an admission asks for one.
 
@@ -49,10 +49,6 @@ class RegistryLink:
         # False from a registry known to be gone (or a probe it did not answer) until a heartbeat is
         # answered: admissions meanwhile are refused at once instead of each waiting out its deadline.
         self._is_available = True
-
-    def __getattr__(self, name: str) -> Any:
-        # Only names this class does not define reach here: the registry's methods.
-        return getattr(self.handle, name)
 
     def lost(self) -> None:
         """Heartbeat now: the registry is dead or restarted; it is taken as unavailable until then."""

@@ -119,7 +119,7 @@ class SlotRefresher:
 
     def _register_slots(self) -> None:
         self.slots = discover_slots(self._args, self._actor, self._telemetry)
-        ray.get(self._link.register_slots.remote(self.slots), timeout=30)
+        ray.get(self._link.handle.register_slots.remote(self.slots), timeout=30)
 
     def _ensure_agents(self) -> None:
         # Idempotent: agents already running are returned as they are; new nodes get one.

@@ -22,16 +22,17 @@ from typing import Any
 
 import ray
 
+from serve_app.ray_cluster.registry_link import RegistryLink
 from serve_app.warm_pool import WarmFill, WarmSpec
 
 log = logging.getLogger(__name__)
 
 
 class WarmFiller:
-    def __init__(self, registry: Any, specs: list[WarmSpec], pool_sizes: dict[str, int],
+    def __init__(self, link: RegistryLink, specs: list[WarmSpec], pool_sizes: dict[str, int],
                  create: Callable[[str, WarmFill], Any], new_name: Callable[[str], str], *,
                  refresh_s: float = 1.0, call_timeout_s: float = 10.0, ready_timeout_s: float = 300.0) -> None:
-        self._registry = registry
+        self._link = link  # its `handle` is the registry of the moment
         self._specs = [s for s in specs if pool_sizes.get(s.model, 0) > 0]
         self._pool_sizes = pool_sizes
         self._create, self._new_name = create, new_name
@@ -64,14 +65,14 @@ class WarmFiller:
         """One round: settle the ready ones, then create what the pools miss. Returns the names created."""
         self._settle()
         names = {s.model: [self._new_name(s.model) for _ in range(self._pool_sizes[s.model])] for s in self._specs}
-        fills = ray.get(self._registry.fill_warm.remote(self._specs, names), timeout=self._call_timeout_s)
+        fills = ray.get(self._link.handle.fill_warm.remote(self._specs, names), timeout=self._call_timeout_s)
         created = []
         for name, fill in fills:
             try:
                 handle = self._create(name, fill)
             except Exception:
                 log.exception("warm actor %s for %s not created; its slot is given back", name, fill.model)
-                self._registry.remove.remote(name)
+                self._link.handle.remove.remote(name)
                 continue
             self._pending[name] = handle.ready.remote(self._ready_timeout_s)
             created.append(name)
@@ -91,9 +92,9 @@ class WarmFiller:
                 status = ray.get(ref)
             except Exception as e:  # it died or failed while warming: dropped, and replaced next round
                 log.warning("warm actor %s failed before it was ready (%s); replacing it", name, type(e).__name__)
-                self._registry.drop_warming.remote(name)  # a request bound to it meanwhile releases it itself
+                self._link.handle.drop_warming.remote(name)  # a request bound to it meanwhile releases it itself
                 continue
-            self._registry.warm_ready.remote(name, status.resident_fraction)
+            self._link.handle.warm_ready.remote(name, status.resident_fraction)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -199,7 +199,7 @@ def test_a_restarted_registry_refuses_a_replicas_admissions_until_that_replica_h
     link = RegistryLink(lambda: registry, "replica-1")
     link.heartbeat(lambda: ray.get(registry.register_slots.remote(slots)))
     running = dummies()
-    assert isinstance(ray.get(link.admit.remote(features, running, "r1", None, "replica-1", link.incarnation)),
+    assert isinstance(ray.get(link.handle.admit.remote(features, running, "r1", None, "replica-1", link.incarnation)),
                       Spawn)
     before = link.incarnation
     ray.kill(registry, no_restart=False)
@@ -207,7 +207,7 @@ def test_a_restarted_registry_refuses_a_replicas_admissions_until_that_replica_h
 
     def hand_over():
         ray.get(registry.register_slots.remote(slots))
-        during.append(ray.get(link.admit.remote(features, "zq-m-0123456789ab", "r2", None, "replica-1",
+        during.append(ray.get(link.handle.admit.remote(features, "zq-m-0123456789ab", "r2", None, "replica-1",
                                                 link.incarnation)))
         row = AdoptedRow(running, "m", "s0", "short", False, True, 500, "r1", 0, 10, None, time.time() + 60, 60.0,
                          "replica-1")
@@ -217,7 +217,7 @@ def test_a_restarted_registry_refuses_a_replicas_admissions_until_that_replica_h
     [refused] = during
     assert isinstance(refused, Reject) and refused.reason == "registry_restarted", refused
     assert [a.name for a in ray.get(registry.snapshot.remote()).actors] == [running]  # nothing committed for r2
-    admitted = ray.get(link.admit.remote(features, "zq-m-0123456789ab", "r2", None, "replica-1", link.incarnation))
+    admitted = ray.get(link.handle.admit.remote(features, "zq-m-0123456789ab", "r2", None, "replica-1", link.incarnation))
     assert isinstance(admitted, Spawn) and admitted.slot_id == "s1", admitted  # s0 is the running row's
 
 
