@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
+# Two workers: the tests on Ray and Serve run in one of them, in order, on one Ray cluster (they are
+# mostly waiting on processes); everything in-process runs beside them in the other.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: setup
 	$(PY) -m ruff check .

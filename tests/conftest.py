@@ -6,8 +6,18 @@ import os
 
 import pytest
 
+from tests.helpers import RAY_GROUP
+
 # The tests size torch's thread pool for a 2-core machine; more threads only contend.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`), every test that needs the session's Ray
+    cluster runs in one worker, in file order: one Ray cluster and one Serve instance for them all."""
+    for item in items:
+        if "ray_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from serve_app.sse import decode_events
+from tests.helpers import RAY_GROUP
 from tests.ingress.local import MODEL, LocalServer
 from tests.reliability.faults import FaultyActor
 from tests.serve.waiting import wait_for
@@ -40,7 +41,8 @@ def _args(zqs_path) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=["local", "ray"])
+# Ray's run needs the session's Ray cluster: with xdist, in the worker that holds it (tests/conftest.py).
+@pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.xdist_group(RAY_GROUP))])
 def server(request, tiny_zqs):
     from serve_app.local_cluster import LocalClusterSpec
 
