@@ -19,9 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Two workers: the tests on Ray and Serve run in one of them, in order, on one Ray cluster (they are
-# mostly waiting on processes); everything in-process runs beside them in the other.
+# mostly waiting on processes); everything in-process runs beside them (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2
 
 lint: setup
 	$(PY) -m ruff check .

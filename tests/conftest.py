@@ -6,18 +6,33 @@ import os
 
 import pytest
 
-from tests.helpers import RAY_GROUP
-
 # The tests size torch's thread pool for a 2-core machine; more threads only contend.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`), every test that needs the session's Ray
-    cluster runs in one worker, in file order: one Ray cluster and one Serve instance for them all."""
-    for item in items:
-        if "ray_cluster" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+# The tests on Ray and Serve: the session's cluster (tests/serve, tests/reliability, and the port's contract
+# test on Ray), or a cluster of their own beside it (`serve run`, node loss).
+RAY_PATHS = ("tests/serve/", "tests/reliability/")
+RAY_GROUP = "ray"
+
+
+def is_ray_test(nodeid: str) -> bool:
+    return nodeid.startswith(RAY_PATHS) or nodeid.endswith("[ray]")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers. Every test on Ray goes to one of them, in collection order:
+    one Ray cluster and one Serve instance for them all, and no two Ray clusters contending for two cores.
+    Every other module goes whole to either worker (its module-scoped app is built once, its tests in order).
+    (xdist's own `--dist loadgroup` marks do not reach its scheduler under pytest 9.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return RAY_GROUP if is_ray_test(nodeid) else nodeid.split("::", 1)[0]
+
+    return RayTogether(config, log)
 
 
 @pytest.fixture(scope="session")

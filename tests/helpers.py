@@ -209,8 +209,6 @@ def train_synthetic_scorer(names=None, num_targets=3, seed=0):
 # One Serve instance serves the whole session, its proxy on this port: each module deploys its app
 # there and deletes it afterwards (`undeploy`), instead of starting Serve and shutting it down again.
 SERVE_PORT = 8766
-# The pytest-xdist group of every test on the session's Ray cluster (tests/conftest.py): one worker runs them all.
-RAY_GROUP = "ray"
 
 
 def run_app(port: int, name: str, app) -> str:

