@@ -80,6 +80,21 @@ def test_sdk_create_and_stream_work_unmodified(zq):
     assert client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
 
 
+def test_openai_sdk_create_and_stream_work_through_serve(zq):
+    """Chat Completions' one happy path on Serve (the API itself is tested in-process: tests/ingress)."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{zq}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        hi = [{"role": "user", "content": "hi"}]
+        done = client.chat.completions.create(model=MODEL, messages=hi, max_completion_tokens=6, seed=3,
+                                              temperature=0.7)
+        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 6
+        chunks = list(client.chat.completions.create(model=MODEL, messages=hi, max_completion_tokens=6, seed=3,
+                                                     temperature=0.7, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == done.choices[0].message.content  # the same seed, streamed
+
+
 def test_health_reports_jitter_actors_and_slots(zq):
     _post(zq, _body(max_tokens=2))
     h = httpx.get(f"{zq}/health", headers={"x-api-key": KEY}).json()

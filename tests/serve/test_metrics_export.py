@@ -36,7 +36,7 @@ def _series(ray) -> list[tuple[str, dict[str, str], float]]:
 
 
 def _replica_gauges(ray) -> dict[tuple[str, str], float] | None:
-    """(name, state) -> value of the gauges this module's replica exports; None until it has exported both."""
+    """(name, state) -> value of the gauges this module's replica exports; None until it has exported them all."""
     series = _series(ray)
     workers = {labels["WorkerId"] for name, labels, _ in series
                if name == "ray_zq_admissions_total" and labels.get("model") == MODEL}
@@ -47,7 +47,9 @@ def _replica_gauges(ray) -> dict[tuple[str, str], float] | None:
                                                             "ray_zq_batch_occupancy")}
     tiers = {labels["tier"]: value for name, labels, value in series
              if name == "ray_zq_admissions_total" and labels.get("model") == MODEL}
-    return gauges | {("tier", t): v for t, v in tiers.items()} if gauges.get(("ray_zq_actors", "idle")) else None
+    # Each series reaches the export on its own cycle: wait for the idle actor and both admissions' tiers.
+    is_complete = gauges.get(("ray_zq_actors", "idle")) and {"cold", "hot"} <= tiers.keys()
+    return gauges | {("tier", t): v for t, v in tiers.items()} if is_complete else None
 
 
 def test_gauges_are_exported_from_the_heartbeat_without_any_health_call(ray_cluster, tiny_zqs):
