@@ -10,14 +10,16 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
-# The tests on Ray and Serve: the session's cluster (tests/serve, tests/reliability, and the port's contract
-# test on Ray), or a cluster of their own beside it (`serve run`, node loss).
+# The tests on the session's Ray cluster: tests/serve, tests/reliability, and the port's contract test on Ray.
+# Two start a cluster of their own instead (`serve run`, and node loss in a subprocess): like any other module,
+# they run in whichever worker is free.
 RAY_PATHS = ("tests/serve/", "tests/reliability/")
+OWN_CLUSTER = ("tests/serve/test_serve_run.py", "tests/reliability/test_node_loss.py")
 RAY_GROUP = "ray"
 
 
 def is_ray_test(nodeid: str) -> bool:
-    return nodeid.startswith(RAY_PATHS) or nodeid.endswith("[ray]")
+    return (nodeid.startswith(RAY_PATHS) and not nodeid.startswith(OWN_CLUSTER)) or nodeid.endswith("[ray]")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,8 +1,8 @@
 """A refusal's retry-after is the registry's prediction of when a place frees, and a retry then is admitted.
 
 One CPU slot and batches of one row, so a single request holds all the capacity. The rule
-scorer is configured to over-predict for the tiny model here (an 8 s actor start and 50 ms
-a token, where this model starts in a second or two and decodes in milliseconds): the test
+scorer is configured to over-predict for the tiny model here (a 3 s actor start and 50 ms
+a token, where this model starts in-process in well under a second and decodes in milliseconds): the test
 checks the refusal quotes the holder's *predicted* end, and that a client honouring it is
 served — which needs the prediction to be no earlier than the real end, as a configured
 rule must be for its own deployment.
@@ -29,7 +29,7 @@ def app(tiny_zqs):
     server = serve_locally(
         tiny_zqs, slots={"kind": "cpu", "num_cpu_slots": 1, "cpu_slot_bytes": 1 << 30},
         policy={"max_batch": 1, "max_hot_short_actors": 1, "actor_overhead_bytes": 1 << 20},
-        rule_scorer={"actor_start_s": 8.0, "decode_s_per_token": 0.05})
+        rule_scorer={"actor_start_s": 3.0, "decode_s_per_token": 0.05})
     yield server
     server.stop()
 
