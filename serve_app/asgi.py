@@ -7,7 +7,9 @@ process — what the HTTP tests drive through Starlette's TestClient:
     with TestClient(IngressApp(config, LocalClusterSpec())) as client:
         client.post("/v1/messages", json=...)
 
-Serve's proxy, replica routing and direct ingress are not here; `build_app` is the way to serve.
+Like Serve's proxy, it cancels a request's call when the client leaves before its answer (once
+the body is read: until then the ingress itself is reading). Serve's replica routing and direct
+ingress are not here; `build_app` is the way to serve.
 """
 
 from __future__ import annotations
@@ -19,6 +21,28 @@ from starlette.requests import Request
 from serve_app.app import Ingress
 from serve_app.cluster import ClusterSpec
 from serve_app.config import IngressConfig
+
+
+class _BodyReceiver:
+    """The request's `receive`, for the ingress to read its body with; once the body is read, `until_disconnect`
+    reads on, and returns when the client goes (a server then has nothing else to tell)."""
+
+    def __init__(self, receive, *, is_bodiless: bool) -> None:
+        self._receive = receive
+        self._is_read = asyncio.Event()
+        if is_bodiless:  # nobody reads it: what comes first may as well be read here
+            self._is_read.set()
+
+    async def receive(self):
+        message = await self._receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self._is_read.set()
+        return message
+
+    async def until_disconnect(self) -> None:
+        await self._is_read.wait()
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
 
 
 class IngressApp:
@@ -33,8 +57,18 @@ class IngressApp:
             return
         if self.ingress is None:
             raise RuntimeError("IngressApp serves requests only between its lifespan's startup and shutdown")
-        response = await self.ingress(Request(scope, receive))
-        await response(scope, receive, send)
+        body = _BodyReceiver(receive, is_bodiless=scope["method"] in ("GET", "HEAD", "OPTIONS"))
+        handler = asyncio.ensure_future(self.ingress(Request(scope, body.receive)))
+        watcher = asyncio.ensure_future(body.until_disconnect())
+        try:
+            await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not handler.done():  # the client left before its answer: as Serve's proxy does, cancel the call
+            handler.cancel()
+            await asyncio.wait({handler})
+            return
+        await handler.result()(scope, receive, send)
 
     async def _lifespan(self, receive, send) -> None:
         while True:

@@ -54,13 +54,16 @@ NODE_ID = "local"
 
 @dataclass(frozen=True)
 class LocalClusterSpec:
-    """`actor_cls`: the fault seam, as on Ray (a subclass of RequestActor that stalls or fails on cue)."""
+    """The fault seams, as on Ray: `actor_cls` (a RequestActor that stalls or fails on cue) and `cluster_cls`
+    (a LocalCluster whose registry answers late)."""
 
     actor_cls: type = RequestActor
+    cluster_cls: type[LocalCluster] | None = None  # None: LocalCluster
 
     def build(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer,
               replica_id: str) -> LocalCluster:
-        return LocalCluster(config, models, scorer, replica_id, actor_cls=self.actor_cls)
+        cls = self.cluster_cls or LocalCluster
+        return cls(config, models, scorer, replica_id, actor_cls=self.actor_cls)
 
 
 class LocalStream:
