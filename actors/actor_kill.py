@@ -1,6 +1,6 @@
 """Killing a named actor by its name: the one Ray call the ingress's placer and the registry share.
 
-It lives in actors/, below both users (serve_app/placement.py and serve_app/registry_actor.py),
+It lives in actors/, below both users (serve_app/ray_cluster/placement.py and registry_actor.py),
 so that neither reaches sideways into the other. It is kept out of actor_names.py, which
 stays free of Ray: the registry's pure state machine (serve_app/registry.py) imports names
 from there without importing Ray.
