@@ -13,7 +13,7 @@ Nothing here waits for capacity: every await is on work already placed, and has 
 `build_app(args)` is the app builder `configs/serve.yaml` names by `import_path`;
 `Ingress.bind(config, cluster=spec)` chooses the cluster behind admission (cluster.py): Ray's
 by default, with the seam where tests inject faulty actors and registries, or the in-process
-one (local_cluster.py) that the HTTP tests drive through `asgi_app` with no Serve at all.
+one (local_cluster.py) that the HTTP tests drive through `asgi.IngressApp`, with no Serve at all.
 """
 
 from __future__ import annotations

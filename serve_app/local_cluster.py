@@ -1,13 +1,13 @@
-"""The cluster in this process: the registry's own `RegistryState`, and `RequestActor`s as plain objects.
+"""The cluster in this process: the registry's own state, and `RequestActor`s as plain objects.
 
-No Ray, no Serve: the same books decide and reserve (`admit` is `RegistryState.admit` under a
-lock, as in the registry actor), and the same engine computes — each actor streams its `.zqs`
+No Ray, no Serve: the same books decide and reserve (`SharedRegistry`, as the registry actor
+runs it), and the same engine computes — each actor streams its `.zqs`
 file, batches its rows on its own thread and exits after its last row unless kept hot. What
 differs is only how the world is reached: an actor is an object here, its stream an asyncio
 task (`LocalStream`), its death `kill()`. So every behaviour that is not Ray's own — validation,
 decisions, hot/join/bind/spawn placement, refusals and retry-after, streaming, cancellation,
 an actor lost before or after its first item — can be tested through the ASGI app
-(app.asgi_app) in one process, in milliseconds.
+(asgi.IngressApp) in one process, without starting another.
 
 What only Ray has stays out: processes that die by themselves, other ingress replicas, registry
 restarts and hand-overs, nodes. One node, `slots.num_cpu_slots` CPU slots of `cpu_slot_bytes`.
@@ -42,8 +42,9 @@ from serve_app.cluster import (
 from serve_app.config import IngressConfig
 from serve_app.decisions import Decision
 from serve_app.loaded_model import LoadedModel
-from serve_app.registry import Outcome, RegistryState, SlotSpec
+from serve_app.registry import Outcome, SlotSpec
 from serve_app.scorer import Scorer
+from serve_app.shared_registry import SharedRegistry
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
 from serve_app.warm_pool import LANES, WarmSpec
 
@@ -157,9 +158,8 @@ class LocalCluster:
         self._config, self._models, self._scorer, self.replica_id = config, models, scorer, replica_id
         self._actor_cls = actor_cls
         policy = config.policy
-        self.state = RegistryState(policy.max_actors_per_slot, config.registry.spawn_grace_s, policy.max_idle_s,
-                                   policy.max_batch)
-        self._lock = threading.Lock()  # the books and `actors`: tests read them from their own thread
+        self.registry = SharedRegistry(policy, scorer, config.registry.spawn_grace_s, kill=self.kill)
+        self._lock = threading.Lock()  # `actors`: tests read it from their own thread
         self.actors: dict[str, _Actor] = {}
         self.calls: Counter[str] = Counter()
         self._slots = [SlotSpec(f"{NODE_ID}/cpu{i}", NODE_ID, config.slots.cpu_slot_bytes)
@@ -175,8 +175,7 @@ class LocalCluster:
     def start(self, hand_over: HandOver) -> None:
         """The slots; warm pools and reconciling start with the event loop (`_ensure_running`). Nothing is
         ever handed over: this registry lives as long as the process."""
-        with self._lock:
-            self.state.register_slots(self._slots)
+        self.registry.register_slots(self._slots)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -211,33 +210,25 @@ class LocalCluster:
     # ---- the registry ----------------------------------------------------------------
 
     def _call(self, name: str, fn: Callable[[], Any]) -> Any:
-        with self._lock:
-            self.calls[name] += 1
-            return fn()
+        self.calls[name] += 1
+        return fn()
 
     async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str) -> Decision:
         self._ensure_running()
-        return self._call("admit", lambda: self.state.admit(features, self._config.policy, spawn_name, request_id,
-                                                            time.time(), self._scorer, self.replica_id))
+        return self._call("admit", lambda: self.registry.admit(features, spawn_name, request_id,
+                                                               replica_id=self.replica_id))
 
     def abandon(self, request_id: str) -> None:
-        undone = self._call("abandon", lambda: self.state.abandon(request_id, time.time()))
-        if undone is not None and undone[1]:
-            self.kill(undone[0])
+        self._call("abandon", lambda: self.registry.abandon(request_id))
 
     def finish(self, actor_name: str, request_id: str, outcome: Outcome) -> None:
-        if self._call("finish", lambda: self.state.finish(actor_name, request_id, outcome, time.time())):
-            self.kill(actor_name)
+        self._call("finish", lambda: self.registry.finish(actor_name, request_id, outcome))
 
     def actor_started(self, actor_name: str) -> None:
-        self._call("actor_started", lambda: self.state.actor_started(actor_name))
+        self._call("actor_started", lambda: self.registry.actor_started(actor_name))
 
     async def snapshot(self, timeout_s: float) -> ClusterSnapshot:
-        return self.snapshot_now()
-
-    def snapshot_now(self) -> ClusterSnapshot:
-        """The books (thread-safe: tests read them from their own thread)."""
-        return self._call("snapshot", self.state.snapshot)
+        return self._call("snapshot", self.registry.snapshot)
 
     def actor_names(self) -> set[str]:
         """The actors alive or being created (thread-safe)."""
@@ -250,7 +241,7 @@ class LocalCluster:
     def reconcile_now(self) -> None:
         """The books against the actors alive here: ghosts dropped; expired, retired and orphans killed."""
         alive = self.actor_names()
-        report = self._call("reconcile", lambda: self.state.reconcile(alive, time.time(), {NODE_ID}))
+        report = self._call("reconcile", lambda: self.registry.reconcile_books(alive, time.time(), {NODE_ID}))
         for name in report.to_kill:
             self.kill(name)
 
@@ -324,8 +315,7 @@ class LocalCluster:
         while specs:
             await self._warm_wake.wait()
             self._warm_wake.clear()
-            fills = self._call("fill_warm", lambda: self.state.fill_warm(specs, self._config.policy,
-                                                                         self._new_names(specs), time.time()))
+            fills = self._call("fill_warm", lambda: self.registry.fill_warm(specs, self._new_names(specs)))
             for name, fill in fills:
                 task = asyncio.get_running_loop().create_task(self._warm_up(name, fill.model))
                 self._tasks.add(task)
@@ -343,11 +333,11 @@ class LocalCluster:
             status = await entry.actor.ready(self._config.actor.load_timeout_s)
         except Exception as e:  # dropped, and replaced by the next round
             log.warning("warm actor %s failed before it was ready (%s); replacing it", name, type(e).__name__)
-            self._call("drop_warming", lambda: self.state.drop_warming(name))
+            self._call("drop_warming", lambda: self.registry.drop_warming(name))
             self.kill(name)
             self.wake_warm()
             return
-        self._call("warm_ready", lambda: self.state.warm_ready(name, status.resident_fraction))
+        self._call("warm_ready", lambda: self.registry.warm_ready(name, status.resident_fraction))
 
     async def _reconcile_loop(self) -> None:
         while True:

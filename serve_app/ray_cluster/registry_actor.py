@@ -1,10 +1,10 @@
 """The one registry every ingress replica shares: a named, detached Ray actor around `RegistryState`.
 
 Atomicity. Every method that reads or changes the state does so inside one critical
-section under `self._lock`. Ray runs the actor's calls one at a time
-(`max_concurrency=1`), and the only other thread — the reconcile loop — takes the same
-lock, so each compare-and-set (`admit`, `finish`, `adopt`, ...) is
-linearizable: of two replicas racing for the last free bytes of a slot, the second one's
+section under one lock (`SharedRegistry`, shared_registry.py, which this actor extends). Ray
+runs the actor's calls one at a time (`max_concurrency=1`), and the only other thread — the
+reconcile loop — takes the same lock, so each compare-and-set (`admit`, `finish`, `adopt`, ...)
+is linearizable: of two replicas racing for the last free bytes of a slot, the second one's
 re-check sees the first one's reservation. Replicas keep no state of their own.
 
 Reconciling. A daemon thread runs `reconcile_now` every `reconcile_interval_s`: it lists
@@ -44,7 +44,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
 
 import ray
 
@@ -56,60 +55,28 @@ from serve_app.policy import PolicyConfig
 from serve_app.registry import (
     AdoptedActor,
     AdoptedRow,
-    Outcome,
     ReconcileReport,
     RegistryConfig,
-    RegistryState,
-    SlotSpec,
 )
-from serve_app.scorer import RULE_SCORER, Scorer
-from serve_app.snapshot import ClusterSnapshot, RequestFeatures
-from serve_app.warm_pool import WarmFill, WarmSpec
+from serve_app.scorer import Scorer
+from serve_app.shared_registry import SharedRegistry
+from serve_app.snapshot import RequestFeatures
 
 log = logging.getLogger(__name__)
 
 
-class RegistryActor:
+class RegistryActor(SharedRegistry):
     def __init__(self, config: RegistryConfig, policy: PolicyConfig, scorer: Scorer | None = None) -> None:
+        super().__init__(policy, scorer, config.spawn_grace_s, kill=self._kill)
         self._config = config
-        self._policy = policy
-        self._scorer = scorer or RULE_SCORER
-        self._state = RegistryState(policy.max_actors_per_slot, config.spawn_grace_s, policy.max_idle_s,
-                                    policy.max_batch)
         self._replicas: dict[str, float] = {}  # attached ingress replica -> when last heard from
         self.incarnation = uuid.uuid4().hex[:12]  # new with every (re)start: replicas then hand their rows back
         self._adopt_until = time.time() + config.adopt_grace_s
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="zq-registry-reconcile", daemon=True)
         self._thread.start()
 
-    # ---- slots and reads ---------------------------------------------------------------
-
-    def register_slots(self, slots: Iterable[SlotSpec]) -> None:
-        with self._lock:
-            self._state.register_slots(slots)
-
-    def _apply_slot_stats(self, stats: dict[str, tuple[float, float]] | None) -> None:
-        """slot_id -> (fragmentation, utilization), from telemetry; slots it does not know are skipped."""
-        for slot_id, (fragmentation, utilization) in (stats or {}).items():
-            if slot_id in self._state.slot_ids:
-                self._state.update_slot_stats(slot_id, fragmentation, utilization)
-
-    def snapshot(self) -> ClusterSnapshot:
-        with self._lock:
-            return self._state.snapshot()
-
-    def counters(self) -> dict[str, int]:
-        """Decisions by kind, evictions, and spawns decided while a fitting warm actor was there."""
-        with self._lock:
-            return dict(self._state.counters)
-
-    def check_invariants(self) -> None:
-        with self._lock:
-            self._state.check_invariants()
-
-    # ---- commits ---------------------------------------------------------------------
+    # ---- commits (the rest are SharedRegistry's) ----------------------------------------
 
     def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
               slot_stats: dict[str, tuple[float, float]] | None = None, replica_id: str = "",
@@ -127,47 +94,7 @@ class RegistryActor:
         """
         if incarnation is not None and incarnation != self.incarnation:
             return Reject("registry_restarted", None, "the admission registry restarted; retry shortly")
-        with self._lock:
-            self._apply_slot_stats(slot_stats)
-            return self._state.admit(features, self._policy, spawn_name, request_id, time.time(), self._scorer,
-                                     replica_id)
-
-    def fill_warm(self, specs: list[WarmSpec], names: dict[str, list[str]]) -> list[tuple[str, WarmFill]]:
-        """Commit the warm actors the pools miss; the caller creates them (warm_filler.py)."""
-        with self._lock:
-            return self._state.fill_warm(specs, self._policy, names, time.time())
-
-    def warm_ready(self, actor_name: str, resident_fraction: float) -> bool:
-        with self._lock:
-            return self._state.warm_ready(actor_name, resident_fraction)
-
-    def drop_warming(self, actor_name: str) -> bool:
-        with self._lock:
-            return self._state.drop_warming(actor_name)
-
-    def actor_started(self, actor_name: str) -> bool:
-        with self._lock:
-            return self._state.actor_started(actor_name)
-
-    def finish(self, actor_name: str, request_id: str, outcome: Outcome) -> bool:
-        """A row ended; an actor that failed (or a load nobody waits for) is forgotten and killed here."""
-        with self._lock:
-            must_kill = self._state.finish(actor_name, request_id, outcome, time.time())
-        if must_kill:
-            self._kill(actor_name)
-        return must_kill
-
-    def abandon(self, request_id: str) -> bool:
-        """An ingress gave up waiting for `request_id`'s admission: release whatever it committed."""
-        with self._lock:
-            undone = self._state.abandon(request_id, time.time())
-        if undone is not None and undone[1]:
-            self._kill(undone[0])
-        return undone is not None
-
-    def remove(self, actor_name: str) -> bool:
-        with self._lock:
-            return self._state.remove(actor_name)
+        return super().admit(features, spawn_name, request_id, slot_stats, replica_id)
 
     def adopt(self, rows: list[AdoptedRow], idle: list[AdoptedActor] = ()) -> list[str]:
         """A replica's running rows and idle hot actors, handed back after a restart; returns what was taken.
@@ -178,12 +105,6 @@ class RegistryActor:
         alive = self._alive_request_actors() if idle else set()
         with self._lock:
             return self._state.adopt(rows, time.time(), [a for a in idle if a.actor_name in alive])
-
-    def configure(self, policy: PolicyConfig, scorer: Scorer | None = None) -> None:
-        """The policy and scorer of the latest deployment (a redeploy's replicas bring theirs)."""
-        with self._lock:
-            self._state.reconfigure(policy.max_actors_per_slot, policy.max_idle_s, policy.max_batch)
-            self._policy, self._scorer = policy, scorer or RULE_SCORER
 
     # ---- ingress replicas --------------------------------------------------------------
 
@@ -218,8 +139,8 @@ class RegistryActor:
         listed_at = time.time()
         alive = self._alive_request_actors()
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        report = self.reconcile_books(alive, listed_at, alive_nodes)
         with self._lock:
-            report = self._state.reconcile(alive, listed_at, alive_nodes)
             silent = {r for r, t in self._replicas.items() if listed_at - t > self._config.replica_silence_s}
             abandoned = self._state.release_rows_of(silent, listed_at) if silent else []
         if abandoned:

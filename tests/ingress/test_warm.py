@@ -78,7 +78,7 @@ def test_a_request_binds_a_warm_actor_and_gets_what_a_fresh_actor_computes(serve
 
     wait_for(refilled, 60, "the pool to refill with a new warm actor")
     assert max(sizes) <= POOL
-    server.on_loop(server.cluster.state.check_invariants)
+    server.cluster.registry.check_invariants()
 
 
 def test_a_warm_actor_that_dies_unseen_is_replaced_and_its_request_placed_elsewhere(server):
@@ -89,7 +89,7 @@ def test_a_warm_actor_that_dies_unseen_is_replaced_and_its_request_placed_elsewh
     assert r.status_code == 200, r.text  # bound to a dead actor, found out, decided again: a fresh spawn
     assert r.headers["request-id"].startswith("req_") and r.headers["X-Request-Tier"] == "cold"
     wait_for(lambda: _pool_full(server), 60, "the pool to be rebuilt")
-    server.on_loop(server.cluster.state.check_invariants)
+    server.cluster.registry.check_invariants()
 
 
 def test_another_models_request_evicts_a_warm_actor_and_the_evicted_actor_is_ended(server):
