@@ -53,20 +53,6 @@ log = logging.getLogger(__name__)
 NODE_ID = "local"
 
 
-@dataclass(frozen=True)
-class LocalClusterSpec:
-    """The fault seams, as on Ray: `actor_cls` (a RequestActor that stalls or fails on cue) and `cluster_cls`
-    (a LocalCluster whose registry answers late)."""
-
-    actor_cls: type = RequestActor
-    cluster_cls: type[LocalCluster] | None = None  # None: LocalCluster
-
-    def build(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer,
-              replica_id: str) -> LocalCluster:
-        cls = self.cluster_cls or LocalCluster
-        return cls(config, models, scorer, replica_id, actor_cls=self.actor_cls)
-
-
 class LocalStream:
     """An actor's `generate`, pumped by a task of its own into a queue: a caller that stops waiting for
     `next()` (a deadline, a ping) leaves the row running, as it does with a Ray stream."""
@@ -346,3 +332,16 @@ class LocalCluster:
                 self.reconcile_now()
             except Exception:
                 log.exception("reconcile pass failed")
+
+
+@dataclass(frozen=True)
+class LocalClusterSpec:
+    """The fault seams, as on Ray: `actor_cls` (a RequestActor that stalls or fails on cue) and `cluster_cls`
+    (a LocalCluster whose registry answers late)."""
+
+    actor_cls: type = RequestActor
+    cluster_cls: type[LocalCluster] = LocalCluster
+
+    def build(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer,
+              replica_id: str) -> LocalCluster:
+        return self.cluster_cls(config, models, scorer, replica_id, actor_cls=self.actor_cls)

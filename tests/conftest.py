@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 # The tests on Ray: tests/serve, tests/reliability, and the port's contract test on Ray. One starts a cluster
 # of its own and needs nothing of theirs (`serve run`): like any other module, it runs in whichever worker is
-# free, which balances the two (about 400 s of tests each here).
+# free, which balances the two workers' loads.
 RAY_PATHS = ("tests/serve/", "tests/reliability/")
 OWN_CLUSTER = ("tests/serve/test_serve_run.py",)
 RAY_GROUP = "ray"

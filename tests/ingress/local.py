@@ -41,8 +41,8 @@ class LocalServer:
         wait_for(lambda: self._server.started or not self._thread.is_alive(), 60, "the local server to start")
         if not self._server.started:
             raise RuntimeError("the local server did not start (see the log)")
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.base = f"http://127.0.0.1:{port}"
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
 
     @property
     def cluster(self) -> LocalCluster:

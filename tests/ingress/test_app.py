@@ -1,6 +1,7 @@
-"""The zeroqueue app on real HTTP over the in-process cluster: API, errors, auth, no hidden queue, an actor
-lost mid-stream, a client that leaves. The same tests ran on Serve; what only Serve and Ray can show (process
-death, handles from another driver, metrics export, telemetry agents) stays in tests/serve/test_app.py."""
+"""The zeroqueue app on real HTTP over the in-process cluster: API, errors, auth, no hidden queue, batching.
+These ran on Serve before; what only Serve and Ray show (process death, a client leaving through Serve's proxy,
+handles from another driver, metrics export, telemetry agents) stays in tests/serve/test_app.py, and an actor
+lost mid-stream or a client leaving in-process is in the port's contract test and test_client_leaves.py."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from tests.serve.waiting import wait_for
 KEY = "zq-test-key-5d1c"
 MODEL = "zq-tiny"
 SLOW_MODEL = "zq-layered"
-# Every refusal in the burst test must come back within this bound (2-core machine,
-# two actors computing beside the ingress).
-REJECT_BOUND_S = 0.5
+# Every refusal in the burst test comes back within this bound: far above a refusal's own time on any
+# machine, far below forever, which is how long a request queued behind the holders would wait.
+REJECT_BOUND_S = 5.0
 MAX_BATCH = 3
 
 
@@ -243,22 +244,6 @@ def _wait_free_slot(base) -> None:
     wait_for(lambda: _health(base)["slots"]["free"] >= 1, what="a free slot")
 
 
-def test_actor_killed_mid_stream_ends_the_stream_with_an_error_event(zq, server):
-    _wait_free_slot(zq)
-    before = server.actor_names()
-    events = []
-    with httpx.stream("POST", f"{zq}/v1/messages", json=_body(max_tokens=1900, stream=True, temperature=0),
-                      headers={"x-api-key": KEY}, timeout=60) as s:
-        for line in s.iter_lines():
-            if line.startswith("event: "):
-                events.append(line.removeprefix("event: "))
-            if events.count("content_block_delta") == 2:
-                for name in server.actor_names() - before:
-                    server.kill(name)
-    assert events[-1] == "error", events[-5:]
-    assert "message_stop" not in events
-
-
 def test_back_to_back_requests_from_one_client_all_complete(zq):
     """The next request follows the moment the last one's final byte arrives: the row it held is free."""
     _wait_free_slot(zq)
@@ -274,24 +259,3 @@ def test_back_to_back_requests_from_one_client_all_complete(zq):
                 r = client.post(f"{zq}/v1/messages", json=body)
                 statuses.append((r.status_code, "event: message_stop" if r.status_code == 200 else r.text))
     assert statuses == [(200, "event: message_stop")] * 100, [s for s in statuses if s[0] != 200][:3]
-
-
-def test_client_disconnect_frees_its_row_and_reservation_and_a_hot_actor_stays(zq, server):
-    _wait_free_slot(zq)
-    long_body = _body(max_tokens=1900, stream=True, temperature=0)  # the long lane, whose quota keeps one hot
-    with httpx.stream("POST", f"{zq}/v1/messages", json=long_body, headers={"x-api-key": KEY}, timeout=60) as s:
-        for line in s.iter_lines():
-            if line.startswith("event: content_block_delta"):
-                break
-
-    def nothing_running():
-        h = _health(zq)
-        return h["rows"] == 0 and h["actors"].get("busy", 0) == 0 and h["actors"].get("starting", 0) == 0
-
-    wait_for(nothing_running, what="the row and its reservation to be released")
-    actors = server.actor_names()
-    statuses = server.on_loop(lambda: [server.cluster.actors[n].actor.status() for n in actors])
-    assert all(st.num_rows == 0 for st in statuses)  # the batch let the row go within a step
-    # The actor it ran on stayed hot: the next long request runs there, no new process.
-    assert _post(zq, {**long_body, "stream": False, "max_tokens": 300}).status_code == 200
-    assert server.actor_names() == actors

@@ -81,7 +81,7 @@ def zq(tiny_zqs):
         env.setenv(KEY_ENV, KEY)  # before the app is built: `ingress_config` resolves `api_key_env` then
         server = serve_locally(tiny_zqs, api_key_env=KEY_ENV)
     try:
-        client = Client(int(server.base.rsplit(":", 1)[1]), KEY)
+        client = Client(server.port, KEY)
         warm = client.post("/v1/messages", valid_body("/v1/messages"))
         assert warm.status == 200, warm  # the happy path runs, and the pools have their threads
         refusal = client.send("GET", "/v1/models")

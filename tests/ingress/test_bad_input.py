@@ -127,7 +127,7 @@ def zq(tiny_zqs):
         env.setenv(KEY_ENV, KEY)
         server = serve_locally(tiny_zqs, api_key_env=KEY_ENV, max_body_bytes=MAX_BODY_BYTES)
     try:
-        client = Client(int(server.base.rsplit(":", 1)[1]), KEY)
+        client = Client(server.port, KEY)
         warm = client.post("/v1/messages", messages_body())
         assert warm.status == 200, warm  # the happy path runs, and the pools have their threads
         yield Deployed(client, client.health()["replica"]["threads"], server)
