@@ -38,7 +38,7 @@ from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, make_generator, mask_tokens, sample
 from actors.scheduler import RowProgress, plan_step
 from actors.stop_sequences import StopSequenceFilter
-from actors.tokenizer import StreamDecoder, Tokenizer
+from actors.tokenizer import Message, StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,6 @@ class ContextWindowError(ValueError):
 
 class BatchFullError(RuntimeError):
     """The batch already holds `max_batch` rows."""
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str  # "user" | "assistant"
-    content: str
 
 
 @dataclass(frozen=True)
@@ -391,7 +385,7 @@ def build_prompt(tokenizer: Tokenizer, request: GenerationRequest, max_context: 
     if not request.messages:
         raise ValueError("messages must not be empty")
     # A trailing assistant message is a prefill: the answer continues it.
-    prompt = tokenizer.encode_chat(_as_dicts(request.messages), system=request.system,
+    prompt = tokenizer.encode_chat(request.messages, system=request.system,
                                    continue_final_message=request.messages[-1].role == "assistant")
     check_context_window(len(prompt), request.sampling.max_tokens, max_context)
     return prompt
@@ -405,7 +399,3 @@ def check_context_window(prompt_tokens: int, max_tokens: int, max_context: int) 
             f"prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}: "
             f"{need} exceeds the context window of {max_context}"
         )
-
-
-def _as_dicts(messages: tuple[Message, ...]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]

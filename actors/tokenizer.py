@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,16 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of a chat, the one shape a conversation has from the API models to the template: both APIs
+    build these, the engine's requests carry them, and `encode_chat` hands them to the template as the dicts
+    templates are written for."""
+
+    role: str  # "user" | "assistant"
+    content: str
 
 # Every file a tokenizer may be built from; a packer embeds whichever of these exist.
 TOKENIZER_FILES = (
@@ -188,10 +199,11 @@ class Tokenizer:
         # A template that strips the content's trailing space also strips the tag's: cut and strip.
         return rendered[:at] if rendered[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else rendered[:at].rstrip()
 
-    def encode_chat(self, messages: list[dict[str, Any]], system: str | None = None,
+    def encode_chat(self, messages: Sequence[Message], system: str | None = None,
                     continue_final_message: bool = False) -> list[int]:
         """Prompt token ids. The template writes any BOS itself, so none is added (as apply_chat_template does)."""
-        text = self.render_chat(messages, system=system, continue_final_message=continue_final_message)
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        text = self.render_chat(chat, system=system, continue_final_message=continue_final_message)
         return self.encode(text, add_special_tokens=False)
 
 

@@ -40,6 +40,7 @@ import torch
 from actors.engine import Engine, FinishEvent
 from actors.layer_loader import load_zqs
 from actors.sampling import SamplingParams
+from actors.tokenizer import Message
 from benchmarks.bench_cold_start import prepare_model
 from benchmarks.common import load_average, load_text, machine, was_busy
 from benchmarks.load_stats import percentile
@@ -124,7 +125,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, tokenizer = load_zqs(zqs, num_threads=1)
     engine = Engine(model, tokenizer)
-    prompt = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    prompt = tokenizer.encode_chat([Message("user", PROMPT)])
     parse_cost_s = _parse_cost_s(tokenizer, engine.max_context)
     load_before = load_average()
     ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)

@@ -70,7 +70,7 @@ async def measure(num_messages: int, repeats: int) -> dict:
 
     def work():
         req = api.parse_messages_request(body)
-        return tokenizer.encode_chat([{"role": r, "content": t} for r, t in req.flat_messages()])
+        return tokenizer.encode_chat(req.turns())
 
     executor = BoundedExecutor("parsing", max_threads=2, max_pending=8, timeout_s=120)
     rows = {"inline": [], "thread": []}

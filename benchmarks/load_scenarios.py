@@ -19,6 +19,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from actors.tokenizer import Message
 from benchmarks.load_stats import Slo
 
 # A plain English text that tokenizes evenly; prompts are cut from it to a token count.
@@ -174,7 +175,7 @@ def prompt_of(tokenizer, input_tokens: int) -> str:
     """The longest cut of the text whose chat-templated prompt has at most `input_tokens` tokens."""
 
     def size(n_words: int) -> int:
-        return len(tokenizer.encode_chat([{"role": "user", "content": _words(n_words)}]))
+        return len(tokenizer.encode_chat([Message("user", _words(n_words))]))
 
     lo, hi = 1, 4 * input_tokens
     if size(lo) > input_tokens:

@@ -37,6 +37,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from actors.stop_sequences import MAX_STOP_SEQUENCE_CHARS, MAX_STOP_SEQUENCES
+from actors.tokenizer import Message
 from serve_app.errors import from_validation_error, invalid_request, request_too_large
 
 MAX_MODEL_NAME_CHARS = 256
@@ -182,9 +183,10 @@ class _Conversation(BaseModel):
                 )
         return self
 
-    def flat_messages(self) -> list[tuple[str, str]]:
-        """[(role, text)] in order; a trailing assistant turn is a prefill to continue."""
-        return [(m.role, m.text) for m in self.messages]
+    def turns(self) -> tuple[Message, ...]:
+        """The conversation in order, its content blocks joined; a trailing assistant turn is a prefill to
+        continue."""
+        return tuple(Message(m.role, m.text) for m in self.messages)
 
     def system_text(self) -> str | None:
         if self.system is None:

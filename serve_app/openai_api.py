@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from actors.sampling import MAX_TEMPERATURE, SamplingParams
 from actors.stop_sequences import MAX_STOP_SEQUENCE_CHARS
-from actors.tokenizer import Tokenizer
+from actors.tokenizer import Message, Tokenizer
 from serve_app import api, errors
 from serve_app.errors import ApiError
 from serve_app.prompt import chat_prompt
@@ -281,9 +281,9 @@ class ChatCompletionRequest(BaseModel):
         parts = [m.text for m in self.messages if m.role in SYSTEM_ROLES]
         return "\n\n".join(parts) if parts else None
 
-    def turns(self) -> list[tuple[str, str]]:
-        """[(role, text)] of the conversation in order, without its system messages."""
-        return [(m.role, m.text) for m in self.messages if m.role not in SYSTEM_ROLES]
+    def turns(self) -> tuple[Message, ...]:
+        """The conversation in order, without its system messages (`system_text` joins those)."""
+        return tuple(Message(m.role, m.text) for m in self.messages if m.role not in SYSTEM_ROLES)
 
 
 def parse_chat_request(body: bytes | dict[str, Any]) -> ChatCompletionRequest:

@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actors.engine import ContextWindowError, GenerationRequest, Message, build_prompt
+from actors.engine import ContextWindowError, GenerationRequest, build_prompt
 from actors.sampling import SamplingError, SamplingParams
-from actors.tokenizer import Tokenizer, TokenizerError
+from actors.tokenizer import Message, Tokenizer, TokenizerError
 from serve_app import api, errors
 
 
-def chat_prompt(messages: Sequence[tuple[str, str]], system: str | None, tokenizer: Tokenizer, max_context: int,
+def chat_prompt(messages: Sequence[Message], system: str | None, tokenizer: Tokenizer, max_context: int,
                 *, max_tokens: int | None, **sampling: Any) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids (chat template applied) and the sampling parameters; raises ApiError (400).
 
@@ -29,11 +29,11 @@ def chat_prompt(messages: Sequence[tuple[str, str]], system: str | None, tokeniz
     `max_tokens=None` (OpenAI's default) is the rest of the context window after the prompt.
     """
     try:
-        if messages and messages[-1][0] == "assistant" and messages[-1][1] != messages[-1][1].rstrip():
+        if messages and messages[-1].role == "assistant" and messages[-1].content != messages[-1].content.rstrip():
             # As Anthropic's API: the continuation would start after whitespace the template may drop.
             raise TokenizerError("messages: a final assistant message must not end with whitespace")
         params = sampling | {"stop_sequences": tuple(sampling.get("stop_sequences", ()))}
-        turns = tuple(Message(role, text) for role, text in messages)
+        turns = tuple(messages)
         if max_tokens is None:
             # Checks the parameters before the template runs; min_tokens against the rest, after it.
             probe = SamplingParams(max_tokens=1, **(params | {"min_tokens": 0}))
@@ -47,16 +47,16 @@ def chat_prompt(messages: Sequence[tuple[str, str]], system: str | None, tokeniz
 
 def prompt_for(req: api.MessagesRequest, tokenizer: Tokenizer, max_context: int) -> tuple[list[int], SamplingParams]:
     """`chat_prompt` for a Messages API request."""
-    return chat_prompt(req.flat_messages(), req.system_text(), tokenizer, max_context, max_tokens=req.max_tokens,
+    return chat_prompt(req.turns(), req.system_text(), tokenizer, max_context, max_tokens=req.max_tokens,
                        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
                        stop_sequences=req.stop_sequences)
 
 
 def count_prompt_tokens(req: api.CountTokensRequest, tokenizer: Tokenizer) -> int:
     """What `prompt_for` would feed the model, counted; raises ApiError (400) where the template refuses."""
-    messages = req.flat_messages()
+    turns = req.turns()
     try:
-        return len(tokenizer.encode_chat([{"role": r, "content": t} for r, t in messages], system=req.system_text(),
-                                         continue_final_message=messages[-1][0] == "assistant"))
+        return len(tokenizer.encode_chat(turns, system=req.system_text(),
+                                         continue_final_message=turns[-1].role == "assistant"))
     except TokenizerError as e:
         raise errors.invalid_request(str(e)) from None

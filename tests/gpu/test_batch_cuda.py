@@ -15,7 +15,7 @@ pytestmark = [
 from actors.checkpoint import load_hf_checkpoint  # noqa: E402
 from actors.engine import Engine, TokenEvent  # noqa: E402
 from actors.sampling import SamplingParams  # noqa: E402
-from actors.tokenizer import Tokenizer  # noqa: E402
+from actors.tokenizer import Message, Tokenizer  # noqa: E402
 from weights_tool.synth import synthesize  # noqa: E402
 
 PROMPTS = ["Hi", "Tell me about queues, please, in some detail.", "Why do tails matter to users of a service?"]
@@ -33,7 +33,7 @@ def test_rows_joining_at_different_steps_match_their_runs_alone(checkpoint: Path
     engine = Engine(model, Tokenizer.from_dir(checkpoint, eos_token_ids=config.eos_token_ids), max_batch=4,
                     prefill_chunk_tokens=4)
     engine.eos_token_ids = frozenset()
-    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    prompts = [engine.tokenizer.encode_chat([Message("user", p)]) for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (32, 40, 36)]
     alone = [[e.token_id for e in engine.generate(p, s) if isinstance(e, TokenEvent)]
              for p, s in zip(prompts, params, strict=True)]

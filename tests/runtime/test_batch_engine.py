@@ -15,7 +15,7 @@ from actors import engine as engine_module
 from actors.checkpoint import load_hf_checkpoint
 from actors.engine import BatchFullError, Engine, FinishEvent, StartEvent, TokenEvent
 from actors.sampling import SamplingParams
-from actors.tokenizer import Tokenizer
+from actors.tokenizer import Message, Tokenizer
 from weights_tool.synth import synthesize
 
 PROMPTS = ["Hi", "Tell me about queues, please, in some detail.", "Why do tails matter?",
@@ -40,7 +40,7 @@ def make_engine(parts, max_batch=8, prefill_chunk_tokens=256) -> Engine:
 
 
 def prompt_ids(engine: Engine, text: str) -> list[int]:
-    return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+    return engine.tokenizer.encode_chat([Message("user", text)])
 
 
 def alone(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:

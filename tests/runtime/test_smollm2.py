@@ -95,7 +95,7 @@ def test_greedy_generation_equals_transformers(ours, reference, system: str | No
     hf_model, hf_tokenizer = reference
     messages = [{"role": "user", "content": user}]
     text = hf_tokenizer.apply_chat_template(with_system(system, messages), tokenize=False, add_generation_prompt=True)
-    prompt = tokenizer.encode_chat(messages, system=system)
+    prompt = tokenizer.encode_chat([Message("user", user)], system=system)
     assert prompt == hf_tokenizer.encode(text, add_special_tokens=False)
 
     ids = torch.tensor([prompt])

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from actors.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from actors.tokenizer import Message, StreamDecoder, Tokenizer, TokenizerError
 from weights_tool.synth import SPECIAL_TOKENS, tokenizer_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -157,6 +157,11 @@ def synthetic() -> Tokenizer:
     return Tokenizer.from_files({"tokenizer.json": tokenizer_json(512)})
 
 
+def as_messages(chat: list[dict]) -> list[Message]:
+    """The dicts transformers' templates take, as the Messages `encode_chat` takes."""
+    return [Message(m["role"], m["content"]) for m in chat]
+
+
 def _hf(path: Path):
     return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
@@ -176,7 +181,7 @@ def test_chat_template_matches_transformers(request, template_dir, system, num_t
     ids = hf.apply_chat_template(hf_messages, tokenize=True, add_generation_prompt=add_generation_prompt,
                                  return_dict=False)
     if add_generation_prompt:
-        assert ours.encode_chat(messages, system=system) == ids
+        assert ours.encode_chat(as_messages(messages), system=system) == ids
 
 
 @pytest.mark.parametrize("template_dir", ["llama3_dir", "qwen_dir", "features_dir"])
@@ -192,7 +197,7 @@ def test_a_final_assistant_message_is_continued_as_transformers_continues_it(req
     text = ours.render_chat(messages, system=system, continue_final_message=True)
     assert text == hf.apply_chat_template(hf_messages, tokenize=False, continue_final_message=True)
     assert text.endswith(prefill)  # the prompt ends inside the assistant's turn: the answer continues it
-    assert ours.encode_chat(messages, system=system, continue_final_message=True) == hf.apply_chat_template(
+    assert ours.encode_chat(as_messages(messages), system=system, continue_final_message=True) == hf.apply_chat_template(
         hf_messages, tokenize=True, continue_final_message=True, return_dict=False)
 
 
@@ -208,7 +213,7 @@ def test_a_template_that_drops_the_final_message_cannot_continue_it(synthetic):
 
 def test_encode_chat_has_one_bos(llama3_dir):
     tok = Tokenizer.from_dir(llama3_dir)
-    ids = tok.encode_chat(CONVERSATION, system="sys")
+    ids = tok.encode_chat(as_messages(CONVERSATION), system="sys")
     assert ids[0] == tok.bos_token_id
     assert ids.count(tok.bos_token_id) == 1
     # The post-processor adds BOS only when asked, as transformers' encode does.

@@ -19,6 +19,7 @@ import pytest
 from anthropic.types import Message, MessageTokensCount, ModelInfo
 from anthropic.types.shared import ErrorResponse
 
+from actors.tokenizer import Message as Turn
 from serve_app import api, errors, model_list
 from serve_app.errors import ApiError
 
@@ -235,12 +236,12 @@ def test_valid_request_flattens_blocks_and_system():
         )
     )
     assert request.system_text() == "You are terse. Answer in French."
-    assert request.flat_messages() == [
-        ("user", "Name a colour."),
-        ("assistant", "Rouge."),
-        ("user", "Another."),
-        ("assistant", "Bl"),
-    ]
+    assert request.turns() == (
+        Turn("user", "Name a colour."),
+        Turn("assistant", "Rouge."),
+        Turn("user", "Another."),
+        Turn("assistant", "Bl"),
+    )
     assert request.is_prefill
     assert (request.temperature, request.top_p, request.top_k, request.seed) == (0.0, 0.9, 40, 7)
     assert request.stop_sequences == ["\n\n", "END"] and request.stream is True
@@ -448,7 +449,7 @@ def fake_server(request: httpx.Request) -> httpx.Response:
             data = model_list.models_response(MODELS, model_list.parse_models_query(dict(request.url.params)))
         elif request.url.path == "/v1/messages/count_tokens":
             req = api.parse_count_tokens_request(request.content)
-            data = api.count_tokens_response(sum(len(text.split()) for _, text in req.flat_messages()))
+            data = api.count_tokens_response(sum(len(m.content.split()) for m in req.turns()))
         elif request.url.path == "/v1/messages":
             api.check_body_size(len(request.content), MAX_BODY_BYTES)
             req = api.parse_messages_request(request.content)
@@ -459,8 +460,8 @@ def fake_server(request: httpx.Request) -> httpx.Response:
                 raise errors.overloaded("all accelerators are busy", 0.05)
             if req.model not in {m["id"] for m in MODELS}:
                 raise errors.not_found(f"model: {req.model!r} is not served here")
-            words = req.flat_messages()[-1][1].split()[::-1][: req.max_tokens]
-            input_tokens = sum(len(text.split()) for _, text in req.flat_messages())
+            words = req.turns()[-1].content.split()[::-1][: req.max_tokens]
+            input_tokens = sum(len(m.content.split()) for m in req.turns())
             stop_reason = "max_tokens" if len(words) == req.max_tokens else "end_turn"
             data = api.message_response(
                 api.new_message_id(), req.model, " ".join(words), stop_reason, None, input_tokens, len(words)

@@ -287,6 +287,7 @@ def test_bos_and_eos_flags_make_the_same_post_processor_as_transformers(tmp_path
 
 
 def test_packed_model_generates_what_transformers_generates(transformers_reference, packed) -> None:
+    from actors.tokenizer import Message
     from tests.runtime.test_model_parity import assert_logits_close, greedy
 
     hf_model, hf_tokenizer = transformers_reference
@@ -295,7 +296,7 @@ def test_packed_model_generates_what_transformers_generates(transformers_referen
     with torch.no_grad():
         assert_logits_close(model(tokens, torch.arange(tokens.shape[1])), hf_model(tokens).logits)
 
-    prompt = torch.tensor([tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])])
+    prompt = torch.tensor([tokenizer.encode_chat([Message("user", "What is the capital of France?")])])
     hf_model.generation_config.eos_token_id = None  # both sides run the full length
     with torch.no_grad():
         expected = hf_model.generate(prompt, do_sample=False, max_new_tokens=24, attention_mask=torch.ones_like(prompt))

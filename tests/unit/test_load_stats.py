@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from actors.tokenizer import Message
 from benchmarks.load_scenarios import MIXED, Phase, Scenario, prompt_of, schedule, steady
 from benchmarks.load_stats import (
     Record,
@@ -150,13 +151,13 @@ class WordTokenizer:
     """One token per word, plus three for the chat template."""
 
     def encode_chat(self, messages, system=None):
-        return [0, 0, 0] + [1] * len(messages[0]["content"].split())
+        return [0, 0, 0] + [1] * len(messages[0].content.split())
 
 
 def test_prompt_of_cuts_to_the_token_count():
     tok = WordTokenizer()
     for n in (4, 24, 600):
-        assert len(tok.encode_chat([{"role": "user", "content": prompt_of(tok, n)}])) == n
+        assert len(tok.encode_chat([Message("user", prompt_of(tok, n))])) == n
     with pytest.raises(ValueError):
         prompt_of(tok, 3)
 

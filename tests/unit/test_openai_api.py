@@ -13,7 +13,7 @@ import pytest
 from openai.types import Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from actors.tokenizer import Tokenizer
+from actors.tokenizer import Message, Tokenizer
 from serve_app import errors, model_list, openai_api
 from serve_app.errors import ApiError
 from serve_app.openai_sse import ChunkStream
@@ -142,7 +142,7 @@ def test_what_asks_for_nothing_is_served():
         messages=[{"role": "user", "content": "hi", "name": "ann"},
                   {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None}],
     ))
-    assert req.turns() == [("user", "hi"), ("assistant", "hello")]
+    assert req.turns() == (Message("user", "hi"), Message("assistant", "hello"))
 
 
 def test_max_completion_tokens_takes_precedence_over_max_tokens():
@@ -172,7 +172,7 @@ def test_system_and_developer_messages_are_the_system_prompt_joined_in_order():
         {"role": "user", "content": "why?"},
     ]))
     assert req.system_text() == "Be brief.\n\nAnswer in English."
-    assert req.turns() == [("user", "Hello"), ("assistant", "Hi"), ("user", "why?")]
+    assert req.turns() == (Message("user", "Hello"), Message("assistant", "Hi"), Message("user", "why?"))
     assert openai_api.parse_chat_request(body()).system_text() is None
 
 
@@ -191,7 +191,7 @@ def test_prompt_for_converts_to_the_runtimes_prompt_and_sampling(tokenizer):
         messages=[{"role": "system", "content": "Be brief."}, *MESSAGES], max_tokens=5, temperature=1.5, top_p=0.9,
         seed=-1, stop="\n"))
     prompt, sampling = openai_api.prompt_for(req, tokenizer, 256)
-    assert prompt == tokenizer.encode_chat(MESSAGES, system="Be brief.")
+    assert prompt == tokenizer.encode_chat([Message(m["role"], m["content"]) for m in MESSAGES], system="Be brief.")
     assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed) == (5, 1.5, 0.9, 2**64 - 1)
     assert sampling.stop_sequences == ("\n",)
     # No limit: the rest of the context window.
@@ -409,7 +409,7 @@ def fake_server(request: httpx.Request) -> httpx.Response:
             raise errors.overloaded("all accelerators are busy", 2.5)
         if req.model not in {m["id"] for m in MODELS}:
             raise errors.not_found(f"model: {req.model!r} is not served here", param="model")
-        words = [w + " " for w in req.turns()[-1][1].split()][: req.output_limit]
+        words = [w + " " for w in req.turns()[-1].content.split()][: req.output_limit]
         stop_reason = "max_tokens" if req.output_limit == len(words) else "end_turn"
         if req.stream:
             stream = ChunkStream("chatcmpl-1", req.model, 3, include_usage=req.include_usage)

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from actors.tokenizer import Tokenizer
+from actors.tokenizer import Message, Tokenizer
 from weights_tool.architecture import ModelConfig
 from weights_tool.dtypes import torch_dtype
 from weights_tool.synth import (
@@ -186,7 +186,7 @@ def test_synthetic_tokenizer_round_trips_and_renders_chat(tmp_path):
     assert prompt == ("<|begin_of_text|><|system|>\nBe brief.<|end|>\n<|user|>\nhi<|end|>\n"
                       "<|assistant|>\nhello<|end|>\n<|user|>\nwhy?<|end|>\n<|assistant|>\n")
     assert tok.render_chat([{"role": "user", "content": "x"}], add_generation_prompt=False).endswith("<|end|>\n")
-    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    ids = tok.encode_chat([Message("user", "hi")])
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
 
 
