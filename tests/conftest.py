@@ -34,6 +34,19 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return RAY_GROUP if is_ray_test(nodeid) else nodeid.split("::", 1)[0]
 
+        def remove_node(self, node):
+            """A worker that crashed (pytest-timeout ends a hung test's worker) gives its other tests back, but
+            not the one it crashed on: LoadScopeScheduling would hand that one to the next worker too, and a hung
+            test would then hang every replacement in turn."""
+            workload = self.assigned_work[node]
+            pending = [nodeid for unit in workload.values() for nodeid, is_done in unit.items() if not is_done]
+            if not pending:
+                return super().remove_node(node)
+            crashed = pending[0]  # a worker runs its tests in the order they were sent
+            workload[self._split_scope(crashed)][crashed] = True
+            super().remove_node(node)
+            return crashed
+
     return RayTogether(config, log)
 
 
