@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from actors.tokenizer import Tokenizer
+from actors.tokenizer import Message, Tokenizer
 from serve_app.errors import ApiError
 from serve_app.prompt import chat_prompt
 from weights_tool.synth import CHAT_TEMPLATE, SPECIAL_TOKENS, tokenizer_json
@@ -22,19 +22,19 @@ def tokenizer() -> Tokenizer:
 
 
 def test_no_max_tokens_means_the_rest_of_the_context_window(tokenizer):
-    prompt, sampling = chat_prompt([("user", "hi")], None, tokenizer, MAX_CONTEXT, max_tokens=None)
+    prompt, sampling = chat_prompt([Message("user", "hi")], None, tokenizer, MAX_CONTEXT, max_tokens=None)
     assert sampling.max_tokens == MAX_CONTEXT - len(prompt) > 0
 
 
 def test_a_prompt_that_fills_the_window_leaves_no_room_and_is_refused(tokenizer):
     with pytest.raises(ApiError) as e:
-        chat_prompt([("user", "word " * 200)], None, tokenizer, MAX_CONTEXT, max_tokens=None)
+        chat_prompt([Message("user", "word " * 200)], None, tokenizer, MAX_CONTEXT, max_tokens=None)
     assert e.value.status == 400 and "context window" in e.value.message
 
 
 def test_a_final_assistant_message_is_continued_not_closed(tokenizer):
-    prefilled, _ = chat_prompt([("user", "hi"), ("assistant", "Sure")], None, tokenizer, MAX_CONTEXT, max_tokens=4)
-    closed, _ = chat_prompt([("user", "hi"), ("assistant", "Sure"), ("user", "ok")], None, tokenizer, MAX_CONTEXT,
+    prefilled, _ = chat_prompt([Message("user", "hi"), Message("assistant", "Sure")], None, tokenizer, MAX_CONTEXT, max_tokens=4)
+    closed, _ = chat_prompt([Message("user", "hi"), Message("assistant", "Sure"), Message("user", "ok")], None, tokenizer, MAX_CONTEXT,
                             max_tokens=4)
     assert tokenizer.decode(prefilled, skip_special_tokens=False).endswith("<|assistant|>\nSure")
     assert closed[:len(prefilled)] == prefilled  # the closed turn goes on where the prefill stops
@@ -47,11 +47,11 @@ def test_a_final_assistant_message_is_continued_not_closed(tokenizer):
 ])
 def test_bad_sampling_parameters_are_a_400_naming_them(tokenizer, kwargs, naming):
     with pytest.raises(ApiError) as e:
-        chat_prompt([("user", "hi")], None, tokenizer, MAX_CONTEXT, **kwargs)
+        chat_prompt([Message("user", "hi")], None, tokenizer, MAX_CONTEXT, **kwargs)
     assert e.value.status == 400 and naming in e.value.message
 
 
 def test_a_prefill_ending_in_whitespace_is_refused_as_anthropic_refuses_it(tokenizer):
     with pytest.raises(ApiError) as e:
-        chat_prompt([("user", "hi"), ("assistant", "Sure ")], None, tokenizer, MAX_CONTEXT, max_tokens=4)
+        chat_prompt([Message("user", "hi"), Message("assistant", "Sure ")], None, tokenizer, MAX_CONTEXT, max_tokens=4)
     assert e.value.status == 400 and "whitespace" in e.value.message
