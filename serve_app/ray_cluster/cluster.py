@@ -90,12 +90,14 @@ class RayCluster:
 
     async def close(self) -> None:
         self._link.close()  # before detaching: a registry gone with the app is not re-created
-        self._warm.stop()
-        self._placer.close()
         try:
-            await asyncio.wait_for(self._link.handle.detach.remote(self.replica_id), timeout=30)
-        except Exception:  # the registry shut itself down while answering, or is gone already
-            log.info("registry detach of %s ended without an answer", self.replica_id)
+            self._warm.stop()  # before detaching: the last replica's detach kills every actor alive then
+            self._placer.close()
+        finally:
+            try:
+                await asyncio.wait_for(self._link.handle.detach.remote(self.replica_id), timeout=30)
+            except Exception:  # the registry shut itself down while answering, or is gone already
+                log.info("registry detach of %s ended without an answer", self.replica_id)
 
     def _hand_over(self) -> None:
         """A new registry (first seen, restarted, or re-created): this deployment's policy and scorer, and

@@ -40,6 +40,9 @@ class WarmFiller:
         self._pending: dict[str, Any] = {}  # warm actor name -> its ready() ref
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Held while an actor is created and while stopping: once stop() returns no actor is created, so the
+        # registry's shutdown, which kills what is alive when it runs, finds every actor this filler made.
+        self._creating = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="zq-warm-filler", daemon=True)
 
     @property
@@ -56,7 +59,8 @@ class WarmFiller:
         self._wake.set()
 
     def stop(self) -> None:
-        self._stop.set()
+        with self._creating:
+            self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self._call_timeout_s)
@@ -69,7 +73,11 @@ class WarmFiller:
         created = []
         for name, fill in fills:
             try:
-                handle = self._create(name, fill)
+                with self._creating:
+                    if self._stop.is_set():  # the app is closing: this fill is never made
+                        self._link.handle.remove.remote(name)
+                        continue
+                    handle = self._create(name, fill)
             except Exception:
                 log.exception("warm actor %s for %s not created; its slot is given back", name, fill.model)
                 self._link.handle.remove.remote(name)

@@ -56,6 +56,13 @@ def _wait_for(predicate, timeout=60.0, what="condition"):
     wait_for(predicate, timeout, what)  # the pool's actors take seconds to start
 
 
+def _wait_all_gone(ray) -> None:
+    try:
+        _wait_for(lambda: not _named(ray), timeout=30, what="every actor of the app to be gone")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; still alive: {sorted(_named(ray))}") from None
+
+
 def _pool_full(ray) -> bool:
     return len(_actors_by_state(ray).get("warm", [])) == POOL
 
@@ -67,7 +74,7 @@ def test_deleting_the_app_leaves_no_actor_and_no_registry_behind(zq, ray_cluster
     _wait_for(lambda: _pool_full(ray), what="the warm pool to fill")
     assert _named(ray)  # warm actors, the registry and a telemetry agent
     serve.delete(APP)
-    _wait_for(lambda: not _named(ray), timeout=30, what="every actor of the app to be gone")
+    _wait_all_gone(ray)
 
 
 def test_serve_shutdown_leaves_no_actor_and_no_registry_behind(zq, ray_cluster, tiny_zqs, layered_zqs):
@@ -77,4 +84,4 @@ def test_serve_shutdown_leaves_no_actor_and_no_registry_behind(zq, ray_cluster, 
     serve.run(_build(tiny_zqs, layered_zqs), name=APP, route_prefix="/")  # again, after the test above deleted it
     _wait_for(lambda: _pool_full(ray), what="the warm pool to fill")
     serve.shutdown()
-    _wait_for(lambda: not _named(ray), timeout=30, what="every actor of the app to be gone")
+    _wait_all_gone(ray)
