@@ -15,24 +15,43 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # free, which balances the two workers' loads.
 RAY_PATHS = ("tests/serve/", "tests/reliability/")
 OWN_CLUSTER = ("tests/serve/test_serve_run.py",)
-RAY_GROUP = "ray"
+# `make test`'s two workers each run half of them, on a Ray cluster and a Serve of its own (tests/helpers.py's
+# SERVE_PORT differs by worker); these modules are the second half, chosen so that the halves take about as
+# long (about 180 s each alone on 2 cores). In each half the tests run in collection order.
+SECOND_HALF = (
+    "tests/reliability/test_registry_loss.py", "tests/reliability/test_replica_loss.py",
+    "tests/serve/test_baseline.py", "tests/serve/test_registry_actor.py", "tests/serve/test_request_actor.py",
+    "tests/serve/test_warm.py",
+)
 
 
 def is_ray_test(nodeid: str) -> bool:
     return (nodeid.startswith(RAY_PATHS) and not nodeid.startswith(OWN_CLUSTER)) or nodeid.endswith("[ray]")
 
 
+def ray_half(nodeid: str) -> str:
+    return "ray:1" if nodeid.startswith(SECOND_HALF) else "ray:0"
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs two pytest-xdist workers. Every test on Ray goes to one of them, in collection order:
-    one Ray cluster and one Serve instance for them all, and no two Ray clusters contending for two cores.
-    Every other module goes whole to either worker (its module-scoped app is built once, its tests in order).
+    """`make test` runs two pytest-xdist workers. Each starts with one half of the tests on Ray, in
+    collection order on one Ray cluster of its own (the tests on Ray mostly wait on processes, so two halves
+    side by side take less time than one after the other); then every other module goes whole to whichever
+    worker is free (its module-scoped app is built once, its tests in order).
     (xdist's own `--dist loadgroup` marks do not reach its scheduler under pytest 9.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class RayTogether(LoadScopeScheduling):
+    class RayHalves(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return RAY_GROUP if is_ray_test(nodeid) else nodeid.split("::", 1)[0]
+            return ray_half(nodeid) if is_ray_test(nodeid) else nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node) -> None:
+            """Worker gwN takes the Ray half N % 2 first, while it is still to run."""
+            half = f"ray:{int(node.gateway.id[2:]) % 2}"
+            if half in self.workqueue:
+                self.workqueue.move_to_end(half, last=False)
+            super()._assign_work_unit(node)
 
         def remove_node(self, node):
             """A worker that crashed (pytest-timeout ends a hung test's worker) gives its other tests back, but
@@ -47,7 +66,7 @@ def pytest_xdist_make_scheduler(config, log):
             super().remove_node(node)
             return crashed
 
-    return RayTogether(config, log)
+    return RayHalves(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ Ray, numpy and XGBoost are imported where used, so that the pure tests stay free
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hypothesis import strategies as st
@@ -208,7 +209,10 @@ def train_synthetic_scorer(names=None, num_targets=3, seed=0):
 
 # One Serve instance serves the whole session, its proxy on this port: each module deploys its app
 # there and deletes it afterwards (`undeploy`), instead of starting Serve and shutting it down again.
-SERVE_PORT = 8766
+# Under `make test` each xdist worker that runs tests on Ray has a cluster and a Serve of its own, so
+# its own port (gw0 -> 8780, gw1 -> 8781, ...).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+SERVE_PORT = 8780 + int(_WORKER[2:]) if _WORKER.startswith("gw") else 8766
 
 
 def run_app(port: int, name: str, app) -> str:
