@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from actors.chat import GenerationRequest
 from actors.checkpoint import load_hf_checkpoint
-from actors.engine import Engine, FinishEvent, GenerationRequest, Message, TokenEvent
+from actors.engine import Engine, FinishEvent, TokenEvent
 from actors.layer_loader import load_zqs
 from actors.sampling import SamplingParams
-from actors.tokenizer import Tokenizer
+from actors.tokenizer import Message, Tokenizer
 from weights_tool.demo import demo_model
 
 

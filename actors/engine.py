@@ -33,29 +33,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.chat import GenerationRequest, build_prompt, check_context_window
 from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, make_generator, mask_tokens, sample
 from actors.scheduler import RowProgress, plan_step
 from actors.stop_sequences import StopSequenceFilter
-from actors.tokenizer import Message, StreamDecoder, Tokenizer
+from actors.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-class ContextWindowError(ValueError):
-    """The prompt plus max_tokens does not fit the model's context window."""
-
-
 class BatchFullError(RuntimeError):
     """The batch already holds `max_batch` rows."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    messages: tuple[Message, ...]
-    sampling: SamplingParams
-    system: str | None = None
 
 
 @dataclass(frozen=True)
@@ -374,28 +364,3 @@ class _StepClock:
             return self._end - self._start
         self._events[1].synchronize()
         return self._events[0].elapsed_time(self._events[1]) / 1e3
-
-
-def build_prompt(tokenizer: Tokenizer, request: GenerationRequest, max_context: int) -> list[int]:
-    """The prompt token ids for `request`, refused before any compute when it cannot fit.
-
-    Needs only the tokenizer and the context window, so the ingress can run it
-    before choosing an actor.
-    """
-    if not request.messages:
-        raise ValueError("messages must not be empty")
-    # A trailing assistant message is a prefill: the answer continues it.
-    prompt = tokenizer.encode_chat(request.messages, system=request.system,
-                                   continue_final_message=request.messages[-1].role == "assistant")
-    check_context_window(len(prompt), request.sampling.max_tokens, max_context)
-    return prompt
-
-
-def check_context_window(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
-    """Raise ContextWindowError unless the prompt plus max_tokens fits the context window."""
-    need = prompt_tokens + max_tokens
-    if need > max_context:
-        raise ContextWindowError(
-            f"prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}: "
-            f"{need} exceeds the context window of {max_context}"
-        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from actors.sampling import SamplingParams
+from actors.sampling_params import SamplingParams
 
 
 class ActorBusyError(RuntimeError):

@@ -40,14 +40,15 @@ import torch
 
 from actors.actor_config import ActorConfig
 from actors.actor_names import new_actor_name
+from actors.chat import GenerationRequest, build_prompt
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
-from actors.engine import Engine, FinishEvent, GenerationRequest, Message, build_prompt
+from actors.engine import Engine, FinishEvent
 from actors.heap import retain_freed_memory
 from actors.layer_loader import stream_zqs
 from actors.messages import ActorRequest
 from actors.request_actor import spawn
 from actors.sampling import SamplingParams
-from actors.tokenizer import Tokenizer
+from actors.tokenizer import Message, Tokenizer
 from benchmarks.actor_calls import consume, kill, wait_gone
 from benchmarks.cold_start_report import report
 from benchmarks.cold_start_runs import (

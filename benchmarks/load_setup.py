@@ -76,9 +76,11 @@ def calibrate(zqs_path: str, prompts: dict[str, str], threads: int, repeats: int
     thread count. It sets each class's end-to-end SLO; capacity is measured live, not from this."""
     import torch
 
-    from actors.engine import Engine, GenerationRequest, Message
+    from actors.chat import GenerationRequest
+    from actors.engine import Engine
     from actors.layer_loader import load_zqs
     from actors.sampling import SamplingParams
+    from actors.tokenizer import Message
 
     torch.set_num_threads(threads)
     model, tokenizer = load_zqs(zqs_path, num_threads=1)

@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 
 from actors.messages import ActorRequest, Completion, TextChunk
 from actors.priority import control_plane_runtime_env
-from actors.sampling import SamplingParams
+from actors.sampling_params import SamplingParams
 from actors.tokenizer import Tokenizer
 from serve_app import api, errors, model_list, openai_api, openai_sse, sse
 from serve_app.admission import Admission

@@ -49,7 +49,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from actors.sampling import MAX_TEMPERATURE, SamplingParams
+from actors.sampling_params import MAX_TEMPERATURE, SamplingParams
 from actors.stop_sequences import MAX_STOP_SEQUENCE_CHARS
 from actors.tokenizer import Message, Tokenizer
 from serve_app import api, errors

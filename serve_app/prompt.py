@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actors.engine import ContextWindowError, GenerationRequest, build_prompt
-from actors.sampling import SamplingError, SamplingParams
+from actors.chat import ContextWindowError, GenerationRequest, build_prompt
+from actors.sampling_params import SamplingError, SamplingParams
 from actors.tokenizer import Message, Tokenizer, TokenizerError
 from serve_app import api, errors
 

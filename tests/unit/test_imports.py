@@ -4,6 +4,8 @@ circles (issue: one port between admission and the cluster)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,3 +73,11 @@ def test_no_import_circles_between_the_projects_modules():
         if name not in seen:
             visit(name, [name])
     assert not circles, circles
+
+
+def test_a_requests_checks_before_any_compute_import_neither_ray_nor_torch():
+    """Parsing, the chat template and the context window: the ingress's checks, with no engine behind them."""
+    code = ("import sys, serve_app.api, serve_app.openai_api, serve_app.prompt, actors.chat; "
+            "print(sorted(m for m in ('ray', 'torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
