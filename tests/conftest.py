@@ -8,6 +8,8 @@ import pytest
 
 # The tests size torch's thread pool for a 2-core machine; more threads only contend.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Two workers, each with two OpenMP threads, share two cores: a thread that waits sleeps instead of spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Serve's controller runs its control loop every 0.5 s instead of 0.1 s in the tests' clusters (and in the
 # clusters their subprocesses start, which inherit this): idle, a cluster with Serve started took 16% of two
 # cores at 0.1 s and 6% at 0.5 s, and the suite is bound by its CPU. No test depends on the period; a deploy or
@@ -27,6 +29,14 @@ SECOND_HALF = (
     "tests/reliability/test_registry_loss.py", "tests/reliability/test_replica_loss.py",
     "tests/serve/test_baseline.py", "tests/serve/test_registry_actor.py", "tests/serve/test_request_actor.py",
     "tests/serve/test_warm.py",
+)
+
+
+# The modules that take longest (a cluster or a real model each), started first after the Ray halves, so that
+# the suite ends on short modules that fill both workers rather than on one long module.
+LONGEST_FIRST = (
+    "tests/serve/test_serve_run.py", "tests/runtime/test_smollm2.py", "tests/gpu/test_gpu_check.py",
+    "tests/unit/test_bench_loader.py",
 )
 
 
@@ -52,10 +62,10 @@ def pytest_xdist_make_scheduler(config, log):
             return ray_half(nodeid) if is_ray_test(nodeid) else nodeid.split("::", 1)[0]
 
         def _assign_work_unit(self, node) -> None:
-            """Worker gwN takes the Ray half N % 2 first, while it is still to run."""
-            half = f"ray:{int(node.gateway.id[2:]) % 2}"
-            if half in self.workqueue:
-                self.workqueue.move_to_end(half, last=False)
+            """Worker gwN takes the Ray half N % 2 first, while it is still to run; then the longest modules."""
+            for scope in (*reversed(LONGEST_FIRST), f"ray:{int(node.gateway.id[2:]) % 2}"):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
         def remove_node(self, node):
