@@ -61,7 +61,7 @@ class RayCluster:
     def __init__(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer, replica_id: str, *,
                  actor_cls: type, registry_cls: type[RegistryActor]) -> None:
         self._config, self._models, self._scorer, self.replica_id = config, models, scorer, replica_id
-        self._link = RegistryLink(lambda: get_registry(config.registry, config.policy, scorer, registry_cls),
+        self._link = RegistryLink(lambda: get_registry(config.registry, config.policy, registry_cls),
                                   replica_id, heartbeat_s=config.registry_heartbeat_s,
                                   probe_timeout_s=config.registry_probe_timeout_s)
         self._placer = Placer(actor_cls, config.actor, timeout_s=config.placement_timeout_s)

@@ -192,13 +192,16 @@ class RegistryActor(SharedRegistry):
         kill_named(name, self._config.actor_namespace)
 
 
-def get_registry(config: RegistryConfig, policy: PolicyConfig, scorer: Scorer | None = None,
+def get_registry(config: RegistryConfig, policy: PolicyConfig,
                  registry_cls: type[RegistryActor] = RegistryActor) -> ray.actor.ActorHandle:
     """The registry named `config.name` in `config.namespace`, created if it does not exist yet.
 
-    An existing registry keeps the config, policy and scorer it was created with until a
-    replica `configure`s it. `registry_cls` is the fault seam: tests pass a subclass that
-    stalls or dies on cue.
+    It decides with the rule scorer until a replica `configure`s it with the deployment's scorer, which
+    every replica does on a new registry before its first admission (its link is unavailable until then).
+    The scorer is not a constructor argument on purpose: a trained one is too large to travel inline, so
+    Ray would keep it in the object store, owned by the replica that created the registry, and a restart
+    after that replica is gone would fail for want of its arguments (Ray warns of exactly this).
+    `registry_cls` is the fault seam: tests pass a subclass that stalls or dies on cue.
     """
     return ray.remote(registry_cls).options(
         name=config.name,
@@ -210,4 +213,4 @@ def get_registry(config: RegistryConfig, policy: PolicyConfig, scorer: Scorer | 
         max_restarts=-1,
         max_task_retries=0,
         runtime_env=control_plane_runtime_env(),  # ahead of the request actors for the CPU (priority.py)
-    ).remote(config, policy, scorer)
+    ).remote(config, policy)
