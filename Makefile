@@ -18,9 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
-# Two workers: the tests on Ray and Serve run in one of them, in order, on one Ray cluster (they are
-# mostly waiting on processes); everything in-process runs beside them (tests/conftest.py).
+# The default model first, fetched and packed once as `make serve` does (test_serve_run serves it,
+# test_smollm2 checks it); where it cannot be downloaded, those tests say so and skip. Then two workers,
+# each starting with half of the tests on Ray on a cluster of its own (tests/conftest.py).
 test: setup
+	-$(VENV)/bin/zq-weights fetch $(SERVE_MODEL) -o .cache/models/$(SERVE_MODEL).zqs
 	$(PY) -m pytest -q -n 2
 
 lint: setup
