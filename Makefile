@@ -1,6 +1,6 @@
 # The two commands a newcomer needs:
 #   make serve  set up, fetch and pack SmolLM2-135M-Instruct once, then serve it on http://127.0.0.1:8000
-#   make test   set up, then run the whole test suite
+#   make test   set up, fetch and pack the same model once, then run the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel: an unpinned torch on a CPU-only machine pulls a multi-GB CUDA build.
