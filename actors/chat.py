@@ -6,6 +6,7 @@ engine checks the same way for the requests it is handed directly (the CLI, test
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from actors.sampling_params import SamplingParams
@@ -29,13 +30,17 @@ def build_prompt(tokenizer: Tokenizer, request: GenerationRequest, max_context: 
     Needs only the tokenizer and the context window, so the ingress can run it
     before choosing an actor.
     """
-    if not request.messages:
-        raise ValueError("messages must not be empty")
-    # A trailing assistant message is a prefill: the answer continues it.
-    prompt = tokenizer.encode_chat(request.messages, system=request.system,
-                                   continue_final_message=request.messages[-1].role == "assistant")
+    prompt = encode_turns(tokenizer, request.messages, request.system)
     check_context_window(len(prompt), request.sampling.max_tokens, max_context)
     return prompt
+
+
+def encode_turns(tokenizer: Tokenizer, messages: Sequence[Message], system: str | None) -> list[int]:
+    """The conversation's prompt token ids, chat template applied; no context window checked (count_tokens)."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    # A trailing assistant message is a prefill: the answer continues it.
+    return tokenizer.encode_chat(messages, system=system, continue_final_message=messages[-1].role == "assistant")
 
 
 def check_context_window(prompt_tokens: int, max_tokens: int, max_context: int) -> None:

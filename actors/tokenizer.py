@@ -40,6 +40,7 @@ class Message:
     role: str  # "user" | "assistant"
     content: str
 
+
 # Every file a tokenizer may be built from; a packer embeds whichever of these exist.
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actors.chat import ContextWindowError, GenerationRequest, build_prompt
+from actors.chat import ContextWindowError, GenerationRequest, build_prompt, encode_turns
 from actors.sampling_params import SamplingError, SamplingParams
 from actors.tokenizer import Message, Tokenizer, TokenizerError
 from serve_app import api, errors
@@ -54,9 +54,7 @@ def prompt_for(req: api.MessagesRequest, tokenizer: Tokenizer, max_context: int)
 
 def count_prompt_tokens(req: api.CountTokensRequest, tokenizer: Tokenizer) -> int:
     """What `prompt_for` would feed the model, counted; raises ApiError (400) where the template refuses."""
-    turns = req.turns()
     try:
-        return len(tokenizer.encode_chat(turns, system=req.system_text(),
-                                         continue_final_message=turns[-1].role == "assistant"))
+        return len(encode_turns(tokenizer, req.turns(), req.system_text()))
     except TokenizerError as e:
         raise errors.invalid_request(str(e)) from None
