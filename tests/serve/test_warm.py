@@ -57,10 +57,8 @@ def _wait_for(predicate, timeout=60.0, what="condition"):
 
 
 def _wait_all_gone(ray) -> None:
-    try:
-        _wait_for(lambda: not _named(ray), timeout=30, what="every actor of the app to be gone")
-    except AssertionError as e:
-        raise AssertionError(f"{e}; still alive: {sorted(_named(ray))}") from None
+    wait_for(lambda: not _named(ray), 30, "every actor of the app to be gone",
+             detail=lambda: f"still alive: {sorted(_named(ray))}")
 
 
 def _pool_full(ray) -> bool:
