@@ -10,11 +10,6 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Two workers, each with two OpenMP threads, share two cores: a thread that waits sleeps instead of spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Serve's controller runs its control loop every 0.5 s instead of 0.1 s in the tests' clusters (and in the
-# clusters their subprocesses start, which inherit this): idle, a cluster with Serve started took 16% of two
-# cores at 0.1 s and 6% at 0.5 s, and the suite is bound by its CPU. No test depends on the period; a deploy or
-# a replica's replacement is seen up to 0.4 s later.
-os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
 
 
 # The tests on Ray: tests/serve, tests/reliability, and the port's contract test on Ray. One starts a cluster
