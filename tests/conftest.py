@@ -19,8 +19,8 @@ RAY_PATHS = ("tests/serve/", "tests/reliability/")
 OWN_CLUSTER = ("tests/serve/test_serve_run.py",)
 # `make test`'s two workers each run half of them, on a Ray cluster and a Serve of its own (tests/helpers.py's
 # SERVE_PORT differs by worker); these modules are the second half, chosen so that the halves take about as
-# long (about 180 s each, by their modules' times in one run of every test on Ray alone). In each half the
-# tests run in collection order.
+# long (in benchmarks/results/suite_cpu_tests.tsv, a sequential run: 221 and 216 s, 275 and 268 CPU-seconds).
+# In each half the tests run in collection order.
 SECOND_HALF = (
     "tests/reliability/test_registry_loss.py", "tests/reliability/test_replica_loss.py",
     "tests/serve/test_baseline.py", "tests/serve/test_registry_actor.py", "tests/serve/test_request_actor.py",
@@ -49,9 +49,10 @@ def pytest_xdist_make_scheduler(config, log):
     """`make test` runs two pytest-xdist workers. Each starts with one half of the tests on Ray, in
     collection order on one Ray cluster of its own; then the longest modules; then every other module goes
     whole to whichever worker is free (its module-scoped app is built once, its tests in order).
-    Measured on 2 cores: halves took as long as one worker running every test on Ray (501 s and 499 s of
-    pytest; the suite is bound by its CPU), and starting the longest modules early took 468 s. The halves
-    stay because a worker replaced after a hung test starts a cluster for half the tests, not all of them.
+    The suite is bound by its CPU (benchmarks/results/suite_cpu.md), so the halves do not make it faster than
+    one worker running every test on Ray; they stay because a worker replaced after a hung test starts a
+    cluster for half of them, not all. Starting the longest modules early keeps the end of the run from
+    being one long module on one worker while the other is idle.
     (xdist's own `--dist loadgroup` marks do not reach its scheduler under pytest 9.)"""
     from xdist.scheduler import LoadScopeScheduling
 
