@@ -19,7 +19,7 @@ RAY_PATHS = ("tests/serve/", "tests/reliability/")
 OWN_CLUSTER = ("tests/serve/test_serve_run.py",)
 # `make test`'s two workers each run half of them, on a Ray cluster and a Serve of its own (tests/helpers.py's
 # SERVE_PORT differs by worker); these modules are the second half, chosen so that the halves take about as
-# long (in benchmarks/results/suite_cpu_tests.tsv, a sequential run: 221 and 216 s, 275 and 268 CPU-seconds).
+# long (in benchmarks/results/suite_cpu_tests.tsv, a sequential run: 165 and 191 s, 211 and 238 CPU-seconds).
 # In each half the tests run in collection order.
 SECOND_HALF = (
     "tests/reliability/test_registry_loss.py", "tests/reliability/test_replica_loss.py",
