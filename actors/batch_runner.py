@@ -15,7 +15,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from actors.engine import Engine, Event, FinishEvent
+from actors.engine import Engine
+from actors.events import Event, FinishEvent
 from actors.model import WaitLayer
 from actors.sampling import SamplingParams
 

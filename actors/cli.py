@@ -18,7 +18,8 @@ import torch
 
 from actors.chat import GenerationRequest
 from actors.checkpoint import load_hf_checkpoint
-from actors.engine import Engine, FinishEvent, TokenEvent
+from actors.engine import Engine
+from actors.events import FinishEvent, TokenEvent
 from actors.layer_loader import load_zqs
 from actors.sampling import SamplingParams
 from actors.tokenizer import Message, Tokenizer

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.chat import GenerationRequest, build_prompt, check_context_window
+from actors.events import BatchFullError, Emit, Event, FinishEvent, StartEvent, TokenEvent
 from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, make_generator, mask_tokens, sample
@@ -42,43 +43,6 @@ from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class BatchFullError(RuntimeError):
-    """The batch already holds `max_batch` rows."""
-
-
-@dataclass(frozen=True)
-class StartEvent:
-    time: float  # epoch seconds; the row's prefill began
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    text: str  # text released by this token; "" while held back (split UTF-8, stop-sequence prefix)
-    num_output_tokens: int
-    time: float  # epoch seconds when the token was sampled
-
-
-@dataclass(frozen=True)
-class FinishEvent:
-    stop_reason: str  # "end_turn" | "max_tokens" | "stop_sequence" | "cancelled"
-    stop_sequence: str | None
-    input_tokens: int
-    output_tokens: int
-    compute_start: float  # epoch seconds; prefill began (arrival time if cancelled before)
-    first_token_time: float | None
-    last_token_time: float | None
-    # The step clock: seconds of the steps the row took part in (the engine computing it), and
-    # the rows those steps ran in all, summed over them (÷ num_steps: its mean batch).
-    engine_s: float = 0.0
-    num_steps: int = 0
-    num_step_rows: int = 0
-
-
-Event = StartEvent | TokenEvent | FinishEvent
-Emit = Callable[[Event | BaseException], None]  # an exception: the row failed
 
 
 @dataclass(eq=False)

@@ -35,14 +35,14 @@ import torch
 
 from actors.compute_dtype import compute_dtype_for, widen_in_place
 from actors.model import Transformer
+from actors.shard_header import open_header, read_tokenizer
 from actors.tokenizer import Tokenizer
 from weights_tool.architecture import ModelConfig
 from weights_tool.dtypes import torch_dtype
-from weights_tool.format import CODEC_RAW, ShardFormatError
+from weights_tool.format import CODEC_RAW
 from weights_tool.groups import EMBEDDINGS_GROUP
 from weights_tool.layer_stream import CudaLayerStream, LayerStream
 from weights_tool.reader import ShardReader
-from weights_tool.tensor_table import check_tensor_table
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +88,6 @@ class StreamedModel:
         self.reader.close()
 
 
-def open_zqs(path: str | Path) -> tuple[ShardReader, ModelConfig, Tokenizer]:
-    """Read and validate the header only: config, tokenizer and tensor table. No frame is touched."""
-    reader, config, _ = _open_header(path)
-    try:
-        tokenizer = _tokenizer(reader, config)
-    except BaseException:
-        reader.close()
-        raise
-    return reader, config, tokenizer
-
-
 def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2,
                warm_layers: int | None = None, compute_dtype: str = "model") -> StreamedModel:
     """Start loading `path` into a fresh model on `device`; returns once the stream has started.
@@ -106,7 +95,7 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
     `warm_layers=N` loads the embeddings and the first N layers only, then holds (module doc).
     `compute_dtype`: a setting of actors/compute_dtype.py ("model": the file's dtype).
     """
-    reader, config, dtype = _open_header(path)
+    reader, config, dtype = open_header(path)
     try:
         device = torch.device(device)
         stored = torch_dtype(dtype)
@@ -142,7 +131,7 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
         reader.close()
         raise
     try:
-        tokenizer = _tokenizer(reader, config)
+        tokenizer = read_tokenizer(reader, config)
     except BaseException:
         stream.close()
         reader.close()
@@ -162,27 +151,6 @@ def load_zqs(
     finally:
         streamed.close()
     return streamed.model, streamed.tokenizer
-
-
-def _open_header(path: str | Path) -> tuple[ShardReader, ModelConfig, str]:
-    """The validated header: reader, config, and the dtype the model is built in."""
-    reader = ShardReader(path)
-    try:
-        config = ModelConfig.from_hf(reader.config)
-        # Before anything is allocated: a declared tensor the model does not have, or one
-        # of another shape, would be allocated at whatever size the header claims.
-        try:
-            dtype = check_tensor_table(config, reader.tensors.values())
-        except ShardFormatError as e:
-            raise ShardFormatError(f"{reader.path}: {e}") from None
-    except BaseException:
-        reader.close()
-        raise
-    return reader, config, dtype
-
-
-def _tokenizer(reader: ShardReader, config: ModelConfig) -> Tokenizer:
-    return Tokenizer.from_files(reader.tokenizer_files, eos_token_ids=config.eos_token_ids, source=str(reader.path))
 
 
 def _is_raw(reader: ShardReader, name: str) -> bool:

@@ -48,13 +48,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from actors.actor_config import ActorConfig
-from actors.batch_runner import BatchRunner, RowStream
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
-from actors.engine import BatchFullError, Engine, FinishEvent, StartEvent, TokenEvent
+from actors.events import BatchFullError, FinishEvent, StartEvent, TokenEvent
 from actors.heap import IdleTrimmer, retain_freed_memory
-from actors.layers import warm_up_kernels
 from actors.messages import (
     ActorBusyError,
     ActorRequest,
@@ -65,10 +64,17 @@ from actors.messages import (
     TextChunk,
     Timings,
 )
-from actors.model import EMBEDDINGS_GROUP, WaitLayer
 from actors.peak_memory import PeakMemory
 from actors.priority import lower_threads
 from actors.telemetry_agent import NO_REPORTER, AgentReporter
+from weights_tool.groups import EMBEDDINGS_GROUP
+
+if TYPE_CHECKING:
+    from actors.batch_runner import RowStream
+    from actors.model import WaitLayer
+
+# torch and the engine are imported in the actor's constructor, not here: whoever only creates request actors
+# (the ingress hands the class to Ray) does not pay for them.
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +112,8 @@ class RequestActor:
         telemetry agent, and leaves the process's nice and torch thread count as the host set them."""
         import torch
 
+        from actors.batch_runner import BatchRunner
+        from actors.engine import Engine
         from actors.layer_loader import stream_zqs
 
         self.name = name or _own_name()
@@ -293,6 +301,8 @@ class RequestActor:
         for i in range(self._warm_layers):
             stream.wait(i, timeout_s)
         if self._warm_layers:  # the first request's kernel choice, made ahead of it
+            from actors.layers import warm_up_kernels
+
             warm_up_kernels(self._model.group_parameters(0))
 
     def _weight_gate(self) -> WaitLayer | None:

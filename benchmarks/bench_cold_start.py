@@ -42,7 +42,8 @@ from actors.actor_config import ActorConfig
 from actors.actor_names import new_actor_name
 from actors.chat import GenerationRequest, build_prompt
 from actors.cold_start import choose_first_layers, estimate_prefill_layer_seconds
-from actors.engine import Engine, FinishEvent
+from actors.engine import Engine
+from actors.events import FinishEvent
 from actors.heap import retain_freed_memory
 from actors.layer_loader import stream_zqs
 from actors.messages import ActorRequest

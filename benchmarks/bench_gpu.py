@@ -31,10 +31,10 @@ import torch
 
 from actors.actor_config import ActorConfig
 from actors.actor_names import new_actor_name
-from actors.layer_loader import open_zqs
 from actors.messages import ActorRequest
 from actors.request_actor import spawn
 from actors.sampling import SamplingParams
+from actors.shard_header import open_zqs
 from benchmarks.actor_calls import first_token, kill, wait_gone
 from benchmarks.bench_cold_start import prompt_of_length
 from benchmarks.bench_warm import NAMESPACE

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from actors.engine import Engine, FinishEvent
+from actors.engine import Engine
+from actors.events import FinishEvent
 from actors.layer_loader import load_zqs
 from actors.sampling import SamplingParams
 from actors.tokenizer import Message

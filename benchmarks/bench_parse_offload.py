@@ -61,7 +61,7 @@ async def _one(mode: str, work, executor: BoundedExecutor) -> tuple[float, list[
 
 
 async def measure(num_messages: int, repeats: int) -> dict:
-    from actors.layer_loader import open_zqs
+    from actors.shard_header import open_zqs
     from weights_tool.demo import demo_model
 
     reader, _, tokenizer = open_zqs(demo_model(".cache/demo", "tiny"))

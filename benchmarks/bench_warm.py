@@ -35,11 +35,13 @@ import torch
 from actors.actor_config import ActorConfig
 from actors.actor_names import new_actor_name
 from actors.cold_start import warm_layers
-from actors.engine import Engine, FinishEvent
-from actors.layer_loader import load_zqs, open_zqs
+from actors.engine import Engine
+from actors.events import FinishEvent
+from actors.layer_loader import load_zqs
 from actors.messages import ActorRequest
 from actors.request_actor import spawn
 from actors.sampling import SamplingParams
+from actors.shard_header import open_zqs
 from benchmarks.actor_calls import first_token, wait_gone
 from benchmarks.bench_cold_start import balanced_tokens, prepare_model, prompt_of_length
 from benchmarks.common import cores, load_average, versions

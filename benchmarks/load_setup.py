@@ -29,7 +29,7 @@ def app_args(config_path: str) -> dict[str, Any]:
 
 def model_facts(args: dict[str, Any]) -> tuple[str, str, dict[str, Any], Any]:
     """(model id, .zqs path, the facts the report states, the tokenizer)."""
-    from actors.layer_loader import open_zqs
+    from actors.shard_header import open_zqs
     from serve_app.config import AppArgs, ingress_config, resolve_model_path
 
     parsed = AppArgs.model_validate(args)

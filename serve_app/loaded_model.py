@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from actors.actor_config import ActorConfig
 from actors.cold_start import warm_layers
 from actors.compute_dtype import compute_dtype_for
-from actors.layer_loader import open_zqs
+from actors.shard_header import open_zqs
 from actors.tokenizer import Tokenizer
 from serve_app.config import ModelSpec, resolve_model_path
 from serve_app.memory import ModelNumbers

@@ -41,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.batch_runner import BatchRunner, RowStream
-from actors.engine import FinishEvent, StartEvent, TokenEvent
+from actors.events import FinishEvent, StartEvent, TokenEvent
 from actors.priority import lower_threads
 from serve_app import api, errors, sse
 from serve_app.config import AppArgs, ingress_config, resolve_model_path

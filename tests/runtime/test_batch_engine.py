@@ -13,7 +13,8 @@ import torch
 
 from actors import engine as engine_module
 from actors.checkpoint import load_hf_checkpoint
-from actors.engine import BatchFullError, Engine, FinishEvent, StartEvent, TokenEvent
+from actors.engine import Engine
+from actors.events import BatchFullError, FinishEvent, StartEvent, TokenEvent
 from actors.sampling import SamplingParams
 from actors.tokenizer import Message, Tokenizer
 from weights_tool.synth import synthesize

@@ -6,7 +6,8 @@ import pytest
 
 from actors.chat import ContextWindowError, GenerationRequest
 from actors.checkpoint import load_hf_checkpoint
-from actors.engine import Engine, FinishEvent, TokenEvent
+from actors.engine import Engine
+from actors.events import FinishEvent, TokenEvent
 from actors.sampling import SamplingParams
 from actors.tokenizer import Message, Tokenizer
 from weights_tool.synth import synthesize

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from actors.checkpoint import load_hf_checkpoint
-from actors.layer_loader import load_zqs, open_zqs, stream_zqs
+from actors.layer_loader import load_zqs, stream_zqs
+from actors.shard_header import open_zqs
 from weights_tool.format import ShardFormatError
 from weights_tool.pack import pack
 from weights_tool.reader import ShardReader
@@ -130,7 +131,7 @@ def test_a_tokenizer_that_fails_after_the_stream_started_stops_it(tiny_zqs, monk
     def broken(reader, config):
         raise ValueError("bad tokenizer")
 
-    monkeypatch.setattr(layer_loader, "_tokenizer", broken)
+    monkeypatch.setattr(layer_loader, "read_tokenizer", broken)
     with pytest.raises(ValueError, match="bad tokenizer"):
         stream_zqs(tiny_zqs)
     assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors import layer_loader
-from actors.layer_loader import open_zqs, stream_zqs
+from actors.layer_loader import stream_zqs
+from actors.shard_header import open_zqs
 from tests.unit.test_format_corruption import rewrite_header
 from weights_tool.format import MAX_FRAME_BYTES, ShardFormatError
 from weights_tool.pack import pack

@@ -18,10 +18,11 @@ import pytest
 from actors.actor_config import ActorConfig
 from actors.chat import GenerationRequest, build_prompt
 from actors.engine import Engine
-from actors.layer_loader import load_zqs, open_zqs
+from actors.layer_loader import load_zqs
 from actors.messages import ActorRequest, Completion, Phase, Started, TextChunk
 from actors.request_actor import RequestActor
 from actors.sampling import SamplingParams
+from actors.shard_header import open_zqs
 from actors.tokenizer import Message
 from serve_app.cluster import StreamBusy, StreamFailed
 from serve_app.local_cluster import LocalStream

@@ -17,7 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from actors.chat import GenerationRequest  # noqa: E402
-from actors.engine import Engine, TokenEvent  # noqa: E402
+from actors.engine import Engine  # noqa: E402
+from actors.events import TokenEvent  # noqa: E402
 from actors.layer_loader import load_zqs  # noqa: E402
 from actors.sampling import SamplingParams  # noqa: E402
 from actors.tokenizer import Message  # noqa: E402

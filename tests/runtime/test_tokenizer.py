@@ -347,7 +347,7 @@ def test_strftime_now_is_today():
 
 
 def test_a_long_text_encodes_to_the_same_ids_on_the_gil_free_path(tiny_zqs):
-    from actors.layer_loader import open_zqs
+    from actors.shard_header import open_zqs
     from actors.tokenizer import LONG_TEXT_CHARS
 
     reader, _, tokenizer = open_zqs(tiny_zqs)

@@ -8,8 +8,8 @@ from dataclasses import asdict
 import pytest
 
 from actors.cold_start import estimate_prefill_layer_seconds
-from actors.layer_loader import open_zqs
 from actors.messages import Timings
+from actors.shard_header import open_zqs
 from benchmarks import bench_cold_start as bench
 from benchmarks.cold_start_report import clock_gap, overlap_efficiency, regime, report, rows
 from benchmarks.cold_start_runs import (

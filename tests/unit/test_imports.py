@@ -81,3 +81,12 @@ def test_a_requests_checks_before_any_compute_import_neither_ray_nor_torch():
             "print(sorted(m for m in ('ray', 'torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_ingress_and_the_request_actors_class_import_no_torch():
+    """The ingress holds tokenizers and figures, never weights: its replica, and the request actor class it hands
+    to Ray, start without torch or the engine (each replica would otherwise pay for them at every start)."""
+    code = ("import sys, serve_app.app, actors.request_actor; "
+            "print(sorted(m for m in ('torch', 'actors.engine', 'actors.model') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

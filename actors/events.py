@@ -1,0 +1,45 @@
+"""What the engine tells each row, one row at a time: one `StartEvent` (its prefill begins), `TokenEvent`s as
+tokens are sampled, then exactly one `FinishEvent` (actors/engine.py). Plain data with no torch, so that the
+request actor's class can be imported (by the ingress that creates it) without the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class BatchFullError(RuntimeError):
+    """The batch already holds `max_batch` rows."""
+
+
+@dataclass(frozen=True)
+class StartEvent:
+    time: float  # epoch seconds; the row's prefill began
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str  # text released by this token; "" while held back (split UTF-8, stop-sequence prefix)
+    num_output_tokens: int
+    time: float  # epoch seconds when the token was sampled
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    stop_reason: str  # "end_turn" | "max_tokens" | "stop_sequence" | "cancelled"
+    stop_sequence: str | None
+    input_tokens: int
+    output_tokens: int
+    compute_start: float  # epoch seconds; prefill began (arrival time if cancelled before)
+    first_token_time: float | None
+    last_token_time: float | None
+    # The step clock: seconds of the steps the row took part in (the engine computing it), and
+    # the rows those steps ran in all, summed over them (÷ num_steps: its mean batch).
+    engine_s: float = 0.0
+    num_steps: int = 0
+    num_step_rows: int = 0
+
+
+Event = StartEvent | TokenEvent | FinishEvent
+Emit = Callable[[Event | BaseException], None]  # an exception: the row failed
