@@ -83,29 +83,57 @@ def pytest_xdist_make_scheduler(config, log):
     return RayHalves(config, log)
 
 
-@pytest.fixture(scope="session")
+class LocalRay:
+    """The worker's local Ray cluster: started by the first test that needs it, stopped when the worker goes on
+    to tests that do not (each worker runs its Ray half first, so for the rest of the run an idle cluster would
+    only take CPU from the other worker: benchmarks/results/suite_cpu.md), started again if a later test needs
+    it (a worker that took over a crashed worker's tests)."""
+
+    def start(self):
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                address="local",  # always a cluster of its own, never one another process started here
+                # Logical CPUs are more than the machine's cores so that actors which mostly wait (ingress,
+                # telemetry) and the CPU request slots can all be placed.
+                num_cpus=8,
+                namespace="zeroqueue-tests",
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                # Metrics reach Prometheus every second (Ray's floor) instead of every 10 s: the export tests
+                # wait for them.
+                _system_config={"metrics_report_interval_ms": 1000},
+            )
+        return ray
+
+    def stop(self) -> None:
+        import sys
+
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+
+
+LOCAL_RAY = LocalRay()
+
+
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """A real local Ray cluster, started once per session.
+    """A real local Ray cluster, shared by every module that needs it (LocalRay)."""
+    return LOCAL_RAY.start()
 
-    Logical CPUs are more than the machine's cores so that actors which mostly wait
-    (ingress, telemetry) and the CPU request slots can all be placed.
-    """
-    import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address="local",  # always a cluster of its own, never one another process started here
-            num_cpus=8,
-            namespace="zeroqueue-tests",
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            # Metrics reach Prometheus every second (Ray's floor) instead of every 10 s: the export tests
-            # wait for them.
-            _system_config={"metrics_report_interval_ms": 1000},
-        )
-    yield ray
-    ray.shutdown()
+def uses_ray(item) -> bool:
+    return "ray_cluster" in item.fixturenames or is_ray_test(item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the module's own fixtures (its app, its registry) go first
+    if uses_ray(item) and (nextitem is None or not uses_ray(nextitem)):
+        LOCAL_RAY.stop()
 
 
 @pytest.fixture(scope="session")
