@@ -17,6 +17,8 @@ ROOT = Path(__file__).parents[2]
 
 
 MODEL = "smollm2-135m-instruct"
+_WITH_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
 
 
 @pytest.mark.slow
@@ -29,9 +31,12 @@ def test_serve_run_then_one_request(tmp_path):
     assert fetch.returncode == 0, fetch.stderr
     serve = Path(sys.executable).with_name("serve")
     # A Ray cluster of its own (`-a local`), so the test does not depend on, or disturb,
-    # the session's cluster.
+    # the session's cluster. Started as from a terminal, where Ctrl-C reaches it: a shell that runs the suite
+    # in the background has SIGINT ignored, every child inherits that, and Python then installs no handler
+    # for it, so `serve run` would never hear the SIGINT below (it was killed a minute later instead). A
+    # handled signal is reset to its default by exec.
     proc = subprocess.Popen(
-        [str(serve), "run", "-a", "local", "configs/serve.yaml"],
+        [sys.executable, "-c", _WITH_SIGINT, str(serve), "run", "-a", "local", "configs/serve.yaml"],
         cwd=ROOT, stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT,
         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}, start_new_session=True,
     )
@@ -51,10 +56,13 @@ def test_serve_run_then_one_request(tmp_path):
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert r.status_code == 200, r.text
         assert "Paris" in r.json()["content"][0]["text"], r.json()
-    finally:
+        # Ctrl-C, as a user stops it: Serve and the Ray it started shut down, and `serve run` exits.
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
+            pytest.fail("serve run was still running 60 s after Ctrl-C")
+    finally:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
