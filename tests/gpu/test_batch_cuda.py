@@ -13,7 +13,8 @@ pytestmark = [
 ]
 
 from actors.checkpoint import load_hf_checkpoint  # noqa: E402
-from actors.engine import Engine, TokenEvent  # noqa: E402
+from actors.engine import Engine  # noqa: E402
+from actors.events import TokenEvent  # noqa: E402
 from actors.sampling import SamplingParams  # noqa: E402
 from actors.tokenizer import Message, Tokenizer  # noqa: E402
 from weights_tool.synth import synthesize  # noqa: E402
