@@ -10,8 +10,8 @@ PYTHON=${PYTHON:-.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3
 OUT=${OUT:-benchmarks/results/gpu.md}
 
-if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_check: no CUDA device visible to torch $("$PYTHON" -c 'import torch; print(torch.__version__)'); nothing checked" >&2
+if ! torch_version=$("$PYTHON" -c 'import sys, torch; print(torch.__version__); sys.exit(0 if torch.cuda.is_available() else 1)'); then
+    echo "gpu_check: no CUDA device visible to torch $torch_version; nothing checked" >&2
     exit 3
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
