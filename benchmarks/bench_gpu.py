@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--cache-dir", default=".cache/bench")
     parser.add_argument("--out", default="benchmarks/results/gpu.md")
+    parser.add_argument("--address", default=None,
+                        help="a running Ray cluster's address (default: start a local one for the run)")
     args = parser.parse_args(argv)
     command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_gpu", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -102,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     is_cuda = args.device == "cuda"
     config = ActorConfig(namespace=NAMESPACE, num_cpus=1, num_gpus=1.0 if is_cuda else 0.0, load_threads=2,
                          compute_threads=1)
-    ray.init(num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    if args.address:
+        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    else:
+        ray.init(num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     results: dict[str, list[float]] = {"cold": [], "warm": [], "hot": []}
     try:
         for rep in range(args.repeats):

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(2):
         for loop_s, shares in idle.items():
             shares.append(idle_share(loop_s))
-    imports = {m: import_cpu_s(m) for m in ("ray", "torch", "actors.request_actor", "serve_app.app")}
+    imports = {m: import_cpu_s(m) for m in ("ray", "torch", "actors.engine", "actors.request_actor", "serve_app.app")}
     lines = [
         "# What the test suite's CPU goes to", "", f"Command: `{command}`", "",
         f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cores()} cores, load {load} at the start; "

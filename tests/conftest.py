@@ -13,11 +13,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-# The tests on Ray: tests/serve, tests/reliability, and the port's contract test on Ray. Two start a cluster
+# The tests on Ray: tests/serve, tests/reliability, the GPU check's harness, and the port's contract test on
+# Ray. Two start a cluster
 # of their own and need nothing of theirs (`serve run`, and a lost node's two-node cluster): like any other
 # module, they run in whichever worker is free, which balances the two workers' loads, and while they run that
 # worker's own cluster is stopped (LocalRay).
-RAY_PATHS = ("tests/serve/", "tests/reliability/")
+RAY_PATHS = ("tests/serve/", "tests/reliability/", "tests/gpu/test_gpu_check.py")
 OWN_CLUSTER = ("tests/serve/test_serve_run.py", "tests/reliability/test_node_loss.py")
 # `make test`'s two workers each run half of them, on a Ray cluster and a Serve of its own (tests/helpers.py's
 # SERVE_PORT differs by worker); these modules are the second half, chosen so that the halves take about as
@@ -26,6 +27,7 @@ OWN_CLUSTER = ("tests/serve/test_serve_run.py", "tests/reliability/test_node_los
 SECOND_HALF = (
     "tests/reliability/test_registry_loss.py", "tests/reliability/test_replica_loss.py",
     "tests/serve/test_registry_actor.py", "tests/serve/test_request_actor.py", "tests/serve/test_warm.py",
+    "tests/gpu/test_gpu_check.py",
 )
 
 
@@ -33,7 +35,7 @@ SECOND_HALF = (
 # the suite ends on short modules that fill both workers rather than on one long module.
 LONGEST_FIRST = (
     "tests/serve/test_serve_run.py", "tests/reliability/test_node_loss.py", "tests/runtime/test_smollm2.py",
-    "tests/gpu/test_gpu_check.py", "tests/unit/test_bench_loader.py",
+    "tests/unit/test_bench_loader.py",
 )
 
 
