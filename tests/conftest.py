@@ -14,10 +14,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # The tests on Ray: tests/serve, tests/reliability, the GPU check's harness, and the port's contract test on
-# Ray. Two start a cluster
-# of their own and need nothing of theirs (`serve run`, and a lost node's two-node cluster): like any other
-# module, they run in whichever worker is free, which balances the two workers' loads, and while they run that
-# worker's own cluster is stopped (LocalRay).
+# Ray. Two start a cluster of their own and need nothing of theirs (`serve run`, and a lost node's two-node
+# cluster): like any other module, they run in whichever worker is free, which balances the two workers'
+# loads, and while they run that worker's own cluster is stopped (LocalRay).
 RAY_PATHS = ("tests/serve/", "tests/reliability/", "tests/gpu/test_gpu_check.py")
 OWN_CLUSTER = ("tests/serve/test_serve_run.py", "tests/reliability/test_node_loss.py")
 # `make test`'s two workers each run half of them, on a Ray cluster and a Serve of its own (tests/helpers.py's
