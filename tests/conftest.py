@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
 
@@ -16,13 +17,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The tests on Ray: tests/serve, tests/reliability, the GPU check's harness, and the port's contract test on
 # Ray. Two start a cluster of their own and need nothing of theirs (`serve run`, and a lost node's two-node
 # cluster): like any other module, they run in whichever worker is free, which balances the two workers'
-# loads, and while they run that worker's own cluster is stopped (LocalRay).
+# loads, and while they run that worker's own cluster is stopped (stop_local_ray).
 RAY_PATHS = ("tests/serve/", "tests/reliability/", "tests/gpu/test_gpu_check.py")
 OWN_CLUSTER = ("tests/serve/test_serve_run.py", "tests/reliability/test_node_loss.py")
 # `make test`'s two workers each run half of them, on a Ray cluster and a Serve of its own (tests/helpers.py's
 # SERVE_PORT differs by worker); these modules are the second half, chosen so that the halves take about as
-# long.
-# In each half the tests run in collection order.
+# long. In each half the tests run in collection order.
 SECOND_HALF = (
     "tests/reliability/test_registry_loss.py", "tests/reliability/test_replica_loss.py",
     "tests/serve/test_registry_actor.py", "tests/serve/test_request_actor.py", "tests/serve/test_warm.py",
@@ -93,46 +93,40 @@ def pytest_xdist_make_scheduler(config, log):
     return RayHalves(config, log)
 
 
-class LocalRay:
-    """The worker's local Ray cluster: started by the first test that needs it, stopped when the worker goes on
-    to tests that do not (each worker runs its Ray half first, so for the rest of the run an idle cluster would
-    only take CPU from the other worker: benchmarks/results/suite_cpu.md), started again if a later test needs
-    it (a worker that took over a crashed worker's tests)."""
+def start_local_ray():
+    """The worker's local Ray cluster, started by the first test that needs it. It is stopped when the worker
+    goes on to tests that need none (pytest_runtest_teardown below): each worker runs its Ray half first, so
+    for the rest of the run an idle cluster would only take CPU from the other worker. A later test that needs
+    it starts it again (a worker that took over a crashed worker's tests)."""
+    import ray
 
-    def start(self):
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(
-                address="local",  # always a cluster of its own, never one another process started here
-                # Logical CPUs are more than the machine's cores so that actors which mostly wait (ingress,
-                # telemetry) and the CPU request slots can all be placed.
-                num_cpus=8,
-                namespace="zeroqueue-tests",
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                # Metrics reach Prometheus every second (Ray's floor) instead of every 10 s: the export tests
-                # wait for them.
-                _system_config={"metrics_report_interval_ms": 1000},
-            )
-        return ray
-
-    def stop(self) -> None:
-        import sys
-
-        ray = sys.modules.get("ray")
-        if ray is not None and ray.is_initialized():
-            ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(
+            address="local",  # always a cluster of its own, never one another process started here
+            # Logical CPUs are more than the machine's cores so that actors which mostly wait (ingress,
+            # telemetry) and the CPU request slots can all be placed.
+            num_cpus=8,
+            namespace="zeroqueue-tests",
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            # Metrics reach Prometheus every second (Ray's floor) instead of every 10 s: the export tests
+            # wait for them.
+            _system_config={"metrics_report_interval_ms": 1000},
+        )
+    return ray
 
 
-LOCAL_RAY = LocalRay()
+def stop_local_ray() -> None:
+    ray = sys.modules.get("ray")  # never imported: never started
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A real local Ray cluster, shared by every module that needs it (LocalRay)."""
-    return LOCAL_RAY.start()
+    """A real local Ray cluster, shared by every module that needs it (start_local_ray)."""
+    return start_local_ray()
 
 
 def uses_ray(item) -> bool:
@@ -143,7 +137,7 @@ def uses_ray(item) -> bool:
 def pytest_runtest_teardown(item, nextitem):
     yield  # the module's own fixtures (its app, its registry) go first
     if uses_ray(item) and (nextitem is None or not uses_ray(nextitem)):
-        LOCAL_RAY.stop()
+        stop_local_ray()
 
 
 @pytest.fixture(scope="session")
