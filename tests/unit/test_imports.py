@@ -75,18 +75,18 @@ def test_no_import_circles_between_the_projects_modules():
     assert not circles, circles
 
 
+def _loaded(imports: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of `watched` a fresh interpreter holds after `import <imports>`."""
+    code = f"import sys, {imports}; print(sorted(m for m in {watched!r} if m in sys.modules))"
+    return ast.literal_eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
 def test_a_requests_checks_before_any_compute_import_neither_ray_nor_torch():
     """Parsing, the chat template and the context window: the ingress's checks, with no engine behind them."""
-    code = ("import sys, serve_app.api, serve_app.openai_api, serve_app.prompt, actors.chat; "
-            "print(sorted(m for m in ('ray', 'torch', 'numpy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _loaded("serve_app.api, serve_app.openai_api, serve_app.prompt, actors.chat", ("ray", "torch", "numpy")) == []
 
 
 def test_the_ingress_and_the_request_actors_class_import_no_torch():
     """The ingress holds tokenizers and figures, never weights: its replica, and the request actor class it hands
     to Ray, start without torch or the engine (each replica would otherwise pay for them at every start)."""
-    code = ("import sys, serve_app.app, actors.request_actor; "
-            "print(sorted(m for m in ('torch', 'actors.engine', 'actors.model') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _loaded("serve_app.app, actors.request_actor", ("torch", "actors.engine", "actors.model")) == []
