@@ -22,7 +22,6 @@ other processes, where this trace does not reach.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import tempfile
@@ -33,6 +32,8 @@ from typing import Any
 
 import httpx
 import uvicorn
+
+from benchmarks.run_files import measure_and_report
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = tuple(str(ROOT / p) + "/" for p in ("serve_app", "actors", "weights_tool"))
@@ -110,7 +111,7 @@ def _stream(client: httpx.Client, base: str) -> tuple[float, float, float]:
     return sent, first, end
 
 
-def measure() -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     from weights_tool.pack import pack
     from weights_tool.synth import synthesize
 
@@ -136,11 +137,13 @@ def measure() -> dict[str, Any]:
             server.should_exit = True
     to_first = sorted(_rel(p) for p, (t, _) in window.items() if t <= first)
     back = sorted(_rel(p) for p, (_, t) in window.items() if t > first)
-    return {"to_first_token": to_first, "back": back, "background": sorted(_rel(p) for p in idle),
+    command = shlex.join([".venv/bin/python", "-m", "benchmarks.request_path", *args.argv])
+    return {"command": command, "to_first_token": to_first, "back": back,
+            "background": sorted(_rel(p) for p in idle),
             "ttft_ms": round((first - sent) * 1e3, 1), "total_ms": round((end - sent) * 1e3, 1)}
 
 
-def report(data: dict[str, Any], command: str) -> str:
+def report(data: dict[str, Any]) -> str:
     background = set(data["background"])
 
     def listing(files: list[str]) -> list[str]:
@@ -150,7 +153,7 @@ def report(data: dict[str, Any], command: str) -> str:
     back_only = [f for f in data["back"] if f not in background]
     either = set(data["to_first_token"]) | set(data["back"])
     lines = [
-        "# The files one request crosses", "", f"Command: `{command}`", "",
+        "# The files one request crosses", "", f"Command: `{data['command']}`", "",
         "A hot streamed request over the in-process cluster (benchmarks/request_path.py says how it is traced). "
         f"It took {data['ttft_ms']} ms to its first text delta and {data['total_ms']} ms in all, traced.", "",
         "| | files | of them, not also called while idle |", "|---|--:|--:|",
@@ -167,14 +170,10 @@ def report(data: dict[str, Any], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/request_path.md")
+    parser.add_argument("--report-only", default=None, help="rewrite the report from a saved run's JSON")
     args = parser.parse_args(argv)
-    command = shlex.join([".venv/bin/python", "-m", "benchmarks.request_path", *(sys.argv[1:] if argv is None else argv)])
-    data = measure()
-    Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
-    text = report(data, command)
-    Path(args.out).write_text(text)
-    print(text)
-    return 0
+    args.argv = sys.argv[1:] if argv is None else argv
+    return measure_and_report(args, measure, report)
 
 
 if __name__ == "__main__":
