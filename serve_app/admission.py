@@ -2,15 +2,21 @@
 
 The ingress (app.py) validates a request and hands it here; everything it asks of the
 world goes through the cluster port (cluster.py: Ray's, or the in-process one):
-  1. `cluster.admit(features)`: the pure `decide()` and the reservation it implies, in
-     one atomic step on the shared registry (no replica can over-commit a slot or a
-     batch) — or a 503 at once when the registry does not answer within its deadline;
+  1. decide: first on this replica's leases (lease_book.py) — rows of hot actors it holds,
+     placed with the same pure `decide()` and no registry call; where they cannot place the
+     request, the slow path: `cluster.admit(features)`, the registry's `decide()` and the
+     reservation it implies in one atomic step (no replica can over-commit a slot or a batch),
+     which leases a row it places on a hot actor to this replica — or a 503 at once when the
+     registry does not answer within its deadline;
   2. act: open the actor's stream — on the idle hot actor, as one more row of a hot
      actor's batch, on a bound warm actor, or on an actor created on the reserved slot
      (after killing the idle actors the decision evicts) — or refuse with 503
      `overloaded_error` and the registry's predicted `retry-after`;
   3. wait for the actor's `Started` (relay.py); from then on the row is the relay's, and
-     rows.py releases it once however it ends.
+     rows.py releases it once however it ends (a leased row back to the lease book).
+
+Once a heartbeat, `_exchange_leases` sends the lease book's report and applies the grant (the
+registry's counts come with it, for the gauges).
 
 What a request reserved is given back on every path: a refusal commits nothing; a client
 that leaves (or a deadline) while the decision or the placement is in flight abandons it
@@ -31,12 +37,17 @@ from actors.messages import ActorRequest, Completion
 from serve_app import errors, traces
 from serve_app.cluster import ActorGone, Cluster, NewActor, RegistryUnavailable
 from serve_app.config import IngressConfig
-from serve_app.decisions import Bind, Reject, Spawn
+from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
+from serve_app.lease import LeasedRow, SlowPathLease
+from serve_app.lease_book import LeaseBook
 from serve_app.loaded_model import LoadedModel
 from serve_app.metrics import IngressMetrics
+from serve_app.policy import decide
+from serve_app.registry import is_leased_row
 from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Relay
 from serve_app.rows import Admitted, Rows
-from serve_app.snapshot import ClusterSnapshot, ClusterSummary, summarize
+from serve_app.scorer import Scorer
+from serve_app.snapshot import ClusterSnapshot, ClusterSummary, RequestFeatures, summarize
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +58,17 @@ MAX_ATTEMPTS = 3
 
 class Admission:
     def __init__(self, config: IngressConfig, models: dict[str, LoadedModel], cluster: Cluster,
-                 metrics: IngressMetrics, replica_id: str) -> None:
+                 metrics: IngressMetrics, replica_id: str, scorer: Scorer) -> None:
         self.config, self.models, self.cluster, self.metrics = config, models, cluster, metrics
-        self.rows = Rows(cluster, metrics, config.policy, replica_id, drain_timeout_s=config.token_timeout_s,
+        self.scorer = scorer
+        self.leases = LeaseBook(config.leases, replica_id, config.policy.max_batch, config.registry_heartbeat_s)
+        self.rows = Rows(cluster, self.leases, metrics, config.policy, replica_id,
+                         drain_timeout_s=config.token_timeout_s,
                          traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None)
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, self.rows)
         cluster.start(self.rows.handed_over)
         try:
-            self._gauges: asyncio.Task | None = asyncio.get_running_loop().create_task(self._refresh_gauges())
+            self._gauges: asyncio.Task | None = asyncio.get_running_loop().create_task(self._exchange_leases())
         except RuntimeError:  # no event loop: constructed outside a Serve replica (tests of the class itself)
             self._gauges = None
 
@@ -74,18 +88,30 @@ class Admission:
         self.metrics.set_cluster(summary)
         return summary
 
-    async def _refresh_gauges(self) -> None:
-        """Each heartbeat: dashboards see the gauges whether or not /health is polled. On the event loop,
-        not the slot refresher's thread: calls one caller makes to the registry from two threads can
-        reach it out of order, and Ray then holds that caller's later calls (registry_actor.admit)."""
+    async def _exchange_leases(self) -> None:
+        """Each heartbeat: the lease book's report out, its grant in, and the gauges set from the registry's
+        counts that come with it (dashboards see them whether or not /health is polled). On the event loop,
+        as admissions are: calls one caller makes to the registry from two threads can reach it out of
+        order, and Ray then holds that caller's later calls (registry_actor.admit)."""
         while True:
             await asyncio.sleep(self.config.registry_heartbeat_s)
-            if not self.cluster.is_available:
-                continue
-            try:
-                self.summary(await self.cluster.snapshot(self.config.registry_timeout_s * 4))
-            except Exception:  # the registry is restarting or busy: the next round sets them
-                log.debug("gauges not refreshed this round", exc_info=True)
+            await self.exchange_leases()
+
+    async def exchange_leases(self) -> None:
+        """One exchange (also called by tests that step the leases by hand); never raises."""
+        if not self.cluster.is_available:
+            return
+        sent_at = time.monotonic()
+        report = self.leases.report(sent_at)
+        try:
+            grant = await self.cluster.exchange_leases(report, self.config.registry_timeout_s * 4)
+        except Exception:  # the registry is restarting or busy: the leases run on until they expire
+            log.debug("leases not exchanged this round", exc_info=True)
+            return
+        self.leases.apply(report, grant, sent_at)
+        self.metrics.leased_rows.set(self.leases.num_rows)
+        if grant.summary is not None:
+            self.metrics.set_cluster(grant.summary)
 
     async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
                    is_collected: bool, prepared_at: float = 0.0) -> tuple[Admitted, tuple[str, Completion] | None]:
@@ -120,8 +146,17 @@ class Admission:
         """
         request_id = actor_request.request_id
         spawn_name = new_actor_name(model.id)
-        decision = await self._admit(features, spawn_name, request_id)
+        decision, lease = self._decide_on_leases(features)
+        if decision is None:
+            decision = await self._admit(features, spawn_name, request_id)
+            if self.config.leases.is_enabled and is_leased_row(decision):
+                lease = LeasedRow(request_id, decision.actor_name, model.id, decision.slot_id, decision.lane,
+                                  decision.reserve_bytes, model.numbers.weight_bytes
+                                  + self.config.policy.actor_overhead_bytes)
+                self.leases.add(lease, features, _predicted_end(decision))
         decided_at = time.time()
+        path = "registry" if lease is None or lease.row_id == request_id else "lease"
+        self.metrics.admission_paths.inc(tags={"path": path})
         self.metrics.decisions.inc(tags={"model": model.id, "kind": type(decision).__name__.lower()})
         if isinstance(decision, Reject):
             self.metrics.rejections.inc(tags={"reason": decision.reason})
@@ -141,10 +176,15 @@ class Admission:
         try:
             stream = await self.cluster.open(name, actor_request, new)
         except ActorGone:  # it died and the registry has not noticed yet
-            self.cluster.finish(name, request_id, "failed")  # forget it
+            self.cluster.finish(name, request_id if lease is None else lease.row_id, "failed")  # forget it
+            self.leases.drop_actor(name)
             raise ActorLost(503, "overloaded_error", "the model's process was lost; retry") from None
         except BaseException:  # a deadline, or the client left: nothing was sent, give the row back
-            self.cluster.abandon(request_id)
+            if lease is not None and lease.row_id != request_id:
+                self.leases.release(lease.row_id)  # ours: free again, nobody else was told
+            else:
+                self.leases.forget(request_id)  # the registry takes the row back, leased or not
+                self.cluster.abandon(request_id)
             raise
         if new is not None and new.evict:
             self.metrics.evictions.inc(len(new.evict), tags={"model": model.id})
@@ -157,10 +197,24 @@ class Admission:
         admitted = Admitted(request_id, model.id, name, decision.keep_hot, _tier(decision),
                             len(actor_request.prompt_ids), stream, arrival=arrival, dispatch_time=dispatch_time,
                             features=features, decision=decision, resident_bytes=resident,
-                            prepared_at=prepared_at or arrival, decided_at=decided_at)
+                            prepared_at=prepared_at or arrival, decided_at=decided_at,
+                            lease_row=lease.row_id if lease is not None else None)
         self.rows.begin(admitted)
         await self.relay.first(admitted)
         return admitted
+
+    def _decide_on_leases(self, features: RequestFeatures) -> tuple[Decision | None, LeasedRow | None]:
+        """A join or dispatch on a row this replica leases, decided by the same `decide()` on a view of its
+        leases alone; (None, None) when they cannot place the request (the slow path decides)."""
+        view = self.leases.view(features)
+        if view is None:
+            return None, None
+        decision = decide(features, view, self.config.policy, self.scorer)
+        if not isinstance(decision, (Join, Dispatch)):
+            return None, None  # no leased row meets the targets: the registry knows every other option
+        if isinstance(decision, Dispatch):  # the actor is hot and leased: it stays hot
+            decision = dataclasses.replace(decision, keep_hot=True)
+        return decision, self.leases.take(decision, features, _predicted_end(decision))
 
     async def _admit(self, features, spawn_name: str, request_id: str):
         """The registry's decision, or a 503 at once when it does not answer in time (or is known not to
@@ -168,7 +222,10 @@ class Admission:
         if not self.cluster.is_available:
             raise self._registry_unavailable()
         try:
-            return await self.cluster.admit(features, spawn_name, request_id)
+            lease = None
+            if self.config.leases.is_enabled:  # its free rows of the model could not take it: they go back
+                lease = SlowPathLease(self.leases.ttl_s, self.leases.give_back_free(features.model))
+            return await self.cluster.admit(features, spawn_name, request_id, lease)
         except asyncio.CancelledError:  # the client left: whatever the admission commits is undone
             self.cluster.abandon(request_id)
             raise
@@ -182,6 +239,11 @@ class Admission:
         # Back within a heartbeat or two (a restart, or a new registry) when it comes back at all.
         return errors.overloaded("the admission registry is unavailable; retry shortly",
                                  max(self.config.policy.retry_after_s, self.config.registry_heartbeat_s))
+
+
+def _predicted_end(decision: Decision) -> float:
+    """Epoch seconds its prediction ends the request at (retry-after reads it from the registry's view)."""
+    return time.time() + (decision.prediction.total_s if decision.prediction is not None else 0.0)
 
 
 def _tier(decision) -> str:

@@ -109,7 +109,7 @@ class Ingress:
                                        timeout_s=config.body_timeout_s)
         spec = cluster if cluster is not None else RayClusterSpec()
         self.admission = Admission(config, self.models, spec.build(config, self.models, scorer, self.replica_id),
-                                   self.metrics, self.replica_id)
+                                   self.metrics, self.replica_id, scorer)
         self._is_closed = False
         log.info("zeroqueue ingress: models %s, %d slots", list(self.models), self.admission.cluster.num_slots)
 

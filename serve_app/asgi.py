@@ -8,8 +8,10 @@ process — what the HTTP tests drive through Starlette's TestClient:
         client.post("/v1/messages", json=...)
 
 Like Serve's proxy, it cancels a request's call when the client leaves before its answer (once
-the body is read: until then the ingress itself is reading). Serve's replica routing and direct
-ingress are not here; `build_app` is the way to serve.
+the body is read: until then the ingress itself is reading). `Replicas` runs several ingress
+replicas on one loop, sharing one in-process cluster, and deals requests to them in turn (or to
+the one the `x-zq-replica` header names: tests and benchmarks choose the split). Serve's own
+routing and direct ingress are not here; `build_app` is the way to serve.
 """
 
 from __future__ import annotations
@@ -74,18 +76,64 @@ class IngressApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.loop = asyncio.get_running_loop()
                 try:
-                    self.ingress = Ingress.func_or_class(self.config, self.cluster)
+                    self.startup()
                 except Exception as e:
                     await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
                     raise
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if self.ingress is not None:
-                    closing = self.ingress.__del__()  # as Serve stops a replica
-                    if closing is not None:
-                        await closing
-                    self.ingress = None
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def startup(self) -> None:
+        """Build the ingress on the running loop, as Serve builds a replica."""
+        self.loop = asyncio.get_running_loop()
+        self.ingress = Ingress.func_or_class(self.config, self.cluster)
+
+    async def shutdown(self) -> None:
+        if self.ingress is not None:
+            closing = self.ingress.__del__()  # as Serve stops a replica
+            if closing is not None:
+                await closing
+            self.ingress = None
+
+
+class Replicas:
+    """Several `IngressApp`s on one event loop, as one ASGI app: requests dealt in turn, or to the one whose
+    index the `x-zq-replica` header names. Their clusters should share a `LocalNode` (local_cluster.py)."""
+
+    HEADER = b"x-zq-replica"
+
+    def __init__(self, apps: list[IngressApp]) -> None:
+        self.apps = apps
+        self._next = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        named = dict(scope.get("headers") or ()).get(self.HEADER)
+        if named is not None:
+            index = int(named) % len(self.apps)
+        else:
+            index, self._next = self._next, (self._next + 1) % len(self.apps)
+        await self.apps[index](scope, receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    for app in self.apps:
+                        app.startup()
+                except Exception as e:
+                    await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
+                    raise
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                for app in self.apps:
+                    await app.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

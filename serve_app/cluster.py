@@ -13,9 +13,9 @@ Two implementations:
 its cluster inside the replica (`ClusterSpec.build`).
 
 What a request asks of the cluster, in order: `admit` (decide and reserve, one atomic
-call), `open` (the actor's stream of `Started`, `TextChunk`s and one `Completion`, on an
+call; not made for a request placed on this replica's leased rows), `open` (the actor's stream of `Started`, `TextChunk`s and one `Completion`, on an
 actor that exists or on a new one the decision named), then however it ends exactly one
-of `finish` or `abandon`. An `ActorStream.next()` that does not return an item raises
+of `finish` or `abandon` (a leased row's end is neither: `exchange_leases` reports it). An `ActorStream.next()` that does not return an item raises
 `StopAsyncIteration` after the `Completion`, or one of the `StreamEnded` endings.
 """
 
@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from actors.messages import ActorRequest, Completion, Started, TextChunk
 from serve_app.decisions import Decision
+from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.loaded_model import LoadedModel
 from serve_app.registry import AdoptedActor, AdoptedRow, Outcome
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
@@ -115,8 +116,13 @@ class Cluster(Protocol):
     async def close(self) -> None:
         """This replica stops: background work ends; the last replica takes every actor with it."""
 
-    async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str) -> Decision:
-        """Decide and reserve in one atomic step; raises RegistryUnavailable."""
+    async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
+                    lease: SlowPathLease | None = None) -> Decision:
+        """Decide and reserve in one atomic step; raises RegistryUnavailable. With `lease`, the free rows it
+        names return first, and a row placed on a hot actor is leased to this replica (its id: `request_id`)."""
+
+    async def exchange_leases(self, report: LeaseReport, timeout_s: float) -> LeaseGrant:
+        """This replica's lease heartbeat (lease.py); raises RegistryUnavailable."""
 
     def abandon(self, request_id: str) -> None:
         """Undo whatever `request_id`'s admission reserved (also one that has not arrived yet)."""

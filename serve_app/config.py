@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from actors.actor_config import ActorConfig
 from actors.telemetry import TelemetryConfig
 from serve_app.latency_targets import MAX_TARGET_S
+from serve_app.lease import LeaseConfig
 from serve_app.policy import PolicyConfig
 from serve_app.registry import RegistryConfig
 from serve_app.scorer import RuleScorer
@@ -87,6 +88,8 @@ class AppArgs(_Strict):
     actor: ActorConfig = ActorConfig()
     # The reconcile loop and its graces; its names and namespaces come from `namespace`.
     registry: RegistryConfig = RegistryConfig()
+    # Rows of hot actors each replica holds and fills without a registry call (serve_app/lease.py).
+    leases: LeaseConfig = LeaseConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     # The *name* of an environment variable holding the API key; the key never sits in YAML.
     api_key_env: str | None = None
@@ -178,6 +181,7 @@ class IngressConfig:
     policy: PolicyConfig
     actor: ActorConfig
     registry: RegistryConfig
+    leases: LeaseConfig
     telemetry: TelemetryConfig
     rule_scorer: RuleScorer
     api_key: str | None

@@ -9,8 +9,9 @@ decisions, hot/join/bind/spawn placement, refusals and retry-after, streaming, c
 an actor lost before or after its first item — can be tested through the ASGI app
 (asgi.IngressApp) in one process, without starting another.
 
-What only Ray has stays out: processes that die by themselves, other ingress replicas, registry
-restarts and hand-overs, nodes. One node, `slots.num_cpu_slots` CPU slots of `cpu_slot_bytes`.
+What only Ray has stays out: processes that die by themselves, registry restarts and hand-overs,
+nodes. Several ingress replicas share one registry and one set of actors through a `LocalNode`
+(asgi.Replicas serves them on one event loop). One node, `slots.num_cpu_slots` CPU slots of `cpu_slot_bytes`.
 `calls` counts the registry's calls by name (as a task summary would on Ray).
 """
 
@@ -22,7 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from actors.actor_names import new_actor_name
@@ -41,6 +42,7 @@ from serve_app.cluster import (
 )
 from serve_app.config import IngressConfig
 from serve_app.decisions import Decision
+from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.loaded_model import LoadedModel
 from serve_app.registry import Outcome, SlotSpec
 from serve_app.scorer import Scorer
@@ -138,16 +140,31 @@ class _Actor:
             self.actor.close()
 
 
+@dataclass(eq=False)
+class LocalNode:
+    """What several in-process replicas share, as replicas on Ray share the registry actor and the request
+    actors (asgi.Replicas): one registry, one set of actors, one count of the registry's calls. The first
+    cluster built on it creates the registry."""
+
+    registry: SharedRegistry | None = None
+    actors: dict[str, _Actor] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # `actors`: tests read it from their thread
+    calls: Counter[str] = field(default_factory=Counter)
+    num_clusters: int = 0  # open on it: the last to close takes every actor with it, as on Ray
+
+
 class LocalCluster:
     def __init__(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer, replica_id: str, *,
-                 actor_cls: type = RequestActor) -> None:
+                 actor_cls: type = RequestActor, node: LocalNode | None = None) -> None:
         self._config, self._models, self._scorer, self.replica_id = config, models, scorer, replica_id
         self._actor_cls = actor_cls
         policy = config.policy
-        self.registry = SharedRegistry(policy, scorer, config.registry.spawn_grace_s, kill=self.kill)
-        self._lock = threading.Lock()  # `actors`: tests read it from their own thread
-        self.actors: dict[str, _Actor] = {}
-        self.calls: Counter[str] = Counter()
+        node = node if node is not None else LocalNode()
+        if node.registry is None:
+            node.registry = SharedRegistry(policy, scorer, config.registry.spawn_grace_s, kill=self.kill)
+        self.registry, self.actors, self._lock, self.calls = node.registry, node.actors, node.lock, node.calls
+        self._node = node
+        node.num_clusters += 1
         self._slots = [SlotSpec(f"{NODE_ID}/cpu{i}", NODE_ID, config.slots.cpu_slot_bytes)
                        for i in range(config.slots.num_cpu_slots)]
         self._warm_specs = [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes)
@@ -171,8 +188,10 @@ class LocalCluster:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        for name in list(self.actors):
-            self.kill(name)
+        self._node.num_clusters -= 1
+        if self._node.num_clusters == 0:
+            for name in list(self.actors):
+                self.kill(name)
 
     def _ensure_running(self) -> None:
         if self._warm_wake is not None:
@@ -199,10 +218,14 @@ class LocalCluster:
         self.calls[name] += 1
         return fn()
 
-    async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str) -> Decision:
+    async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
+                    lease: SlowPathLease | None = None) -> Decision:
         self._ensure_running()
         return self._call("admit", lambda: self.registry.admit(features, spawn_name, request_id,
-                                                               replica_id=self.replica_id))
+                                                               replica_id=self.replica_id, lease=lease))
+
+    async def exchange_leases(self, report: LeaseReport, timeout_s: float) -> LeaseGrant:
+        return self._call("exchange_leases", lambda: self.registry.exchange_leases(report))
 
     def abandon(self, request_id: str) -> None:
         self._call("abandon", lambda: self.registry.abandon(request_id))
@@ -341,7 +364,8 @@ class LocalClusterSpec:
 
     actor_cls: type = RequestActor
     cluster_cls: type[LocalCluster] = LocalCluster
+    node: LocalNode | None = None  # shared by the replicas built from this spec (asgi.Replicas); None: its own
 
     def build(self, config: IngressConfig, models: dict[str, LoadedModel], scorer: Scorer,
               replica_id: str) -> LocalCluster:
-        return self.cluster_cls(config, models, scorer, replica_id, actor_cls=self.actor_cls)
+        return self.cluster_cls(config, models, scorer, replica_id, actor_cls=self.actor_cls, node=self.node)

@@ -52,6 +52,10 @@ class IngressMetrics:
         self.admissions = metrics.Counter(
             "zq_admissions_total", "Admitted requests by the tier they run on: hot, warm or cold.",
             tag_keys=("model", "tier"))
+        self.admission_paths = metrics.Counter(
+            "zq_admission_paths_total", "Admitted requests by how they were decided: on this replica's leased rows "
+            "(no registry call) or by the registry (the slow path).", tag_keys=("path",))
+        self.leased_rows = metrics.Gauge("zq_leased_rows", "Rows of hot actors this replica holds on lease.")
         # Gauges of the registry's view, set each heartbeat (`set_cluster`), whether or not /health is polled.
         self.actors = metrics.Gauge("zq_actors", "Request actors by state (registry view).", tag_keys=("state",))
         self.free_slots = metrics.Gauge("zq_free_slots", "Slots with no actor.")

@@ -43,14 +43,17 @@ wrapper adds a timeout to its own `time.time()`), so replicas' clocks never mix.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from actors.actor_names import REGISTRY_NAME, is_request_actor_name
 from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
+from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.policy import PolicyConfig, decide, warm_candidates
 from serve_app.registry_books import Books
+from serve_app.registry_leases import LeaseBooks
 from serve_app.registry_records import (
     ActorRecord,
     AdoptedActor,
@@ -64,7 +67,7 @@ from serve_app.registry_recovery import Recovery
 from serve_app.registry_warm import WarmBooks
 from serve_app.retry_after import retry_after_s
 from serve_app.scorer import RULE_SCORER, Scorer
-from serve_app.snapshot import ClusterSnapshot, RequestFeatures
+from serve_app.snapshot import ClusterSnapshot, RequestFeatures, summarize
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
 # Re-exported: the registry's callers name these through this module.
@@ -100,12 +103,20 @@ class RegistryConfig:
                              f"{self.reconcile_interval_s}, {self.replica_lease_s}, {self.adopt_grace_s}")
 
 
+def is_leased_row(decision: Decision) -> bool:
+    """A placement whose row can be leased: on a hot actor that stays hot (a join, or a dispatch that keeps
+    it), where the row outlives its request. A cold or warm actor's first row is not: its actor's start
+    (and its exit, if it does not stay) is the registry's to follow."""
+    return isinstance(decision, Join) or (isinstance(decision, Dispatch) and decision.keep_hot)
+
+
 class RegistryState:
     def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
                  max_idle_s: float | None = None, max_batch: int = 8) -> None:
         self.books = Books(max_actors_per_slot, spawn_grace_s, max_idle_s, max_batch)
         self.warm = WarmBooks(self.books)
         self.recovery = Recovery(self.books, self.finish)
+        self.leases = LeaseBooks(self.books, self.finish)
         # Decisions by kind, actors evicted, and spawns decided while a warm actor of the model fitted
         # (a process start the warm pool was there to spare): what benchmarks and /health report.
         self.counters: Counter[str] = Counter()
@@ -190,19 +201,32 @@ class RegistryState:
         return True
 
     def admit(self, features: RequestFeatures, policy: PolicyConfig, spawn_name: str, request_id: str,
-              now: float, scorer: Scorer = RULE_SCORER, replica_id: str = "") -> Decision:
+              now: float, scorer: Scorer = RULE_SCORER, replica_id: str = "",
+              lease: SlowPathLease | None = None) -> Decision:
         """`decide` on the current state and commit it in the same call; a Spawn is named `spawn_name`.
 
-        A refusal for capacity or latency comes back with the predicted `retry_after_s`.
+        A refusal for capacity or latency comes back with the predicted `retry_after_s`. With
+        `lease` (a replica that holds leases), the free rows it gives back return first, and a row
+        placed on an actor that stays hot (`is_leased_row`) is leased to `replica_id` from the start
+        (lease.py), its id the request's: the replica keeps it after the request ends, and no `finish`
+        is sent for it.
         """
         if policy.max_actors_per_slot != self.max_actors_per_slot or policy.max_batch != self.max_batch:
             raise ValueError(f"policy (max_actors_per_slot={policy.max_actors_per_slot}, max_batch="
                              f"{policy.max_batch}) != the registry's ({self.max_actors_per_slot}, {self.max_batch})")
         if request_id in self._abandoned:
             return Reject("no_capacity", None, f"request {request_id} was given up before it was admitted")
+        for row_id in lease.returned if lease is not None else ():
+            self.leases.give_back(replica_id, row_id, now)
         self.books.last_request_at[features.model] = now
         snapshot = self.snapshot()
         decision = decide(features, snapshot, policy, scorer)
+        lane = policy.lane(features.input_tokens, features.max_tokens)
+        if (isinstance(decision, Reject) and decision.retry_after_s is not None and lease is not None
+                and self.leases.recall_free_row(features.model, lane, features.dispatch_bytes, replica_id, now)):
+            snapshot = self.snapshot()  # a row other replicas left free may take it
+            decision = decide(features, snapshot, policy, scorer)
+            self.counters["recalled"] += 1
         if isinstance(decision, Reject):
             self.counters["reject"] += 1
             if decision.retry_after_s is None:
@@ -211,8 +235,10 @@ class RegistryState:
             return Reject(decision.reason, wait, decision.message)
         is_cold = isinstance(decision, (Spawn, Bind))  # its weights may still be streaming in
         predicted_total = decision.prediction.total_s if decision.prediction is not None else 0.0
+        is_lease = lease is not None and is_leased_row(decision)
         row = RowReservation(request_id, features.num_tokens, features.tpot_target_s, now + predicted_total,
-                             now + policy.busy_timeout_s(features, is_cold), replica_id=replica_id)
+                             now + (lease.ttl_s if is_lease else policy.busy_timeout_s(features, is_cold)),
+                             replica_id=replica_id, is_lease=is_lease)
         if isinstance(decision, Spawn):
             is_committed = self._evict(decision.evict) and self.try_spawn(decision, spawn_name, features.model,
                                                                           row, now)
@@ -229,6 +255,11 @@ class RegistryState:
             self.counters["evicted"] += len(decision.evict)
             self.counters["spawn_with_warm_available"] += bool(warm_candidates(features, LANES, snapshot, 1))
         return decision
+
+    def exchange_leases(self, report: LeaseReport, now: float) -> LeaseGrant:
+        """One replica's lease heartbeat (registry_leases.py), with the registry's counts for its gauges."""
+        grant = self.leases.exchange(report, now)
+        return dataclasses.replace(grant, summary=summarize(self.snapshot(), self.max_batch))
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -296,6 +327,7 @@ class RegistryState:
         return self.warm.drop_warming(actor_name)
 
     def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None) -> ReconcileReport:
+        self.leases.expire(now)  # before: a lease past its expiry returns; it does not expire its actor
         return self.recovery.reconcile(alive, now, alive_nodes)
 
     def adopt(self, rows: Iterable[AdoptedRow], now: float, idle: Iterable[AdoptedActor] = ()) -> list[str]:

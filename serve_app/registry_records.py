@@ -67,6 +67,13 @@ class RowReservation:
     busy_deadline: float
     request_bytes: int = 0  # set by the commit, from the decision's reservation
     replica_id: str = ""  # the ingress replica relaying it ("": none named; it then ends by its deadline)
+    # A row leased to `replica_id` (registry_leases.py): it places requests in it without asking, and
+    # keeps it after they end; `busy_deadline` is its lease's expiry. Free while `num_tokens` is 0.
+    is_lease: bool = False
+
+    @property
+    def is_free_lease(self) -> bool:
+        return self.is_lease and self.num_tokens == 0
 
     def view(self) -> RowView:
         return RowView(self.request_bytes, self.num_tokens, self.tpot_target_s, self.predicted_end)
@@ -93,6 +100,7 @@ class AdoptedRow:
     predicted_end: float  # epoch seconds, as the replica's clock reads them (close enough for a retry-after)
     busy_timeout_s: float  # from the adoption on: the registry's own clock sets the deadline
     replica_id: str = ""  # the replica handing it over
+    is_lease: bool = False  # a row leased to that replica (num_tokens 0: free)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ class Recovery:
                 if actor.slot_id not in dead_slots and now - actor.spawned_at < books.spawn_grace_s:
                     continue
                 ghosts.append(actor.name)
-            elif any(now > r.busy_deadline for r in actor.rows.values()):
+            elif any(now > r.busy_deadline for r in actor.rows.values() if not r.is_lease):
                 expired.append(actor.name)
             elif self._is_retired(actor, now):
                 retired.append(actor.name)
@@ -96,7 +96,7 @@ class Recovery:
             if slot is None or books.row_holder(r.request_id) is not None:
                 continue
             row = RowReservation(r.request_id, r.num_tokens, r.tpot_target_s, r.predicted_end,
-                                 now + r.busy_timeout_s, r.request_bytes, r.replica_id)
+                                 now + r.busy_timeout_s, r.request_bytes, r.replica_id, r.is_lease)
             if actor is None:
                 if (slot.num_actors >= books.max_actors_per_slot
                         or slot.free_bytes < r.resident_bytes + r.request_bytes):
@@ -123,9 +123,14 @@ class Recovery:
 
         An actor left with rows of live replicas keeps running them; one whose rows were all
         of gone replicas is forgotten and reported to be killed, since it still computes them.
+        Their leased rows return: the actor is hot, and stays (idle, if nothing else runs there).
         """
         to_kill = []
         for actor in list(self.books.actors.values()):
+            for row in [r for r in actor.rows.values() if r.is_lease and r.replica_id in replica_ids]:
+                self._finish(actor.name, row.request_id, "cancelled", now)
+            if actor.name not in self.books.actors:
+                continue
             gone = [r for r in actor.rows.values() if r.replica_id in replica_ids]
             if not gone:
                 continue

@@ -92,8 +92,10 @@ class Relay:
             log.warning("request %s on actor %s: %s", admitted.request_id, admitted.actor_name, _describe(e))
         if is_answer_started:  # told in the stream: no response status will count it
             admitted.error = error
+        if isinstance(e, StreamBusy) and admitted.lease_row is not None:
+            admitted.is_turned_away = True  # the row was recalled, or the batch is full: not ours to reuse
         self.rows.end(admitted, outcome_of(e))
-        if isinstance(e, StreamLost) and not is_answer_started:
+        if (isinstance(e, StreamLost) or admitted.is_turned_away) and not is_answer_started:
             return ActorLost(error.status, error.type, error.message, error.headers)
         return error
 

@@ -15,8 +15,11 @@ However a request ends, `end` runs its release once:
     "failed"     the actor died, failed, or missed a deadline: the registry forgets it and
                  kills it; it is not trusted again
 
+A row leased to this replica (lease_book.py) goes back to the lease book, free for the next
+request, with no registry call; only a failed actor is reported (the registry kills it).
+
 It also keeps what a new registry incarnation is handed (`handed_over`): the rows still
-running here and the hot actors this replica last saw go idle.
+running here, the leased rows, and the hot actors this replica last saw go idle.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from serve_app import traces
 from serve_app.cluster import ActorStream, Cluster
 from serve_app.decisions import Decision, Spawn
 from serve_app.errors import ApiError
+from serve_app.lease_book import LeaseBook
 from serve_app.metrics import IngressMetrics
 from serve_app.offload import within
 from serve_app.policy import PolicyConfig
@@ -73,12 +77,14 @@ class Admitted:
     num_chunks: int = 0
     error: ApiError | None = None  # the error event a stream ended with, if it did
     outcome: Outcome | None = None  # set once, by `Rows.end`
+    lease_row: str | None = None  # the leased row it runs in (lease_book.py): it goes back there, not to the registry
+    is_turned_away: bool = False  # its actor refused the leased row (StreamBusy): the row is forgotten
 
 
 class Rows:
-    def __init__(self, cluster: Cluster, metrics: IngressMetrics, policy: PolicyConfig, replica_id: str, *,
-                 drain_timeout_s: float, traces_writer: traces.TraceWriter | None) -> None:
-        self._cluster, self._metrics, self._policy = cluster, metrics, policy
+    def __init__(self, cluster: Cluster, leases: LeaseBook, metrics: IngressMetrics, policy: PolicyConfig,
+                 replica_id: str, *, drain_timeout_s: float, traces_writer: traces.TraceWriter | None) -> None:
+        self._cluster, self._leases, self._metrics, self._policy = cluster, leases, metrics, policy
         self._replica_id = replica_id
         self._drain_timeout_s = drain_timeout_s
         self._traces = traces_writer
@@ -152,9 +158,11 @@ class Rows:
             log.exception("trace of request %s not recorded", request_id)
 
     def handed_over(self) -> tuple[list[AdoptedRow], list[AdoptedActor]]:
-        """What a new registry incarnation is given: the rows running here, and the idle hot actors."""
-        rows = [self._adopted_row(a) for a in list(self._running.values()) if a.decision is not None]
-        return rows, list(self._idle.values())
+        """What a new registry incarnation is given: the rows running here, every leased row (running or
+        free), and the idle hot actors."""
+        rows = [self._adopted_row(a) for a in list(self._running.values())
+                if a.decision is not None and a.lease_row is None]
+        return rows + self._leases.handed_over(), list(self._idle.values())
 
     async def _finish_when_gone(self, admitted: Admitted, outcome: Outcome) -> None:
         try:
@@ -164,6 +172,15 @@ class Rows:
         self._finish(admitted, outcome)
 
     def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
+        if admitted.lease_row is not None:
+            if outcome == "failed":  # the registry forgets the actor, every lease on it included, and kills it
+                self._cluster.finish(admitted.actor_name, admitted.lease_row, outcome)
+                self._leases.drop_actor(admitted.actor_name)
+            elif admitted.is_turned_away:  # recalled by the registry, or a batch fuller than we knew
+                self._leases.forget(admitted.lease_row)
+            else:  # the actor stays hot, and the row stays ours: no registry call
+                self._leases.release(admitted.lease_row)
+            return
         self._cluster.finish(admitted.actor_name, admitted.request_id, outcome)
         if outcome == "complete" and admitted.keep_hot and admitted.decision is not None:
             d = admitted.decision

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from serve_app.decisions import Decision
+from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.policy import PolicyConfig
 from serve_app.registry import Outcome, ReconcileReport, RegistryState, SlotSpec
 from serve_app.scorer import RULE_SCORER, Scorer
@@ -56,15 +57,22 @@ class SharedRegistry:
     # ---- commits ---------------------------------------------------------------------
 
     def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
-              slot_stats: dict[str, tuple[float, float]] | None = None, replica_id: str = "") -> Decision:
+              slot_stats: dict[str, tuple[float, float]] | None = None, replica_id: str = "",
+              lease: SlowPathLease | None = None) -> Decision:
         """Decide with this registry's policy and scorer, and commit, in one step. `slot_stats`:
-        slot_id -> (fragmentation, utilization) from telemetry, applied first (unknown slots skipped)."""
+        slot_id -> (fragmentation, utilization) from telemetry, applied first (unknown slots skipped).
+        With `lease`, a row on a hot actor is leased to `replica_id` (RegistryState.admit)."""
         with self._lock:
             for slot_id, (fragmentation, utilization) in (slot_stats or {}).items():
                 if slot_id in self._state.slot_ids:
                     self._state.update_slot_stats(slot_id, fragmentation, utilization)
             return self._state.admit(features, self._policy, spawn_name, request_id, time.time(), self._scorer,
-                                     replica_id)
+                                     replica_id, lease)
+
+    def exchange_leases(self, report: LeaseReport) -> LeaseGrant:
+        """A replica's lease heartbeat: returns, uses and wants in; its rows, renewed and granted, out."""
+        with self._lock:
+            return self._state.exchange_leases(report, time.time())
 
     def fill_warm(self, specs: list[WarmSpec], names: dict[str, list[str]]) -> list[tuple[str, WarmFill]]:
         """Commit the warm actors the pools miss; the caller creates them."""

@@ -228,17 +228,19 @@ class ClusterSummary:
 
 
 def summarize(snap: ClusterSnapshot, max_batch: int) -> ClusterSummary:
+    """Counts of requests, not reservations: a row leased to a replica with nothing running in it
+    (num_tokens 0, lease.py) is not counted, and an actor with only such rows counts as idle."""
     actors = dict.fromkeys(ACTOR_STATES, 0)
+    running = {a.name: sum(1 for r in a.rows if r.num_tokens) for a in snap.actors}
     for a in snap.actors:
-        actors[a.state] += 1
-    batching = [a for a in snap.actors if a.state == "busy" and a.is_hot]
+        actors["idle" if a.state == "busy" and not running[a.name] else a.state] += 1
+    batching = [a for a in snap.actors if a.state == "busy" and a.is_hot and running[a.name]]
     capacity = len(batching) * max_batch
     return ClusterSummary(
         actors=actors,
-        num_rows=sum(a.num_rows for a in snap.actors),
+        num_rows=sum(running.values()),
         num_slots=len(snap.slots),
         num_free_slots=sum(1 for s in snap.slots if s.num_actors == 0),
         free_bytes=sum(s.free_bytes for s in snap.slots),
-        batch_occupancy=sum(a.num_rows for a in batching) / capacity if capacity else 0.0,
+        batch_occupancy=sum(running[a.name] for a in batching) / capacity if capacity else 0.0,
     )
-

@@ -24,6 +24,7 @@ from actors.request_actor import RequestActor
 from serve_app.cluster import ActorGone, HandOver, NewActor, RegistryUnavailable
 from serve_app.config import IngressConfig
 from serve_app.decisions import Decision, Reject
+from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.loaded_model import LoadedModel
 from serve_app.offload import within
 from serve_app.ray_cluster.placement import Placer
@@ -120,12 +121,13 @@ class RayCluster:
 
     # ---- the registry ----------------------------------------------------------------
 
-    async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str) -> Decision:
+    async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
+                    lease: SlowPathLease | None = None) -> Decision:
         stats = self._slots.take_stats() if self._slots is not None else None
         try:
             decision = await within(
                 self._link.handle.admit.remote(features, spawn_name, request_id, stats, self.replica_id,
-                                        self._link.incarnation),
+                                               self._link.incarnation, lease),
                 self._config.registry_timeout_s)
         except _UNANSWERED as e:
             # Late: probe, and go on admitting. Gone: refuse at once until a heartbeat (which re-creates one
@@ -136,6 +138,17 @@ class RayCluster:
             self._link.lost()  # the heartbeat hands this replica's rows over; admissions resume after it
             raise RegistryUnavailable(decision.reason)
         return decision
+
+    async def exchange_leases(self, report: LeaseReport, timeout_s: float) -> LeaseGrant:
+        try:
+            grant = await within(self._link.handle.exchange_leases.remote(report, self._link.incarnation), timeout_s)
+        except _UNANSWERED as e:
+            self._link.unanswered(e)
+            raise RegistryUnavailable(type(e).__name__) from None
+        if grant is None:  # a registry this replica has not handed over to yet: the heartbeat does that
+            self._link.lost()
+            raise RegistryUnavailable("registry_restarted")
+        return grant
 
     def abandon(self, request_id: str) -> None:
         # Calls from this replica reach the registry in order, and a registry remembers what was abandoned

@@ -51,6 +51,7 @@ from actors.actor_kill import kill_named
 from actors.actor_names import is_request_actor_name
 from actors.priority import control_plane_runtime_env
 from serve_app.decisions import Decision, Reject
+from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.policy import PolicyConfig
 from serve_app.registry import (
     AdoptedActor,
@@ -80,7 +81,7 @@ class RegistryActor(SharedRegistry):
 
     def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
               slot_stats: dict[str, tuple[float, float]] | None = None, replica_id: str = "",
-              incarnation: str | None = None) -> Decision:
+              incarnation: str | None = None, lease: SlowPathLease | None = None) -> Decision:
         """Decide with this registry's policy and scorer, and commit, in one call.
 
         `incarnation` is the one the caller last handed its rows to. A restarted registry refuses
@@ -94,7 +95,16 @@ class RegistryActor(SharedRegistry):
         """
         if incarnation is not None and incarnation != self.incarnation:
             return Reject("registry_restarted", None, "the admission registry restarted; retry shortly")
-        return super().admit(features, spawn_name, request_id, slot_stats, replica_id)
+        return super().admit(features, spawn_name, request_id, slot_stats, replica_id, lease)
+
+    def exchange_leases(self, report: LeaseReport, incarnation: str | None = None) -> LeaseGrant | None:
+        """A replica's lease heartbeat (it also counts as an attach); None from a registry the replica has not
+        handed its rows and leases to yet (`admit` says why): it keeps using them until its lease ends."""
+        if incarnation is not None and incarnation != self.incarnation:
+            return None
+        with self._lock:
+            self._replicas[report.replica_id] = time.time()
+        return super().exchange_leases(report)
 
     def adopt(self, rows: list[AdoptedRow], idle: list[AdoptedActor] = ()) -> list[str]:
         """A replica's running rows and idle hot actors, handed back after a restart; returns what was taken.

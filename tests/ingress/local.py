@@ -9,6 +9,7 @@ A test talks to `server.base` exactly as it would to a deployment; it reads the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -16,11 +17,12 @@ from typing import Any
 
 import uvicorn
 
-from serve_app.asgi import IngressApp
+from serve_app.asgi import IngressApp, Replicas
 from serve_app.cluster import ClusterSpec
 from serve_app.config import AppArgs, ingress_config
-from serve_app.local_cluster import LocalCluster, LocalClusterSpec
+from serve_app.local_cluster import LocalCluster, LocalClusterSpec, LocalNode
 from serve_app.snapshot import ClusterSnapshot
+from tests.helpers import is_settled
 from tests.serve.waiting import wait_for
 
 MODEL = "zq-tiny"
@@ -32,9 +34,16 @@ BASE_ARGS: dict[str, Any] = {
 
 
 class LocalServer:
-    def __init__(self, args: dict[str, Any], spec: ClusterSpec) -> None:
-        self.app = IngressApp(ingress_config(AppArgs.model_validate(args)), spec)
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on",
+    def __init__(self, args: dict[str, Any], spec: ClusterSpec, num_replicas: int = 1) -> None:
+        """`num_replicas` > 1: that many ingress replicas on one cluster (asgi.Replicas), requests dealt in turn
+        or to the replica a request's `x-zq-replica` header names; `app` is the first."""
+        config = ingress_config(AppArgs.model_validate(args))
+        if num_replicas > 1:
+            spec = dataclasses.replace(spec, node=LocalNode())
+        self.apps = [IngressApp(config, spec) for _ in range(num_replicas)]
+        self.app = self.apps[0]
+        asgi = self.app if num_replicas == 1 else Replicas(self.apps)
+        self._server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=0, lifespan="on",
                                                      access_log=False, log_level="warning", log_config=None))
         self._thread = threading.Thread(target=self._server.run, name="zq-test-uvicorn", daemon=True)
         self._thread.start()
@@ -71,22 +80,17 @@ class LocalServer:
         self._thread.join(timeout=60)
 
 
-def serve_locally(zqs_path: str, actor_cls: type | None = None, **args: Any) -> LocalServer:
+def serve_locally(zqs_path: str, actor_cls: type | None = None, num_replicas: int = 1, **args: Any) -> LocalServer:
     """`BASE_ARGS` with the tiny model as `MODEL`, and what a test changes."""
     spec = LocalClusterSpec(actor_cls) if actor_cls is not None else LocalClusterSpec()
-    return LocalServer(BASE_ARGS | {"models": [{"id": MODEL, "zqs_path": str(zqs_path)}]} | args, spec)
+    return LocalServer(BASE_ARGS | {"models": [{"id": MODEL, "zqs_path": str(zqs_path)}]} | args, spec, num_replicas)
 
 
 def assert_nothing_left(server: LocalServer, timeout: float = 30.0) -> None:
     """No row reserved, no actor still starting or busy, and no actor alive that the books do not know."""
 
     def settled() -> bool:
-        snap = server.books()
-        known = {a.name for a in snap.actors}
-        is_idle = all(a.num_rows == 0 and a.state in ("idle", "warm", "warming") for a in snap.actors)
-        is_reserved_by_actors = all(s.reserved_bytes == sum(a.reserved_bytes for a in snap.actors
-                                                            if a.slot_id == s.slot_id) for s in snap.slots)
-        return is_idle and is_reserved_by_actors and server.actor_names() <= known
+        return is_settled(server.books(), server.actor_names())
 
     wait_for(settled, timeout, "no reservation, no busy actor and no orphan left")
 

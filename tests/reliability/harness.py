@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from serve_app.sse import decode_events
-from tests.helpers import request_actors, run_app
+from tests.helpers import is_settled, request_actors, run_app
 from tests.helpers import undeploy as undeploy  # the reliability tests' `harness.undeploy(ray, namespace)`
 from tests.serve.waiting import wait_for
 
@@ -95,13 +95,8 @@ def assert_nothing_left(ray, namespace: str, timeout: float = 30.0) -> None:
     """
 
     def settled() -> bool:
-        snap = ray.get(registry(ray, namespace).snapshot.remote(), timeout=10)
-        known = {a.name for a in snap.actors}
-        alive = request_actors(ray, namespace)
-        is_idle = all(a.num_rows == 0 and a.state in ("idle", "warm", "warming") for a in snap.actors)
-        is_reserved_by_actors = all(s.reserved_bytes == sum(a.reserved_bytes for a in snap.actors
-                                                            if a.slot_id == s.slot_id) for s in snap.slots)
-        return is_idle and is_reserved_by_actors and alive <= known
+        return is_settled(ray.get(registry(ray, namespace).snapshot.remote(), timeout=10),
+                          request_actors(ray, namespace))
 
     wait_for(settled, timeout, "no reservation, no busy actor and no orphan left")
 

@@ -1,0 +1,117 @@
+"""Leases: rows of hot actors' batches that the registry hands to one ingress replica at a time.
+
+The registry (registry.py) stays the authority on slots, actors and memory, but not on every
+request. Each replica holds a few rows on hot actors, sized by its own recent demand; it
+places a request in a free leased row with the same pure `decide()`, against a view of its
+leases alone (lease_book.py), and keeps the row when the request ends — no registry call on
+either side. Once a heartbeat (`registry_heartbeat_s`) it sends one `LeaseReport` (what runs
+in its rows, the rows it gives back, the rows it wants) and gets one `LeaseGrant` back
+(registry_leases.py): new rows, the rows it still holds, and what else runs on their actors.
+
+A request its leases cannot place takes the slow path, the registry's `admit`, before any
+refusal; a row the slow path places on a hot actor is leased to that replica from the start,
+so a replica's steady demand stops reaching the registry after its first request.
+
+Invariants: a row is leased to at most one replica (it is one `RowReservation` on one actor
+in the registry's books, holding its bytes like any row); the leases of a replica that stops
+reporting expire after `ttl_s` and their rows return; a replica uses no lease past `ttl_s`
+after it sent the report that last renewed it, by its own clock, less one heartbeat.
+
+Plain frozen dataclasses, stdlib only: they travel between replicas and the registry actor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serve_app.snapshot import ClusterSummary, Lane, RowView, SlotView
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    # Off: every admission and every row's end is a registry call, as before leases.
+    is_enabled: bool = True
+    # A lease not renewed for this many heartbeats (`registry_heartbeat_s`) returns to the registry; its
+    # holder stops using it one heartbeat earlier. Several, so that one late exchange costs nothing.
+    ttl_heartbeats: int = 5
+    # Rows a replica holds per model and lane: the most it ran at once over `demand_window_s`,
+    # plus this many spare (0: only rows the slow path placed, kept while the demand lasts).
+    headroom_rows: int = 1
+    demand_window_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.ttl_heartbeats < 3 or self.headroom_rows < 0 or self.demand_window_s <= 0:
+            raise ValueError(f"leases need ttl_heartbeats >= 3, headroom_rows >= 0 and demand_window_s > 0, got "
+                             f"{self.ttl_heartbeats}, {self.headroom_rows}, {self.demand_window_s}")
+
+
+@dataclass(frozen=True)
+class SlowPathLease:
+    """What a replica with leases adds to a slow-path admission: the ttl of the row it may be leased, and
+    its free rows of the request's model, given back first — they could not take the request, but their
+    bytes and places may let the registry place it."""
+
+    ttl_s: float
+    returned: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LeasedRow:
+    """One row of a hot actor's batch, held for one replica: `row_bytes` of KV cache and workspace reserved."""
+
+    row_id: str
+    actor_name: str
+    model: str
+    slot_id: str
+    lane: Lane
+    row_bytes: int
+    resident_bytes: int  # the actor's, as the registry holds them (for a hand-over to a new registry)
+
+
+@dataclass(frozen=True)
+class RowUse:
+    """What runs in a leased row, as its holder reports it: the registry's view of the batch (and its
+    predictions and retry-after) follows the requests, one heartbeat late."""
+
+    num_tokens: int
+    tpot_target_s: float | None
+    predicted_end: float  # epoch seconds
+
+
+@dataclass(frozen=True)
+class LeaseWant:
+    """Rows a replica wants to hold for a model and lane (those it holds included), each of `row_bytes`."""
+
+    model: str
+    lane: Lane
+    num_rows: int
+    row_bytes: int
+
+
+@dataclass(frozen=True)
+class LeaseReport:
+    replica_id: str
+    ttl_s: float  # how long the registry keeps this replica's rows without another report
+    returned: tuple[str, ...] = ()  # free rows given back (the holder forgot them before sending)
+    in_use: dict[str, RowUse] = field(default_factory=dict)  # row id -> its request
+    wanted: tuple[LeaseWant, ...] = ()
+    # Every row the replica holds as it sends this. A free row it does not know of was granted by an
+    # exchange whose answer it never got: the registry takes it back.
+    known: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """An actor the replica holds rows on: its slot, and the rows others run there (for predictions)."""
+
+    actor_name: str
+    slot: SlotView
+    other_rows: tuple[RowView, ...]
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    granted: tuple[LeasedRow, ...]
+    held: frozenset[str]  # every row id the replica holds now, the new ones included; any other is gone
+    batches: tuple[BatchInfo, ...]
+    summary: ClusterSummary | None = None  # the registry's counts, for the replica's gauges

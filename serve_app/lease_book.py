@@ -1,0 +1,189 @@
+"""One ingress replica's leases (lease.py): the rows it holds, what runs in them, and the view it decides on.
+
+On the replica's event loop only (no lock): admission `take`s a free row for a request that the
+pure `decide()` placed on the leased `view`, or `add`s the row the registry's slow path leased
+to it; rows.py `release`s the row when the request ends. Once a heartbeat, admission sends the
+`report` and `apply`s the grant that answers it.
+
+Demand. For each model and lane, the most rows this replica had in use at once over the last
+`demand_window_s`, plus `headroom_rows`, is what it asks to hold; rows beyond that are given back
+free, so a replica whose traffic stopped holds nothing after the window. A request larger than
+every free row (its KV bytes) takes the slow path; the largest request of the window sizes the
+rows asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from serve_app.decisions import Dispatch, Join
+from serve_app.lease import BatchInfo, LeaseConfig, LeasedRow, LeaseGrant, LeaseReport, LeaseWant, RowUse
+from serve_app.registry_records import AdoptedRow
+from serve_app.snapshot import ActorView, ClusterSnapshot, Lane, RequestFeatures, RowView, SlotView
+
+Key = tuple[str, Lane]  # (model, lane)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    at: float  # monotonic
+    num_rows: int  # rows of the key in use just after a take
+    row_bytes: int  # the request's bytes
+
+
+class LeaseBook:
+    def __init__(self, config: LeaseConfig, replica_id: str, max_batch: int, heartbeat_s: float) -> None:
+        self.config, self.replica_id, self._max_batch = config, replica_id, max_batch
+        self.ttl_s = config.ttl_heartbeats * heartbeat_s
+        self._usable_s = self.ttl_s - heartbeat_s  # a margin of one heartbeat for the exchange's own time
+        self._rows: dict[str, LeasedRow] = {}  # every row held, by id
+        self._used: dict[str, RowUse] = {}  # row id -> the request running in it
+        self._batches: dict[str, BatchInfo] = {}  # actor -> what else runs there (as of the last grant)
+        self._valid_until = 0.0  # monotonic: no row is used after this without a renewal
+        self._returned: list[str] = []  # rows given back, sent with the next report
+        self._samples: dict[Key, deque[_Sample]] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._rows) - len(self._used)
+
+    def is_valid(self, now: float | None = None) -> bool:
+        return self.config.is_enabled and (time.monotonic() if now is None else now) <= self._valid_until
+
+    # ---- deciding ------------------------------------------------------------------------
+
+    def view(self, features: RequestFeatures, now: float | None = None) -> ClusterSnapshot | None:
+        """The leased actors of the model with a free row that fits the request, as `decide()` reads
+        them; None if there is none (or the leases are not valid now): the request takes the slow path."""
+        if not self.is_valid(now):
+            return None
+        need = features.dispatch_bytes
+        free: dict[str, int] = {}  # actor -> the largest fitting free row it has for us
+        for row_id, row in self._rows.items():
+            if row.model == features.model and row_id not in self._used and row.row_bytes >= need:
+                free[row.actor_name] = max(free.get(row.actor_name, 0), row.row_bytes)
+        if not free:
+            return None
+        slots: dict[str, SlotView] = {}
+        actors = []
+        for name, row_bytes in free.items():
+            batch = self._batches.get(name)
+            some_row = next(r for r in self._rows.values() if r.actor_name == name)
+            mine = [r for r in self._rows.values() if r.actor_name == name]
+            used = tuple(_row_view(r, self._used[r.row_id]) for r in mine if r.row_id in self._used)
+            others = batch.other_rows[:max(0, self._max_batch - len(mine))] if batch is not None else ()
+            rows = used + others
+            actors.append(ActorView(name, some_row.model, some_row.slot_id, "busy" if rows else "idle",
+                                    some_row.lane, True, some_row.resident_bytes, rows))
+            # The slot as the registry last showed it, but with only what this replica may use of it free.
+            base = batch.slot if batch is not None else SlotView(some_row.slot_id, "", row_bytes, 0, 1)
+            seen = slots.get(base.slot_id)
+            room = max(row_bytes, seen.free_bytes if seen is not None else 0)
+            slots[base.slot_id] = SlotView(base.slot_id, base.node_id, base.total_bytes,
+                                           max(0, base.total_bytes - room), base.num_actors,
+                                           base.fragmentation, base.utilization)
+        return ClusterSnapshot(tuple(slots[s] for s in sorted(slots)), tuple(actors))
+
+    def take(self, decision: Join | Dispatch, features: RequestFeatures, predicted_end: float,
+             now: float | None = None) -> LeasedRow:
+        """The free row on the decision's actor that fits the request most tightly, now in use by it."""
+        need = features.dispatch_bytes
+        fitting = [r for r in self._rows.values() if r.actor_name == decision.actor_name
+                   and r.row_id not in self._used and r.row_bytes >= need]
+        if not fitting:
+            raise ValueError(f"no free leased row on {decision.actor_name} fits {need} bytes")
+        row = min(fitting, key=lambda r: r.row_bytes)
+        self._use(row, features, predicted_end, now)
+        return row
+
+    def add(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None = None) -> None:
+        """A row the slow path placed the request in, leased to this replica from the start."""
+        self._rows[row.row_id] = row
+        self._use(row, features, predicted_end, now)
+
+    def release(self, row_id: str) -> None:
+        """The row's request ended (complete, or cancelled once its stream has ended): free again."""
+        self._used.pop(row_id, None)
+
+    def forget(self, row_id: str) -> None:
+        """The registry already took the row back (an abandoned admission): not ours any more."""
+        self._rows.pop(row_id, None)
+        self._used.pop(row_id, None)
+
+    def give_back_free(self, model: str) -> tuple[str, ...]:
+        """The free rows of `model`, forgotten here: a slow-path admission returns them to the registry first."""
+        free = tuple(r for r, row in self._rows.items() if row.model == model and r not in self._used)
+        for row_id in free:
+            self.forget(row_id)
+        return free
+
+    def drop_actor(self, actor_name: str) -> None:
+        """The actor failed: the registry forgets it with every row on it."""
+        for row_id in [r for r, row in self._rows.items() if row.actor_name == actor_name]:
+            self.forget(row_id)
+
+    # ---- the heartbeat -------------------------------------------------------------------
+
+    def report(self, now: float | None = None) -> LeaseReport:
+        """What the next exchange sends: uses, rows given back (forgotten here at once), rows wanted."""
+        now = time.monotonic() if now is None else now
+        wanted = []
+        for key in set(self._samples) | {(r.model, r.lane) for r in self._rows.values()}:
+            samples = self._samples.get(key, deque())
+            while samples and now - samples[0].at > self.config.demand_window_s:
+                samples.popleft()
+            held = [r for r in self._rows.values() if (r.model, r.lane) == key]
+            in_use = sum(1 for r in held if r.row_id in self._used)
+            peak = max([s.num_rows for s in samples] + [in_use])
+            target = peak + self.config.headroom_rows if peak else 0
+            free = [r for r in held if r.row_id not in self._used]
+            for r in sorted(free, key=lambda r: r.row_bytes)[:max(0, len(held) - target)]:
+                self.forget(r.row_id)
+                self._returned.append(r.row_id)
+            row_bytes = max([s.row_bytes for s in samples] + [r.row_bytes for r in held], default=0)
+            if target and row_bytes:
+                wanted.append(LeaseWant(key[0], key[1], target, row_bytes))
+            if not samples:
+                self._samples.pop(key, None)
+        returned, self._returned = tuple(self._returned), []
+        return LeaseReport(self.replica_id, self.ttl_s, returned, dict(self._used), tuple(wanted),
+                           frozenset(self._rows))
+
+    def apply(self, report: LeaseReport, grant: LeaseGrant, sent_at: float) -> None:
+        """The answer to `report`, sent at `sent_at` (monotonic): rows it knew of that the registry no
+        longer holds for us are forgotten (a row added since it was sent is kept), new rows are free."""
+        for row_id in report.known - grant.held:
+            self.forget(row_id)
+        self._rows.update((r.row_id, r) for r in grant.granted)
+        self._batches = {b.actor_name: b for b in grant.batches}
+        self._valid_until = sent_at + self._usable_s
+
+    def handed_over(self) -> list[AdoptedRow]:
+        """Every row held, for a registry that restarted empty: re-adopted as rows are."""
+        out = []
+        for r in self._rows.values():
+            use = self._used.get(r.row_id)
+            out.append(AdoptedRow(r.actor_name, r.model, r.slot_id, r.lane, True, True, r.resident_bytes, r.row_id,
+                                  r.row_bytes, use.num_tokens if use else 0, use.tpot_target_s if use else None,
+                                  use.predicted_end if use else time.time(), self.ttl_s, self.replica_id,
+                                  is_lease=True))
+        return out
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _use(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None) -> None:
+        self._used[row.row_id] = RowUse(features.num_tokens, features.tpot_target_s, predicted_end)
+        key = (row.model, row.lane)
+        in_use = sum(1 for r in self._rows.values() if (r.model, r.lane) == key and r.row_id in self._used)
+        at = time.monotonic() if now is None else now
+        self._samples.setdefault(key, deque()).append(_Sample(at, in_use, features.dispatch_bytes))
+
+
+def _row_view(row: LeasedRow, use: RowUse) -> RowView:
+    return RowView(row.row_bytes, use.num_tokens, use.tpot_target_s, use.predicted_end)

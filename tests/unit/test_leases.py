@@ -1,0 +1,333 @@
+"""Leases: rows of hot actors held for one replica at a time — the registry's side, a replica's lease book,
+and both under random interleavings of requests, heartbeats, lost answers, silence and failures."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from serve_app.decisions import Dispatch, Join, Spawn
+from serve_app.lease import LeaseConfig, LeasedRow, LeaseReport, LeaseWant, RowUse, SlowPathLease
+from serve_app.lease_book import LeaseBook
+from serve_app.policy import PolicyConfig, decide
+from serve_app.registry import RegistryState, RowReservation, SlotSpec, is_leased_row
+from serve_app.snapshot import RequestFeatures
+
+POLICY = PolicyConfig(short_max_input_tokens=64, short_max_output_tokens=64, max_hot_short_actors=4,
+                      actor_overhead_bytes=0, max_actors_per_slot=1, max_batch=4)
+RESIDENT, KV_PER_TOKEN = 1000, 10
+
+
+def _features(tokens: int = 10) -> RequestFeatures:
+    return RequestFeatures("m", tokens, tokens, RESIDENT, KV_PER_TOKEN, 0)
+
+
+def _registry(num_hot: int = 1, slot_bytes: int = 10_000) -> RegistryState:
+    """`num_hot` idle hot actors of model m, one a slot."""
+    reg = RegistryState(max_actors_per_slot=1, max_batch=POLICY.max_batch)
+    reg.register_slots(SlotSpec(f"s{i}", "n", slot_bytes) for i in range(num_hot))
+    for i in range(num_hot):
+        spawn = Spawn(f"s{i}", "short", True, RESIDENT + 200, RESIDENT)
+        assert reg.try_spawn(spawn, f"hot{i}", "m", RowReservation(f"boot{i}", 20, None, 0.0, 10.0), 0.0)
+        assert reg.actor_started(f"hot{i}") and not reg.finish(f"hot{i}", f"boot{i}", "complete", 0.0)
+    assert all(a.state == "idle" and a.is_hot for a in reg.snapshot().actors)
+    return reg
+
+
+def _want(rows: int, row_bytes: int = 200) -> tuple[LeaseWant, ...]:
+    return (LeaseWant("m", "short", rows, row_bytes),)
+
+
+def _report(replica: str, wanted=(), returned=(), in_use=None, known=()) -> LeaseReport:
+    return LeaseReport(replica, 5.0, tuple(returned), dict(in_use or {}), tuple(wanted), frozenset(known))
+
+
+def _lease_rows(reg: RegistryState, replica: str | None = None):
+    return [(a, r) for a in reg.books.actors.values() for r in a.rows.values()
+            if r.is_lease and (replica is None or r.replica_id == replica)]
+
+
+# ---------------------------------------------------------------- the registry's side
+
+
+def test_rows_are_granted_up_to_the_want_spread_over_batches_and_held_like_any_row():
+    reg = _registry(num_hot=2)
+    grant = reg.exchange_leases(_report("A", _want(3)), now=1.0)
+    assert len(grant.granted) == 3 and grant.held == {r.row_id for r in grant.granted}
+    assert sorted(sum(1 for r in grant.granted if r.actor_name == n) for n in ("hot0", "hot1")) == [1, 2]
+    assert all(r.row_bytes == 200 and r.resident_bytes == RESIDENT for r in grant.granted)
+    # Held like rows: the slot's bytes and the batch's places; the actor is busy, never evicted idle.
+    assert sum(s.reserved_bytes for s in reg.snapshot().slots) == 2 * RESIDENT + 3 * 200
+    assert all(a.state == "busy" for a in reg.snapshot().actors)
+    reg.check_invariants()
+    # Nothing runs in them: the counts a dashboard shows say so.
+    assert grant.summary.num_rows == 0 and grant.summary.actors["idle"] == 2
+    # Asking again for what it holds grants nothing more.
+    again = reg.exchange_leases(_report("A", _want(3), known=grant.held), now=2.0)
+    assert again.granted == () and again.held == grant.held
+
+
+def test_a_batch_is_never_leased_past_max_batch_nor_a_slot_past_its_bytes():
+    reg = _registry(num_hot=1, slot_bytes=RESIDENT + 450)
+    grant = reg.exchange_leases(_report("A", _want(10, row_bytes=100)), now=1.0)
+    assert len(grant.granted) == POLICY.max_batch  # 4 rows of 100 fit in 450
+    other = reg.exchange_leases(_report("B", _want(2, row_bytes=40)), now=1.0)
+    assert other.granted == ()  # the batch is full: B's requests take the slow path
+    reg.check_invariants()
+
+
+def test_returned_rows_go_back_and_an_actor_left_with_none_is_idle_again():
+    reg = _registry()
+    grant = reg.exchange_leases(_report("A", _want(2)), now=1.0)
+    first, second = sorted(grant.held)
+    after = reg.exchange_leases(_report("A", returned=[first], known={second}), now=2.0)
+    assert after.held == {second}
+    reg.exchange_leases(_report("A", returned=[second]), now=3.0)
+    assert _lease_rows(reg) == [] and reg.snapshot().actors[0].state == "idle"
+    # Another replica cannot give back a row that is not its own.
+    grant = reg.exchange_leases(_report("A", _want(1)), now=4.0)
+    reg.exchange_leases(_report("B", returned=list(grant.held)), now=4.0)
+    assert {r.request_id for _, r in _lease_rows(reg, "A")} == grant.held
+
+
+def test_uses_are_recorded_and_what_others_run_comes_back_for_predictions():
+    reg = _registry()
+    a = reg.exchange_leases(_report("A", _want(2)), now=1.0)
+    b = reg.exchange_leases(_report("B", _want(1)), now=1.0)
+    row_a = sorted(a.held)[0]
+    reg.exchange_leases(_report("A", in_use={row_a: RowUse(77, 0.05, 9.0)}, known=a.held, wanted=_want(2)), now=2.0)
+    view = next(v for v in reg.snapshot().actors[0].rows if v.num_tokens == 77)
+    assert view.tpot_target_s == 0.05 and view.predicted_end == 9.0
+    seen_by_b = reg.exchange_leases(_report("B", known=b.held, wanted=_want(1)), now=2.0)
+    (batch,) = seen_by_b.batches
+    assert [r.num_tokens for r in batch.other_rows] == [77]  # A's free row is not a request
+
+
+def test_a_free_row_the_replica_never_heard_of_is_taken_back_but_a_row_an_admission_placed_is_kept():
+    reg = _registry()
+    lost = reg.exchange_leases(_report("A", _want(1)), now=1.0)  # the answer never reaches A
+    d = reg.admit(_features(), POLICY, "unused", "req-1", 1.5, replica_id="A", lease=SlowPathLease(5.0))
+    assert isinstance(d, (Join, Dispatch)) and is_leased_row(d)  # A has not seen this answer yet either
+    grant = reg.exchange_leases(_report("A", _want(2)), now=2.0)
+    assert not (lost.held & grant.held) and "req-1" in grant.held
+    reg.check_invariants()
+
+
+def test_a_lease_not_renewed_expires_without_killing_its_actor_and_a_silent_replicas_rows_return():
+    reg = _registry(num_hot=2)
+    reg.exchange_leases(_report("A", _want(1)), now=1.0)
+    reg.exchange_leases(_report("B", _want(2)), now=5.0)
+    report = reg.reconcile({"hot0", "hot1"}, now=6.5)  # A's lease (ttl 5 s) ran out at 6.0
+    assert report.to_kill == () and {r.replica_id for _, r in _lease_rows(reg)} == {"B"}
+    assert reg.release_rows_of({"B"}, now=7.0) == []  # hot actors stay, idle
+    assert _lease_rows(reg) == [] and {a.state for a in reg.snapshot().actors} == {"idle"}
+    reg.check_invariants()
+
+
+def test_the_slow_path_leases_a_hot_row_to_its_replica_and_abandoning_it_gives_it_back():
+    reg = _registry()
+    d = reg.admit(_features(), POLICY, "unused", "req-1", 1.0, replica_id="A", lease=SlowPathLease(5.0))
+    assert isinstance(d, Dispatch) and d.keep_hot
+    ((actor, row),) = _lease_rows(reg, "A")
+    assert row.request_id == "req-1" and row.num_tokens == 20 and row.busy_deadline == 6.0
+    assert reg.abandon("req-1", now=1.1) == ("hot0", False)
+    assert _lease_rows(reg) == [] and reg.snapshot().actors[0].state == "idle"
+    # Without a ttl the row is an ordinary one, ended by `finish`.
+    reg.admit(_features(), POLICY, "unused", "req-2", 2.0, replica_id="A")
+    assert _lease_rows(reg) == []
+
+
+def test_a_new_registry_re_adopts_leases_as_rows():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    d = reg.admit(_features(), POLICY, "unused", "req-0", 0.0, replica_id="A", lease=SlowPathLease(book.ttl_s))
+    book.add(LeasedRow("req-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT), _features(),
+             2.0, now=0.0)
+    _exchanged(reg, book, now=1.0)
+    assert book.num_rows == 2  # the row in use, and one spare
+    held = {r.request_id for r in book.handed_over()}
+    fresh = RegistryState(max_actors_per_slot=1, max_batch=POLICY.max_batch)
+    fresh.register_slots([SlotSpec("s0", "n", 10_000)])
+    assert set(fresh.adopt(book.handed_over(), now=2.0)) == held
+    assert {r.request_id for _, r in _lease_rows(fresh, "A")} == held
+    assert sum(1 for _, r in _lease_rows(fresh) if r.num_tokens) == 1
+    fresh.check_invariants()
+
+
+def test_a_slow_path_that_finds_no_room_recalls_a_row_another_replica_left_free():
+    reg = _registry()  # one hot actor of 4 rows
+    a = LeaseBook(LeaseConfig(headroom_rows=2), "A", POLICY.max_batch, heartbeat_s=1.0)
+    d = reg.admit(_features(), POLICY, "unused", "A-0", 0.0, replica_id="A", lease=SlowPathLease(a.ttl_s))
+    a.add(LeasedRow("A-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT), _features(), 2.0,
+          now=0.0)
+    _exchanged(reg, a, now=0.5)
+    assert a.num_rows == 3 and a.num_free == 2  # A's peak of 1, and two spare
+    assert is_leased_row(reg.admit(_features(), POLICY, "unused", "B-0", 1.0, replica_id="B",
+                                   lease=SlowPathLease(5.0)))  # the batch's last unleased row
+    # The batch is full with two of A's rows free: B's next requests take them back instead of a refusal.
+    for i in (1, 2):
+        d = reg.admit(_features(), POLICY, "unused", f"B-{i}", 1.0, replica_id="B", lease=SlowPathLease(5.0))
+        assert isinstance(d, Join) and reg.counters["recalled"] == i
+    assert len(reg.leases.recalled["A"]) == 2
+    # A row in use is never recalled: now the batch is full.
+    assert reg.admit(_features(), POLICY, "unused", "B-3", 1.0, replica_id="B",
+                     lease=SlowPathLease(5.0)).reason == "no_capacity"
+    _exchanged(reg, a, now=1.5)  # A is told
+    assert {r.request_id for r in a.handed_over()} == {"A-0"} and "A" not in reg.leases.recalled
+    reg.check_invariants()
+
+
+# ---------------------------------------------------------------- a replica's lease book
+
+
+def _place(book: LeaseBook, features: RequestFeatures | None = None, now: float = 0.5):
+    view = book.view(features or _features(), now)
+    assert view is not None
+    d = decide(features or _features(), view, POLICY)
+    assert isinstance(d, (Join, Dispatch)), d
+    return d
+
+
+def _exchanged(reg: RegistryState, book: LeaseBook, now: float):
+    report = book.report(now)
+    grant = reg.exchange_leases(report, now)
+    book.apply(report, grant, sent_at=now)
+    return grant
+
+
+def test_a_book_asks_for_its_peak_plus_headroom_and_gives_back_the_rest_after_the_window():
+    reg = _registry(num_hot=2)
+    book = LeaseBook(LeaseConfig(headroom_rows=1, demand_window_s=5.0), "A", POLICY.max_batch, heartbeat_s=1.0)
+    assert book.view(_features(), now=0.0) is None  # nothing held yet: the slow path
+    # Two requests through the slow path become two leased rows in use; their peak asks for one more.
+    for i in range(2):
+        d = reg.admit(_features(), POLICY, "unused", f"req-{i}", 0.0, replica_id="A", lease=SlowPathLease(book.ttl_s))
+        book.add(LeasedRow(f"req-{i}", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT),
+                 _features(), predicted_end=2.0, now=0.0)
+    assert _exchanged(reg, book, now=1.0).granted and book.num_rows == 3 and book.num_free == 1
+    book.release("req-0")
+    book.release("req-1")
+    assert _exchanged(reg, book, now=2.0).granted == () and book.num_rows == 3  # the peak is still in the window
+    # A request fits a free row: decided here, no registry call.
+    d = _place(book, now=2.5)
+    row = book.take(d, _features(), predicted_end=3.0, now=2.5)
+    assert row.actor_name == d.actor_name and book.num_free == 2
+    book.release(row.row_id)
+    _exchanged(reg, book, now=7.0)  # the window holds only the last take: one in use, plus one
+    assert book.num_rows == 2
+    _exchanged(reg, book, now=20.0)
+    assert book.num_rows == 0 and _lease_rows(reg) == []
+
+
+def test_a_request_larger_than_every_free_row_or_leases_past_their_time_take_the_slow_path():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    d = reg.admit(_features(), POLICY, "unused", "req-0", 0.0, replica_id="A", lease=SlowPathLease(book.ttl_s))
+    book.add(LeasedRow("req-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT), _features(),
+             2.0, now=0.0)
+    _exchanged(reg, book, now=0.0)
+    assert book.view(_features(tokens=10), now=0.5) is not None
+    assert book.view(_features(tokens=30), now=0.5) is None  # its KV does not fit a 200-byte row
+    assert book.view(_features(), now=4.0) is not None
+    assert book.view(_features(), now=4.1) is None  # ttl 5 heartbeats, less one: unrenewed, unused
+
+
+def test_a_failed_actor_takes_every_lease_on_it_with_it():
+    reg = _registry(num_hot=2)
+    a = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    b = LeaseBook(LeaseConfig(), "B", POLICY.max_batch, heartbeat_s=1.0)
+    for book in (a, b):
+        d = reg.admit(_features(), POLICY, "unused", f"{book.replica_id}-0", 0.0, replica_id=book.replica_id,
+                      lease=SlowPathLease(5.0))
+        book.add(LeasedRow(f"{book.replica_id}-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes,
+                           RESIDENT), _features(), 2.0, now=0.0)
+        _exchanged(reg, book, now=0.0)
+    row = next(iter(a.handed_over()))
+    assert reg.finish(row.actor_name, row.request_id, "failed", now=1.0)  # killed
+    a.drop_actor(row.actor_name)
+    _exchanged(reg, b, now=1.0)
+    assert all(r.actor_name != row.actor_name for r in b.handed_over())
+    reg.check_invariants()
+
+
+# ---------------------------------------------------------------- random interleavings
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    """Two replicas' lease books and one registry: requests placed on leases or by the slow path, rows
+    released, heartbeats (some answers lost), silence, expiry and failed actors, in any order. A row a
+    replica may use is always held for it alone, and the books always balance."""
+
+    @initialize(num_hot=st.integers(1, 3), headroom=st.integers(0, 2))
+    def setup(self, num_hot, headroom):
+        self.reg = _registry(num_hot=num_hot, slot_bytes=RESIDENT + 4 * 300)
+        self.books = {r: LeaseBook(LeaseConfig(headroom_rows=headroom), r, POLICY.max_batch, heartbeat_s=1.0)
+                      for r in ("A", "B")}
+        self.now = 1.0
+        self.num_requests = 0
+
+    @rule(replica=st.sampled_from("AB"), tokens=st.integers(1, 14))
+    def request(self, replica, tokens):
+        book, f = self.books[replica], _features(tokens)
+        self.num_requests += 1
+        view = book.view(f, self.now)
+        d = decide(f, view, POLICY) if view is not None else None
+        if isinstance(d, (Join, Dispatch)):
+            book.take(d, f, self.now + 1, now=self.now)
+            return
+        request_id = f"{replica}-req-{self.num_requests}"
+        d = self.reg.admit(f, POLICY, f"spawn-{self.num_requests}", request_id, self.now, replica_id=replica,
+                           lease=SlowPathLease(book.ttl_s, book.give_back_free("m")))
+        if is_leased_row(d):
+            book.add(LeasedRow(request_id, d.actor_name, "m", d.slot_id, d.lane, d.reserve_bytes, RESIDENT), f,
+                     self.now + 1, now=self.now)
+        elif not hasattr(d, "reason"):  # a spawn or bind: an ordinary row, ended by finish
+            self.reg.actor_started(d.actor_name) if hasattr(d, "actor_name") else None
+            self.reg.finish(getattr(d, "actor_name", f"spawn-{self.num_requests}"), request_id, "complete", self.now)
+
+    @rule(replica=st.sampled_from("AB"), k=st.integers(0, 8))
+    def release(self, replica, k):
+        used = sorted(self.books[replica]._used)
+        if used:
+            self.books[replica].release(used[k % len(used)])
+
+    @rule(replica=st.sampled_from("AB"), is_answer_lost=st.booleans())
+    def heartbeat(self, replica, is_answer_lost):
+        book = self.books[replica]
+        report = book.report(self.now)
+        grant = self.reg.exchange_leases(report, self.now)
+        if not is_answer_lost:
+            book.apply(report, grant, sent_at=self.now)
+
+    @rule(dt=st.floats(0.1, 4.0))
+    def tick(self, dt):
+        self.now += dt
+        self.reg.reconcile({a.name for a in self.reg.snapshot().actors}, self.now)
+
+    @precondition(lambda self: any(b.num_rows for b in self.books.values()))
+    @rule(replica=st.sampled_from("AB"))
+    def actor_fails(self, replica):
+        rows = self.books[replica].handed_over()
+        if rows:
+            self.reg.finish(rows[0].actor_name, rows[0].request_id, "failed", self.now)
+            self.books[replica].drop_actor(rows[0].actor_name)
+
+    @invariant()
+    def a_usable_row_is_held_for_its_replica_alone(self):
+        if not hasattr(self, "reg"):
+            return
+        held = {r.request_id: r.replica_id for _, r in _lease_rows(self.reg)}
+        for replica, book in self.books.items():
+            if not book.is_valid(self.now):
+                continue
+            recalled = self.reg.leases.recalled.get(replica, set())
+            for row in book.handed_over():
+                if row.actor_name in self.reg.books.actors and row.request_id not in recalled:
+                    # (a failed actor's rows fail with it; a recalled row's holder is told at its next exchange)
+                    assert held.get(row.request_id) == replica, (row, held)
+        self.reg.check_invariants()
+
+
+TestLeaseMachine = LeaseMachine.TestCase
+TestLeaseMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
