@@ -180,8 +180,8 @@ class Rows:
                 self._leases.forget(admitted.lease_row)
             else:  # the actor stays hot, and the row stays ours: no registry call
                 self._leases.release(admitted.lease_row)
-            return
-        self._cluster.finish(admitted.actor_name, admitted.request_id, outcome)
+        else:
+            self._cluster.finish(admitted.actor_name, admitted.request_id, outcome)
         if outcome == "complete" and admitted.keep_hot and admitted.decision is not None:
             d = admitted.decision
             self._idle[admitted.actor_name] = AdoptedActor(admitted.actor_name, admitted.model_id, d.slot_id,
