@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from actors.actor_config import ActorConfig
 from actors.engine import Engine
 from actors.events import FinishEvent
 from actors.layer_loader import load_zqs
@@ -124,7 +125,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     zqs = prepare_model(args.preset, args.dtype, Path(args.cache_dir))
     torch.set_num_threads(1)
-    model, tokenizer = load_zqs(zqs, num_threads=1)
+    # In the dtype the actor computes in (its default `compute_dtype: auto`: fp32 on a CPU without native
+    # 16-bit arithmetic), or the pair compares two different computations.
+    model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=ActorConfig().compute_dtype)
     engine = Engine(model, tokenizer)
     prompt = tokenizer.encode_chat([Message("user", PROMPT)])
     parse_cost_s = _parse_cost_s(tokenizer, engine.max_context)

@@ -66,6 +66,9 @@ class Admission:
                          drain_timeout_s=config.token_timeout_s,
                          traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None)
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, self.rows)
+        # model -> (monotonic time until which it is refused early, the retry-after then quoted), set by a
+        # slow-path refusal for want of capacity (`refuse_early`).
+        self._refused: dict[str, tuple[float, float]] = {}
         cluster.start(self.rows.handed_over)
         try:
             self._gauges: asyncio.Task | None = asyncio.get_running_loop().create_task(self._exchange_leases())
@@ -112,6 +115,18 @@ class Admission:
         self.metrics.leased_rows.set(self.leases.num_rows)
         if grant.summary is not None:
             self.metrics.set_cluster(grant.summary)
+
+    def refuse_early(self, model_id: str) -> None:
+        """Raise the 503 at once — before the request is tokenized, and with no registry call — when the
+        registry refused this model for want of capacity within the last `early_refusal_s` and no row this
+        replica leases for it has freed since. A burst over capacity is refused at the cost of parsing its
+        JSON; a place freed elsewhere meanwhile is missed for at most `early_refusal_s`."""
+        until, retry_after_s = self._refused.get(model_id, (0.0, 0.0))
+        now = time.monotonic()
+        if now >= until or self.leases.has_free(model_id):
+            return
+        self.metrics.rejections.inc(tags={"reason": "no_capacity_early"})
+        raise errors.overloaded(f"{model_id}: no idle actor, batch row or free slot now", retry_after_s)
 
     async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
                    is_collected: bool, prepared_at: float = 0.0) -> tuple[Admitted, tuple[str, Completion] | None]:
@@ -160,6 +175,8 @@ class Admission:
         self.metrics.decisions.inc(tags={"model": model.id, "kind": type(decision).__name__.lower()})
         if isinstance(decision, Reject):
             self.metrics.rejections.inc(tags={"reason": decision.reason})
+            if decision.reason == "no_capacity" and decision.retry_after_s is not None:
+                self._refused[model.id] = (time.monotonic() + self.config.early_refusal_s, decision.retry_after_s)
             self.metrics.observe_dispatch(model.id, time.time() - arrival)
             self.rows.trace(request_id, model.id, arrival, features, decision, None)
             if decision.http_status == 400:

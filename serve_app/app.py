@@ -284,12 +284,14 @@ class Ingress:
         arrival = time.time()
         body = await self._read_body(request)
 
-        def parse_and_prepare():
-            req = parse(body)
-            return req, self._prepare(req, to_prompt, request_id, request.headers)
-
         is_small = len(body) < OFF_LOOP_BODY_BYTES
-        req, placed = parse_and_prepare() if is_small else await self._parser.run(parse_and_prepare)
+        req = parse(body) if is_small else await self._parser.run(lambda: parse(body))
+        self.admission.refuse_early(self._model(req.model).id)  # a burst over capacity: before tokenizing
+
+        def prepare():
+            return self._prepare(req, to_prompt, request_id, request.headers)
+
+        placed = prepare() if is_small else await self._parser.run(prepare)
         prepared_at = time.time()
         admitted, collected = await self.admission.run(*placed, arrival, is_collected=not req.stream,
                                                        prepared_at=prepared_at)

@@ -109,6 +109,10 @@ class AppArgs(_Strict):
     # How often each replica heartbeats the registry: a restarted or lost registry is noticed
     # (and re-created, and handed the running rows) within this.
     registry_heartbeat_s: float = Field(default=1.0, gt=0)
+    # After the registry refused a model for want of capacity, this replica refuses that model's
+    # requests at once (before tokenizing, no registry call) for this long, unless one of its leased
+    # rows frees first: a burst is refused at the cost of parsing it. 0: every request is decided.
+    early_refusal_s: float = Field(default=0.1, ge=0)
     # Reading the request body, and creating or looking up an actor (GCS calls): past these, 504 / 503.
     body_timeout_s: float = Field(default=30.0, gt=0)
     placement_timeout_s: float = Field(default=10.0, gt=0)
@@ -193,6 +197,7 @@ class IngressConfig:
     registry_timeout_s: float
     registry_probe_timeout_s: float
     registry_heartbeat_s: float
+    early_refusal_s: float
     body_timeout_s: float
     placement_timeout_s: float
     ping_interval_s: float

@@ -53,6 +53,10 @@ class LeaseBook:
     def num_free(self) -> int:
         return len(self._rows) - len(self._used)
 
+    def has_free(self, model: str) -> bool:
+        """A free row of `model` is held (valid or not: a request would at least be decided)."""
+        return any(row.model == model and r not in self._used for r, row in self._rows.items())
+
     def is_valid(self, now: float | None = None) -> bool:
         return self.config.is_enabled and (time.monotonic() if now is None else now) <= self._valid_until
 
