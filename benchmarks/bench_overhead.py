@@ -115,6 +115,17 @@ def _parse_cost_s(tokenizer: Any, max_context: int, repeats: int = 500) -> float
     return statistics.median(times)
 
 
+def in_process_engine(args: argparse.Namespace) -> tuple[Path, Engine, Any, list[int]]:
+    """The model's file, the in-process engine the HTTP path is paired with, its tokenizer, and PROMPT as
+    the chat template renders it. One torch thread, as the actor runs."""
+    zqs = prepare_model(args.preset, args.dtype, Path(args.cache_dir))
+    torch.set_num_threads(1)
+    # In the dtype the actor computes in (its default `compute_dtype: auto`: fp32 on a CPU without native
+    # 16-bit arithmetic), or the pair compares two different computations.
+    model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=ActorConfig().compute_dtype)
+    return zqs, Engine(model, tokenizer), tokenizer, tokenizer.encode_chat([Message("user", PROMPT)])
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
     import ray
@@ -123,13 +134,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from serve_app.app import build_app
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    zqs = prepare_model(args.preset, args.dtype, Path(args.cache_dir))
-    torch.set_num_threads(1)
-    # In the dtype the actor computes in (its default `compute_dtype: auto`: fp32 on a CPU without native
-    # 16-bit arithmetic), or the pair compares two different computations.
-    model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=ActorConfig().compute_dtype)
-    engine = Engine(model, tokenizer)
-    prompt = tokenizer.encode_chat([Message("user", PROMPT)])
+    zqs, engine, tokenizer, prompt = in_process_engine(args)
     parse_cost_s = _parse_cost_s(tokenizer, engine.max_context)
     load_before = load_average()
     ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from ray import serve
+from ray.serve.config import AutoscalingConfig
 from ray.util import metrics as ray_metrics
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -401,8 +402,14 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """The app builder named in configs/serve.yaml: validate args, bind the ingress."""
     parsed = AppArgs.model_validate(args)
     config = ingress_config(parsed)
+    if parsed.autoscaling_config is not None:  # replicas share the hot batches through their leases
+        if "num_replicas" in args:
+            raise ValueError("set num_replicas or autoscaling_config, not both")
+        replicas = {"autoscaling_config": AutoscalingConfig(**parsed.autoscaling_config)}
+    else:
+        replicas = {"num_replicas": parsed.num_replicas}
     return Ingress.options(
-        num_replicas=parsed.num_replicas, max_ongoing_requests=parsed.max_ongoing_requests,
+        **replicas, max_ongoing_requests=parsed.max_ongoing_requests,
         # A replica being replaced (a redeploy) or stopped drains its streams for this long before Serve kills it.
         graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s,
     ).bind(config)

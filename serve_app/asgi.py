@@ -73,19 +73,7 @@ class IngressApp:
         await handler.result()(scope, receive, send)
 
     async def _lifespan(self, receive, send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    self.startup()
-                except Exception as e:
-                    await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
-                    raise
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await _lifespan(receive, send, self.startup, self.shutdown)
 
     def startup(self) -> None:
         """Build the ingress on the running loop, as Serve builds a replica."""
@@ -122,18 +110,29 @@ class Replicas:
         await self.apps[index](scope, receive, send)
 
     async def _lifespan(self, receive, send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    for app in self.apps:
-                        app.startup()
-                except Exception as e:
-                    await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
-                    raise
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                for app in self.apps:
-                    await app.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await _lifespan(receive, send, self._startup, self._shutdown)
+
+    def _startup(self) -> None:
+        for app in self.apps:
+            app.startup()
+
+    async def _shutdown(self) -> None:
+        for app in self.apps:
+            await app.shutdown()
+
+
+async def _lifespan(receive, send, startup, shutdown) -> None:
+    """The ASGI lifespan protocol: `startup()` when the server starts, `await shutdown()` when it stops."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                startup()
+            except Exception as e:
+                await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
+                raise
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return

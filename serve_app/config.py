@@ -126,6 +126,10 @@ class AppArgs(_Strict):
     # How often the warm pools are checked besides the moments a row ends or a warm actor is bound.
     warm_refresh_s: float = Field(default=1.0, gt=0)
     num_replicas: int = Field(default=1, ge=1)
+    # Serve's autoscaling_config for the ingress deployment (min_replicas, max_replicas,
+    # target_ongoing_requests, ...): the control plane grows with traffic; replaces num_replicas.
+    # Checked by Serve's own AutoscalingConfig when the app is built.
+    autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int = Field(default=512, ge=1)
     # The XGBoost scorer (serve_app/xgb_scorer.py); None, or a missing or invalid file: the rule.
     scorer_path: str | None = None

@@ -19,6 +19,7 @@ ROOT = Path(__file__).parents[2]
 
 MODEL = "smollm2-135m-instruct"
 BASE = "http://127.0.0.1:8000"
+DIRECT = "http://127.0.0.1:30000"  # the ingress replica's own port (Serve's direct ingress)
 _WITH_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
                 "os.execv(sys.argv[1], sys.argv[1:])")
 
@@ -40,7 +41,7 @@ def test_serve_run_then_one_request(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", _WITH_SIGINT, str(serve), "run", "-a", "local", "configs/serve.yaml"],
         cwd=ROOT, stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}, start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **_make_serve_env()}, start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 300
@@ -59,6 +60,11 @@ def test_serve_run_then_one_request(tmp_path):
         assert r.status_code == 200, r.text
         assert "Paris" in r.json()["content"][0]["text"], r.json()
         _a_newcomers_first_requests_meet_no_registry_deadline()
+        # Direct ingress, as `make serve` turns it on: the replica serves the same API on its own port.
+        r = httpx.post(f"{DIRECT}/v1/messages", timeout=120, json={
+            "model": MODEL, "max_tokens": 16, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200 and "Paris" in r.json()["content"][0]["text"], r.text
         # Ctrl-C, as a user stops it: Serve and the Ray it started shut down, and `serve run` exits.
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -97,3 +103,9 @@ def _a_newcomers_first_requests_meet_no_registry_deadline() -> None:
 def _post_one(messages: list[dict]) -> tuple[int, str]:
     r = httpx.post(f"{BASE}/v1/messages", timeout=120, json={"model": MODEL, "max_tokens": 1, "messages": messages})
     return r.status_code, r.text
+
+
+def _make_serve_env() -> dict[str, str]:
+    """The environment the Makefile's `serve` target sets before `serve run`."""
+    line = next(line for line in (ROOT / "Makefile").read_text().splitlines() if "serve run configs/serve.yaml" in line)
+    return dict(word.split("=", 1) for word in line.split() if "=" in word and word.startswith("RAY_"))

@@ -54,3 +54,19 @@ def test_every_deadline_and_interval_of_the_args_reaches_the_ingress_config_unde
     config = ingress_config(args)
     assert (config.token_timeout_s, config.registry_heartbeat_s, config.warm_refresh_s,
             config.max_body_bytes) == (7.0, 3.0, 9.0, 4096)
+
+
+def test_the_ingress_deployment_can_autoscale_instead_of_a_fixed_count(tmp_path):
+    from serve_app.app import build_app
+
+    args = {"models": [{"id": "m", "demo_preset": "tiny", "demo_dir": str(tmp_path)}]}
+    fixed = build_app(args | {"num_replicas": 2})._bound_deployment._deployment_config
+    assert fixed.num_replicas == 2 and fixed.autoscaling_config is None
+    scaled = build_app(args | {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4,
+                                                      "target_ongoing_requests": 64}})
+    config = scaled._bound_deployment._deployment_config.autoscaling_config
+    assert (config.min_replicas, config.max_replicas, config.target_ongoing_requests) == (1, 4, 64)
+    with pytest.raises(ValueError, match="not both"):
+        build_app(args | {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}})
+    with pytest.raises(Exception, match="max_replicas"):  # Serve's own check of its config
+        build_app(args | {"autoscaling_config": {"min_replicas": 5, "max_replicas": 2}})

@@ -48,6 +48,17 @@ def _lease_rows(reg: RegistryState, replica: str | None = None):
             if r.is_lease and (replica is None or r.replica_id == replica)]
 
 
+def _slow_path(reg: RegistryState, book: LeaseBook, request_id: str, now: float) -> Join | Dispatch:
+    """A request the book's leases could not place, admitted by the registry on a hot actor: the row is
+    leased to the book's replica from the start."""
+    d = reg.admit(_features(), POLICY, "unused", request_id, now, replica_id=book.replica_id,
+                  lease=SlowPathLease(book.ttl_s))
+    assert is_leased_row(d), d
+    book.add(LeasedRow(request_id, d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT), _features(),
+             predicted_end=now + 2, now=now)
+    return d
+
+
 # ---------------------------------------------------------------- the registry's side
 
 
@@ -141,9 +152,7 @@ def test_the_slow_path_leases_a_hot_row_to_its_replica_and_abandoning_it_gives_i
 def test_a_new_registry_re_adopts_leases_as_rows():
     reg = _registry()
     book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
-    d = reg.admit(_features(), POLICY, "unused", "req-0", 0.0, replica_id="A", lease=SlowPathLease(book.ttl_s))
-    book.add(LeasedRow("req-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT), _features(),
-             2.0, now=0.0)
+    _slow_path(reg, book, "req-0", 0.0)
     _exchanged(reg, book, now=1.0)
     assert book.num_rows == 2  # the row in use, and one spare
     held = {r.request_id for r in book.handed_over()}
@@ -158,9 +167,7 @@ def test_a_new_registry_re_adopts_leases_as_rows():
 def test_a_slow_path_that_finds_no_room_recalls_a_row_another_replica_left_free():
     reg = _registry()  # one hot actor of 4 rows
     a = LeaseBook(LeaseConfig(headroom_rows=2), "A", POLICY.max_batch, heartbeat_s=1.0)
-    d = reg.admit(_features(), POLICY, "unused", "A-0", 0.0, replica_id="A", lease=SlowPathLease(a.ttl_s))
-    a.add(LeasedRow("A-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT), _features(), 2.0,
-          now=0.0)
+    _slow_path(reg, a, "A-0", 0.0)
     _exchanged(reg, a, now=0.5)
     assert a.num_rows == 3 and a.num_free == 2  # A's peak of 1, and two spare
     assert is_leased_row(reg.admit(_features(), POLICY, "unused", "B-0", 1.0, replica_id="B",
@@ -202,9 +209,7 @@ def test_a_book_asks_for_its_peak_plus_headroom_and_gives_back_the_rest_after_th
     assert book.view(_features(), now=0.0) is None  # nothing held yet: the slow path
     # Two requests through the slow path become two leased rows in use; their peak asks for one more.
     for i in range(2):
-        d = reg.admit(_features(), POLICY, "unused", f"req-{i}", 0.0, replica_id="A", lease=SlowPathLease(book.ttl_s))
-        book.add(LeasedRow(f"req-{i}", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT),
-                 _features(), predicted_end=2.0, now=0.0)
+        _slow_path(reg, book, f"req-{i}", 0.0)
     assert _exchanged(reg, book, now=1.0).granted and book.num_rows == 3 and book.num_free == 1
     book.release("req-0")
     book.release("req-1")
@@ -223,9 +228,7 @@ def test_a_book_asks_for_its_peak_plus_headroom_and_gives_back_the_rest_after_th
 def test_a_request_larger_than_every_free_row_or_leases_past_their_time_take_the_slow_path():
     reg = _registry()
     book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
-    d = reg.admit(_features(), POLICY, "unused", "req-0", 0.0, replica_id="A", lease=SlowPathLease(book.ttl_s))
-    book.add(LeasedRow("req-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT), _features(),
-             2.0, now=0.0)
+    _slow_path(reg, book, "req-0", 0.0)
     _exchanged(reg, book, now=0.0)
     assert book.view(_features(tokens=10), now=0.5) is not None
     assert book.view(_features(tokens=30), now=0.5) is None  # its KV does not fit a 200-byte row
@@ -238,10 +241,7 @@ def test_a_failed_actor_takes_every_lease_on_it_with_it():
     a = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
     b = LeaseBook(LeaseConfig(), "B", POLICY.max_batch, heartbeat_s=1.0)
     for book in (a, b):
-        d = reg.admit(_features(), POLICY, "unused", f"{book.replica_id}-0", 0.0, replica_id=book.replica_id,
-                      lease=SlowPathLease(5.0))
-        book.add(LeasedRow(f"{book.replica_id}-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes,
-                           RESIDENT), _features(), 2.0, now=0.0)
+        _slow_path(reg, book, f"{book.replica_id}-0", 0.0)
         _exchanged(reg, book, now=0.0)
     row = next(iter(a.handed_over()))
     assert reg.finish(row.actor_name, row.request_id, "failed", now=1.0)  # killed
