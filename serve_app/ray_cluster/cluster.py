@@ -148,6 +148,7 @@ class RayCluster:
         if grant is None:  # a registry this replica has not handed over to yet: the heartbeat does that
             self._link.lost()
             raise RegistryUnavailable("registry_restarted")
+        self._link.heard()  # the registry counts this as an attach: the link's own can wait
         return grant
 
     def abandon(self, request_id: str) -> None:

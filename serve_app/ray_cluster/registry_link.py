@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,13 +47,20 @@ class RegistryLink:
         self.incarnation: str | None = None  # the registry's, as of the last heartbeat; None: not yet seen
         self._wake = threading.Event()
         self._is_closed = False
+        self._heard_at = float("-inf")  # monotonic: the last answer of this incarnation to another call (`heard`)
         # False from a registry known to be gone (or a probe it did not answer) until a heartbeat is
         # answered: admissions meanwhile are refused at once instead of each waiting out its deadline.
         self._is_available = True
 
+    def heard(self) -> None:
+        """The current incarnation answered another heartbeat-like call (the lease exchange, which also marks
+        this replica alive there): the next heartbeat has nothing to learn and skips its own attach."""
+        self._heard_at = time.monotonic()
+
     def lost(self) -> None:
         """Heartbeat now: the registry is dead or restarted; it is taken as unavailable until then."""
         self._is_available = False
+        self._heard_at = float("-inf")
         self._wake.set()
 
     def missed(self) -> None:
@@ -90,6 +98,8 @@ class RegistryLink:
         here), run `on_new_incarnation` — again at the next heartbeat if it raises."""
         if self._is_closed:  # a registry that shut itself down with the app must stay down
             return
+        if self._is_available and time.monotonic() - self._heard_at < self.heartbeat_s:
+            return  # answered within a heartbeat: alive, and the incarnation this replica handed over to
         try:
             incarnation = self._attach()
         except BaseException:

@@ -206,3 +206,21 @@ def test_a_link_stays_unavailable_and_on_the_old_incarnation_until_its_hand_over
     assert not link.is_available and link.incarnation == "incarnation-1"  # admissions stay refused
     link.heartbeat(lambda: None)
     assert link.is_available and link.incarnation == "incarnation-2"
+
+
+def test_a_heartbeat_skips_its_attach_within_a_heartbeat_of_another_answer_but_not_once_the_registry_is_lost(
+        monkeypatch):
+    import ray
+
+    from serve_app.ray_cluster.registry_link import RegistryLink
+
+    calls: list[float] = []
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: calls.append(timeout) or "incarnation-1")
+    link = RegistryLink(_Handle, "replica-1", heartbeat_s=60.0)
+    link.heartbeat(lambda: None)
+    link.heard()  # the lease exchange was answered
+    link.heartbeat(lambda: None)
+    assert len(calls) == 1  # nothing to learn: no attach
+    link.lost()
+    link.heartbeat(lambda: None)
+    assert len(calls) == 2 and link.is_available
