@@ -112,6 +112,9 @@ class Admission:
             log.debug("leases not exchanged this round", exc_info=True)
             return
         self.leases.apply(report, grant, sent_at)
+        spare = self.leases.give_back_contended()
+        if spare:  # the registry lacks rows for these models: not held idle here until the next heartbeat
+            self.cluster.give_back(spare)
         self.metrics.leased_rows.set(self.leases.num_rows)
         if grant.summary is not None:
             self.metrics.set_cluster(grant.summary)
@@ -198,7 +201,8 @@ class Admission:
             raise ActorLost(503, "overloaded_error", "the model's process was lost; retry") from None
         except BaseException:  # a deadline, or the client left: nothing was sent, give the row back
             if lease is not None and lease.row_id != request_id:
-                self.leases.release(lease.row_id)  # ours: free again, nobody else was told
+                if self.leases.release(lease.row_id):  # ours: free again (nobody else was told), or given back
+                    self.cluster.give_back((lease.row_id,))
             else:
                 self.leases.forget(request_id)  # the registry takes the row back, leased or not
                 self.cluster.abandon(request_id)

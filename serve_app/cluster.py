@@ -124,6 +124,9 @@ class Cluster(Protocol):
     async def exchange_leases(self, report: LeaseReport, timeout_s: float) -> LeaseGrant:
         """This replica's lease heartbeat (lease.py); raises RegistryUnavailable."""
 
+    def give_back(self, row_ids: tuple[str, ...]) -> None:
+        """Return free leased rows now, not at the next heartbeat (their model is contended)."""
+
     def abandon(self, request_id: str) -> None:
         """Undo whatever `request_id`'s admission reserved (also one that has not arrived yet)."""
 

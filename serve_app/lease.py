@@ -115,3 +115,7 @@ class LeaseGrant:
     held: frozenset[str]  # every row id the replica holds now, the new ones included; any other is gone
     batches: tuple[BatchInfo, ...]
     summary: ClusterSummary | None = None  # the registry's counts, for the replica's gauges
+    # Models the registry refused for want of capacity within the last ttl: while a model is contended its
+    # holders keep no spare rows, and give each row back the moment its request ends (one call), so no
+    # request is refused while a row sits free in another replica's lease.
+    contended: frozenset[str] = frozenset()

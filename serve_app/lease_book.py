@@ -44,6 +44,7 @@ class LeaseBook:
         self._valid_until = 0.0  # monotonic: no row is used after this without a renewal
         self._returned: list[str] = []  # rows given back, sent with the next report
         self._samples: dict[Key, deque[_Sample]] = {}
+        self._contended: frozenset[str] = frozenset()  # models the registry lacks rows for (LeaseGrant)
 
     @property
     def num_rows(self) -> int:
@@ -111,9 +112,19 @@ class LeaseBook:
         self._rows[row.row_id] = row
         self._use(row, features, predicted_end, now)
 
-    def release(self, row_id: str) -> None:
-        """The row's request ended (complete, or cancelled once its stream has ended): free again."""
+    def release(self, row_id: str) -> bool:
+        """The row's request ended (complete, or cancelled once its stream has ended): free again — or, while
+        its model is contended, forgotten here; True then, and the caller gives it back at once."""
         self._used.pop(row_id, None)
+        row = self._rows.get(row_id)
+        if row is None or row.model not in self._contended:
+            return False
+        self.forget(row_id)
+        return True
+
+    def give_back_contended(self) -> tuple[str, ...]:
+        """The free rows of contended models, forgotten here: the caller gives them back at once."""
+        return tuple(r for model in self._contended for r in self.give_back_free(model))
 
     def forget(self, row_id: str) -> None:
         """The registry already took the row back (an abandoned admission): not ours any more."""
@@ -145,7 +156,8 @@ class LeaseBook:
             held = [r for r in self._rows.values() if (r.model, r.lane) == key]
             in_use = sum(1 for r in held if r.row_id in self._used)
             peak = max([s.num_rows for s in samples] + [in_use])
-            target = peak + self.config.headroom_rows if peak else 0
+            headroom = 0 if key[0] in self._contended else self.config.headroom_rows
+            target = peak + headroom if peak else 0
             free = [r for r in held if r.row_id not in self._used]
             for r in sorted(free, key=lambda r: r.row_bytes)[:max(0, len(held) - target)]:
                 self.forget(r.row_id)
@@ -165,6 +177,7 @@ class LeaseBook:
         for row_id in report.known - grant.held:
             self.forget(row_id)
         self._rows.update((r.row_id, r) for r in grant.granted)
+        self._contended = grant.contended
         self._batches = {b.actor_name: b for b in grant.batches}
         self._valid_until = sent_at + self._usable_s
 

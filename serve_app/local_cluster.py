@@ -227,6 +227,9 @@ class LocalCluster:
     async def exchange_leases(self, report: LeaseReport, timeout_s: float) -> LeaseGrant:
         return self._call("exchange_leases", lambda: self.registry.exchange_leases(report))
 
+    def give_back(self, row_ids: tuple[str, ...]) -> None:
+        self._call("give_back", lambda: self.registry.give_back(self.replica_id, row_ids))
+
     def abandon(self, request_id: str) -> None:
         self._call("abandon", lambda: self.registry.abandon(request_id))
 

@@ -229,6 +229,8 @@ class RegistryState:
             self.counters["recalled"] += 1
         if isinstance(decision, Reject):
             self.counters["reject"] += 1
+            if decision.reason == "no_capacity":
+                self.leases.refused(features.model, now)
             if decision.retry_after_s is None:
                 return decision
             wait = retry_after_s(features, snapshot, policy, now)

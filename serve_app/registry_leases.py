@@ -8,7 +8,8 @@ and holds its bytes on the slot whether a request runs in it or not, so every ot
 cover it unchanged. An actor with leased rows is "busy": never evicted or retired idle.
 
     exchange   one replica's heartbeat: rows returned, uses recorded, leases renewed, rows granted
-    give_back  a free row returned (also ahead of that replica's slow-path admission)
+    give_back  a free row returned (with a report, ahead of that replica's slow-path admission, or the
+               moment its request ends while its model is contended: `refused`)
     recall_free_row  another replica's free row taken back for a slow path that found no room
     expire     rows whose lease was not renewed in time return (a silent or stopped replica)
 
@@ -36,6 +37,7 @@ class LeaseBooks:
         self._prefix = uuid.uuid4().hex[:8]  # row ids stay unique across registry incarnations
         # Free rows taken back from a replica for another's slow path, until its next exchange tells it.
         self.recalled: dict[str, set[str]] = {}
+        self._refused_at: dict[str, float] = {}  # model -> its latest refusal for want of capacity
 
     def exchange(self, report: LeaseReport, now: float) -> LeaseGrant:
         replica, ttl_s = report.replica_id, report.ttl_s
@@ -52,7 +54,10 @@ class LeaseBooks:
                 del held[row_id]
             # else: placed by an admission whose answer the replica had not seen when it sent this; not
             # renewed, so it expires if the replica never learns of it
-        self.recalled.pop(replica, None)  # told now: `held` lacks them
+        # Told now (`held` lacks them); remembered until a report no longer knows them (this grant may be lost).
+        still_known = self.recalled.pop(replica, set()) & report.known
+        if still_known:
+            self.recalled[replica] = still_known
         granted: list[LeasedRow] = []
         for want in report.wanted:
             have = sum(1 for a, _ in held.values() if a.model == want.model and a.lane == want.lane)
@@ -65,7 +70,12 @@ class LeaseBooks:
                 self.books.add_row(actor, row, want.row_bytes)
                 held[row.request_id] = (actor, row)
                 granted.append(leased_row(actor, row))
-        return LeaseGrant(tuple(granted), frozenset(held), self._batches(replica, held))
+        contended = frozenset(m for m, t in self._refused_at.items() if now - t < ttl_s)
+        return LeaseGrant(tuple(granted), frozenset(held), self._batches(replica, held), contended=contended)
+
+    def refused(self, model: str, now: float) -> None:
+        """The registry refused a request of `model` for want of capacity: its holders hear it's contended."""
+        self._refused_at[model] = now
 
     def give_back(self, replica: str, row_id: str, now: float) -> None:
         """A row `replica` returns (with a report, or ahead of a slow-path admission); another's is kept."""

@@ -178,8 +178,9 @@ class Rows:
                 self._leases.drop_actor(admitted.actor_name)
             elif admitted.is_turned_away:  # recalled by the registry, or a batch fuller than we knew
                 self._leases.forget(admitted.lease_row)
-            else:  # the actor stays hot, and the row stays ours: no registry call
-                self._leases.release(admitted.lease_row)
+            elif self._leases.release(admitted.lease_row):  # its model is contended: another replica may need it
+                self._cluster.give_back((admitted.lease_row,))
+            # else the actor stays hot, and the row stays ours: no registry call
         else:
             self._cluster.finish(admitted.actor_name, admitted.request_id, outcome)
         if outcome == "complete" and admitted.keep_hot and admitted.decision is not None:

@@ -74,6 +74,12 @@ class SharedRegistry:
         with self._lock:
             return self._state.exchange_leases(report, time.time())
 
+    def give_back(self, replica_id: str, row_ids: tuple[str, ...]) -> None:
+        """Free rows `replica_id` returns between heartbeats (its model is contended)."""
+        with self._lock:
+            for row_id in row_ids:
+                self._state.leases.give_back(replica_id, row_id, time.time())
+
     def fill_warm(self, specs: list[WarmSpec], names: dict[str, list[str]]) -> list[tuple[str, WarmFill]]:
         """Commit the warm actors the pools miss; the caller creates them."""
         with self._lock:

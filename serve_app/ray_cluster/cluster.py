@@ -151,6 +151,9 @@ class RayCluster:
         self._link.heard()  # the registry counts this as an attach: the link's own can wait
         return grant
 
+    def give_back(self, row_ids: tuple[str, ...]) -> None:
+        self._link.handle.give_back.remote(self.replica_id, row_ids)
+
     def abandon(self, request_id: str) -> None:
         # Calls from this replica reach the registry in order, and a registry remembers what was abandoned
         # before it was admitted: nothing stays reserved for a request that was refused.

@@ -181,7 +181,29 @@ def test_a_slow_path_that_finds_no_room_recalls_a_row_another_replica_left_free(
     assert reg.admit(_features(), POLICY, "unused", "B-3", 1.0, replica_id="B",
                      lease=SlowPathLease(5.0)).reason == "no_capacity"
     _exchanged(reg, a, now=1.5)  # A is told
-    assert {r.request_id for r in a.handed_over()} == {"A-0"} and "A" not in reg.leases.recalled
+    assert {r.request_id for r in a.handed_over()} == {"A-0"}
+    _exchanged(reg, a, now=2.5)  # and its next report shows it forgot them
+    assert "A" not in reg.leases.recalled
+    reg.check_invariants()
+
+
+def test_while_a_model_is_contended_its_holders_keep_no_spare_and_give_each_row_back_as_it_frees():
+    reg = _registry()  # one hot actor of 4 rows
+    a = LeaseBook(LeaseConfig(headroom_rows=1), "A", POLICY.max_batch, heartbeat_s=1.0)
+    _slow_path(reg, a, "A-0", 0.0)
+    _slow_path(reg, a, "A-1", 0.0)
+    assert _exchanged(reg, a, now=0.5).contended == frozenset() and a.num_rows == 3  # two in use, one spare
+    for i in (0, 1):  # B takes the spare back, then the batch is full
+        reg.admit(_features(), POLICY, "unused", f"B-{i}", 1.0, replica_id="B", lease=SlowPathLease(5.0))
+    assert reg.admit(_features(), POLICY, "unused", "B-2", 1.0, replica_id="B",
+                     lease=SlowPathLease(5.0)).reason == "no_capacity"
+    assert _exchanged(reg, a, now=1.5).contended == {"m"}
+    assert a.release("A-0") is True and a.num_rows == 1  # forgotten here: the caller gives it back now
+    reg.leases.give_back("A", "A-0", now=1.6)
+    assert is_leased_row(reg.admit(_features(), POLICY, "unused", "B-3", 1.7, replica_id="B",
+                                   lease=SlowPathLease(5.0)))
+    _exchanged(reg, a, now=10.0)  # no refusal for a ttl: not contended any more, a row stays when it frees
+    assert a.release("A-1") is False and a.num_rows == 1
     reg.check_invariants()
 
 
@@ -289,8 +311,8 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(replica=st.sampled_from("AB"), k=st.integers(0, 8))
     def release(self, replica, k):
         used = sorted(self.books[replica]._used)
-        if used:
-            self.books[replica].release(used[k % len(used)])
+        if used and self.books[replica].release(used[k % len(used)]):  # contended: given back at once
+            self.reg.leases.give_back(replica, used[k % len(used)], self.now)
 
     @rule(replica=st.sampled_from("AB"), is_answer_lost=st.booleans())
     def heartbeat(self, replica, is_answer_lost):
@@ -299,6 +321,8 @@ class LeaseMachine(RuleBasedStateMachine):
         grant = self.reg.exchange_leases(report, self.now)
         if not is_answer_lost:
             book.apply(report, grant, sent_at=self.now)
+            for row_id in book.give_back_contended():
+                self.reg.leases.give_back(replica, row_id, self.now)
 
     @rule(dt=st.floats(0.1, 4.0))
     def tick(self, dt):
