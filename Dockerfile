@@ -74,5 +74,5 @@ WORKDIR /opt/zeroqueue
 
 # Ray's head ports, as configs/rayservice.yaml's head container declares them: GCS, dashboard
 # (and its jobs API, which KubeRay uses to deploy serveConfigV2), Ray client, Serve's HTTP proxy,
-# and the metrics export port Prometheus scrapes.
-EXPOSE 6379 8265 10001 8000 8080
+# the metrics export port Prometheus scrapes, and the first ingress replica's own port (direct ingress).
+EXPOSE 6379 8265 10001 8000 8080 30000
