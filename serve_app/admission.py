@@ -98,10 +98,10 @@ class Admission:
         order, and Ray then holds that caller's later calls (registry_actor.admit)."""
         while True:
             await asyncio.sleep(self.config.registry_heartbeat_s)
-            await self.exchange_leases()
+            await self._exchange_once()
 
-    async def exchange_leases(self) -> None:
-        """One exchange (also called by tests that step the leases by hand); never raises."""
+    async def _exchange_once(self) -> None:
+        """One exchange; never raises (leases not renewed run on until they expire)."""
         if not self.cluster.is_available:
             return
         sent_at = time.monotonic()
@@ -164,13 +164,13 @@ class Admission:
         """
         request_id = actor_request.request_id
         spawn_name = new_actor_name(model.id)
+        hot_resident = model.numbers.weight_bytes + self.config.policy.actor_overhead_bytes  # its weights and process
         decision, lease = self._decide_on_leases(features)
         if decision is None:
             decision = await self._admit(features, spawn_name, request_id)
             if self.config.leases.is_enabled and is_leased_row(decision):
                 lease = LeasedRow(request_id, decision.actor_name, model.id, decision.slot_id, decision.lane,
-                                  decision.reserve_bytes, model.numbers.weight_bytes
-                                  + self.config.policy.actor_overhead_bytes)
+                                  decision.reserve_bytes, hot_resident)
                 self.leases.add(lease, features, _predicted_end(decision))
         decided_at = time.time()
         path = "registry" if lease is None or lease.row_id == request_id else "lease"
@@ -201,8 +201,7 @@ class Admission:
             raise ActorLost(503, "overloaded_error", "the model's process was lost; retry") from None
         except BaseException:  # a deadline, or the client left: nothing was sent, give the row back
             if lease is not None and lease.row_id != request_id:
-                if self.leases.release(lease.row_id):  # ours: free again (nobody else was told), or given back
-                    self.cluster.give_back((lease.row_id,))
+                self.rows.release_lease(lease.row_id)  # ours: nobody else was told
             else:
                 self.leases.forget(request_id)  # the registry takes the row back, leased or not
                 self.cluster.abandon(request_id)
@@ -213,8 +212,7 @@ class Admission:
             self.cluster.wake_warm()  # its pool is one short now
         dispatch_time = time.time()
         self.metrics.observe_dispatch(model.id, dispatch_time - arrival)
-        resident = decision.resident_bytes if isinstance(decision, Spawn) else \
-            model.numbers.weight_bytes + self.config.policy.actor_overhead_bytes
+        resident = decision.resident_bytes if isinstance(decision, Spawn) else hot_resident
         admitted = Admitted(request_id, model.id, name, decision.keep_hot, _tier(decision),
                             len(actor_request.prompt_ids), stream, arrival=arrival, dispatch_time=dispatch_time,
                             features=features, decision=decision, resident_bytes=resident,

@@ -287,7 +287,7 @@ class Ingress:
 
         is_small = len(body) < OFF_LOOP_BODY_BYTES
         req = parse(body) if is_small else await self._parser.run(lambda: parse(body))
-        self.admission.refuse_early(self._model(req.model).id)  # a burst over capacity: before tokenizing
+        self.admission.refuse_early(req.model)  # a burst over capacity: before tokenizing (404 comes next)
 
         def prepare():
             return self._prepare(req, to_prompt, request_id, request.headers)

@@ -69,8 +69,10 @@ class LeaseBook:
         if not self.is_valid(now):
             return None
         need = features.dispatch_bytes
+        mine: dict[str, list[LeasedRow]] = {}  # actor -> every row of ours on it
         free: dict[str, int] = {}  # actor -> the largest fitting free row it has for us
         for row_id, row in self._rows.items():
+            mine.setdefault(row.actor_name, []).append(row)
             if row.model == features.model and row_id not in self._used and row.row_bytes >= need:
                 free[row.actor_name] = max(free.get(row.actor_name, 0), row.row_bytes)
         if not free:
@@ -78,11 +80,10 @@ class LeaseBook:
         slots: dict[str, SlotView] = {}
         actors = []
         for name, row_bytes in free.items():
-            batch = self._batches.get(name)
-            some_row = next(r for r in self._rows.values() if r.actor_name == name)
-            mine = [r for r in self._rows.values() if r.actor_name == name]
-            used = tuple(_row_view(r, self._used[r.row_id]) for r in mine if r.row_id in self._used)
-            others = batch.other_rows[:max(0, self._max_batch - len(mine))] if batch is not None else ()
+            batch, ours = self._batches.get(name), mine[name]
+            some_row = ours[0]
+            used = tuple(_row_view(r, self._used[r.row_id]) for r in ours if r.row_id in self._used)
+            others = batch.other_rows[:max(0, self._max_batch - len(ours))] if batch is not None else ()
             rows = used + others
             actors.append(ActorView(name, some_row.model, some_row.slot_id, "busy" if rows else "idle",
                                     some_row.lane, True, some_row.resident_bytes, rows))

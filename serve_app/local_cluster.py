@@ -12,7 +12,7 @@ an actor lost before or after its first item — can be tested through the ASGI 
 What only Ray has stays out: processes that die by themselves, registry restarts and hand-overs,
 nodes. Several ingress replicas share one registry and one set of actors through a `LocalNode`
 (asgi.Replicas serves them on one event loop). One node, `slots.num_cpu_slots` CPU slots of `cpu_slot_bytes`.
-`calls` counts the registry's calls by name (as a task summary would on Ray).
+`calls` counts the callers' registry calls by name (as the registry actor's `calls()` does on Ray).
 """
 
 from __future__ import annotations
@@ -248,12 +248,13 @@ class LocalCluster:
             return {name for name, entry in self.actors.items() if not entry.is_dead}
 
     async def reconcile(self, timeout_s: float) -> None:
-        self.reconcile_now()
+        self._call("reconcile", self.reconcile_now)
 
     def reconcile_now(self) -> None:
-        """The books against the actors alive here: ghosts dropped; expired, retired and orphans killed."""
+        """The books against the actors alive here: ghosts dropped; expired, retired and orphans killed. The
+        registry's own loop runs this uncounted: `calls` counts what callers ask, as on Ray."""
         alive = self.actor_names()
-        report = self._call("reconcile", lambda: self.registry.reconcile_books(alive, time.time(), {NODE_ID}))
+        report = self.registry.reconcile_books(alive, time.time(), {NODE_ID})
         for name in report.to_kill:
             self.kill(name)
 

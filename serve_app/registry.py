@@ -221,9 +221,9 @@ class RegistryState:
         self.books.last_request_at[features.model] = now
         snapshot = self.snapshot()
         decision = decide(features, snapshot, policy, scorer)
-        lane = policy.lane(features.input_tokens, features.max_tokens)
         if (isinstance(decision, Reject) and decision.retry_after_s is not None and lease is not None
-                and self.leases.recall_free_row(features.model, lane, features.dispatch_bytes, replica_id, now)):
+                and self.leases.recall_free_row(features.model, policy.lane(features.input_tokens, features.max_tokens),
+                                                features.dispatch_bytes, replica_id, now)):
             snapshot = self.snapshot()  # a row other replicas left free may take it
             decision = decide(features, snapshot, policy, scorer)
             self.counters["recalled"] += 1

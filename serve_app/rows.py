@@ -171,6 +171,12 @@ class Rows:
             pass
         self._finish(admitted, outcome)
 
+    def release_lease(self, row_id: str) -> None:
+        """A leased row whose request ended is free again: ours, with no registry call — or, while its model is
+        contended, given back at once, since another replica may need it."""
+        if self._leases.release(row_id):
+            self._cluster.give_back((row_id,))
+
     def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
         if admitted.lease_row is not None:
             if outcome == "failed":  # the registry forgets the actor, every lease on it included, and kills it
@@ -178,9 +184,8 @@ class Rows:
                 self._leases.drop_actor(admitted.actor_name)
             elif admitted.is_turned_away:  # recalled by the registry, or a batch fuller than we knew
                 self._leases.forget(admitted.lease_row)
-            elif self._leases.release(admitted.lease_row):  # its model is contended: another replica may need it
-                self._cluster.give_back((admitted.lease_row,))
-            # else the actor stays hot, and the row stays ours: no registry call
+            else:
+                self.release_lease(admitted.lease_row)
         else:
             self._cluster.finish(admitted.actor_name, admitted.request_id, outcome)
         if outcome == "complete" and admitted.keep_hot and admitted.decision is not None:

@@ -149,6 +149,10 @@ class RegistryActor(SharedRegistry):
     # ---- reconciling -----------------------------------------------------------------
 
     def reconcile_now(self) -> ReconcileReport:
+        """A caller's reconcile (counted); the loop runs `_reconcile` itself."""
+        return self._reconcile()
+
+    def _reconcile(self) -> ReconcileReport:
         listed_at = time.time()
         alive = self._alive_request_actors()
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
@@ -184,7 +188,7 @@ class RegistryActor(SharedRegistry):
     def _loop(self) -> None:
         while not self._stop.wait(self._config.reconcile_interval_s):
             try:
-                _uncounted(RegistryActor.reconcile_now)(self)
+                self._reconcile()
                 if self._is_lease_over(time.time()):
                     self._shut_down()
             except Exception:  # a GCS hiccup must not end the loop
@@ -211,9 +215,9 @@ class RegistryActor(SharedRegistry):
 
 
 # The methods callers reach through Ray; each call is counted in `_calls`.
-CALLED = ("admit", "exchange_leases", "give_back", "adopt", "attach", "detach", "reconcile_now", "register_slots", "snapshot",
-          "counters", "fill_warm", "warm_ready", "drop_warming", "actor_started", "finish", "abandon", "remove",
-          "configure", "check_invariants")
+CALLED = ("admit", "exchange_leases", "give_back", "adopt", "attach", "detach", "reconcile_now", "register_slots",
+          "snapshot", "counters", "fill_warm", "warm_ready", "drop_warming", "actor_started", "finish", "abandon",
+          "remove", "configure", "check_invariants")
 
 
 def _counted(name: str, method):
@@ -222,12 +226,7 @@ def _counted(name: str, method):
         self._calls[name] += 1
         return method(self, *args, **kwargs)
 
-    counted.__wrapped_uncounted__ = method
     return counted
-
-
-def _uncounted(method):
-    return getattr(method, "__wrapped_uncounted__", method)
 
 
 for _name in CALLED:

@@ -15,8 +15,6 @@ from tests.serve.waiting import wait_for
 MODEL = "zq-tiny"
 HEARTBEAT_S = 0.5
 PROMPTS = [f"Question {i}: why do queues hurt tail latency?" for i in range(8)]
-# The registry's own work, not a caller's: its reconcile loop, and what the test itself reads.
-NOT_CALLS = {"reconcile", "snapshot"}
 
 
 def _body(text: str, max_tokens: int = 2, stream: bool = False) -> dict:
@@ -65,10 +63,11 @@ def test_sequential_requests_on_a_hot_actor_make_no_registry_call_but_the_heartb
             else:
                 assert client.post(f"{zq}/v1/messages", json=body).status_code == 200
     elapsed = time.monotonic() - started
-    calls = {k: n - before.get(k, 0) for k, n in one_replica.cluster.calls.items()
-             if k not in NOT_CALLS and n != before.get(k, 0)}
+    calls = {k: n - before.get(k, 0) for k, n in one_replica.cluster.calls.items() if n != before.get(k, 0)}
     assert set(calls) <= {"exchange_leases"}, calls  # no admit, finish, abandon or actor_started
-    assert calls.get("exchange_leases", 0) <= elapsed / HEARTBEAT_S + 1, (calls, elapsed)
+    # The bound, one exchange a heartbeat, counted against the wall time the requests took (whatever
+    # this machine's speed), with one more for an exchange in flight at each end.
+    assert calls.get("exchange_leases", 0) <= elapsed / HEARTBEAT_S + 2, (calls, elapsed)
 
 
 @pytest.fixture
