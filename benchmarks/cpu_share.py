@@ -28,6 +28,7 @@ ROLES: tuple[tuple[str, str], ...] = (
     ("raylet", "ray and serve"),
     ("gcs_server", "ray and serve"),
     ("benchmarks.load_client", "load client"),
+    ("benchmarks.bench_admissions", "load client"),  # its client runs in the benchmark's own process
 )
 
 

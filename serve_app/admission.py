@@ -66,9 +66,8 @@ class Admission:
                          drain_timeout_s=config.token_timeout_s,
                          traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None)
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, self.rows)
-        # model -> (monotonic time until which it is refused early, the retry-after then quoted), set by a
-        # slow-path refusal for want of capacity (`refuse_early`).
-        self._refused: dict[str, tuple[float, float]] = {}
+        # model -> its early-refusal window, set by a slow-path refusal for want of capacity (`refuse_early`).
+        self._refused: dict[str, _EarlyRefusal] = {}
         cluster.start(self.rows.handed_over)
         try:
             self._gauges: asyncio.Task | None = asyncio.get_running_loop().create_task(self._exchange_leases())
@@ -121,15 +120,31 @@ class Admission:
 
     def refuse_early(self, model_id: str) -> None:
         """Raise the 503 at once — before the request is tokenized, and with no registry call — when the
-        registry refused this model for want of capacity within the last `early_refusal_s` and no row this
-        replica leases for it has freed since. A burst over capacity is refused at the cost of parsing its
-        JSON; a place freed elsewhere meanwhile is missed for at most `early_refusal_s`."""
-        until, retry_after_s = self._refused.get(model_id, (0.0, 0.0))
+        registry refused this model for want of capacity within the last `early_refusal_s` and no row of it
+        this replica placed has ended since (nor is one it leases free). A burst over capacity is refused at
+        the cost of parsing its JSON; a place freed elsewhere meanwhile is missed for at most `early_refusal_s`.
+
+        When the window ends, the first request goes on to look again (the probe) and the others are still
+        refused early until it has its decision: a steady overload then costs the registry one call per
+        window and replica, not one per request in flight as the window ends. No request arriving within
+        another `early_refusal_s` of the window's end means the burst is over: the window is forgotten, so
+        requests after a lull are never refused on an old answer."""
+        window = self._refused.get(model_id)
+        if window is None:
+            return
+        if self.leases.has_free(model_id) or self.rows.num_freed(model_id) != window.num_freed:
+            del self._refused[model_id]  # a place freed here since the refusal
+            return
         now = time.monotonic()
-        if now >= until or self.leases.has_free(model_id):
+        is_probing = window.probe_until is not None and now < window.probe_until
+        if now >= window.until and not is_probing:
+            if now >= max(window.until, window.probe_until or 0.0) + self.config.early_refusal_s:
+                del self._refused[model_id]  # a lull: nobody came as the window (or a lost probe) ended
+            else:  # this request is the probe; one that never reaches a decision is replaced after a deadline
+                window.probe_until = now + self.config.registry_timeout_s
             return
         self.metrics.rejections.inc(tags={"reason": "no_capacity_early"})
-        raise errors.overloaded(f"{model_id}: no idle actor, batch row or free slot now", retry_after_s)
+        raise errors.overloaded(f"{model_id}: no idle actor, batch row or free slot now", window.retry_after_s)
 
     async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
                    is_collected: bool, prepared_at: float = 0.0) -> tuple[Admitted, tuple[str, Completion] | None]:
@@ -173,13 +188,15 @@ class Admission:
                                   decision.reserve_bytes, hot_resident)
                 self.leases.add(lease, features, _predicted_end(decision))
         decided_at = time.time()
+        self._refused.pop(model.id, None)  # the probe has its answer (a refusal opens a new window below)
         path = "registry" if lease is None or lease.row_id == request_id else "lease"
         self.metrics.admission_paths.inc(tags={"path": path})
         self.metrics.decisions.inc(tags={"model": model.id, "kind": type(decision).__name__.lower()})
         if isinstance(decision, Reject):
             self.metrics.rejections.inc(tags={"reason": decision.reason})
             if decision.reason == "no_capacity" and decision.retry_after_s is not None:
-                self._refused[model.id] = (time.monotonic() + self.config.early_refusal_s, decision.retry_after_s)
+                self._refused[model.id] = _EarlyRefusal(time.monotonic() + self.config.early_refusal_s,
+                                                        decision.retry_after_s, self.rows.num_freed(model.id))
             self.metrics.observe_dispatch(model.id, time.time() - arrival)
             self.rows.trace(request_id, model.id, arrival, features, decision, None)
             if decision.http_status == 400:
@@ -258,6 +275,16 @@ class Admission:
         # Back within a heartbeat or two (a restart, or a new registry) when it comes back at all.
         return errors.overloaded("the admission registry is unavailable; retry shortly",
                                  max(self.config.policy.retry_after_s, self.config.registry_heartbeat_s))
+
+
+@dataclasses.dataclass(slots=True)
+class _EarlyRefusal:
+    """A model's early-refusal window (Admission.refuse_early)."""
+
+    until: float  # monotonic: refused early until then
+    retry_after_s: float  # what the slow path's refusal quoted
+    num_freed: int  # Rows.num_freed(model) at the refusal: a row ended since ends the window
+    probe_until: float | None = None  # a probe is in flight until its decision, or this deadline
 
 
 def _predicted_end(decision: Decision) -> float:

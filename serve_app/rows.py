@@ -91,10 +91,15 @@ class Rows:
         self._running: dict[str, Admitted] = {}  # request id -> the request, from placement to its end
         self._idle: dict[str, AdoptedActor] = {}  # hot actors this replica last saw go idle
         self._releasing: set[asyncio.Task] = set()  # rows given up, released once their stream has ended
+        self._num_freed: dict[str, int] = {}  # model -> rows of it released so far (Admission.refuse_early)
 
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    def num_freed(self, model_id: str) -> int:
+        """How many rows of the model this replica has released: a place freed since a count was read."""
+        return self._num_freed.get(model_id, 0)
 
     def begin(self, admitted: Admitted) -> None:
         self._running[admitted.request_id] = admitted
@@ -178,6 +183,7 @@ class Rows:
             self._cluster.give_back((row_id,))
 
     def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
+        self._num_freed[admitted.model_id] = self.num_freed(admitted.model_id) + 1
         if admitted.lease_row is not None:
             if outcome == "failed":  # the registry forgets the actor, every lease on it included, and kills it
                 self._cluster.finish(admitted.actor_name, admitted.lease_row, outcome)
