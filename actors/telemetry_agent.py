@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import cache
 from typing import Any
@@ -228,6 +228,57 @@ def cluster_snapshot(handles: Mapping[str, Any], timeout_s: float) -> list[NodeT
     return snapshots
 
 
+# The agent samples its node every 200 ms (TelemetryConfig.poll_interval_s): an actor's reports more often
+# than that change no snapshot's freshness, only the agent's load.
+MIN_REPORT_INTERVAL_S = 0.2
+
+
+class LatestEvery:
+    """`send(value)` at most once every `interval_s`, always with the latest value: one offered sooner is held
+    and sent as the interval ends, with whatever was offered after it. Thread-safe; `close` drops what is held
+    and sends nothing more."""
+
+    def __init__(self, send: Callable[[Any], None], interval_s: float) -> None:
+        self._send, self._interval_s = send, interval_s
+        self._lock = threading.Lock()
+        self._latest: Any = None
+        self._next_at = 0.0  # monotonic: nothing is sent before this
+        self._timer: threading.Timer | None = None  # the held value's send
+        self._is_closed = False
+
+    def offer(self, value: Any) -> None:
+        with self._lock:
+            if self._is_closed:
+                return
+            self._latest = value
+            if self._timer is not None:
+                return  # the held send takes this value
+            wait = self._next_at - time.monotonic()
+            if wait > 0:
+                self._timer = threading.Timer(wait, self._flush)
+                self._timer.daemon = True
+                self._timer.start()
+                return
+            self._next_at = time.monotonic() + self._interval_s
+        self._send(value)
+
+    def close(self) -> None:
+        with self._lock:
+            self._is_closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _flush(self) -> None:
+        with self._lock:
+            if self._is_closed:
+                return
+            self._timer = None
+            self._next_at = time.monotonic() + self._interval_s
+            value = self._latest
+        self._send(value)
+
+
 class AgentReporter:
     """A request actor's line to its node's telemetry agent: fire-and-forget reports.
 
@@ -246,14 +297,20 @@ class AgentReporter:
         self._device_index = int(ray.get_gpu_ids()[0]) if is_cuda and ray.get_gpu_ids() else 0
         node_id = ray.get_runtime_context().get_node_id()
         try:
-            self._agent = ray.get_actor(agent_name(node_id), namespace=namespace)
+            agent = ray.get_actor(agent_name(node_id), namespace=namespace)
         except ValueError:
             log.info("%s: no telemetry agent on node %s; memory goes unreported", actor_name, node_id[:12])
-            self._agent = None
+            agent = None
+        self._agent = agent
+        # A request makes two reports (its row's KV in place, its row gone): sent each, they cost the agent more
+        # CPU than the request's admission.
+        self._latest = LatestEvery(self._send, MIN_REPORT_INTERVAL_S)
 
     def report(self, accounted_bytes: int) -> None:
-        if self._agent is None:
-            return
+        if self._agent is not None:
+            self._latest.offer(accounted_bytes)
+
+    def _send(self, accounted_bytes: int) -> None:
         try:
             report = allocator_report(self._actor_name, self._device_index, accounted_bytes)
             pid, started = self._process
@@ -263,6 +320,7 @@ class AgentReporter:
 
     def forget(self) -> None:
         if self._agent is not None:
+            self._latest.close()  # a held report must not follow the withdrawal
             try:
                 self._agent.forget.remote(self._actor_name)
             except Exception:

@@ -120,28 +120,30 @@ class Admission:
 
     def refuse_early(self, model_id: str) -> None:
         """Raise the 503 at once — before the request is tokenized, and with no registry call — when the
-        registry refused this model for want of capacity within the last `early_refusal_s` and no row of it
-        this replica placed has ended since (nor is one it leases free). A burst over capacity is refused at
-        the cost of parsing its JSON; a place freed elsewhere meanwhile is missed for at most `early_refusal_s`.
+        registry refused this model for want of capacity within the last `early_refusal_s`. A burst over
+        capacity is refused at the cost of parsing its JSON; a place freed on another replica meanwhile is
+        missed for at most `early_refusal_s`.
 
-        When the window ends, the first request goes on to look again (the probe) and the others are still
-        refused early until it has its decision: a steady overload then costs the registry one call per
-        window and replica, not one per request in flight as the window ends. No request arriving within
-        another `early_refusal_s` of the window's end means the burst is over: the window is forgotten, so
-        requests after a lull are never refused on an old answer."""
+        When the window ends, or a row of the model ends here (a place for one request), the first request
+        goes on to look again (the probe) and the others are still refused early until it has its decision:
+        a steady overload then costs the registry one call per window or freed row, not one per request in
+        flight at that moment. No request arriving within another `early_refusal_s` of the window's end
+        means the burst is over: the window is forgotten, so requests after a lull are never refused on an
+        old answer."""
         window = self._refused.get(model_id)
         if window is None:
             return
-        if self.leases.has_free(model_id) or self.rows.num_freed(model_id) != window.num_freed:
-            del self._refused[model_id]  # a place freed here since the refusal
-            return
         now = time.monotonic()
-        is_probing = window.probe_until is not None and now < window.probe_until
-        if now >= window.until and not is_probing:
-            if now >= max(window.until, window.probe_until or 0.0) + self.config.early_refusal_s:
-                del self._refused[model_id]  # a lull: nobody came as the window (or a lost probe) ended
-            else:  # this request is the probe; one that never reaches a decision is replaced after a deadline
-                window.probe_until = now + self.config.registry_timeout_s
+        is_freed = self.leases.has_free(model_id) or self.rows.num_freed(model_id) != window.num_freed
+        if window.probe_until is not None and now < window.probe_until:
+            pass  # a probe is in flight: the others wait for its decision, refused
+        elif now < window.until and not is_freed:
+            pass  # within the window, and no place of the model freed here since
+        elif now >= max(window.until, window.probe_until or 0.0) + self.config.early_refusal_s:
+            del self._refused[model_id]  # a lull: nobody came as the window (or a lost probe) ended
+            return
+        else:  # this request is the probe; one that never reaches a decision is replaced after a deadline
+            window.probe_until = now + self.config.registry_timeout_s
             return
         self.metrics.rejections.inc(tags={"reason": "no_capacity_early"})
         raise errors.overloaded(f"{model_id}: no idle actor, batch row or free slot now", window.retry_after_s)

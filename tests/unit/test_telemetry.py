@@ -23,9 +23,11 @@ from actors.telemetry import (
     open_source,
 )
 from actors.telemetry_agent import (
+    LatestEvery,
     TelemetryAgent,
     allocator_report,
 )
+from tests.serve.waiting import wait_for
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -341,3 +343,28 @@ def test_agent_drops_the_report_of_a_process_that_is_gone():
         child.kill()
         agent.stop()
 
+
+
+def test_latest_every_sends_the_latest_value_at_most_once_an_interval():
+    sent: list[int] = []
+    latest = LatestEvery(sent.append, interval_s=0.1)
+    started = time.monotonic()
+    for i in range(200):  # an actor's two reports per request, many requests
+        latest.offer(i)
+        time.sleep(0.001)
+    elapsed = time.monotonic() - started
+    wait_for(lambda: bool(sent) and sent[-1] == 199, 10, "the held value sent")
+    assert sent[0] == 0  # the first goes at once
+    assert len(sent) <= elapsed / 0.1 + 2, (len(sent), elapsed)  # one an interval, and the held one at the end
+    assert sent == sorted(sent)
+
+
+def test_latest_every_sends_nothing_held_after_close():
+    sent: list[int] = []
+    latest = LatestEvery(sent.append, interval_s=0.2)
+    latest.offer(1)
+    latest.offer(2)  # held (unless this machine stalled a whole interval between the two)
+    latest.close()
+    latest.offer(3)
+    time.sleep(0.5)
+    assert 3 not in sent and sent[0] == 1
