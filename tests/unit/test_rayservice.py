@@ -297,5 +297,16 @@ def test_the_api_key_comes_from_a_secret_on_the_pod_that_runs_the_ingress(manife
     assert "value" not in var and var["valueFrom"]["secretKeyRef"] == {"name": "zeroqueue-api-key", "key": "api-key"}
 
 
+def test_every_node_serves_the_direct_path_behind_serves_haproxy(manifest: dict) -> None:
+    # Serve reads both in its controller and in each replica, wherever Ray places them: every node sets them.
+    head, workers = _groups(manifest)
+    for group in (head, *workers):
+        env = {e["name"]: e.get("value") for c in _containers(group) for e in c.get("env", [])}
+        assert env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1", group.get("groupName", "head")
+        assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", group.get("groupName", "head")
+    ports = {p["name"]: p["containerPort"] for c in _containers(head) for p in c.get("ports", [])}
+    assert ports["serve"] == 8000 and ports["serve-direct"] == 30000
+
+
 def test_the_dashboard_and_its_jobs_api_need_rays_token(manifest: dict) -> None:
     assert manifest["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
