@@ -19,7 +19,7 @@ For each: requests answered per second, by status; latency P50 / P99 of the answ
 request (the registry's own count); CPU per request by process role (psutil, every process on the machine:
 ingress, registry, telemetry, proxy, the engine, Ray's daemons, this client).
 
-    .venv/bin/python -m benchmarks.bench_admissions           # ~8 min; writes benchmarks/results/admissions.md and .json
+    .venv/bin/python -m benchmarks.bench_admissions           # ~8 min; writes benchmarks/results/admissions.md
     .venv/bin/python -m benchmarks.bench_admissions --quick   # a short run: checks the harness
 
 Goals (the edge-admission issue): admissions/s with 4 ingress replicas >= 2.5x one replica's
@@ -104,7 +104,8 @@ def _body() -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": 1, "temperature": 0.0, "messages": [{"role": "user", "content": PROMPT}]}
 
 
-async def _closed_loop(session: Any, bases: list[str], num_clients: int, seconds: float) -> list[tuple[int, float]]:
+async def _closed_loop(session: Any, bases: list[str], num_clients: int,
+                       seconds: float) -> list[tuple[int, float]]:
     """`num_clients` clients, client i sending to replica i % N, each its next request when the last is
     answered, for `seconds`; every answer's (status, seconds)."""
     body = _body()
@@ -141,7 +142,8 @@ async def _hold_rows(session: Any, base: str, stop: asyncio.Event, running: list
                 running[0] -= 1
 
 
-async def _window(session: Any, bases: list[str], num_clients: int, seconds: float, registry: Any) -> dict[str, Any]:
+async def _window(session: Any, bases: list[str], num_clients: int, seconds: float,
+                  registry: Any) -> dict[str, Any]:
     import ray
 
     calls_before, cpu_before, t0 = ray.get(registry.calls.remote()), cpu_times(), time.monotonic()
@@ -158,7 +160,8 @@ async def _deployment(zqs: Path, design: str, num_replicas: int, args: argparse.
 
     from serve_app.app import build_app
 
-    name = f"zeroqueue-{design}-{num_replicas}"  # its replicas' processes are then named as cpu_share's roles expect
+    # Named zeroqueue-*: its replicas' processes are then named as cpu_share's roles expect.
+    name = f"zeroqueue-{design}-{num_replicas}"
     serve.run(build_app(_app_args(zqs, design, num_replicas)), name=name, route_prefix="/")
     registry = ray.get_actor("zq-registry", namespace=_namespace(design, num_replicas))
     connector = aiohttp.TCPConnector(limit=0)
@@ -172,7 +175,8 @@ async def _deployment(zqs: Path, design: str, num_replicas: int, args: argparse.
             await _closed_loop(session, bases, MAX_BATCH, args.warm_up_s)  # every replica's leases settle
             dispatch = await _window(session, bases, MAX_BATCH, args.seconds, registry)
             stop, running = asyncio.Event(), [0]
-            holders = [asyncio.ensure_future(_hold_rows(session, bases[0], stop, running)) for _ in range(MAX_BATCH)]
+            holders = [asyncio.ensure_future(_hold_rows(session, bases[0], stop, running))
+                       for _ in range(MAX_BATCH)]
             deadline = time.monotonic() + 60
             while running[0] < MAX_BATCH:
                 if time.monotonic() > deadline:
@@ -286,8 +290,8 @@ def report(data: dict[str, Any]) -> str:
         for n in replicas:
             cells = []
             for k in methods:
-                a, b = (_run(data, d, n)[workload]["registry_calls"].get(k, 0) / max(1, len(_run(data, d, n)[workload]["answers"]))
-                        for d in DESIGNS)
+                windows = [_run(data, d, n)[workload] for d in DESIGNS]
+                a, b = (w["registry_calls"].get(k, 0) / max(1, len(w["answers"])) for w in windows)
                 cells.append(f"{a:.3f} / {b:.3f}")
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -301,6 +305,10 @@ def report(data: dict[str, Any]) -> str:
               f"| control-plane CPU per admitted request (dispatch-only, {replicas[0]} replica) | "
               f"{dispatch['control_ms_per_admitted']:.1f} ms | <= {GOAL_CPU_MS:g} ms | "
               f"{'met' if dispatch['control_ms_per_admitted'] <= GOAL_CPU_MS else 'missed'} |"]
+    busy = figures(_run(data, "leases", top)["refusal-only"])["cpu_busy"]
+    lines += ["", f"With {top} replicas the refusal-only run kept {busy:.2f} of the machine's {m['cores']} cores busy "
+              "(every process, this client included): more replicas than cores add processes that take turns, not "
+              "capacity, so the scaling goal can only be judged where the cores allow it."]
     return "\n".join(lines) + "\n"
 
 

@@ -59,13 +59,15 @@ class LeasedCluster:
                                         num_prewarmed_long)
         self.policy, self.scorer, self.state = policy, scorer, self._central.state
         self.heartbeat_s, self.early_refusal_s, self.resident_bytes = heartbeat_s, early_refusal_s, resident_bytes
-        self.books = [LeaseBook(leases or LeaseConfig(), f"replica-{i}", policy.max_batch, heartbeat_s) for i in range(num_replicas)]
+        config = leases or LeaseConfig()
+        self.books = [LeaseBook(config, f"replica-{i}", policy.max_batch, heartbeat_s) for i in range(num_replicas)]
         # Staggered: replica i first exchanges at (i + 1) / N of a heartbeat.
         self._next_exchange = [heartbeat_s * (i + 1) / num_replicas for i in range(num_replicas)]
         self._next_expiry = heartbeat_s  # the registry's own reconcile loop, once a heartbeat
         self._rng = random.Random(seed)
         self._rows: dict[int, tuple[int, str | None]] = {}  # request -> (its replica, its leased row or None)
-        self._refused_until: list[dict[str, tuple[float, int]]] = [{} for _ in self.books]  # model -> (until, freed)
+        # Per replica, model -> (refused early until, rows it had ended then).
+        self._refused_until: list[dict[str, tuple[float, int]]] = [{} for _ in self.books]
         self._freed: list[dict[str, int]] = [{} for _ in self.books]  # model -> rows ended on that replica
         self.counts = LeaseCounts()
 
@@ -123,7 +125,8 @@ class LeasedCluster:
             book.forget(row.row_id)
             self.counts.turned_away += 1
 
-    def _slow_path(self, i: int, features: RequestFeatures, now: float, request: int) -> tuple[Decision, str | None]:
+    def _slow_path(self, i: int, features: RequestFeatures, now: float,
+                   request: int) -> tuple[Decision, str | None]:
         book = self.books[i]
         self.counts.slow_path += 1
         name = actor_name(self._central._next_seq)

@@ -49,7 +49,8 @@ def test_with_capacity_to_spare_leases_refuse_nothing_central_would_serve():
 
 def test_the_report_runs_and_compares_each_design_with_central(tmp_path):
     out = tmp_path / "simulation_leases.md"
-    assert main(["--quick", "--loads", "0.9", "--out", str(out)]) == 0
+    args = ["--slots", "16", "--replicas", "1,2", "--loads", "0.9", "--duration-services", "4", "--out", str(out)]
+    assert main(args) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     assert {(r["design"], r["num_replicas"]) for r in data["rows"]} == {("central", 0), ("leases", 1), ("leases", 2)}
     text = out.read_text()
