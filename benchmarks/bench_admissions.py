@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shlex
 import sys
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_cold_start import prepare_model
-from benchmarks.common import load_average, load_text, machine, was_busy
+from benchmarks.common import load_average, load_text, machine, start_serve_direct, was_busy
 from benchmarks.cpu_share import cpu_by_role, cpu_times
 from benchmarks.load_stats import percentile
 from benchmarks.run_files import measure_and_report
@@ -149,7 +148,7 @@ async def _window(session: Any, bases: list[str], num_clients: int, seconds: flo
     calls_before, cpu_before, t0 = ray.get(registry.calls.remote()), cpu_times(), time.monotonic()
     answers = await _closed_loop(session, bases, num_clients, seconds)
     wall, cpu_after, calls_after = time.monotonic() - t0, cpu_times(), ray.get(registry.calls.remote())
-    return {"wall_s": wall, "answers": answers, "cpu_s": cpu_by_role(cpu_before, cpu_after),
+    return {"wall_s": wall, **summarize_answers(answers), "cpu_s": cpu_by_role(cpu_before, cpu_after),
             "registry_calls": {k: n - calls_before.get(k, 0) for k, n in calls_after.items()}}
 
 
@@ -198,14 +197,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     zqs = prepare_model(args.preset, args.dtype, Path(args.cache_dir))
     load_before = load_average()
-    # Direct ingress on (the controller and the replicas inherit this environment); no load balancer drains
-    # here, so a stopping replica waits 1 s instead of 30.
-    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
-    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "1"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_serve_direct(PORT)
     runs = []
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         for num_replicas in args.replicas:
             for design in DESIGNS if num_replicas % 2 else reversed(DESIGNS):
                 log.info("%s, %d ingress replicas", design, num_replicas)
@@ -218,20 +212,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "runs": runs}
 
 
+def summarize_answers(answers: list[tuple[int, float]]) -> dict[str, Any]:
+    """What a window keeps of its answers (tens of thousands of them): counts by status, latency percentiles."""
+    by_status: dict[str, int] = {}
+    for status, _ in answers:
+        by_status[str(status)] = by_status.get(str(status), 0) + 1
+    seconds = [s for _, s in answers]
+    return {"num_by_status": by_status, "p50_s": percentile(seconds, 50) if seconds else float("nan"),
+            "p99_s": percentile(seconds, 99) if seconds else float("nan")}
+
+
 def figures(window: dict[str, Any]) -> dict[str, Any]:
-    answers, wall = window["answers"], window["wall_s"]
-    admitted = [s for status, s in answers if status == 200]
-    refused = [s for status, s in answers if status == 503]
+    wall, by_status = window["wall_s"], window["num_by_status"]
+    num_admitted, num_refused = by_status.get("200", 0), by_status.get("503", 0)
     cpu = window["cpu_s"]
-    n = len(answers)
+    n = sum(by_status.values())
     control = sum(cpu.get(role, 0.0) for role in CONTROL_PLANE)
-    return {"per_s": n / wall, "admitted_per_s": len(admitted) / wall, "refused_per_s": len(refused) / wall,
-            "other": n - len(admitted) - len(refused), "n": n, "num_admitted": len(admitted),
-            "p50_ms": percentile([s for _, s in answers], 50) * 1e3 if answers else float("nan"),
-            "p99_ms": percentile([s for _, s in answers], 99) * 1e3 if answers else float("nan"),
+    return {"per_s": n / wall, "admitted_per_s": num_admitted / wall, "refused_per_s": num_refused / wall,
+            "other": n - num_admitted - num_refused, "n": n, "num_admitted": num_admitted,
+            "p50_ms": window["p50_s"] * 1e3, "p99_ms": window["p99_s"] * 1e3,
             "calls_per_request": sum(window["registry_calls"].values()) / n if n else float("nan"),
             "control_ms_per_request": 1e3 * control / n if n else float("nan"),
-            "control_ms_per_admitted": 1e3 * control / len(admitted) if admitted else float("nan"),
+            "control_ms_per_admitted": 1e3 * control / num_admitted if num_admitted else float("nan"),
             "cpu_ms_per_request": {role: 1e3 * s / n for role, s in cpu.items()} if n else {},
             "cpu_busy": sum(cpu.values()) / wall}
 
@@ -291,7 +293,7 @@ def report(data: dict[str, Any]) -> str:
             cells = []
             for k in methods:
                 windows = [_run(data, d, n)[workload] for d in DESIGNS]
-                a, b = (w["registry_calls"].get(k, 0) / max(1, len(w["answers"])) for w in windows)
+                a, b = (w["registry_calls"].get(k, 0) / max(1, sum(w["num_by_status"].values())) for w in windows)
                 cells.append(f"{a:.3f} / {b:.3f}")
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines.append("")

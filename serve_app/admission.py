@@ -285,7 +285,7 @@ class _EarlyRefusal:
 
     until: float  # monotonic: refused early until then
     retry_after_s: float  # what the slow path's refusal quoted
-    num_freed: int  # Rows.num_freed(model) at the refusal: a row ended since ends the window
+    num_freed: int  # Rows.num_freed(model) at the refusal: a row ended since sends a probe
     probe_until: float | None = None  # a probe is in flight until its decision, or this deadline
 
 

@@ -67,7 +67,7 @@ from serve_app.registry_recovery import Recovery
 from serve_app.registry_warm import WarmBooks
 from serve_app.retry_after import retry_after_s
 from serve_app.scorer import RULE_SCORER, Scorer
-from serve_app.snapshot import ClusterSnapshot, RequestFeatures, summarize
+from serve_app.snapshot import ClusterSnapshot, ClusterSummary, RequestFeatures, summarize
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
 # Re-exported: the registry's callers name these through this module.
@@ -110,6 +110,11 @@ def is_leased_row(decision: Decision) -> bool:
     return isinstance(decision, Join) or (isinstance(decision, Dispatch) and decision.keep_hot)
 
 
+# How long the counts sent with lease grants (for the replicas' gauges) may be reused: Ray exports metrics
+# once a second at best.
+SUMMARY_MAX_AGE_S = 1.0
+
+
 class RegistryState:
     def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
                  max_idle_s: float | None = None, max_batch: int = 8) -> None:
@@ -123,6 +128,7 @@ class RegistryState:
         # Requests whose caller gave up before their admission was seen here (request id -> when):
         # an admission that arrives after its abandonment must not commit.
         self._abandoned: dict[str, float] = {}
+        self._summary: tuple[float, ClusterSummary] | None = None  # (when, the counts) for exchange_leases
 
     @property
     def max_actors_per_slot(self) -> int:
@@ -259,9 +265,13 @@ class RegistryState:
         return decision
 
     def exchange_leases(self, report: LeaseReport, now: float) -> LeaseGrant:
-        """One replica's lease heartbeat (registry_leases.py), with the registry's counts for its gauges."""
+        """One replica's lease heartbeat (registry_leases.py), with the registry's counts for its gauges: those
+        come from a snapshot of every slot and actor, so one summary serves every exchange for
+        SUMMARY_MAX_AGE_S (the gauges' own resolution), not one snapshot per replica's heartbeat."""
         grant = self.leases.exchange(report, now)
-        return dataclasses.replace(grant, summary=summarize(self.snapshot(), self.max_batch))
+        if self._summary is None or not 0 <= now - self._summary[0] < SUMMARY_MAX_AGE_S:
+            self._summary = (now, summarize(self.snapshot(), self.max_batch))
+        return dataclasses.replace(grant, summary=self._summary[1])
 
     # ---- lifecycle -------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ by a gated request (FaultyActor's `gate:`), so that every other request finds no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,11 +76,22 @@ def _refused_by_the_registry(server: LocalServer) -> None:
     assert _admits(server) == before + 1
 
 
-def test_within_the_window_a_model_is_refused_with_no_registry_call(server, tmp_path):
+@contextlib.contextmanager
+def _the_row_held_and_a_refusal(server: LocalServer, tmp_path, num_threads: int):
+    """The one row held by a gated request and the registry's refusal of the next: the window is open. On
+    leaving, the gate opens, the holder completes and nothing is left reserved."""
     gate = tmp_path / "gate"
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(num_threads) as pool:
         holder = _hold_the_row(server, gate, pool)
         _refused_by_the_registry(server)
+        yield pool
+        gate.touch()
+        assert holder.result(60).is_complete
+    assert_nothing_left(server)
+
+
+def test_within_the_window_a_model_is_refused_with_no_registry_call(server, tmp_path):
+    with _the_row_held_and_a_refusal(server, tmp_path, 2):
         before, started = _admits(server), time.monotonic()
         answers = [httpx.post(f"{server.base}/v1/messages", json=body(f"again {i}"), timeout=60) for i in range(5)]
         if time.monotonic() - started < EARLY_REFUSAL_S:  # all within the window (else the check says nothing)
@@ -87,17 +99,11 @@ def test_within_the_window_a_model_is_refused_with_no_registry_call(server, tmp_
         for r in answers:
             assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
             assert int(r.headers["retry-after"]) >= 1
-        gate.touch()
-        assert holder.result(60).is_complete
     assert call(server.base, body()).is_complete  # the row freed: no early refusal stands in its way
-    assert_nothing_left(server)
 
 
 def test_as_the_window_ends_one_probe_asks_the_registry_and_the_rest_are_refused(server, tmp_path):
-    gate = tmp_path / "gate"
-    with ThreadPoolExecutor(12) as pool:
-        holder = _hold_the_row(server, gate, pool)
-        _refused_by_the_registry(server)
+    with _the_row_held_and_a_refusal(server, tmp_path, 12) as pool:
         time.sleep(EARLY_REFUSAL_S)  # the window has ended; no request came since
         before = _admits(server)
         # Eight at once: the first is the probe, in the registry for ADMIT_DELAY_S; the other seven arrive
@@ -106,22 +112,13 @@ def test_as_the_window_ends_one_probe_asks_the_registry_and_the_rest_are_refused
         assert _admits(server) == before + 1
         for ending in endings:
             assert_documented_error(ending, 503, "overloaded_error")
-        gate.touch()
-        assert holder.result(60).is_complete
-    assert_nothing_left(server)
 
 
 def test_after_a_lull_requests_are_not_refused_on_an_old_answer(server, tmp_path):
-    gate = tmp_path / "gate"
-    with ThreadPoolExecutor(8) as pool:
-        holder = _hold_the_row(server, gate, pool)
-        _refused_by_the_registry(server)
+    with _the_row_held_and_a_refusal(server, tmp_path, 8) as pool:
         time.sleep(2 * EARLY_REFUSAL_S + 0.1)  # the window and another as long: nobody came
         before = _admits(server)
         endings = _at_once(pool, server, 4)
         assert _admits(server) == before + 4  # each asked the registry (and was refused: the row is held)
         for ending in endings:
             assert_documented_error(ending, 503, "overloaded_error")
-        gate.touch()
-        assert holder.result(60).is_complete
-    assert_nothing_left(server)

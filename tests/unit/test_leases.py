@@ -11,7 +11,7 @@ from serve_app.decisions import Dispatch, Join, Spawn
 from serve_app.lease import LeaseConfig, LeasedRow, LeaseReport, LeaseWant, RowUse, SlowPathLease
 from serve_app.lease_book import LeaseBook
 from serve_app.policy import PolicyConfig, decide
-from serve_app.registry import RegistryState, RowReservation, SlotSpec, is_leased_row
+from serve_app.registry import SUMMARY_MAX_AGE_S, RegistryState, RowReservation, SlotSpec, is_leased_row
 from serve_app.snapshot import RequestFeatures
 
 POLICY = PolicyConfig(short_max_input_tokens=64, short_max_output_tokens=64, max_hot_short_actors=4,
@@ -77,6 +77,16 @@ def test_rows_are_granted_up_to_the_want_spread_over_batches_and_held_like_any_r
     # Asking again for what it holds grants nothing more.
     again = reg.exchange_leases(_report("A", _want(3), known=grant.held), now=2.0)
     assert again.granted == () and again.held == grant.held
+
+
+def test_the_gauges_counts_are_one_snapshot_a_second_whatever_the_number_of_replicas():
+    reg = _registry(num_hot=2)
+    first = reg.exchange_leases(_report("A"), now=10.0)
+    _slow_path(reg, LeaseBook(LeaseConfig(), "B", POLICY.max_batch, 1.0), "r1", now=10.2)  # a row now runs
+    # Other replicas' heartbeats within the second share the counts (no snapshot of the cluster each).
+    assert reg.exchange_leases(_report("B"), now=10.5).summary is first.summary
+    later = reg.exchange_leases(_report("C"), now=10.0 + SUMMARY_MAX_AGE_S)
+    assert later.summary is not first.summary and later.summary.num_rows == 1
 
 
 def test_a_batch_is_never_leased_past_max_batch_nor_a_slot_past_its_bytes():
