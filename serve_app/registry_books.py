@@ -36,6 +36,10 @@ class Books:
         self.slots: dict[str, SlotRecord] = {}  # ordered by slot_id: the first-fit order
         self.actors: dict[str, ActorRecord] = {}
         self.last_request_at: dict[str, float] = {}  # model -> its latest admission (or its pool's first fill)
+        # Every row by id, and the leased ones by holder: kept by register / add_row / end_row / forget, so that
+        # finding a row, or one replica's leases, does not scan every actor of a large cluster.
+        self._holders: dict[str, dict[str, ActorRecord]] = {}  # row id -> {actor name -> actor} holding it
+        self._leased: dict[str, dict[tuple[str, str], ActorRecord]] = {}  # replica -> {(actor, row id) -> actor}
         self._slot_views: dict[str, SlotView] = {}
         self._actor_views: dict[str, ActorView] = {}
         self._version = 0
@@ -89,7 +93,21 @@ class Books:
 
     def row_holder(self, request_id: str) -> ActorRecord | None:
         """The actor holding `request_id`'s row, if any."""
-        return next((a for a in self.actors.values() if request_id in a.rows), None)
+        holders = self._holders.get(request_id)
+        if not holders:
+            return None
+        if len(holders) == 1:
+            return next(iter(holders.values()))
+        # The same id on several actors (the API allows it: rows are named by actor and id): the first registered.
+        return next(a for a in self.actors.values() if a.name in holders)
+
+    def leased_to(self, replica_id: str) -> dict[str, tuple[ActorRecord, RowReservation]]:
+        """Every row leased to `replica_id`: row id -> (its actor, the row)."""
+        return {row_id: (a, a.rows[row_id]) for (_, row_id), a in self._leased.get(replica_id, {}).items()}
+
+    def leased_rows(self) -> list[tuple[ActorRecord, RowReservation]]:
+        """Every leased row, whoever holds it."""
+        return [(a, a.rows[row_id]) for rows in self._leased.values() for (_, row_id), a in rows.items()]
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every slot's books match its actors and their rows exactly."""
@@ -113,6 +131,11 @@ class Books:
             assert s.reserved_bytes <= s.total_bytes, f"slot {s.slot_id} over-committed"
             assert s.num_actors == counts[s.slot_id] <= self.max_actors_per_slot, (
                 f"slot {s.slot_id}: {s.num_actors} actors recorded, {counts[s.slot_id]} registered")
+        rows = {(r, a.name) for a in self.actors.values() for r in a.rows}
+        assert {(r, name) for r, actors in self._holders.items() for name in actors} == rows, "stale rows' index"
+        leased = {(r.replica_id, a.name, r.request_id) for a in self.actors.values() for r in a.rows.values()
+                  if r.is_lease}
+        assert {(h, *key) for h, keys in self._leased.items() for key in keys} == leased, "stale leases' index"
         assert self.snapshot() == ClusterSnapshot(
             tuple(s.view() for s in self.slots.values()), tuple(a.view() for a in self.actors.values()),
             self._version), "the cached snapshot is stale"
@@ -124,6 +147,8 @@ class Books:
         if actor.name in self.actors:
             raise ValueError(f"actor {actor.name} is already registered")
         self.actors[actor.name] = actor
+        for row in actor.rows.values():
+            self._index(actor, row)
         slot.reserved_bytes += actor.reserved_bytes
         slot.num_actors += 1
         self.touch_slot(slot)
@@ -136,6 +161,7 @@ class Books:
             return False
         row.request_bytes = request_bytes
         actor.rows[row.request_id] = row
+        self._index(actor, row)
         actor.state, actor.idle_since = "busy", None
         slot.reserved_bytes += request_bytes
         self.touch_slot(slot)
@@ -145,11 +171,14 @@ class Books:
     def end_row(self, actor: ActorRecord, request_id: str) -> None:
         """A row given back; the caller sets the actor's state, then touches it (or forgets it)."""
         row = actor.rows.pop(request_id)
+        self._unindex(actor, row)
         slot = self.slots[actor.slot_id]
         slot.reserved_bytes -= row.request_bytes
         self.touch_slot(slot)
 
     def forget(self, actor: ActorRecord) -> None:
+        for row in actor.rows.values():
+            self._unindex(actor, row)
         slot = self.slots[actor.slot_id]
         slot.reserved_bytes -= actor.reserved_bytes
         slot.num_actors -= 1
@@ -164,6 +193,22 @@ class Books:
     def touch_actor(self, actor: ActorRecord) -> None:
         self._actor_views[actor.name] = actor.view()
         self._changed()
+
+    def _index(self, actor: ActorRecord, row: RowReservation) -> None:
+        self._holders.setdefault(row.request_id, {})[actor.name] = actor
+        if row.is_lease:
+            self._leased.setdefault(row.replica_id, {})[(actor.name, row.request_id)] = actor
+
+    def _unindex(self, actor: ActorRecord, row: RowReservation) -> None:
+        holders = self._holders.get(row.request_id, {})
+        holders.pop(actor.name, None)
+        if not holders:
+            self._holders.pop(row.request_id, None)
+        if row.is_lease:
+            leased = self._leased.get(row.replica_id, {})
+            leased.pop((actor.name, row.request_id), None)
+            if not leased:
+                self._leased.pop(row.replica_id, None)
 
     def _changed(self) -> None:
         self._version += 1

@@ -19,9 +19,10 @@ set in its next grant; the holder forgets it then.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from serve_app.lease import BatchInfo, LeasedRow, LeaseGrant, LeaseReport, LeaseWant, RowUse
 from serve_app.registry_books import Books
@@ -43,17 +44,20 @@ class LeaseBooks:
         replica, ttl_s = report.replica_id, report.ttl_s
         for row_id in report.returned:
             self.give_back(replica, row_id, now)
-        held = self._held_by(replica)
+        held = self.books.leased_to(replica)
+        renewed: dict[str, ActorRecord] = {}
         for row_id, (actor, row) in list(held.items()):
             if row_id in report.known:
                 _record_use(row, report.in_use.get(row_id), now)
                 row.busy_deadline = now + ttl_s
-                self.books.touch_actor(actor)
+                renewed[actor.name] = actor
             elif row.is_free_lease:  # granted by an exchange whose answer was lost: nobody will use it
                 self._finish(actor.name, row_id, "cancelled", now)
                 del held[row_id]
             # else: placed by an admission whose answer the replica had not seen when it sent this; not
             # renewed, so it expires if the replica never learns of it
+        for actor in renewed.values():  # its view rebuilt once, not once per row
+            self.books.touch_actor(actor)
         # Told now (`held` lacks them); remembered until a report no longer knows them (this grant may be lost).
         still_known = self.recalled.pop(replica, set()) & report.known
         if still_known:
@@ -61,8 +65,9 @@ class LeaseBooks:
         granted: list[LeasedRow] = []
         for want in report.wanted:
             have = sum(1 for a, _ in held.values() if a.model == want.model and a.lane == want.lane)
+            actors = self._best_actors(want)
             for _ in range(want.num_rows - have):
-                actor = self._best_actor(want)
+                actor = next(actors, None)
                 if actor is None:
                     break
                 row = RowReservation(f"lease-{self._prefix}-{next(self._ids)}", 0, None, now, now + ttl_s,
@@ -105,28 +110,26 @@ class LeaseBooks:
 
     def expire(self, now: float) -> int:
         """Rows whose lease ran out return; returns how many."""
-        expired = [(a.name, r.request_id) for a in self.books.actors.values() for r in a.rows.values()
-                   if r.is_lease and now > r.busy_deadline]
+        expired = [(a.name, r.request_id) for a, r in self.books.leased_rows() if now > r.busy_deadline]
         for name, row_id in expired:
             self._finish(name, row_id, "cancelled", now)
         return len(expired)
 
-    def _held_by(self, replica: str) -> dict[str, tuple[ActorRecord, RowReservation]]:
-        return {r.request_id: (a, r) for a in self.books.actors.values() for r in a.rows.values()
-                if r.is_lease and r.replica_id == replica}
-
-    def _best_actor(self, want: LeaseWant) -> ActorRecord | None:
-        """The hot actor of the model and lane with the fewest rows that has a free row and room: leases spread
-        over batches as joins do, so no replica's rows crowd one batch while another idles."""
-        best = None
-        for a in self.books.actors.values():
-            if (a.model != want.model or a.lane != want.lane or not a.is_hot or a.state not in ("busy", "idle")
-                    or len(a.rows) >= self.books.max_batch
-                    or self.books.slots[a.slot_id].free_bytes < want.row_bytes):
+    def _best_actors(self, want: LeaseWant) -> Iterator[ActorRecord]:
+        """For each row granted in turn, the hot actor of the model and lane with the fewest rows (then the first
+        name) that has a free row and room: leases spread over batches as joins do, so no replica's rows crowd
+        one batch while another idles. The actors are filtered once, not once per row (a large cluster has
+        thousands); granting only fills batches and slots, so one found full stays full for this exchange."""
+        books = self.books
+        heap = [(len(a.rows), a.name, a) for a in books.actors.values()
+                if a.model == want.model and a.lane == want.lane and a.is_hot and a.state in ("busy", "idle")]
+        heapq.heapify(heap)
+        while heap:
+            _, _, a = heapq.heappop(heap)
+            if len(a.rows) >= books.max_batch or books.slots[a.slot_id].free_bytes < want.row_bytes:
                 continue
-            if best is None or (len(a.rows), a.name) < (len(best.rows), best.name):
-                best = a
-        return best
+            yield a  # the caller adds a row to it before asking again
+            heapq.heappush(heap, (len(a.rows), a.name, a))
 
     def _batches(self, replica: str, held: dict[str, tuple[ActorRecord, RowReservation]]) -> tuple[BatchInfo, ...]:
         actors = {a.name: a for a, _ in held.values()}
