@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_cold_start import prepare_model
-from benchmarks.common import load_average, load_text, machine, start_serve_direct, was_busy
+from benchmarks.common import (
+    direct_ingress_bases,
+    load_average,
+    load_text,
+    machine,
+    start_serve_direct,
+    was_busy,
+)
 from benchmarks.cpu_share import cpu_by_role, cpu_times
 from benchmarks.load_stats import percentile
 from benchmarks.run_files import measure_and_report
@@ -75,28 +82,6 @@ def _app_args(zqs: Path, design: str, num_replicas: int) -> dict[str, Any]:
         "num_replicas": num_replicas,
         "namespace": _namespace(design, num_replicas),
     }
-
-
-async def _direct_ports(session: Any, num_replicas: int, timeout_s: float = 120.0) -> list[str]:
-    """The N ingress replicas' own HTTP bases (direct ingress: from 30000 up), once all N answer /health."""
-    import aiohttp
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        bases = []
-        for port in range(30000, 30000 + 4 * num_replicas + 4):
-            try:
-                async with session.get(f"http://127.0.0.1:{port}/health",
-                                       timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        bases.append(f"http://127.0.0.1:{port}")
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                continue
-        if len(bases) == num_replicas:
-            return bases
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(bases)} of {num_replicas} ingress replicas answer on a direct port: {bases}")
-        await asyncio.sleep(1)
 
 
 def _body() -> dict[str, Any]:
@@ -167,7 +152,7 @@ async def _deployment(zqs: Path, design: str, num_replicas: int, args: argparse.
     timeout = aiohttp.ClientTimeout(total=300)
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            bases = await _direct_ports(session, num_replicas)
+            bases = direct_ingress_bases(num_replicas)  # blocking, before any load
             async with session.post(f"{bases[0]}/v1/messages", json=_body()) as r:  # the cold start, alone
                 if r.status != 200:
                     raise RuntimeError(f"the first request was answered {r.status}: {await r.text()}")

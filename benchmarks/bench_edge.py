@@ -37,7 +37,14 @@ from typing import Any
 
 from actors.engine import Engine
 from benchmarks.bench_overhead import PROMPT, _http_one, _in_process_one, in_process_engine
-from benchmarks.common import load_average, load_text, machine, start_serve_direct, was_busy
+from benchmarks.common import (
+    direct_ingress_bases,
+    load_average,
+    load_text,
+    machine,
+    start_serve_direct,
+    was_busy,
+)
 from benchmarks.load_stats import percentile
 from benchmarks.run_files import measure_and_report
 
@@ -82,19 +89,6 @@ def _task_summary_calls() -> dict[str, int]:
         if name.startswith("RegistryActor."):
             out[name.split(".", 1)[1]] = sum(entry["state_counts"].values())
     return out
-
-
-def _direct_base() -> str:
-    """The ingress replica's own HTTP port (direct ingress: from 30000 up, the first free one)."""
-    import httpx
-
-    for port in range(30000, 30010):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return f"http://127.0.0.1:{port}"
-        except httpx.HTTPError:
-            continue
-    raise RuntimeError("no ingress replica answers on a direct-ingress port (30000-30009)")
 
 
 def _steady(base: str, seconds: float, num_clients: int = 4) -> int:
@@ -142,7 +136,7 @@ def _block(ray: Any, serve: Any, build_app: Any, zqs: Path, design: str, engine:
     base = f"http://127.0.0.1:{PORT}"
     serve.run(build_app(_app_args(zqs, design)), name=f"bench-edge-{design}", route_prefix="/")
     try:
-        direct_base = _direct_base()
+        (direct_base,) = direct_ingress_bases()
         with httpx.Client(timeout=120) as client:
             for _ in range(args.warm_up):  # the cold start, then the hot actor's rows (and leases)
                 client.post(f"{base}/v1/messages", json={"model": MODEL, "max_tokens": 1,

@@ -121,3 +121,26 @@ def start_serve_direct(port: int, *, is_haproxy: bool = False, include_dashboard
     os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "1"
     ray.init(num_cpus=2, include_dashboard=include_dashboard, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+
+def direct_ingress_bases(num_replicas: int = 1, timeout_s: float = 120.0) -> list[str]:
+    """The ingress replicas' own HTTP bases (direct ingress: from 30000 up), once `num_replicas` of them answer
+    /health."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        bases = []
+        for port in range(30000, 30000 + 4 * num_replicas + 6):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    bases.append(f"http://127.0.0.1:{port}")
+            except httpx.HTTPError:
+                continue
+        if len(bases) == num_replicas:
+            return bases
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(bases)} of {num_replicas} ingress replicas answer on a direct port: {bases}")
+        time.sleep(1)

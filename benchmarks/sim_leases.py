@@ -5,7 +5,7 @@
 - the registry is the real `RegistryState` (prewarmed as `RegistryCluster` does), and each ingress replica a
   real `LeaseBook` (serve_app/lease_book.py);
 - an arrival goes to a replica drawn at random (Serve's router deals requests to replicas, not to rows);
-  that replica decides with the real `decide()` on its leased view (`_decide_on_leases` in admission.py)
+  that replica places it with the real `LeaseBook.place` (the same `decide()` on its leased view, as admission.py)
   and takes the row with no registry call; a view that cannot place it sends it down the slow path,
   `RegistryState.admit` with a `SlowPathLease` (the replica's free rows of the model go back first, a row
   on a hot actor comes back leased, another replica's reported-free row may be recalled before a refusal);
@@ -31,10 +31,10 @@ import random
 from collections.abc import Sequence
 
 from benchmarks.sim_clusters import MODEL, RegistryCluster, _predicted_end, actor_name
-from serve_app.decisions import Decision, Dispatch, Join, Reject, Spawn
+from serve_app.decisions import Decision, Reject, Spawn
 from serve_app.lease import LeaseConfig, LeasedRow, SlowPathLease
 from serve_app.lease_book import LeaseBook
-from serve_app.policy import PolicyConfig, decide
+from serve_app.policy import PolicyConfig
 from serve_app.registry import is_leased_row
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import RequestFeatures
@@ -109,15 +109,10 @@ class LeasedCluster:
     def _decide_on_leases(self, i: int, features: RequestFeatures, now: float) -> tuple[Decision, str] | None:
         book = self.books[i]
         while True:
-            view = book.view(features, now)
-            if view is None:
+            placed = book.place(features, self.policy, self.scorer, now, now)
+            if placed is None:
                 return None
-            decision = decide(features, view, self.policy, self.scorer)
-            if not isinstance(decision, (Join, Dispatch)):
-                return None
-            if isinstance(decision, Dispatch):
-                decision = dataclasses.replace(decision, keep_hot=True)
-            row = book.take(decision, features, _predicted_end(decision, now), now)
+            decision, row = placed
             holder = self.state.books.row_holder(row.row_id)
             if holder is not None and holder.name == row.actor_name:
                 return decision, row.row_id

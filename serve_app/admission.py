@@ -37,17 +37,16 @@ from actors.messages import ActorRequest, Completion
 from serve_app import errors, traces
 from serve_app.cluster import ActorGone, Cluster, NewActor, RegistryUnavailable
 from serve_app.config import IngressConfig
-from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
+from serve_app.decisions import Bind, Decision, Reject, Spawn
 from serve_app.lease import LeasedRow, SlowPathLease
 from serve_app.lease_book import LeaseBook
 from serve_app.loaded_model import LoadedModel
 from serve_app.metrics import IngressMetrics
-from serve_app.policy import decide
 from serve_app.registry import is_leased_row
 from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Relay
 from serve_app.rows import Admitted, Rows
 from serve_app.scorer import Scorer
-from serve_app.snapshot import ClusterSnapshot, ClusterSummary, RequestFeatures, summarize
+from serve_app.snapshot import ClusterSnapshot, ClusterSummary, summarize
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +181,8 @@ class Admission:
         request_id = actor_request.request_id
         spawn_name = new_actor_name(model.id)
         hot_resident = model.numbers.weight_bytes + self.config.policy.actor_overhead_bytes  # its weights and process
-        decision, lease = self._decide_on_leases(features)
+        placed = self.leases.place(features, self.config.policy, self.scorer, time.time())
+        decision, lease = placed if placed is not None else (None, None)
         if decision is None:
             decision = await self._admit(features, spawn_name, request_id)
             if self.config.leases.is_enabled and is_leased_row(decision):
@@ -240,19 +240,6 @@ class Admission:
         self.rows.begin(admitted)
         await self.relay.first(admitted)
         return admitted
-
-    def _decide_on_leases(self, features: RequestFeatures) -> tuple[Decision | None, LeasedRow | None]:
-        """A join or dispatch on a row this replica leases, decided by the same `decide()` on a view of its
-        leases alone; (None, None) when they cannot place the request (the slow path decides)."""
-        view = self.leases.view(features)
-        if view is None:
-            return None, None
-        decision = decide(features, view, self.config.policy, self.scorer)
-        if not isinstance(decision, (Join, Dispatch)):
-            return None, None  # no leased row meets the targets: the registry knows every other option
-        if isinstance(decision, Dispatch):  # the actor is hot and leased: it stays hot
-            decision = dataclasses.replace(decision, keep_hot=True)
-        return decision, self.leases.take(decision, features, _predicted_end(decision))
 
     async def _admit(self, features, spawn_name: str, request_id: str):
         """The registry's decision, or a 503 at once when it does not answer in time (or is known not to

@@ -403,8 +403,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     parsed = AppArgs.model_validate(args)
     config = ingress_config(parsed)
     if parsed.autoscaling_config is not None:  # replicas share the hot batches through their leases
-        if "num_replicas" in args:
-            raise ValueError("set num_replicas or autoscaling_config, not both")
         replicas = {"autoscaling_config": AutoscalingConfig(**parsed.autoscaling_config)}
     else:
         replicas = {"num_replicas": parsed.num_replicas}

@@ -164,6 +164,12 @@ class AppArgs(_Strict):
             raise ValueError(f"model ids must be unique, got {ids}")
         return self
 
+    @model_validator(mode="after")
+    def _replicas_one_way(self) -> AppArgs:
+        if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("set num_replicas or autoscaling_config, not both")
+        return self
+
 
 @dataclass(frozen=True)
 class ModelSpec:

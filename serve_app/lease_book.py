@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from serve_app.decisions import Dispatch, Join
 from serve_app.lease import BatchInfo, LeaseConfig, LeasedRow, LeaseGrant, LeaseReport, LeaseWant, RowUse
+from serve_app.policy import PolicyConfig, decide
 from serve_app.registry_records import AdoptedRow
+from serve_app.scorer import Scorer
 from serve_app.snapshot import ActorView, ClusterSnapshot, Lane, RequestFeatures, RowView, SlotView
 
 Key = tuple[str, Lane]  # (model, lane)
@@ -72,8 +74,10 @@ class LeaseBook:
         mine: dict[str, list[LeasedRow]] = {}  # actor -> every row of ours on it
         free: dict[str, int] = {}  # actor -> the largest fitting free row it has for us
         for row_id, row in self._rows.items():
+            if row.model != features.model:  # an actor serves one model: another's rows are on other actors
+                continue
             mine.setdefault(row.actor_name, []).append(row)
-            if row.model == features.model and row_id not in self._used and row.row_bytes >= need:
+            if row_id not in self._used and row.row_bytes >= need:
                 free[row.actor_name] = max(free.get(row.actor_name, 0), row.row_bytes)
         if not free:
             return None
@@ -95,6 +99,22 @@ class LeaseBook:
                                            max(0, base.total_bytes - room), base.num_actors,
                                            base.fragmentation, base.utilization)
         return ClusterSnapshot(tuple(slots[s] for s in sorted(slots)), tuple(actors))
+
+    def place(self, features: RequestFeatures, policy: PolicyConfig, scorer: Scorer, at: float,
+              now: float | None = None) -> tuple[Join | Dispatch, LeasedRow] | None:
+        """A join or dispatch on a row this replica leases, decided by the same `decide()` on the leased view
+        alone, and the row taken; None when the leases cannot place the request (the slow path decides).
+        `at`: the clock the row's predicted end is on (epoch seconds here, simulated ones in the simulator)."""
+        view = self.view(features, now)
+        if view is None:
+            return None
+        decision = decide(features, view, policy, scorer)
+        if not isinstance(decision, (Join, Dispatch)):
+            return None  # no leased row meets the targets: the registry knows every other option
+        if isinstance(decision, Dispatch):  # the actor is hot and leased: it stays hot
+            decision = replace(decision, keep_hot=True)
+        total_s = decision.prediction.total_s if decision.prediction is not None else 0.0
+        return decision, self.take(decision, features, at + total_s, now)
 
     def take(self, decision: Join | Dispatch, features: RequestFeatures, predicted_end: float,
              now: float | None = None) -> LeasedRow:
