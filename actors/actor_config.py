@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.compute_dtype import check_setting
+from actors.step_cost import StepCost
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,13 @@ class ActorConfig:
     compute_dtype: str = "auto"
     # Rows a hot actor runs at once (the policy's max_batch: the ingress sets both from one value).
     max_batch: int = 8
-    # Prompt tokens one step may add while other rows decode: a joiner's prompt is chunked so
-    # that running rows wait at most one step of this size (actors/scheduler.py).
+    # The most prompt tokens one step may add while other rows decode: a joiner's prompt is
+    # chunked so that running rows wait at most one step of this size, and less where a decoding
+    # row's TPOT target needs shorter steps (actors/scheduler.py).
     prefill_chunk_tokens: int = 256
+    # What a step costs (actors/step_cost.py): the ingress sets it from the app's `rule_scorer`,
+    # the same constants its admission predicts with.
+    step_cost: StepCost = StepCost()
     first_layers: int | None = None  # None: derived per request (see cold_start)
     # A warm actor's layers resident before any request (serve_app/warm_pool.py); None: derived
     # by cold_start.choose_first_layers for a prompt of `warm_prompt_tokens`.

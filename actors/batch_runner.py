@@ -79,10 +79,10 @@ class BatchRunner:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> RowStream:
+    def submit(self, prompt: list[int], params: SamplingParams, tpot_target_s: float | None = None) -> RowStream:
         """Add a row (call on the event loop that reads it); raises BatchFullError when the batch is full."""
         stream = RowStream(self.engine, asyncio.get_running_loop())
-        stream.row = self.engine.add(prompt, params, stream._emit)
+        stream.row = self.engine.add(prompt, params, stream._emit, tpot_target_s)
         self._wake.set()
         return stream
 

@@ -6,7 +6,8 @@ so a bad request costs nothing. `add()` puts a request into the batch: it joins 
 next step boundary, with its own KV cache sized for prompt + max_tokens, its own
 sampling generator (seeded per request), text decoder and stop sequences. `step()` runs
 one forward over every row (`actors/scheduler.py` decides how far each advances: a decode
-row one token, a joining row a chunk of its prompt), samples, and hands each row its
+row one token, a joining row a chunk of its prompt, sized so that the step's predicted time
+keeps every decoding row within its TPOT target), samples, and hands each row its
 events; a row that ends leaves the batch, and its cache is freed, *before* its
 `FinishEvent` is delivered, so whoever reads that event may add the next request at once.
 
@@ -21,6 +22,12 @@ A row's tokens in a batch equal its tokens alone: every row attends only to its 
 cache, and its sampler draws from its own generator exactly as many times as alone.
 `generate()` runs a single request to the end on the calling thread (the CLI, tests,
 calibration).
+
+Every step is predicted before it runs (actors/step_cost.py: the rule's constants times
+the correction the steps measured so far imply) and checked once it has: the error is
+logged every `LOG_EVERY_STEPS` steps, and each row's `FinishEvent` carries the predicted
+and measured seconds of its steps. Steps that wait on a cold actor's weights are not
+checked: their time is the load's.
 """
 
 from __future__ import annotations
@@ -38,11 +45,14 @@ from actors.events import BatchFullError, Emit, Event, FinishEvent, StartEvent, 
 from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, make_generator, mask_tokens, sample
-from actors.scheduler import RowProgress, plan_step
+from actors.scheduler import RowProgress, plan_step, prefill_budget
+from actors.step_cost import StepCheck, StepCost
 from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
+
+LOG_EVERY_STEPS = 500
 
 
 @dataclass(eq=False)
@@ -54,6 +64,7 @@ class Row:
     params: SamplingParams
     emit: Emit
     added_at: float
+    tpot_target_s: float | None = None  # bounds the prefill work of steps while this row decodes
     is_cancelled: bool = False
     caches: list[KVCache] | None = None  # allocated when the row joins
     num_prefilled: int = 0
@@ -66,6 +77,8 @@ class Row:
     decoder: StreamDecoder | None = None
     stops: StopSequenceFilter | None = None
     engine_s: float = 0.0  # see FinishEvent
+    predicted_s: float = 0.0  # the same steps, as predicted before each ran (checked ones only)
+    checked_s: float = 0.0  # the measured seconds of those checked steps
     num_steps: int = 0
     num_step_rows: int = 0
     stop: tuple[str, str | None] | None = field(default=None)  # (reason, sequence) once it has ended
@@ -82,7 +95,7 @@ class Row:
 
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, *, max_context: int | None = None, max_batch: int = 1,
-                 prefill_chunk_tokens: int = 256):
+                 prefill_chunk_tokens: int = 256, step_cost: StepCost | None = None):
         if max_batch < 1 or prefill_chunk_tokens < 1:
             raise ValueError(f"max_batch and prefill_chunk_tokens must be >= 1, got {max_batch}, "
                              f"{prefill_chunk_tokens}")
@@ -99,6 +112,9 @@ class Engine:
         self._lock = threading.Lock()
         self._next_id = 0
         self._clock = _StepClock(self.device)
+        self.step_cost = step_cost or StepCost()
+        self.step_check = StepCheck()
+        self._kv_bytes_per_token = model.config.kv_bytes_per_token(str(model.dtype).removeprefix("torch."))
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize and validate; raises before any compute. Returns the prompt token ids."""
@@ -106,8 +122,10 @@ class Engine:
 
     # ---- membership (any thread) ------------------------------------------------------
 
-    def add(self, prompt: list[int], params: SamplingParams, emit: Emit) -> Row:
+    def add(self, prompt: list[int], params: SamplingParams, emit: Emit, tpot_target_s: float | None = None) -> Row:
         """Queue a row to join at the next step boundary; raises BatchFullError when the batch is full.
+
+        `tpot_target_s`: once the row decodes, no step is planned longer than this (see the module doc).
 
         Cancelled rows still in the batch do not count: they leave at the next boundary.
         """
@@ -119,7 +137,7 @@ class Engine:
         with self._lock:
             if self.num_rows >= self.max_batch:
                 raise BatchFullError(f"the batch already runs {self.max_batch} rows")
-            row = Row(self._next_id, list(prompt), params, emit, time.time())
+            row = Row(self._next_id, list(prompt), params, emit, time.time(), tpot_target_s)
             self._next_id += 1
             self._inbox.append(row)
         return row
@@ -154,8 +172,10 @@ class Engine:
             self._leave(row, "cancelled", None)
         if not self._rows:
             return
-        plan = plan_step([RowProgress(r.id, len(r.prompt), r.num_prefilled) for r in self._rows],
-                         self.prefill_chunk_tokens)
+        progress = [RowProgress(r.id, len(r.prompt), r.num_prefilled, r.position, r.tpot_target_s)
+                    for r in self._rows]
+        plan = plan_step(progress, self._prefill_budget(progress))
+        predicted_s = self._predict(progress, plan)
         clock = self._clock
         clock.start()
         rows, tokens, inputs = [], [], []
@@ -179,13 +199,43 @@ class Engine:
         clock.stop()
         ids = ids.tolist()
         seconds = clock.seconds()
+        is_checked = wait_layer is None  # a cold actor's steps wait on its weights: not the rule's to predict
+        if is_checked:
+            self.step_check.observe(predicted_s / self.step_check.correction, seconds)
+            self._log_check()
         for row in self._rows:  # every row advances every step (actors/scheduler.py)
             row.engine_s += seconds
             row.num_steps += 1
             row.num_step_rows += len(self._rows)
+            if is_checked:
+                row.predicted_s += predicted_s
+                row.checked_s += seconds
         now = time.time()
         for row, token_id in zip(rows, ids, strict=True):
             self._deliver(row, token_id, now)
+
+    def _rule_step_s(self, num_decode_rows: int, num_prefill_tokens: int, num_kv_tokens: int) -> float:
+        return self.step_check.correction * self.step_cost.step_s(num_decode_rows, num_prefill_tokens, num_kv_tokens,
+                                                                  self._kv_bytes_per_token)
+
+    def _prefill_budget(self, progress: list[RowProgress]) -> int:
+        token_s = self.step_check.correction * self.step_cost.prefill_token_s(self._kv_bytes_per_token)
+        return prefill_budget(progress, self.prefill_chunk_tokens, self._rule_step_s, token_s)
+
+    def _predict(self, progress: list[RowProgress], plan: list[tuple[int, int]]) -> float:
+        """The planned step's predicted seconds, the correction included."""
+        num_decode = sum(not r.is_prefilling for r in progress)
+        num_prefill = sum(n for r, (_, n) in zip(progress, plan, strict=True) if r.is_prefilling)
+        # Every row reads its cache after this step's positions are written.
+        num_kv = sum(r.num_cached + n for r, (_, n) in zip(progress, plan, strict=True))
+        return self._rule_step_s(num_decode, num_prefill, num_kv)
+
+    def _log_check(self) -> None:
+        check = self.step_check
+        if check.num_steps % LOG_EVERY_STEPS == 0:
+            log.info("step time: predicted vs measured, median error %.0f%% over the last %d steps; "
+                     "the rule's constants corrected by %.2fx", 100 * (check.median_error() or 0.0),
+                     len(check.recent_errors), check.correction)
 
     def fail_all(self, error: BaseException) -> None:
         """A step raised: every row, running or joining, ends with `error` (the batch shares the model)."""
@@ -265,7 +315,8 @@ class Engine:
         return FinishEvent(stop_reason=stop[0], stop_sequence=stop[1], input_tokens=len(row.prompt),
                            output_tokens=row.num_out, compute_start=row.compute_start or row.added_at,
                            first_token_time=row.first_time, last_token_time=row.last_time,
-                           engine_s=row.engine_s, num_steps=row.num_steps, num_step_rows=row.num_step_rows)
+                           engine_s=row.engine_s, num_steps=row.num_steps, num_step_rows=row.num_step_rows,
+                           predicted_step_s=row.predicted_s, checked_step_s=row.checked_s)
 
     # ---- one request on the calling thread ----------------------------------------------
 

@@ -39,6 +39,10 @@ class FinishEvent:
     engine_s: float = 0.0
     num_steps: int = 0
     num_step_rows: int = 0
+    # The steps the engine checked (not those waiting on a cold actor's weights): their predicted
+    # seconds summed (actors/step_cost.py), and their measured ones.
+    predicted_step_s: float = 0.0
+    checked_step_s: float = 0.0
 
 
 Event = StartEvent | TokenEvent | FinishEvent

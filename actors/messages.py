@@ -36,6 +36,9 @@ class ActorRequest:
     # Every token its own chunk, sent the moment it is sampled (X-Stream-Mode: low-latency); else
     # tokens sampled within `ActorConfig.stream_interval_s` of the previous chunk ride together.
     is_low_latency: bool = False
+    # The request's TPOT target: while it decodes, its batch's steps carry no more prompt work
+    # than keeps them within it (actors/scheduler.py). None: only the configured chunk cap.
+    tpot_target_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,9 @@ class Completion:
     # row's first step includes its waits on the weights), and the mean rows those steps ran.
     engine_s: float = 0.0
     mean_step_rows: float = 0.0
+    # The steps checked against their prediction (actors/step_cost.py): predicted and measured seconds.
+    predicted_step_s: float = 0.0
+    checked_step_s: float = 0.0
 
     def compute_density(self, arrival: float) -> float | None:
         """Engine time on this request ÷ its wall time from `arrival` (epoch s) to its last token.

@@ -137,7 +137,7 @@ class RequestActor:
         self._warm_layers = warm_layers
         self._model = self._streamed.model
         self._engine = Engine(self._model, self._streamed.tokenizer, max_batch=config.max_batch,
-                              prefill_chunk_tokens=config.prefill_chunk_tokens)
+                              prefill_chunk_tokens=config.prefill_chunk_tokens, step_cost=config.step_cost)
         self._runner = BatchRunner(self._engine, wait_layer=self._weight_gate, name=f"batch-{self.name}")
         self._num_layers = self._streamed.config.num_layers
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self._model.parameters())
@@ -202,7 +202,7 @@ class RequestActor:
             if self._engine.num_rows == 0:
                 self._peak.reset()
                 self._idle_trimmer.request_started()
-            stream = self._runner.submit(list(request.prompt_ids), request.sampling)
+            stream = self._runner.submit(list(request.prompt_ids), request.sampling, request.tpot_target_s)
             self._keep_hot = request.keep_hot
             async for item in self._relay(request, stream, arrival, is_cold):
                 yield item
@@ -343,6 +343,8 @@ class RequestActor:
             peak_bytes=self._peak.read(),
             engine_s=event.engine_s,
             mean_step_rows=event.num_step_rows / event.num_steps if event.num_steps else 0.0,
+            predicted_step_s=event.predicted_step_s,
+            checked_step_s=event.checked_step_s,
         )
 
     def _first_layers(self, prompt_tokens: int) -> int:

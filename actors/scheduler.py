@@ -11,6 +11,11 @@ advances by a chunk of it. The rule:
   token, so a step holds at most max(prefill_budget, rows) prompt tokens). A decoding
   row therefore waits at most one step of that size for a newcomer's prompt: a long
   prompt is chunked over several steps instead of stalling the rows already running.
+- The budget is derived (`prefill_budget`): the most prompt tokens for which the step's
+  predicted time (actors/step_cost.py) stays within the tightest TPOT target of the
+  decoding rows, at most the configured cap (`prefill_chunk_tokens`); the cap alone where
+  no decoding row states a target. A step can never be shorter than its decode work and
+  one token per prefilling row: a target that this breaks was broken at admission.
 - While no row is decoding, nothing is waiting on the step: each prefilling row runs
   its whole remaining prompt at once (one pass reads every weight once, which is also
   what lets a cold actor compute layer i as soon as layer i is resident).
@@ -18,8 +23,11 @@ advances by a chunk of it. The rule:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# (decoding rows, prompt tokens, KV positions read) -> predicted seconds of the step
+PredictStep = Callable[[int, int, int], float]
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,8 @@ class RowProgress:
     row_id: int
     num_prompt_tokens: int
     num_prefilled: int  # prompt tokens already in the row's cache
+    num_cached: int = 0  # KV positions in the row's cache (the prompt's prefilled part, then its output)
+    tpot_target_s: float | None = None  # the longest step this row accepts once decoding
 
     @property
     def num_remaining(self) -> int:
@@ -59,3 +69,24 @@ def plan_step(rows: Sequence[RowProgress], prefill_budget: int) -> list[tuple[in
             chunk[r.row_id] += extra
             left -= extra
     return [(r.row_id, chunk.get(r.row_id, 1)) for r in rows]
+
+
+def prefill_budget(rows: Sequence[RowProgress], max_chunk_tokens: int, predict_step_s: PredictStep,
+                   prefill_token_s: float) -> int:
+    """Prompt tokens the next step may carry while rows decode (module docstring).
+
+    `predict_step_s` prices a step, `prefill_token_s` what one more prompt token adds to it.
+    Never below one token per prefilling row (every row advances), never above the cap.
+    """
+    if max_chunk_tokens < 1 or not prefill_token_s > 0:
+        raise ValueError(f"max_chunk_tokens must be >= 1 and prefill_token_s > 0, got {max_chunk_tokens}, "
+                         f"{prefill_token_s}")
+    decoding = [r for r in rows if not r.is_prefilling]
+    targets = [r.tpot_target_s for r in decoding if r.tpot_target_s is not None]
+    if not targets:
+        return max_chunk_tokens
+    num_prefilling = len(rows) - len(decoding)
+    # Decoding rows read their cache and one new position; prefilling rows what they hold so far.
+    base_s = predict_step_s(len(decoding), 0, sum(r.num_cached + (not r.is_prefilling) for r in rows))
+    fits = int((min(targets) - base_s) / prefill_token_s)
+    return max(num_prefilling, 1, min(max_chunk_tokens, fits))

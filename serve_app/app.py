@@ -239,6 +239,8 @@ class Ingress:
             # Seed 001's per-request dimension in place of a queue length: engine time over time in the
             # system (1: computed the whole time), and the rows its steps ran with, over recent requests.
             "compute_density": self.metrics.recent_density(),
+            # The engine's steps, measured over predicted (actors/step_cost.py), over recent requests.
+            "step_time_ratio": self.metrics.recent_step_prediction(),
             "actors": {state: n for state, n in summary.actors.items() if n},
             "rows": summary.num_rows,
             "batch_occupancy": round(summary.batch_occupancy, 3),
@@ -334,7 +336,8 @@ class Ingress:
         features = request_features(model.id, model.numbers, len(prompt), sampling, self.config.policy,
                                     ttft_target_s=ttft_target_s, total_target_s=total_target_s,
                                     tpot_target_s=tpot_target_s)
-        return model, features, ActorRequest(request_id, tuple(prompt), sampling, is_low_latency=is_low_latency)
+        return model, features, ActorRequest(request_id, tuple(prompt), sampling, is_low_latency=is_low_latency,
+                                             tpot_target_s=tpot_target_s)
 
     # ---- Python handles (serve.get_app_handle("zeroqueue")) ---------------------------
 

@@ -142,7 +142,8 @@ class AppArgs(_Strict):
     def _actor_fields(cls, value: Any) -> Any:
         if not isinstance(value, dict):
             return value
-        for name, source in (("max_batch", "policy.max_batch"), ("namespace", "the top-level namespace")):
+        for name, source in (("max_batch", "policy.max_batch"), ("namespace", "the top-level namespace"),
+                             ("step_cost", "rule_scorer")):
             if name in value:
                 raise ValueError(f"actor.{name} is set from {source}; set it there, once")
         if isinstance(value.get("resources"), dict):  # YAML gives a mapping; the frozen config keeps pairs
@@ -234,7 +235,9 @@ def ingress_config(args: AppArgs) -> IngressConfig:
             for m in args.models
         ),
         # The actor refuses rows beyond what the registry ever places: one figure for both.
-        actor=dataclasses.replace(args.actor, namespace=args.namespace, max_batch=args.policy.max_batch),
+        # Its steps are planned with the constants admission predicts with.
+        actor=dataclasses.replace(args.actor, namespace=args.namespace, max_batch=args.policy.max_batch,
+                                  step_cost=args.rule_scorer.step_cost()),
         # The registry lives in the deployment's namespace and watches its request actors there.
         registry=dataclasses.replace(args.registry, namespace=args.namespace, actor_namespace=args.namespace),
         api_key=api_key,

@@ -13,6 +13,7 @@ from serve_app.snapshot import ClusterSummary
 
 _LATENCY_BOUNDARIES = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
 _DENSITY_BOUNDARIES = [0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0]
+_RATIO_BOUNDARIES = [0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4]
 _SECONDS_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
 
 
@@ -46,6 +47,11 @@ class IngressMetrics:
         self.step_rows = metrics.Histogram(
             "zq_step_rows", "Mean rows of the steps each request ran in, itself included: its slot's concurrent work.",
             boundaries=[1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32], tag_keys=("model",))
+        # The engine's step planner checked (actors/step_cost.py): measured over predicted time of each
+        # request's steps; 1 is a perfect prediction, above 1 steps ran longer than planned.
+        self.step_time_ratio = metrics.Histogram(
+            "zq_step_time_ratio", "Measured over predicted time of the engine steps each request ran in.",
+            boundaries=_RATIO_BOUNDARIES, tag_keys=("model",))
         self.evictions = metrics.Counter(
             "zq_evictions_total", "Idle hot or warm actors retired to make room for a request.",
             tag_keys=("model",))
@@ -65,6 +71,7 @@ class IngressMetrics:
         # Recent dispatch latencies (µs) for /health's jitter figures, and recent requests' densities.
         self._recent_dispatch_us: deque[float] = deque(maxlen=window)
         self._recent_density: deque[tuple[float, float]] = deque(maxlen=window)  # (density, mean step rows)
+        self._recent_step_ratio: deque[float] = deque(maxlen=window)
 
     def set_cluster(self, summary: ClusterSummary) -> None:
         for state, n in summary.actors.items():
@@ -81,6 +88,19 @@ class IngressMetrics:
         self.compute_density.observe(density, tags={"model": model, "tier": tier})
         self.step_rows.observe(step_rows, tags={"model": model})
         self._recent_density.append((density, step_rows))
+
+    def observe_step_ratio(self, model: str, ratio: float) -> None:
+        self.step_time_ratio.observe(ratio, tags={"model": model})
+        self._recent_step_ratio.append(ratio)
+
+    def recent_step_prediction(self) -> dict[str, float | int]:
+        """Recent requests' measured ÷ predicted step time (p50, p90) and the median error |ratio - 1|, for /health."""
+        if not self._recent_step_ratio:
+            return {"count": 0}
+        ratios = sorted(self._recent_step_ratio)
+        errors = sorted(abs(r - 1.0) for r in ratios)
+        return {"count": len(ratios), "p50": round(_rank(ratios, 0.5), 3), "p90": round(_rank(ratios, 0.9), 3),
+                "median_error": round(_rank(errors, 0.5), 3)}
 
     def recent_density(self) -> dict[str, float | int]:
         """Recent requests' compute density (p10 / p50: a low one waited) and mean step rows, for /health."""

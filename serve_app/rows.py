@@ -125,6 +125,8 @@ class Rows:
         density = done.compute_density(admitted.arrival)
         if density is not None:
             self._metrics.observe_density(model, admitted.tier, density, done.mean_step_rows)
+        if done.predicted_step_s > 0 and done.checked_step_s > 0:
+            self._metrics.observe_step_ratio(model, done.checked_step_s / done.predicted_step_s)
 
     def end(self, admitted: Admitted, outcome: Outcome) -> None:
         """Release the request's row, the first time only (later calls are no-ops)."""

@@ -13,6 +13,7 @@ model predictions are malformed:
 
     step_s(rows, tokens) = decode_s_per_token * (1 + batch_row_cost * (rows - 1))
                          + tokens * kv_bytes_per_token / kv_read_bytes_per_s
+                         (actors/step_cost.py: the engine plans its steps with the same rule)
     prefill_s = input_tokens / prefill_tokens_per_s
     hot:  tpot = step_s(1, request tokens);                 ttft = prefill_s
     join: tpot = step_s(rows + 1, batch tokens + request's); ttft = tpot + prefill_s
@@ -37,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
+
+from actors.step_cost import StepCost
 
 if TYPE_CHECKING:
     from serve_app.snapshot import RequestFeatures
@@ -93,10 +96,14 @@ class RuleScorer:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"RuleScorer.{name} must be >= 0, got {getattr(self, name)}")
 
+    def step_cost(self) -> StepCost:
+        """The constants a step's cost needs, for the engine's planner (ActorConfig.step_cost)."""
+        return StepCost(self.decode_s_per_token, self.batch_row_cost, self.prefill_tokens_per_s,
+                        self.kv_read_bytes_per_s)
+
     def step_s(self, rows: int, tokens: int, kv_bytes_per_token: int) -> float:
         """One decode step of `rows` rows whose caches hold `tokens` positions in all."""
-        compute = self.decode_s_per_token * (1.0 + self.batch_row_cost * (rows - 1))
-        return compute + tokens * kv_bytes_per_token / self.kv_read_bytes_per_s
+        return self.step_cost().step_s(rows, 0, tokens, kv_bytes_per_token)
 
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
         prefill_s = features.input_tokens / self.prefill_tokens_per_s

@@ -16,6 +16,7 @@ from actors.checkpoint import load_hf_checkpoint
 from actors.engine import Engine
 from actors.events import BatchFullError, FinishEvent, StartEvent, TokenEvent
 from actors.sampling import SamplingParams
+from actors.step_cost import StepCost
 from actors.tokenizer import Message, Tokenizer
 from weights_tool.synth import synthesize
 
@@ -207,6 +208,47 @@ def test_the_step_clock_gives_each_row_the_steps_it_ran_in_and_their_rows(parts,
     # a: 6 steps (one a token each), b joined for 2 of them; b: those 2 steps, both with a.
     assert (done_a.num_steps, done_a.num_step_rows, done_a.engine_s) == (6, 6 + 2, 6 * 0.25)
     assert (done_b.num_steps, done_b.num_step_rows, done_b.engine_s) == (2, 4, 2 * 0.25)
+
+
+def test_a_decoding_rows_tpot_target_chunks_a_joiners_prompt_finer_and_tokens_stay_the_same(parts, monkeypatch):
+    # The rule prices a step at 10 ms of decode plus 1 ms per prompt token (KV reads ~free), and the
+    # clock agrees with it exactly, so the correction stays 1 and the budget is the rule's.
+    cost = StepCost(decode_s_per_token=0.01, batch_row_cost=0.0, prefill_tokens_per_s=1000.0,
+                    kv_read_bytes_per_s=1e15)
+    reference = make_engine(parts)
+    long_prompt = prompt_ids(reference, PROMPTS[3]) * 3  # ~350 tokens: two chunks at the cap
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    expected = alone(reference, long_prompt, params)
+    engine = Engine(*parts, max_batch=4, prefill_chunk_tokens=256, step_cost=cost)
+    engine.eos_token_ids = frozenset()
+    chunks: list[int] = []
+    real_step = engine.step
+
+    def step(wait_layer=None):  # what the joiner prefilled in each step
+        before = joiner.num_prefilled if joiner is not None else 0
+        real_step(wait_layer)
+        if joiner is not None and before < len(long_prompt):
+            chunks.append(joiner.num_prefilled - before)
+
+    joiner = None
+    monkeypatch.setattr(engine, "step", step)
+    predicted: list[float] = []
+    real_predict = engine._predict
+    monkeypatch.setattr(engine, "_predict", lambda *a: predicted.append(real_predict(*a)) or predicted[-1])
+    monkeypatch.setattr(engine_module._StepClock, "seconds", lambda self: predicted[-1])
+    running, joined = Recorder(), Recorder()
+    # A decoding row that accepts 40 ms steps: 10 ms of decode leaves 30 prompt tokens a step.
+    engine.add(prompt_ids(engine, PROMPTS[0]), SamplingParams(max_tokens=60, temperature=0.0), running,
+               tpot_target_s=0.04)
+    engine.step()
+    joiner = engine.add(long_prompt, params, joined)
+    while engine.has_work:
+        engine.step()
+    assert joined.tokens == expected  # chunking changes when tokens are computed, not which
+    assert max(chunks) <= 30 and sum(chunks) == len(long_prompt) and len(chunks) >= len(long_prompt) // 30
+    done = running.finish
+    assert done.predicted_step_s > 0 and done.checked_step_s == pytest.approx(done.predicted_step_s)
+    assert engine.step_check.num_steps >= len(chunks)
 
 
 def test_compute_density_is_engine_time_over_the_time_in_the_system():

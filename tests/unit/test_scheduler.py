@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.scheduler import RowProgress, plan_step
+from actors.scheduler import RowProgress, plan_step, prefill_budget
+from actors.step_cost import StepCost
 
 rows_strategy = st.lists(
     st.tuples(st.integers(1, 3000), st.integers(0, 3000)).map(lambda t: (t[0], min(t[0], t[1]))),
@@ -57,3 +58,78 @@ def test_budget_is_shared_in_join_order_and_leftovers_go_to_the_earliest():
     rows = [RowProgress(0, 10, 10), RowProgress(1, 500, 0), RowProgress(2, 3, 0), RowProgress(3, 500, 100)]
     # share = 256 // 3 = 85; row 2 needs only 3, so 82 + 1 left over go to row 1 first.
     assert plan_step(rows, 256) == [(0, 1), (1, 85 + 83), (2, 3), (3, 85)]
+
+
+# ---- the budget: steps bounded by the tightest TPOT target of the decoding rows
+
+targeted_rows = st.lists(
+    st.tuples(st.integers(1, 3000), st.integers(0, 3000), st.integers(0, 500),
+              st.one_of(st.none(), st.floats(0.005, 2.0))),
+    min_size=1, max_size=16,
+).map(lambda rs: [RowProgress(i, n, min(n, done), min(n, done) + (out if done >= n else 0), target)
+                  for i, (n, done, out, target) in enumerate(rs)])
+costs = st.builds(StepCost, decode_s_per_token=st.floats(0.001, 0.1), batch_row_cost=st.floats(0.0, 0.5),
+                  prefill_tokens_per_s=st.floats(100.0, 20_000.0), kv_read_bytes_per_s=st.floats(1e8, 1e11))
+KV_BYTES_PER_TOKEN = 4096
+
+
+def _planned_s(rows, plan, cost):
+    decoding = sum(not r.is_prefilling for r in rows)
+    prefill = sum(n for r, (_, n) in zip(rows, plan, strict=True) if r.is_prefilling)
+    kv = sum(r.num_cached + n for r, (_, n) in zip(rows, plan, strict=True))
+    return cost.step_s(decoding, prefill, kv, KV_BYTES_PER_TOKEN)
+
+
+def _budget(rows, cap, cost):
+    def predict(decoding, prefill, kv):
+        return cost.step_s(decoding, prefill, kv, KV_BYTES_PER_TOKEN)
+    return prefill_budget(rows, cap, predict, cost.prefill_token_s(KV_BYTES_PER_TOKEN))
+
+
+@settings(max_examples=500, deadline=None)
+@given(rows=targeted_rows, cap=st.integers(1, 1024), cost=costs)
+def test_a_planned_step_keeps_every_decoding_row_within_its_target_where_any_step_could(rows, cap, cost):
+    plan = plan_step(rows, _budget(rows, cap, cost))
+    decoding = [r for r in rows if not r.is_prefilling]
+    targets = [r.tpot_target_s for r in decoding if r.tpot_target_s is not None]
+    prefilling = [r for r in rows if r.is_prefilling]
+    prefill = sum(n for r, (_, n) in zip(rows, plan, strict=True) if r.is_prefilling)
+    if decoding:
+        assert prefill <= max(cap, len(prefilling))  # never past the configured cap
+    if not targets or not prefilling:
+        return
+    # The shortest step possible: the decode work and one token per prefilling row.
+    shortest = plan_step(rows, 1)
+    if _planned_s(rows, shortest, cost) <= min(targets):
+        assert _planned_s(rows, plan, cost) <= min(targets) * (1 + 1e-9)
+    else:  # the target was broken at admission: the step is the shortest one
+        assert plan == shortest
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=targeted_rows, cap=st.integers(1, 512), cost=costs)
+def test_with_targets_every_prompt_still_finishes(rows, cap, cost):
+    state = {r.row_id: r for r in rows}
+    for _ in range(10_000):
+        current = list(state.values())
+        if not any(r.is_prefilling for r in current):
+            return
+        for row_id, n in plan_step(current, _budget(current, cap, cost)):
+            r = state[row_id]
+            state[row_id] = RowProgress(r.row_id, r.num_prompt_tokens, min(r.num_prompt_tokens, r.num_prefilled + n),
+                                        r.num_cached + n, r.tpot_target_s)
+    raise AssertionError("a prompt never finished")
+
+
+def test_a_tight_target_shrinks_the_chunk_and_no_target_leaves_the_cap():
+    cost = StepCost(decode_s_per_token=0.02, batch_row_cost=0.0, prefill_tokens_per_s=1000.0,
+                    kv_read_bytes_per_s=1e12)
+    decoding = RowProgress(0, 10, 10, 10, tpot_target_s=0.07)
+    joiner = RowProgress(1, 600, 0, 0)
+    # 0.02 s of decode leaves 0.05 s: 50 prompt tokens at 1 ms each (the KV term is ~0 here).
+    assert _budget([decoding, joiner], 256, cost) == 49
+    assert plan_step([decoding, joiner], 49) == [(0, 1), (1, 49)]
+    loose = RowProgress(0, 10, 10, 10, tpot_target_s=None)
+    assert _budget([loose, joiner], 256, cost) == 256
+    broken = RowProgress(0, 10, 10, 10, tpot_target_s=0.01)  # below the decode work alone
+    assert _budget([broken, joiner, RowProgress(2, 5, 0, 0)], 256, cost) == 2  # one token per prefilling row

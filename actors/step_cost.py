@@ -1,0 +1,84 @@
+"""What one step of a batch is predicted to cost, and how far the steps measured agree. Pure: no torch.
+
+A step is one forward over every row (actors/scheduler.py): it reads every weight once for
+the whole batch, computes a little more per decoding row, computes each prompt token of
+the prefill chunks in it, and reads every row's KV cache. The rule, one formula for the
+engine's planner and the router's rule scorer (serve_app/scorer.py):
+
+    step_s = decode_s_per_token * (1 + batch_row_cost * (decoding rows - 1))   (if any row decodes)
+           + prefill tokens / prefill_tokens_per_s
+           + KV positions read * kv_bytes_per_token / kv_read_bytes_per_s
+
+The constants are measured per model and machine (benchmarks/bench_engine.py fits them for
+the served model) and set in the app config (`rule_scorer`). A machine unlike the one they
+were measured on makes every step faster or slower alike, so `StepCheck` keeps a running
+ratio of measured to predicted step time that the planner multiplies in, and the error of
+what it predicted, which the engine logs and the ingress exports per request.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The rule's constants (module docstring). Defaults are placeholders of the right order for a small model."""
+
+    decode_s_per_token: float = 0.03  # one decoding row's step at a short context
+    batch_row_cost: float = 0.05  # a step's extra time per extra decoding row, as a share of a one-row step
+    prefill_tokens_per_s: float = 4000.0
+    kv_read_bytes_per_s: float = 2.0e10
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "kv_read_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"StepCost.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("decode_s_per_token", "batch_row_cost"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"StepCost.{name} must be >= 0, got {getattr(self, name)}")
+
+    def step_s(self, num_decode_rows: int, num_prefill_tokens: int, num_kv_tokens: int,
+               kv_bytes_per_token: int) -> float:
+        """Seconds of one step: `num_kv_tokens` is the KV positions every row's attention reads, summed."""
+        decode = self.decode_s_per_token * (1.0 + self.batch_row_cost * (num_decode_rows - 1)) if num_decode_rows else 0.0
+        return (decode + num_prefill_tokens / self.prefill_tokens_per_s
+                + num_kv_tokens * kv_bytes_per_token / self.kv_read_bytes_per_s)
+
+    def prefill_token_s(self, kv_bytes_per_token: int) -> float:
+        """What one more prompt token adds to a step: its compute, and its own position's KV read."""
+        return 1.0 / self.prefill_tokens_per_s + kv_bytes_per_token / self.kv_read_bytes_per_s
+
+
+class StepCheck:
+    """Measured step times against predicted ones: the correction the planner applies, and the error it makes.
+
+    `correction` is an exponentially weighted mean of measured ÷ rule-predicted (`weight` per
+    step), within [min_correction, max_correction] so that one step stalled by the machine
+    cannot make the planner believe every step takes seconds. `recent_errors` keeps
+    |measured ÷ corrected prediction - 1| of the last `window` steps: the planner's own error.
+    """
+
+    def __init__(self, weight: float = 0.1, window: int = 256, min_correction: float = 0.25,
+                 max_correction: float = 4.0) -> None:
+        if not 0 < weight <= 1 or window < 1 or not 0 < min_correction <= 1 <= max_correction:
+            raise ValueError(f"StepCheck needs 0 < weight <= 1, window >= 1 and min <= 1 <= max correction, got "
+                             f"{weight}, {window}, {min_correction}, {max_correction}")
+        self.weight, self.min_correction, self.max_correction = weight, min_correction, max_correction
+        self.correction = 1.0
+        self.num_steps = 0
+        self.recent_errors: deque[float] = deque(maxlen=window)
+
+    def observe(self, rule_s: float, measured_s: float) -> None:
+        """One measured step whose rule prediction (before correction) was `rule_s`."""
+        if rule_s <= 0 or measured_s <= 0:
+            return
+        self.recent_errors.append(abs(measured_s / (rule_s * self.correction) - 1.0))
+        ratio = min(self.max_correction, max(self.min_correction, measured_s / rule_s))
+        self.correction = (1 - self.weight) * self.correction + self.weight * ratio
+        self.num_steps += 1
+
+    def median_error(self) -> float | None:
+        return statistics.median(self.recent_errors) if self.recent_errors else None

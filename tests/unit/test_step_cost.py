@@ -1,0 +1,52 @@
+"""The step rule and its run-time check: one formula for the planner and the router, corrected by measured steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.step_cost import StepCheck, StepCost
+from serve_app.scorer import RuleScorer
+
+
+def test_a_step_is_its_decode_work_its_prompt_tokens_and_its_kv_reads():
+    cost = StepCost(decode_s_per_token=0.02, batch_row_cost=0.1, prefill_tokens_per_s=1000.0, kv_read_bytes_per_s=1e9)
+    assert cost.step_s(1, 0, 0, 1000) == pytest.approx(0.02)
+    assert cost.step_s(5, 0, 0, 1000) == pytest.approx(0.02 * 1.4)  # 4 more rows, 10% each
+    assert cost.step_s(0, 300, 0, 1000) == pytest.approx(0.3)  # nobody decodes: the prompt alone
+    assert cost.step_s(2, 100, 2_000_000, 1000) == pytest.approx(0.022 + 0.1 + 2.0)
+    assert cost.prefill_token_s(1000) == pytest.approx(1e-3 + 1e-6)
+
+
+def test_the_router_predicts_decode_steps_with_the_same_rule():
+    rule = RuleScorer(decode_s_per_token=0.05, batch_row_cost=0.2, prefill_tokens_per_s=500.0, kv_read_bytes_per_s=4e9)
+    assert rule.step_cost() == StepCost(0.05, 0.2, 500.0, 4e9)
+    assert rule.step_s(3, 1000, 2048) == rule.step_cost().step_s(3, 0, 1000, 2048)
+
+
+@pytest.mark.parametrize("field", ["prefill_tokens_per_s", "kv_read_bytes_per_s"])
+def test_rates_must_be_positive(field):
+    with pytest.raises(ValueError, match=field):
+        StepCost(**{field: 0.0})
+
+
+def test_the_correction_follows_steps_that_run_slower_than_the_rule_and_the_error_shrinks():
+    check = StepCheck(weight=0.2)
+    for _ in range(60):  # the constants were measured on a machine 3x as fast
+        check.observe(0.01, 0.03)
+    assert check.correction == pytest.approx(3.0, rel=1e-3)
+    assert check.median_error() < 0.01  # the corrected prediction is what is checked
+    assert check.num_steps == 60
+
+
+def test_one_stalled_step_moves_the_correction_by_a_bounded_amount():
+    check = StepCheck(weight=0.1, max_correction=4.0)
+    check.observe(0.01, 100.0)  # the machine stalled for 100 s
+    assert check.correction == pytest.approx(0.9 + 0.1 * 4.0)
+    assert check.median_error() == pytest.approx(100.0 / 0.01 - 1)
+
+
+def test_a_step_without_a_prediction_or_a_time_is_not_counted():
+    check = StepCheck()
+    check.observe(0.0, 0.5)
+    check.observe(0.5, 0.0)
+    assert (check.num_steps, check.correction, check.median_error()) == (0, 1.0, None)
