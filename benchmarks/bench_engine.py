@@ -13,7 +13,11 @@ profile's shapes: 128-token prompts, decode steps at that context.
 2. The CPU slot's trade-off at equal rows, with the compute dtype `auto` picks here: two
    slots of one thread each (two processes stepping at once, B rows each) against one slot of
    two threads (one process, 2B rows). Aggregate decode tokens/s and per-row TPOT.
-3. Why: the weight bytes a second the kernels stream for 1 and 8 rows (60 of the model's MLP
+3. The rule's constants (actors/step_cost.py, the app config's `rule_scorer`) fitted for the
+   served model as an actor computes it (`auto`'s dtype, one thread): the step at batch 1,
+   a step's growth per extra row (the median over the batch sizes), prefill tokens a second,
+   and the KV bytes a second the extra reads of a batch at a long context cost.
+4. Why: the weight bytes a second the kernels stream for 1 and 8 rows (60 of the model's MLP
    weights, 212 MB in fp32: beyond any cache, as in a real step) at 1 and 2 threads, beside a
    plain sum over 540 MB (what the memory system gives one reader).
 
@@ -37,10 +41,12 @@ from benchmarks.common import cores, cpu_model, load_average, python_version, ve
 
 log = logging.getLogger("bench_engine")
 PROMPT_TOKENS = 128
+LONG_CONTEXT, LONG_BATCH = 1024, 8  # the KV term's step: 8 rows of 1,024 tokens against 8 of 128
 DTYPES = ("bfloat16", "float32")
 
 
-def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, barrier=None) -> dict:
+def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, barrier=None,
+             is_long_context: bool = False) -> dict:
     """In a fresh process: prefill seconds of one prompt, and the median decode step per batch size."""
     import torch
 
@@ -52,7 +58,9 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     torch.set_num_threads(threads)
     model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=dtype)
     engine = Engine(model, tokenizer, max_batch=max(batches), prefill_chunk_tokens=1_000_000)
-    out: dict = {"dtype": str(model.dtype).removeprefix("torch."), "prefill_s": [], "step_s": {}}
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    out: dict = {"dtype": dtype_name, "prefill_s": [], "step_s": {},
+                 "kv_bytes_per_token": model.config.kv_bytes_per_token(dtype_name)}
     for attempt in range(3):  # the first touches every buffer; the later two are timed
         row = engine.add(random_prompt(PROMPT_TOKENS, attempt), SamplingParams(max_tokens=1, temperature=0.0),
                          raise_errors)
@@ -66,6 +74,9 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
         barrier.wait()  # both slots start stepping together
     for batch in batches:
         out["step_s"][str(batch)] = step_time(engine, batch, PROMPT_TOKENS, steps)
+    if is_long_context:
+        out["long_step_s"] = step_time(engine, LONG_BATCH, LONG_CONTEXT, steps)
+        out["short_step_s"] = step_time(engine, LONG_BATCH, PROMPT_TOKENS, steps)
     return out
 
 
@@ -104,7 +115,8 @@ def _kernels(threads: int, barrier=None) -> dict:
 
 
 def _in_process(args: tuple) -> dict:
-    return _measure(*args)
+    *first, barrier = args
+    return _measure(*first[:5], barrier, *first[5:])
 
 
 def _run(pool_args: list[tuple]) -> list[dict]:
@@ -124,7 +136,7 @@ def measure(zqs: str, batches: list[int], steps: int, repeats: int) -> dict:
     for repeat in range(repeats):
         for dtype in DTYPES:
             for threads in (1, 2):
-                [r] = _run([(zqs, dtype, threads, batches, steps)])
+                [r] = _run([(zqs, dtype, threads, batches, steps, dtype == auto and threads == 1)])
                 cells.setdefault(f"{dtype}/{threads}", []).append(r)
                 log.info("repeat %d %s x %d thread(s): prefill %.0f ms, steps %s", repeat, dtype, threads,
                          statistics.median(r["prefill_s"]) * 1e3,
@@ -142,6 +154,43 @@ def _run_kernels(threads: int) -> dict:
     ctx = mp.get_context("spawn")
     with ctx.Pool(1) as pool:
         return pool.apply(_kernels, (threads,))
+
+
+def fit_rule(runs: list[dict], batches: list[int]) -> dict[str, float]:
+    """The rule's constants (actors/step_cost.py) from one cell's runs (module docstring, 3)."""
+    one = _median_step(runs, 1)
+    growth = [(_median_step(runs, b) / one - 1) / (b - 1) for b in batches if b > 1]
+    prefill = statistics.median(statistics.median(r["prefill_s"]) for r in runs)
+    extra_s = statistics.median(r["long_step_s"] - r["short_step_s"] for r in runs)
+    extra_bytes = LONG_BATCH * (LONG_CONTEXT - PROMPT_TOKENS) * runs[0]["kv_bytes_per_token"]
+    return {"decode_s_per_token": one, "batch_row_cost": max(0.0, statistics.median(growth)),
+            "prefill_tokens_per_s": PROMPT_TOKENS / prefill,
+            "kv_read_bytes_per_s": extra_bytes / extra_s if extra_s > 0 else float("inf")}
+
+
+def rule_constants(data: dict) -> list[str]:
+    auto = data["auto"]
+    runs = data["cells"][f"{auto}/1"]
+    batches = sorted(int(b) for b in runs[0]["step_s"])
+    rule = fit_rule(runs, batches)
+    return [
+        f"## 3. The rule's constants for this model and machine ({auto}, one thread: as an actor computes)",
+        "",
+        "For the app config's `rule_scorer` (the router's predictions and the engine's step planner, "
+        "actors/step_cost.py):",
+        "",
+        "```yaml",
+        "rule_scorer:",
+        f"  decode_s_per_token: {rule['decode_s_per_token']:.4f}   # the step at batch 1",
+        f"  batch_row_cost: {rule['batch_row_cost']:.3f}   # per extra row, a share of that step (median over "
+        f"batches {', '.join(str(b) for b in batches if b > 1)})",
+        f"  prefill_tokens_per_s: {rule['prefill_tokens_per_s']:.0f}   # a {PROMPT_TOKENS}-token prompt",
+        f"  kv_read_bytes_per_s: {rule['kv_read_bytes_per_s']:.3g}   # {LONG_BATCH} rows at {LONG_CONTEXT} tokens "
+        f"against {PROMPT_TOKENS}: "
+        + " / ".join(f"{statistics.median(r[k] for r in runs) * 1e3:.1f}" for k in ("long_step_s", "short_step_s"))
+        + " ms",
+        "```",
+    ]
 
 
 def _median_step(runs: list[dict], batch: int) -> float:
@@ -197,10 +246,11 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
         one = statistics.median(r[0]["step_s"][str(2 * b)] for r in data["slots"]["1x2"])
         lines.append(f"| {2 * b} | {two * 1e3:.1f} | {2 * b / two:.0f} | {one * 1e3:.1f} | {2 * b / one:.0f} | "
                      f"{two / one:.2f} |")
+    lines += ["", *rule_constants(data)]
     kernels = data["kernels"]
     lines += [
         "",
-        "## 3. What the kernels stream (GB of weights a second, fresh process, nothing cached)",
+        "## 4. What the kernels stream (GB of weights a second, fresh process, nothing cached)",
         "",
         "| kernel | 1 thread | 2 threads |",
         "|---|--:|--:|",

@@ -32,7 +32,7 @@ and the simulator all call the same code.
    slot the pool already holds — a fresh deployment serves its first requests this way
    instead of refusing them until its pool is warm.
 3. The scorer predicts TTFT, total time and TPOT per candidate; the fastest (TTFT, then
-   total, then candidate order) that meets the request's latency targets wins — and a
+   total, then the most TPOT slack, then candidate order) that meets the request's latency targets wins — and a
    join must also keep every row already running within its own TPOT target, since the
    new row slows every step of that batch. The decision carries the chosen candidate and
    its prediction. Predictions that are malformed (wrong count, NaN, negative, ttft >
@@ -375,7 +375,9 @@ def _is_well_formed(p: Any) -> bool:
 
 def _fastest(features: RequestFeatures, predictions: Sequence[Prediction],
              running_tpot_limits: Sequence[float | None]) -> int | None:
-    """Index of the lowest (ttft, total) that meets the targets, its own and its batch's; the first on ties."""
+    """Index of the lowest (ttft, total) that meets the targets, its own and its batch's; on ties the one with
+    the most TPOT slack (the batch whose rows, this one included, are furthest within their targets), then
+    the first."""
     best, best_key = None, None
     for i, (p, limit) in enumerate(zip(predictions, running_tpot_limits, strict=True)):
         if features.ttft_target_s is not None and p.ttft_s > features.ttft_target_s:
@@ -386,7 +388,9 @@ def _fastest(features: RequestFeatures, predictions: Sequence[Prediction],
             continue
         if limit is not None and p.tpot_s > limit:
             continue  # joining would slow a running row past its own target
-        key = (p.ttft_s, p.total_s)
+        targets = [t for t in (features.tpot_target_s, limit) if t is not None]
+        slack = min(targets) - p.tpot_s if targets else math.inf
+        key = (p.ttft_s, p.total_s, -slack)
         if best_key is None or key < best_key:
             best, best_key = i, key
     return best

@@ -288,6 +288,15 @@ def test_a_join_must_keep_every_running_row_within_its_tpot_target():
     assert isinstance(decide(_features(tpot_target_s=0.5), roomy, POLICY), Join)
 
 
+def test_of_equally_fast_joins_the_batch_with_the_most_tpot_slack_is_taken():
+    # The same rows and KV in both: the same predicted step; "loose" keeps its rows further within target.
+    snap = _snap([_busy_slot("a"), _busy_slot("b")], [
+        _actor("tight", "a", state="busy", rows=2, tpot=0.04),
+        _actor("loose", "b", state="busy", rows=2, tpot=0.4),
+    ])
+    assert decide(_features(), snap, POLICY).actor_name == "loose"
+
+
 # ---------------------------------------------------------------- the scorer
 
 
