@@ -27,8 +27,8 @@ class ActorConfig:
     # except on a CPU without native 16-bit arithmetic, where a bf16 model computes several
     # times slower than in fp32 (benchmarks/results/engine.md) and is widened, at 2x its memory.
     compute_dtype: str = "auto"
-    # Rows a hot actor runs at once (the policy's max_batch: the ingress sets both from one value).
-    max_batch: int = 8
+    # Rows a hot actor runs at most (the policy's max_batch, a safety cap: the ingress sets both from one value).
+    max_batch: int = 32
     # The most prompt tokens one step may add while other rows decode: a joiner's prompt is
     # chunked so that running rows wait at most one step of this size, and less where a decoding
     # row's TPOT target needs shorter steps (actors/scheduler.py).

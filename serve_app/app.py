@@ -241,6 +241,8 @@ class Ingress:
             "compute_density": self.metrics.recent_density(),
             # The engine's steps, measured over predicted (actors/step_cost.py), over recent requests.
             "step_time_ratio": self.metrics.recent_step_prediction(),
+            # The router's predicted TTFT against the measured one, per tier (hot, warm, cold).
+            "ttft_ratio": self.metrics.recent_ttft_prediction(),
             "actors": {state: n for state, n in summary.actors.items() if n},
             "rows": summary.num_rows,
             "batch_occupancy": round(summary.batch_occupancy, 3),

@@ -52,6 +52,9 @@ class IngressMetrics:
         self.step_time_ratio = metrics.Histogram(
             "zq_step_time_ratio", "Measured over predicted time of the engine steps each request ran in.",
             boundaries=_RATIO_BOUNDARIES, tag_keys=("model",))
+        self.ttft_ratio = metrics.Histogram(
+            "zq_ttft_ratio", "Measured over predicted TTFT of each admitted request, by the tier it ran on.",
+            boundaries=_RATIO_BOUNDARIES, tag_keys=("model", "tier"))
         self.evictions = metrics.Counter(
             "zq_evictions_total", "Idle hot or warm actors retired to make room for a request.",
             tag_keys=("model",))
@@ -72,6 +75,7 @@ class IngressMetrics:
         self._recent_dispatch_us: deque[float] = deque(maxlen=window)
         self._recent_density: deque[tuple[float, float]] = deque(maxlen=window)  # (density, mean step rows)
         self._recent_step_ratio: deque[float] = deque(maxlen=window)
+        self._recent_ttft_ratio: dict[str, deque[float]] = {}  # by tier
 
     def set_cluster(self, summary: ClusterSummary) -> None:
         for state, n in summary.actors.items():
@@ -92,6 +96,18 @@ class IngressMetrics:
     def observe_step_ratio(self, model: str, ratio: float) -> None:
         self.step_time_ratio.observe(ratio, tags={"model": model})
         self._recent_step_ratio.append(ratio)
+
+    def observe_ttft_ratio(self, model: str, tier: str, ratio: float) -> None:
+        self.ttft_ratio.observe(ratio, tags={"model": model, "tier": tier})
+        self._recent_ttft_ratio.setdefault(tier, deque(maxlen=self._recent_step_ratio.maxlen)).append(ratio)
+
+    def recent_ttft_prediction(self) -> dict[str, dict[str, float | int]]:
+        """Per tier: recent measured ÷ predicted TTFT (p50, p90), for /health."""
+        out = {}
+        for tier, recent in sorted(self._recent_ttft_ratio.items()):
+            ratios = sorted(recent)
+            out[tier] = {"count": len(ratios), "p50": round(_rank(ratios, 0.5), 3), "p90": round(_rank(ratios, 0.9), 3)}
+        return out
 
     def recent_step_prediction(self) -> dict[str, float | int]:
         """Recent requests' measured ÷ predicted step time (p50, p90) and the median error |ratio - 1|, for /health."""

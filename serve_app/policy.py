@@ -16,7 +16,7 @@ and the simulator all call the same code.
      waits on it, and it skips a cold start). A long request never takes a short-lane
      actor: that is the isolation the short lane exists for.
    - join: busy hot actors of the model *and of the request's lane* with fewer than
-     `max_batch` rows, whose slot has `dispatch_bytes` free — the `max_candidates` least
+     `max_batch` rows (a safety cap: targets, below, set a batch's size), whose slot has `dispatch_bytes` free — the `max_candidates` least
      loaded of them (fewest rows, then fewest KV positions). The request becomes one more
      row; it waits for nothing but the actor's next step boundary.
    - warm: warm actors of the model filled for the request's lane (started ahead of any
@@ -108,8 +108,10 @@ class PolicyConfig:
     # An idle hot actor retires after this long idle; a model's warm actors retire (and are
     # not refilled) once the model has had no request for this long. None: never.
     max_idle_s: float | None = None
-    # Rows a hot actor runs at once; 1 turns joining off (a hot actor serves one request).
-    max_batch: int = 8
+    # A safety cap on the rows a hot actor runs at once, not the policy: a row joins while the
+    # batch's predicted step keeps every row within its TPOT target and the slot has room for its
+    # KV (module doc, 3). Without TPOT targets only this and memory bound a batch. 1 turns joining off.
+    max_batch: int = 32
     # Per actor process beyond its weights (a GPU actor's CUDA context): unmeasured here; set it per deployment.
     actor_overhead_bytes: int = 512 * MiB
     max_actors_per_slot: int = 1  # 1 for num_gpus=1 actors

@@ -116,7 +116,11 @@ class Rows:
         admitted.completion = done
         t, model = done.timings, admitted.model_id
         if t.first_token is not None:
-            self._metrics.ttft.observe(t.first_token - admitted.arrival, tags={"model": model, "kind": admitted.tier})
+            ttft = t.first_token - admitted.arrival
+            self._metrics.ttft.observe(ttft, tags={"model": model, "kind": admitted.tier})
+            predicted = getattr(admitted.decision, "prediction", None)
+            if predicted is not None and predicted.ttft_s > 0:
+                self._metrics.observe_ttft_ratio(model, admitted.tier, ttft / predicted.ttft_s)
             if admitted.tier == "cold":
                 self._metrics.cold_start.observe(t.first_token - t.actor_start, tags={"model": model})
         if t.last_token is not None and done.output_tokens > 1:

@@ -106,3 +106,7 @@ def test_a_newcomer_whose_own_target_a_join_would_break_is_refused_not_slowed(ca
         gate.touch()
         assert all(f.result(60).is_complete for f in [*held, loose])
     assert_nothing_left(server)
+    # Each request's steps measured against their prediction, and its TTFT against the router's, per tier.
+    health = httpx.get(f"{server.base}/health", timeout=30).json()
+    assert health["step_time_ratio"]["count"] >= 3 and health["step_time_ratio"]["p50"] > 0, health
+    assert health["ttft_ratio"]["hot"]["count"] >= 2 and health["ttft_ratio"]["hot"]["p50"] > 0, health
