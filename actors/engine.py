@@ -214,8 +214,8 @@ class Engine:
         for row, token_id in zip(rows, ids, strict=True):
             self._deliver(row, token_id, now)
 
-    def _rule_step_s(self, num_decode_rows: int, num_prefill_tokens: int, num_kv_tokens: int) -> float:
-        return self.step_check.correction * self.step_cost.step_s(num_decode_rows, num_prefill_tokens, num_kv_tokens,
+    def _rule_step_s(self, num_rows: int, num_extra_prompt_tokens: int, num_kv_tokens: int) -> float:
+        return self.step_check.correction * self.step_cost.step_s(num_rows, num_extra_prompt_tokens, num_kv_tokens,
                                                                   self._kv_bytes_per_token)
 
     def _prefill_budget(self, progress: list[RowProgress]) -> int:
@@ -224,11 +224,10 @@ class Engine:
 
     def _predict(self, progress: list[RowProgress], plan: list[tuple[int, int]]) -> float:
         """The planned step's predicted seconds, the correction included."""
-        num_decode = sum(not r.is_prefilling for r in progress)
-        num_prefill = sum(n for r, (_, n) in zip(progress, plan, strict=True) if r.is_prefilling)
+        num_extra = sum(n - 1 for r, (_, n) in zip(progress, plan, strict=True) if r.is_prefilling)
         # Every row reads its cache after this step's positions are written.
         num_kv = sum(r.num_cached + n for r, (_, n) in zip(progress, plan, strict=True))
-        return self._rule_step_s(num_decode, num_prefill, num_kv)
+        return self._rule_step_s(len(progress), num_extra, num_kv)
 
     def _log_check(self) -> None:
         check = self.step_check

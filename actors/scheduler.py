@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-# (decoding rows, prompt tokens, KV positions read) -> predicted seconds of the step
+# (rows, prompt tokens beyond each row's first, KV positions read) -> predicted seconds of the step
 PredictStep = Callable[[int, int, int], float]
 
 
@@ -86,7 +86,8 @@ def prefill_budget(rows: Sequence[RowProgress], max_chunk_tokens: int, predict_s
     if not targets:
         return max_chunk_tokens
     num_prefilling = len(rows) - len(decoding)
-    # Decoding rows read their cache and one new position; prefilling rows what they hold so far.
-    base_s = predict_step_s(len(decoding), 0, sum(r.num_cached + (not r.is_prefilling) for r in rows))
-    fits = int((min(targets) - base_s) / prefill_token_s)
+    # The shortest step: every row one token (a decoding row's, a prefilling row's next prompt token),
+    # each reading its cache and that position; what is left of the target buys further prompt tokens.
+    base_s = predict_step_s(len(rows), 0, sum(r.num_cached + 1 for r in rows))
+    fits = num_prefilling + int((min(targets) - base_s) / prefill_token_s)
     return max(num_prefilling, 1, min(max_chunk_tokens, fits))

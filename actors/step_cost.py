@@ -1,13 +1,18 @@
 """What one step of a batch is predicted to cost, and how far the steps measured agree. Pure: no torch.
 
 A step is one forward over every row (actors/scheduler.py): it reads every weight once for
-the whole batch, computes a little more per decoding row, computes each prompt token of
-the prefill chunks in it, and reads every row's KV cache. The rule, one formula for the
+the whole batch, computes a little more per row, computes each further prompt token of the
+prefill chunks in it, and reads every row's KV cache. The rule, one formula for the
 engine's planner and the router's rule scorer (serve_app/scorer.py):
 
-    step_s = decode_s_per_token * (1 + batch_row_cost * (decoding rows - 1))   (if any row decodes)
-           + prefill tokens / prefill_tokens_per_s
+    step_s = decode_s_per_token * (1 + batch_row_cost * (rows - 1))
+           + prompt tokens beyond each row's first / prefill_tokens_per_s
            + KV positions read * kv_bytes_per_token / kv_read_bytes_per_s
+
+A row counts once whether it decodes a token or prefills a chunk (either way the step reads
+every weight for it and samples from its last position); a prompt of n tokens alone takes
+`prefill_s(n)` = decode_s_per_token + (n - 1) / prefill_tokens_per_s: the weights' pass, then
+the marginal cost of each further token.
 
 The constants are measured per model and machine (benchmarks/bench_engine.py fits them for
 the served model) and set in the app config (`rule_scorer`). A machine unlike the one they
@@ -27,9 +32,9 @@ from dataclasses import dataclass
 class StepCost:
     """The rule's constants (module docstring). Defaults are placeholders of the right order for a small model."""
 
-    decode_s_per_token: float = 0.03  # one decoding row's step at a short context
-    batch_row_cost: float = 0.05  # a step's extra time per extra decoding row, as a share of a one-row step
-    prefill_tokens_per_s: float = 4000.0
+    decode_s_per_token: float = 0.03  # one row's step at a short context
+    batch_row_cost: float = 0.05  # a step's extra time per extra row, as a share of a one-row step
+    prefill_tokens_per_s: float = 4000.0  # marginal: each prompt token beyond a row's first
     kv_read_bytes_per_s: float = 2.0e10
 
     def __post_init__(self) -> None:
@@ -40,12 +45,17 @@ class StepCost:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"StepCost.{name} must be >= 0, got {getattr(self, name)}")
 
-    def step_s(self, num_decode_rows: int, num_prefill_tokens: int, num_kv_tokens: int,
+    def step_s(self, num_rows: int, num_extra_prompt_tokens: int, num_kv_tokens: int,
                kv_bytes_per_token: int) -> float:
-        """Seconds of one step: `num_kv_tokens` is the KV positions every row's attention reads, summed."""
-        decode = self.decode_s_per_token * (1.0 + self.batch_row_cost * (num_decode_rows - 1)) if num_decode_rows else 0.0
-        return (decode + num_prefill_tokens / self.prefill_tokens_per_s
+        """Seconds of one step of `num_rows` rows (>= 1), `num_extra_prompt_tokens` prompt tokens beyond each
+        row's one, and `num_kv_tokens` KV positions read by every row's attention, summed."""
+        rows = self.decode_s_per_token * (1.0 + self.batch_row_cost * (max(1, num_rows) - 1))
+        return (rows + num_extra_prompt_tokens / self.prefill_tokens_per_s
                 + num_kv_tokens * kv_bytes_per_token / self.kv_read_bytes_per_s)
+
+    def prefill_s(self, num_prompt_tokens: int) -> float:
+        """One row's prompt in a step of its own (its KV reads aside): the weights' pass, then each further token."""
+        return self.decode_s_per_token + max(0, num_prompt_tokens - 1) / self.prefill_tokens_per_s
 
     def prefill_token_s(self, kv_bytes_per_token: int) -> float:
         """What one more prompt token adds to a step: its compute, and its own position's KV read."""

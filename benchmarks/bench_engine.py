@@ -15,7 +15,8 @@ profile's shapes: 128-token prompts, decode steps at that context.
    two threads (one process, 2B rows). Aggregate decode tokens/s and per-row TPOT.
 3. The rule's constants (actors/step_cost.py, the app config's `rule_scorer`) fitted for the
    served model as an actor computes it (`auto`'s dtype, one thread): the step at batch 1,
-   a step's growth per extra row (the median over the batch sizes), prefill tokens a second,
+   a step's growth per extra row (the median over the batch sizes), prompt tokens a second
+   beyond a one-row step,
    and the KV bytes a second the extra reads of a batch at a long context cost.
 4. Why: the weight bytes a second the kernels stream for 1 and 8 rows (60 of the model's MLP
    weights, 212 MB in fp32: beyond any cache, as in a real step) at 1 and 2 threads, beside a
@@ -164,7 +165,8 @@ def fit_rule(runs: list[dict], batches: list[int]) -> dict[str, float]:
     extra_s = statistics.median(r["long_step_s"] - r["short_step_s"] for r in runs)
     extra_bytes = LONG_BATCH * (LONG_CONTEXT - PROMPT_TOKENS) * runs[0]["kv_bytes_per_token"]
     return {"decode_s_per_token": one, "batch_row_cost": max(0.0, statistics.median(growth)),
-            "prefill_tokens_per_s": PROMPT_TOKENS / prefill,
+            # Marginal: the prompt's step less a one-row step (its weights' pass), per further token.
+            "prefill_tokens_per_s": (PROMPT_TOKENS - 1) / (prefill - one),
             "kv_read_bytes_per_s": extra_bytes / extra_s if extra_s > 0 else float("inf")}
 
 
@@ -184,7 +186,8 @@ def rule_constants(data: dict) -> list[str]:
         f"  decode_s_per_token: {rule['decode_s_per_token']:.4f}   # the step at batch 1",
         f"  batch_row_cost: {rule['batch_row_cost']:.3f}   # per extra row, a share of that step (median over "
         f"batches {', '.join(str(b) for b in batches if b > 1)})",
-        f"  prefill_tokens_per_s: {rule['prefill_tokens_per_s']:.0f}   # a {PROMPT_TOKENS}-token prompt",
+        f"  prefill_tokens_per_s: {rule['prefill_tokens_per_s']:.0f}   # a {PROMPT_TOKENS}-token prompt's step less "
+        f"a one-row step, per further token",
         f"  kv_read_bytes_per_s: {rule['kv_read_bytes_per_s']:.3g}   # {LONG_BATCH} rows at {LONG_CONTEXT} tokens "
         f"against {PROMPT_TOKENS}: "
         + " / ".join(f"{statistics.median(r[k] for r in runs) * 1e3:.1f}" for k in ("long_step_s", "short_step_s"))
@@ -266,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zqs", default=".cache/models/smollm2-135m-instruct.zqs",
                         help="the served model (`make serve` packs it there)")
     parser.add_argument("--out", help="default benchmarks/results/engine.md (.cache/bench/engine/ with --quick)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the report from the run's JSON beside --out, measuring nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not Path(args.zqs).exists():
@@ -274,6 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     batches, steps, repeats = ([1, 8], 4, 1) if args.quick else ([1, 4, 8, 16], 16, 2)
     out = Path(args.out or (".cache/bench/engine/engine.md" if args.quick else "benchmarks/results/engine.md"))
+    if args.report_only:
+        data = json.loads(out.with_suffix(".json").read_text())
+        text = out.read_text()
+        header, _, _ = text.partition("## 1.")
+        # The run's own header (its command, machine, load and duration) stays; the sections are rewritten.
+        sections = report({k: v for k, v in data.items() if k != "command"}, batches, steps, repeats, "", 0.0,
+                          (0.0, 0.0))
+        out.write_text(header + "## 1." + sections.partition("## 1.")[2])
+        print(out.read_text())
+        return 0
     command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_engine", *(argv or sys.argv[1:])])
     load_start = load_average()[0]
     t0 = time.monotonic()

@@ -117,7 +117,7 @@ SUMMARY_MAX_AGE_S = 1.0
 
 class RegistryState:
     def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
-                 max_idle_s: float | None = None, max_batch: int = 8) -> None:
+                 max_idle_s: float | None = None, max_batch: int = 32) -> None:
         self.books = Books(max_actors_per_slot, spawn_grace_s, max_idle_s, max_batch)
         self.warm = WarmBooks(self.books)
         self.recovery = Recovery(self.books, self.finish)
@@ -226,12 +226,12 @@ class RegistryState:
             self.leases.give_back(replica_id, row_id, now)
         self.books.last_request_at[features.model] = now
         snapshot = self.snapshot()
-        decision = decide(features, snapshot, policy, scorer)
+        decision = decide(features, snapshot, policy, scorer, now)
         if (isinstance(decision, Reject) and decision.retry_after_s is not None and lease is not None
                 and self.leases.recall_free_row(features.model, policy.lane(features.input_tokens, features.max_tokens),
                                                 features.dispatch_bytes, replica_id, now)):
             snapshot = self.snapshot()  # a row other replicas left free may take it
-            decision = decide(features, snapshot, policy, scorer)
+            decision = decide(features, snapshot, policy, scorer, now)
             self.counters["recalled"] += 1
         if isinstance(decision, Reject):
             self.counters["reject"] += 1

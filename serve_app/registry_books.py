@@ -24,7 +24,7 @@ from serve_app.snapshot import ActorView, ClusterSnapshot, SlotView
 
 class Books:
     def __init__(self, max_actors_per_slot: int = 1, spawn_grace_s: float = 10.0,
-                 max_idle_s: float | None = None, max_batch: int = 8) -> None:
+                 max_idle_s: float | None = None, max_batch: int = 32) -> None:
         if max_actors_per_slot < 1 or max_batch < 1:
             raise ValueError(f"max_actors_per_slot and max_batch must be >= 1, got {max_actors_per_slot}, {max_batch}")
         if spawn_grace_s < 0 or (max_idle_s is not None and max_idle_s < 0):

@@ -14,14 +14,18 @@ model predictions are malformed:
     step_s(rows, tokens) = decode_s_per_token * (1 + batch_row_cost * (rows - 1))
                          + tokens * kv_bytes_per_token / kv_read_bytes_per_s
                          (actors/step_cost.py: the engine plans its steps with the same rule)
-    prefill_s = input_tokens / prefill_tokens_per_s
+    prefill_s = decode_s_per_token + (input_tokens - 1) / prefill_tokens_per_s
+                (the weights' pass, then each further prompt token: actors/step_cost.py)
     hot:  tpot = step_s(1, request tokens);                 ttft = prefill_s
     join: tpot = step_s(rows + 1, batch tokens + request's); ttft = tpot + prefill_s
           (the next step boundary, then its prompt; the batch keeps decoding beside it)
     warm: tpot = step_s(1, request tokens);  ttft = (1 - resident_fraction) * weight_bytes / load_bytes_per_s
                                                    + prefill_s  (the process is up; the rest streams in)
     cold: tpot = step_s(1, request tokens);  ttft = actor_start_s + weight_bytes / load_bytes_per_s + prefill_s
+          (a warming actor, its process `starting_s` along: max(0, actor_start_s - starting_s) for the start)
     total_s = ttft + max_tokens * tpot
+    (every ttft also counts `overhead_s`: arrival at the ingress to the actor's first step — parsing,
+    the decision, the hops — measured per deployment; 0 by default)
 
 A decode step reads every weight once for the whole batch, so a row more costs a little
 compute (`batch_row_cost`) and its KV reads, not another pass over the weights. The
@@ -62,6 +66,7 @@ class Candidate:
     batch_rows: int = 0  # rows the actor runs now (join); 0 for an idle or a fresh actor
     batch_tokens: int = 0  # KV positions those rows read per step, at most
     resident_fraction: float = 0.0  # share of the weights already loaded: 1 hot or join, a warm actor's N/L-ish
+    starting_s: float = 0.0  # how long a warming actor's process has been starting (0: a fresh one)
 
 
 @dataclass(frozen=True)
@@ -87,12 +92,13 @@ class RuleScorer:
     actor_start_s: float = 3.0  # process start, CUDA context, model skeleton
     batch_row_cost: float = 0.05  # a step's extra time per extra row, as a share of a one-row step
     kv_read_bytes_per_s: float = 2.0e10
+    overhead_s: float = 0.0  # the control plane's part of every TTFT (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "load_bytes_per_s", "kv_read_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RuleScorer.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("decode_s_per_token", "actor_start_s", "batch_row_cost"):
+        for name in ("decode_s_per_token", "actor_start_s", "batch_row_cost", "overhead_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"RuleScorer.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -106,7 +112,7 @@ class RuleScorer:
         return self.step_cost().step_s(rows, 0, tokens, kv_bytes_per_token)
 
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
-        prefill_s = features.input_tokens / self.prefill_tokens_per_s
+        prefill_s = self.overhead_s + self.step_cost().prefill_s(features.input_tokens)
         own_tokens, per_token = features.input_tokens + features.max_tokens, features.kv_bytes_per_token
         alone = self.step_s(1, own_tokens, per_token)
         cold_ttft_s = self.actor_start_s + features.weight_bytes / self.load_bytes_per_s + prefill_s
@@ -118,6 +124,8 @@ class RuleScorer:
             elif c.kind == "warm":
                 to_load = max(0.0, 1.0 - c.resident_fraction) * features.weight_bytes
                 tpot, ttft = alone, to_load / self.load_bytes_per_s + prefill_s
+            elif c.kind == "cold" and c.starting_s > 0:
+                tpot, ttft = alone, cold_ttft_s - min(self.actor_start_s, c.starting_s)
             else:
                 tpot, ttft = alone, prefill_s if c.kind == "hot" else cold_ttft_s
             out.append(Prediction(ttft, ttft + features.max_tokens * tpot, tpot))

@@ -34,9 +34,7 @@ GPU_OVERRIDES: dict[tuple[str | int, ...], Any] = {
     # Baked into the image (Dockerfile): the same bytes at the same absolute path on every pod,
     # where the ingress (head) checks the file and actors on the GPU workers open it.
     ("args", "models", 0, "zqs_path"): "/opt/zeroqueue/models/smollm2-135m-instruct.zqs",
-    # The shipped scorer learned CPU-slot latencies; on GPUs the rule decides until GPU traces train one.
-    ("args", "scorer_path"): None,
-    # ... and the rule's constants were measured on a CPU: on GPUs it keeps its defaults.
+    # The rule's constants were measured on a CPU: on GPUs it keeps its defaults.
     ("args", "rule_scorer"): {},
     # The API listens beyond loopback: every route needs the key, read from the head's env (a Secret).
     ("args", "api_key_env"): "ZQ_API_KEY",

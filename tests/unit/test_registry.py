@@ -15,7 +15,7 @@ from serve_app.snapshot import RequestFeatures
 from serve_app.warm_pool import WarmFill, WarmSpec
 from tests.helpers import policy
 
-POLICY = policy(max_batch=8)
+POLICY = policy(max_batch=32)  # the registry's default cap
 
 
 def _registry(*totals, **kw) -> RegistryState:
@@ -180,9 +180,10 @@ def test_a_refusal_says_when_the_running_row_that_makes_room_is_predicted_to_end
     spawn = reg.admit(f, policy, "a", "q1", now=100.0, scorer=scorer)
     assert isinstance(spawn, Spawn)
     reg.actor_started("a")
-    # Predicted: load and start, then 10 prompt tokens, then 30 tokens at 0.1 s.
+    # Predicted: load and start, then the 10-token prompt (a pass over the weights and 9 tokens more), then
+    # 30 tokens at 0.1 s.
     t = spawn.prediction.total_s
-    assert t == pytest.approx(scorer.actor_start_s + 1000 / scorer.load_bytes_per_s + 0.01 + 3.0)
+    assert t == pytest.approx(scorer.actor_start_s + 1000 / scorer.load_bytes_per_s + 0.1 + 0.009 + 3.0)
     refused = reg.admit(f, policy, "b", "q2", now=101.0, scorer=scorer)
     assert isinstance(refused, Reject) and refused.retry_after_s == pytest.approx(100.0 + t - 101.0)
     # Past its predicted end the row counts as ending now: come back at the earliest.

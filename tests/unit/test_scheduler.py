@@ -74,15 +74,14 @@ KV_BYTES_PER_TOKEN = 4096
 
 
 def _planned_s(rows, plan, cost):
-    decoding = sum(not r.is_prefilling for r in rows)
-    prefill = sum(n for r, (_, n) in zip(rows, plan, strict=True) if r.is_prefilling)
+    extra = sum(n - 1 for r, (_, n) in zip(rows, plan, strict=True) if r.is_prefilling)
     kv = sum(r.num_cached + n for r, (_, n) in zip(rows, plan, strict=True))
-    return cost.step_s(decoding, prefill, kv, KV_BYTES_PER_TOKEN)
+    return cost.step_s(len(rows), extra, kv, KV_BYTES_PER_TOKEN)
 
 
 def _budget(rows, cap, cost):
-    def predict(decoding, prefill, kv):
-        return cost.step_s(decoding, prefill, kv, KV_BYTES_PER_TOKEN)
+    def predict(num_rows, extra, kv):
+        return cost.step_s(num_rows, extra, kv, KV_BYTES_PER_TOKEN)
     return prefill_budget(rows, cap, predict, cost.prefill_token_s(KV_BYTES_PER_TOKEN))
 
 
@@ -126,9 +125,10 @@ def test_a_tight_target_shrinks_the_chunk_and_no_target_leaves_the_cap():
                     kv_read_bytes_per_s=1e12)
     decoding = RowProgress(0, 10, 10, 10, tpot_target_s=0.07)
     joiner = RowProgress(1, 600, 0, 0)
-    # 0.02 s of decode leaves 0.05 s: 50 prompt tokens at 1 ms each (the KV term is ~0 here).
-    assert _budget([decoding, joiner], 256, cost) == 49
-    assert plan_step([decoding, joiner], 49) == [(0, 1), (1, 49)]
+    # A step of both rows' one token each is 0.02 s; the 0.05 s left buys 49 prompt tokens more at 1 ms
+    # each (the KV term is ~0 here, and just short of the 50th).
+    assert _budget([decoding, joiner], 256, cost) == 50
+    assert plan_step([decoding, joiner], 50) == [(0, 1), (1, 50)]
     loose = RowProgress(0, 10, 10, 10, tpot_target_s=None)
     assert _budget([loose, joiner], 256, cost) == 256
     broken = RowProgress(0, 10, 10, 10, tpot_target_s=0.01)  # below the decode work alone

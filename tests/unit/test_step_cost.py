@@ -12,7 +12,8 @@ def test_a_step_is_its_decode_work_its_prompt_tokens_and_its_kv_reads():
     cost = StepCost(decode_s_per_token=0.02, batch_row_cost=0.1, prefill_tokens_per_s=1000.0, kv_read_bytes_per_s=1e9)
     assert cost.step_s(1, 0, 0, 1000) == pytest.approx(0.02)
     assert cost.step_s(5, 0, 0, 1000) == pytest.approx(0.02 * 1.4)  # 4 more rows, 10% each
-    assert cost.step_s(0, 300, 0, 1000) == pytest.approx(0.3)  # nobody decodes: the prompt alone
+    assert cost.step_s(1, 299, 0, 1000) == pytest.approx(0.02 + 0.299)  # a 300-token prompt alone
+    assert cost.prefill_s(300) == pytest.approx(0.02 + 0.299)
     assert cost.step_s(2, 100, 2_000_000, 1000) == pytest.approx(0.022 + 0.1 + 2.0)
     assert cost.prefill_token_s(1000) == pytest.approx(1e-3 + 1e-6)
 
