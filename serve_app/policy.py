@@ -181,12 +181,9 @@ class PolicyConfig:
 
 
 def decide(
-    features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig, scorer: Scorer = RULE_SCORER,
-    now: float | None = None,
+    features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig, scorer: Scorer = RULE_SCORER
 ) -> Decision:
     """Dispatch to an idle hot actor, join a hot batch, spawn onto a free slot, or reject — see the module docstring.
-
-    `now` (the registry's clock; None: unknown) tells how far a warming actor's start has come.
 
     Raises ValueError for malformed features (non-positive token counts, negative bytes).
     """
@@ -210,8 +207,7 @@ def decide(
         # (its process is starting already: further along than a fresh actor, if not yet warm).
         other_lanes = tuple(x for x in ("short", "long") if x != lane)
         for fallback in (warm_candidates(features, other_lanes, snapshot, policy.max_candidates),
-                         warm_candidates(features, ("short", "long"), snapshot, policy.max_candidates, "warming",
-                                         now)):
+                         warm_candidates(features, ("short", "long"), snapshot, policy.max_candidates, "warming")):
             if not fallback:
                 continue
             fallback_predictions = _predict(scorer, features, fallback)
@@ -243,12 +239,11 @@ def _hot_lanes(lane: Lane) -> tuple[Lane, ...]:
     return ("short", "long") if lane == "short" else ("long",)
 
 
-def _candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | None,
-               starting_s: float = 0.0) -> Candidate:
+def _candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | None) -> Candidate:
     return Candidate(kind, slot.slot_id, actor.name if actor else None, slot.free_bytes, slot.num_actors,
                      slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
                      actor.num_rows if actor else 0, actor.batch_tokens if actor else 0,
-                     actor.resident_fraction if actor else 0.0, starting_s)
+                     actor.resident_fraction if actor else 0.0)
 
 
 def _hot_candidates(
@@ -289,11 +284,13 @@ def _join_candidates(features: RequestFeatures, lane: Lane, snapshot: ClusterSna
 
 
 def warm_candidates(features: RequestFeatures, lanes: Sequence[Lane], snapshot: ClusterSnapshot,
-                     limit: int, state: str = "warm", now: float | None = None) -> list[Candidate]:
+                     limit: int, state: str = "warm") -> list[Candidate]:
     """Warm (or warming) actors of the model filled for `lanes`, whose slot has room for the request.
 
-    A warming actor's process is still starting: its candidate is scored as a cold one, less the start
-    it has behind it (`now` - its spawn) where `now` is known.
+    A warming actor's process is still starting: its candidate is scored as a cold one. Not less the
+    start it has behind it: on a busy node (a fresh deployment's own start) a process start takes
+    several times the idle machine's, and crediting the time elapsed admitted a newcomer's first
+    request into 5 s of waiting.
     """
     need = features.dispatch_bytes
     kind = "warm" if state == "warm" else "cold"
@@ -302,8 +299,7 @@ def warm_candidates(features: RequestFeatures, lanes: Sequence[Lane], snapshot: 
         for actor in snapshot.warm_actors(features.model, lane, state):
             slot = snapshot.slot(actor.slot_id)
             if slot is not None and slot.free_bytes >= need:
-                starting_s = max(0.0, now - actor.spawned_at) if kind == "cold" and now and actor.spawned_at else 0.0
-                out.append(_candidate(kind, snapshot, slot, actor, starting_s))
+                out.append(_candidate(kind, snapshot, slot, actor))
                 if len(out) == limit:
                     return out
     return out

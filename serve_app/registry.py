@@ -226,12 +226,12 @@ class RegistryState:
             self.leases.give_back(replica_id, row_id, now)
         self.books.last_request_at[features.model] = now
         snapshot = self.snapshot()
-        decision = decide(features, snapshot, policy, scorer, now)
+        decision = decide(features, snapshot, policy, scorer)
         if (isinstance(decision, Reject) and decision.retry_after_s is not None and lease is not None
                 and self.leases.recall_free_row(features.model, policy.lane(features.input_tokens, features.max_tokens),
                                                 features.dispatch_bytes, replica_id, now)):
             snapshot = self.snapshot()  # a row other replicas left free may take it
-            decision = decide(features, snapshot, policy, scorer, now)
+            decision = decide(features, snapshot, policy, scorer)
             self.counters["recalled"] += 1
         if isinstance(decision, Reject):
             self.counters["reject"] += 1

@@ -22,7 +22,6 @@ model predictions are malformed:
     warm: tpot = step_s(1, request tokens);  ttft = (1 - resident_fraction) * weight_bytes / load_bytes_per_s
                                                    + prefill_s  (the process is up; the rest streams in)
     cold: tpot = step_s(1, request tokens);  ttft = actor_start_s + weight_bytes / load_bytes_per_s + prefill_s
-          (a warming actor, its process `starting_s` along: max(0, actor_start_s - starting_s) for the start)
     total_s = ttft + max_tokens * tpot
     (every ttft also counts `overhead_s`: arrival at the ingress to the actor's first step — parsing,
     the decision, the hops — measured per deployment; 0 by default)
@@ -66,7 +65,6 @@ class Candidate:
     batch_rows: int = 0  # rows the actor runs now (join); 0 for an idle or a fresh actor
     batch_tokens: int = 0  # KV positions those rows read per step, at most
     resident_fraction: float = 0.0  # share of the weights already loaded: 1 hot or join, a warm actor's N/L-ish
-    starting_s: float = 0.0  # how long a warming actor's process has been starting (0: a fresh one)
 
 
 @dataclass(frozen=True)
@@ -124,8 +122,6 @@ class RuleScorer:
             elif c.kind == "warm":
                 to_load = max(0.0, 1.0 - c.resident_fraction) * features.weight_bytes
                 tpot, ttft = alone, to_load / self.load_bytes_per_s + prefill_s
-            elif c.kind == "cold" and c.starting_s > 0:
-                tpot, ttft = alone, cold_ttft_s - min(self.actor_start_s, c.starting_s)
             else:
                 tpot, ttft = alone, prefill_s if c.kind == "hot" else cold_ttft_s
             out.append(Prediction(ttft, ttft + features.max_tokens * tpot, tpot))

@@ -101,7 +101,6 @@ class ActorView:
     resident_bytes: int = 0  # weights + per-process overhead
     rows: tuple[RowView, ...] = ()
     resident_fraction: float = 1.0  # share of the weight bytes loaded (a warm actor's first layers)
-    spawned_at: float = 0.0  # when the registry created it, on the registry's clock (a warming actor's start)
 
     @property
     def reserved_bytes(self) -> int:
