@@ -13,7 +13,9 @@ rates, `--seconds` each: ~128 synthetic prompt tokens, 16 output tokens. GuideLL
 kept per server and rate under benchmarks/results/peer/.
 
 Reported per rate: served, refused or failed, TTFT P50 / P99 and ITL P50 of the served, output
-tokens/s, and goodput: served requests with TTFT <= `--slo-ttft-s`, per second of the run.
+tokens/s, and goodput: served requests with TTFT <= `--slo-ttft-s`, per second of the run. And
+zeroqueue's own check of its predictions, read from its /health after each rate: engine steps
+and TTFT per tier, measured over predicted, over its recent requests.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from actors.actor_config import ActorConfig
-from benchmarks.common import cores, cpu_model, load_average, stop_session, version_of
+from benchmarks.common import cores, cpu_model, load_average, make_serve_env, stop_session, version_of
 from benchmarks.load_stats import percentile
 
 log = logging.getLogger("bench_peer")
@@ -51,13 +53,14 @@ class Server:
     # compute at nice 19 and llama.cpp at 0; GuideLLM at 0 beside actors at 19 would take its CPU,
     # most of a core, from zeroqueue's compute alone.)
     client_nice: int
+    env: dict[str, str] | None = None  # beside the environment's own
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
     serve = Path(sys.executable).with_name("serve")
     return [
         Server("zeroqueue", "http://127.0.0.1:8000", [str(serve), "run", "configs/serve.yaml"],
-               client_nice=ActorConfig().cpu_nice),
+               client_nice=ActorConfig().cpu_nice, env=make_serve_env()),  # as `make serve` runs it
         Server("llama.cpp", "http://127.0.0.1:8090",
                [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", "8090",
                 "--alias", MODEL, "-np", "8", "-t", "2", "-c", "8192"], client_nice=0),
@@ -67,7 +70,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
 def _start(server: Server, log_path: Path) -> subprocess.Popen:
     with log_path.open("w") as out:
         # Its own session: whatever it starts (a local Ray cluster) goes when it is stopped.
-        proc = subprocess.Popen(server.command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(server.command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=os.environ | (server.env or {}))
     t0 = time.monotonic()
     while time.monotonic() - t0 < 300:
         if proc.poll() is not None:
@@ -178,12 +182,20 @@ def measure(args: argparse.Namespace) -> dict:
                 load = load_average()[0]
                 _guidellm(server, rate, args.seconds, tokenizer, out, args.guidellm)
                 row = summarise(_keep(out), args.slo_ttft_s) | {"load_before": load}
+                if server.name == "zeroqueue":
+                    row["health"] = _predictions(server.base)
                 data["servers"].setdefault(server.name, {})[f"{rate:g}"] = row
                 log.info("%s at %g req/s: %s", server.name, rate, row)
         finally:
             stop_session(proc)
         time.sleep(5)  # the last server's processes gone before the next one starts
     return data
+
+
+def _predictions(base: str) -> dict:
+    """zeroqueue's /health figures of its predictions against what it measured (recent requests)."""
+    health = httpx.get(f"{base}/health", timeout=30).json()
+    return {key: health.get(key) for key in ("step_time_ratio", "ttft_ratio", "rows", "actors")}
 
 
 def _ms(x: float | None) -> str:
@@ -193,7 +205,7 @@ def _ms(x: float | None) -> str:
 def resummarise(data: dict) -> dict:
     """`data` (peer.json) with every row summarised again from the GuideLLM JSON kept beside it."""
     servers = {name: {rate: summarise(RESULTS / "peer" / f"{name}-{rate}.json.zst", data["slo_ttft_s"])
-                      | {"load_before": row["load_before"]} for rate, row in rows.items()}
+                      | {k: row[k] for k in ("load_before", "health") if k in row} for rate, row in rows.items()}
                for name, rows in data["servers"].items()}
     return data | {"servers": servers}
 
@@ -210,8 +222,9 @@ def report(data: dict) -> str:
         f"{elapsed_s / 60:.0f} min. Each server alone, one after the other; the load average before each rate is "
         "in the JSON.",
         "",
-        "Model: SmolLM2-135M-Instruct. zeroqueue: `serve run configs/serve.yaml` (its .zqs packed bf16, computed "
-        "as `actor.compute_dtype: auto` decides). llama.cpp: `llama-server` on the wheel's GGUF converted to BF16, "
+        "Model: SmolLM2-135M-Instruct. zeroqueue: `serve run configs/serve.yaml` as `make serve` runs it (direct "
+        "ingress, HAProxy; its .zqs packed bf16, computed as `actor.compute_dtype: auto` decides; the default "
+        "targets TTFT 1 s, TPOT 0.2 s: a request predicted past them is refused). llama.cpp: `llama-server` on the wheel's GGUF converted to BF16, "
         "8 parallel slots, 2 threads, its queue unbounded.",
         "",
         f"Load: GuideLLM {data['guidellm_version']}, constant rate, {data['seconds']} s per rate, streamed chat "
@@ -241,8 +254,30 @@ def report(data: dict) -> str:
             if a[key] and b[key]:
                 parts.append(f"{label} {a[key] / b[key]:.2f}×")
         lines.append(f"- {rate:g} req/s: " + ", ".join(parts))
-    lines.append("")
+    lines += ["", *_prediction_lines(data)]
     return "\n".join(lines)
+
+
+def _prediction_lines(data: dict) -> list[str]:
+    """zeroqueue's predictions against its measurements, per rate (the rows that recorded them)."""
+    rows = [(rate, data["servers"]["zeroqueue"][f"{rate:g}"].get("health")) for rate in data["rates"]]
+    rows = [(rate, h) for rate, h in rows if h]
+    if not rows:
+        return []
+    lines = ["## zeroqueue's predictions against its measurements", "",
+             "Its /health after each rate, over its recent requests (up to 1,024, so earlier rates' too): engine "
+             "steps measured ÷ predicted (actors/step_cost.py: the rule's constants, corrected by each actor's "
+             "own steps), and TTFT measured ÷ the router's prediction, per tier.", "",
+             "| rate (req/s) | step ratio P50 / P90 | step median error | TTFT ratio P50 / P90 by tier |",
+             "|--:|--:|--:|---|"]
+    for rate, h in rows:
+        step = h.get("step_time_ratio") or {}
+        tiers = "; ".join(f"{tier} {r['p50']:.2f} / {r['p90']:.2f} (n={r['count']})"
+                          for tier, r in (h.get("ttft_ratio") or {}).items())
+        if step.get("count"):
+            lines.append(f"| {rate:g} | {step['p50']:.2f} / {step['p90']:.2f} | {100 * step['median_error']:.0f}% | "
+                         f"{tiers or '—'} |")
+    return lines + [""]
 
 
 def plot(data: dict, path: Path) -> None:

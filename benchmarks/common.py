@@ -97,6 +97,12 @@ def machine(*packages: str) -> dict[str, Any]:
     return {"cores": cores(), "cpu": cpu_model(), "mem_gib": mem_gib(), **versions(*packages)}
 
 
+def make_serve_env(root: Path = Path(".")) -> dict[str, str]:
+    """The environment the Makefile's `serve` target sets before `serve run` (direct ingress, HAProxy)."""
+    line = next(line for line in (root / "Makefile").read_text().splitlines() if "serve run configs/serve.yaml" in line)
+    return dict(word.split("=", 1) for word in line.split() if "=" in word and word.startswith("RAY_"))
+
+
 def stop_session(proc: subprocess.Popen, timeout_s: float = 120) -> None:
     """Stop a server started in a session of its own (`start_new_session=True`): SIGTERM, then its whole group."""
     proc.send_signal(signal.SIGTERM)

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.common import make_serve_env
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -41,7 +43,7 @@ def test_serve_run_then_one_request(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", _WITH_SIGINT, str(serve), "run", "-a", "local", "configs/serve.yaml"],
         cwd=ROOT, stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **_make_serve_env()}, start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **make_serve_env(ROOT)}, start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 300
@@ -128,7 +130,3 @@ def _post_one(system: str, messages: list[dict]) -> tuple[int, str]:
     return r.status_code, r.text
 
 
-def _make_serve_env() -> dict[str, str]:
-    """The environment the Makefile's `serve` target sets before `serve run`."""
-    line = next(line for line in (ROOT / "Makefile").read_text().splitlines() if "serve run configs/serve.yaml" in line)
-    return dict(word.split("=", 1) for word in line.split() if "=" in word and word.startswith("RAY_"))
