@@ -243,7 +243,8 @@ def _candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | No
     return Candidate(kind, slot.slot_id, actor.name if actor else None, slot.free_bytes, slot.num_actors,
                      slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
                      actor.num_rows if actor else 0, actor.batch_tokens if actor else 0,
-                     actor.resident_fraction if actor else 0.0)
+                     actor.resident_fraction if actor else 0.0,
+                     actor.min_tpot_target_s if actor is not None and kind == "join" else None)
 
 
 def _hot_candidates(

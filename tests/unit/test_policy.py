@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 import subprocess
@@ -325,6 +326,27 @@ def test_the_rule_scorer_predicts_by_its_documented_formula():
     for g, w in zip(got, want, strict=True):
         assert g.ttft_s == pytest.approx(w.ttft_s) and g.total_s == pytest.approx(w.total_s)
         assert g.tpot_s == pytest.approx(w.tpot_s)
+
+
+def test_a_join_into_a_batch_near_its_tpot_target_is_predicted_to_take_its_prompt_a_chunk_a_step():
+    f = _features(input_tokens=101, max_tokens=10, kv_bytes_per_token=0)
+    rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, overhead_s=0.0)
+    free = Candidate("join", "c", "y", 1, 1, 0, 0, batch_rows=3, batch_tokens=0)
+    roomy = dataclasses.replace(free, batch_tpot_target_s=0.2)  # 0.1 s left a step: 100 tokens, one chunk
+    tight = dataclasses.replace(free, batch_tpot_target_s=0.1105)  # 10.5 ms left a step: 10 tokens, 10 chunks
+    unchunked, one_chunk, ten_chunks = (p.ttft_s for p in rule.predict(f, [free, roomy, tight]))
+    assert unchunked == pytest.approx(0.1 + 0.1 + 0.1)  # the step it waits for, the weights' pass, 100 tokens
+    assert one_chunk == pytest.approx(0.1 + 0.1 * 1 + 0.1)
+    assert ten_chunks == pytest.approx(0.1 + 0.1 * 10 + 0.1)
+    # A 41-token prompt with a TTFT target of 0.5 s: 4 chunks beside the tight batch (0.54 s), one beside the
+    # roomy one (0.24 s). The tight batch is no place for it: the roomy one is taken, or nothing.
+    snap = _snap([_busy_slot("a"), _busy_slot("b")], [
+        _actor("tight", "a", state="busy", rows=3, tpot=0.1105), _actor("roomy", "b", state="busy", rows=3, tpot=0.2)])
+    rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, kv_read_bytes_per_s=1e15)
+    targeted = _features(input_tokens=41, ttft_target_s=0.5)
+    assert decide(targeted, snap, POLICY, rule).actor_name == "roomy"
+    only_tight = _snap([_busy_slot("a")], [_actor("tight", "a", state="busy", rows=3, tpot=0.1105)])
+    assert decide(targeted, only_tight, POLICY, rule).reason == "latency_target"
 
 
 def test_the_scorer_ranks_only_feasible_candidates_and_its_choice_is_followed():
