@@ -7,11 +7,8 @@ advances by a chunk of it. The rule:
 - Every row advances every step: a decoding row by 1 token, a prefilling row by at
   least 1 prompt token. No row is ever skipped, so none can starve.
 - While some row is decoding, the prefill tokens of one step are bounded by
-  `prefill_budget`, given out in join order: each prefilling row gets one token, and what
-  is left goes to the earliest joiner first (so a step holds at most max(prefill_budget,
-  rows) prompt tokens). First come, first served: a joiner's prompt waits only for the
-  prompts that joined before it, which is what the router predicts its TTFT from
-  (serve_app/scorer.py); a later joiner never slows an earlier one's first token. A decoding
+  `prefill_budget` (shared out in join order; each prefilling row gets at least one
+  token, so a step holds at most max(prefill_budget, rows) prompt tokens). A decoding
   row therefore waits at most one step of that size for a newcomer's prompt: a long
   prompt is chunked over several steps instead of stalling the rows already running.
 - The budget is derived (`prefill_budget`): the most prompt tokens for which the step's
@@ -59,14 +56,18 @@ def plan_step(rows: Sequence[RowProgress], prefill_budget: int) -> list[tuple[in
     prefilling = [r for r in rows if r.is_prefilling]
     if len(prefilling) == len(rows):  # nobody decoding: nothing waits on this step
         return [(r.row_id, r.num_remaining) for r in rows]
-    chunk = {r.row_id: 1 for r in prefilling}  # every row advances
-    left = prefill_budget - len(prefilling)
-    for r in prefilling:  # the rest to the earliest joiners first
-        if left <= 0:
-            break
-        extra = min(left, r.num_remaining - 1)
-        chunk[r.row_id] += extra
-        left -= extra
+    chunk: dict[int, int] = {}
+    if prefilling:
+        share = max(1, prefill_budget // len(prefilling))
+        for r in prefilling:
+            chunk[r.row_id] = min(r.num_remaining, share)
+        left = prefill_budget - sum(chunk.values())
+        for r in prefilling:  # what the short prompts left over goes to the earliest joiners
+            if left <= 0:
+                break
+            extra = min(left, r.num_remaining - chunk[r.row_id])
+            chunk[r.row_id] += extra
+            left -= extra
     return [(r.row_id, chunk.get(r.row_id, 1)) for r in rows]
 
 

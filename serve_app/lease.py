@@ -76,7 +76,6 @@ class RowUse:
     num_tokens: int
     tpot_target_s: float | None
     predicted_end: float  # epoch seconds
-    pending_prompt_tokens: int = 0  # its prompt, until its first token arrives
 
 
 @dataclass(frozen=True)

@@ -215,15 +215,8 @@ class LeaseBook:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def prompt_done(self, row_id: str) -> None:
-        """The request in leased row `row_id` has its first token: its prompt no longer delays a joiner's."""
-        use = self._used.get(row_id)
-        if use is not None and use.pending_prompt_tokens:
-            self._used[row_id] = replace(use, pending_prompt_tokens=0)
-
     def _use(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None) -> None:
-        self._used[row.row_id] = RowUse(features.num_tokens, features.tpot_target_s, predicted_end,
-                                        features.input_tokens)
+        self._used[row.row_id] = RowUse(features.num_tokens, features.tpot_target_s, predicted_end)
         key = (row.model, row.lane)
         in_use = sum(1 for r in self._rows.values() if (r.model, r.lane) == key and r.row_id in self._used)
         at = time.monotonic() if now is None else now
@@ -231,4 +224,4 @@ class LeaseBook:
 
 
 def _row_view(row: LeasedRow, use: RowUse) -> RowView:
-    return RowView(row.row_bytes, use.num_tokens, use.tpot_target_s, use.predicted_end, use.pending_prompt_tokens)
+    return RowView(row.row_bytes, use.num_tokens, use.tpot_target_s, use.predicted_end)

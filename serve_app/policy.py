@@ -244,8 +244,7 @@ def _candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | No
                      slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
                      actor.num_rows if actor else 0, actor.batch_tokens if actor else 0,
                      actor.resident_fraction if actor else 0.0,
-                     actor.min_tpot_target_s if actor is not None and kind == "join" else None,
-                     actor.pending_prompt_tokens if actor is not None and kind == "join" else 0)
+                     actor.min_tpot_target_s if actor is not None and kind == "join" else None)
 
 
 def _hot_candidates(

@@ -111,8 +111,6 @@ class Rows:
     def first_token(self, admitted: Admitted) -> None:
         if admitted.tier != "hot":  # every weight is resident now: starting -> busy, and it may batch
             self._cluster.actor_started(admitted.actor_name)
-        if admitted.lease_row is not None:  # its prompt is computed: a joiner's no longer waits behind it
-            self._leases.prompt_done(admitted.lease_row)
 
     def completed(self, admitted: Admitted, done: Completion) -> None:
         admitted.completion = done

@@ -88,9 +88,6 @@ class RowView:
     num_tokens: int  # input + max_tokens: the KV positions it reads per step, at most
     tpot_target_s: float | None
     predicted_end: float  # epoch seconds, from the prediction it was admitted with
-    # Prompt tokens it has yet to compute, where its holder knows (a leased row: until its first token);
-    # 0 where unknown (the registry's own rows).
-    pending_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,11 +115,6 @@ class ActorView:
     def batch_tokens(self) -> int:
         """KV positions the batch reads per step, at most (every row at its full length)."""
         return sum(r.num_tokens for r in self.rows)
-
-    @property
-    def pending_prompt_tokens(self) -> int:
-        """Prompt tokens the batch's rows have yet to compute (as far as known): a joiner's prompt comes after."""
-        return sum(r.pending_prompt_tokens for r in self.rows)
 
     @property
     def min_tpot_target_s(self) -> float | None:

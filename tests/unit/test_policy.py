@@ -338,9 +338,6 @@ def test_a_join_into_a_batch_near_its_tpot_target_is_predicted_to_take_its_promp
     assert unchunked == pytest.approx(0.1 + 0.1 + 0.1)  # the step it waits for, the weights' pass, 100 tokens
     assert one_chunk == pytest.approx(0.1 + 0.1 * 1 + 0.1)
     assert ten_chunks == pytest.approx(0.1 + 0.1 * 10 + 0.1)
-    # Earlier joiners' prompts still to compute come first: 40 of them and its own 100, 14 chunks.
-    waiting = dataclasses.replace(tight, batch_pending_prompt_tokens=40)
-    assert rule.predict(f, [waiting])[0].ttft_s == pytest.approx(0.1 + 0.1 * 14 + 0.14)
     # A 41-token prompt with a TTFT target of 0.5 s: 4 chunks beside the tight batch (0.54 s), one beside the
     # roomy one (0.24 s). The tight batch is no place for it: the roomy one is taken, or nothing.
     snap = _snap([_busy_slot("a"), _busy_slot("b")], [

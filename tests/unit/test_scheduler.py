@@ -54,13 +54,10 @@ def test_repeated_steps_finish_every_prompt_no_row_starves(rows, budget):
     raise AssertionError("a prompt never finished")
 
 
-def test_budget_goes_to_the_earliest_joiner_first_and_every_row_advances():
+def test_budget_is_shared_in_join_order_and_leftovers_go_to_the_earliest():
     rows = [RowProgress(0, 10, 10), RowProgress(1, 500, 0), RowProgress(2, 3, 0), RowProgress(3, 500, 100)]
-    # One token each, then the 253 left to row 1, the earliest joiner: its prompt first.
-    assert plan_step(rows, 256) == [(0, 1), (1, 254), (2, 1), (3, 1)]
-    # Row 1 needs only 20 more: the rest goes on to row 2 (3), then row 3 (256 - 20 - 3 = 233).
-    rows[1] = RowProgress(1, 500, 480)
-    assert plan_step(rows, 256) == [(0, 1), (1, 20), (2, 3), (3, 233)]
+    # share = 256 // 3 = 85; row 2 needs only 3, so 82 + 1 left over go to row 1 first.
+    assert plan_step(rows, 256) == [(0, 1), (1, 85 + 83), (2, 3), (3, 85)]
 
 
 # ---- the budget: steps bounded by the tightest TPOT target of the decoding rows
