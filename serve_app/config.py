@@ -166,6 +166,23 @@ class AppArgs(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _a_first_actor_can_start(self) -> AppArgs:
+        """Under the rule, no fresh actor meets a TTFT target within its process start: a model with such a
+        target and no warm actors would have every request refused, and never an actor started."""
+        if self.scorer_path is not None:
+            return self
+        fastest_start_s = self.rule_scorer.overhead_s + self.rule_scorer.actor_start_s
+        for m in self.models:
+            has_warm = any(self.policy.num_warm(m.id, lane) for lane in ("short", "long"))
+            if m.ttft_target_s is not None and m.ttft_target_s <= fastest_start_s and not has_warm:
+                raise ValueError(
+                    f"model {m.id!r}: ttft_target_s {m.ttft_target_s:g} is within a fresh actor's start "
+                    f"(rule_scorer.actor_start_s {self.rule_scorer.actor_start_s:g} s), so no actor would ever be "
+                    f"started for it: keep warm actors for it (policy.num_warm_short_actors or warm_overrides) "
+                    f"or raise the target")
+        return self
+
+    @model_validator(mode="after")
     def _replicas_one_way(self) -> AppArgs:
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
             raise ValueError("set num_replicas or autoscaling_config, not both")

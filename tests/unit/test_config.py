@@ -70,3 +70,14 @@ def test_the_ingress_deployment_can_autoscale_instead_of_a_fixed_count(tmp_path)
         build_app(args | {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}})
     with pytest.raises(Exception, match="max_replicas"):  # Serve's own check of its config
         build_app(args | {"autoscaling_config": {"min_replicas": 5, "max_replicas": 2}})
+
+
+def test_a_ttft_target_no_fresh_actor_can_meet_needs_warm_actors_or_the_build_fails():
+    """Under the rule a fresh actor's TTFT is at least its process start: with no warm actor, every request
+    would be refused and no actor ever started for the model."""
+    tight = BASE | {"models": [{"id": "m", "zqs_path": "m.zqs", "ttft_target_s": 1.0}],
+                    "rule_scorer": {"actor_start_s": 1.6}}
+    with pytest.raises(ValidationError, match="no actor would ever be started"):
+        AppArgs.model_validate(tight)
+    AppArgs.model_validate(tight | {"policy": {"num_warm_short_actors": 1}})  # warm actors meet it
+    AppArgs.model_validate(tight | {"rule_scorer": {"actor_start_s": 0.5}})  # a start within the target

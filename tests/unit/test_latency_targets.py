@@ -44,7 +44,7 @@ def test_the_largest_target_is_accepted():
 def test_model_defaults_come_from_the_app_config():
     args = AppArgs.model_validate({"models": [
         {"id": "fast", "demo_preset": "small", "ttft_target_s": 0.5, "total_target_s": 20},
-        {"id": "free", "demo_preset": "small"}]})
+        {"id": "free", "demo_preset": "small"}], "policy": {"num_warm_short_actors": 1}})
     fast, free = ingress_config(args).models
     assert (fast.ttft_target_s, fast.total_target_s) == (0.5, 20.0)
     assert (free.ttft_target_s, free.total_target_s) == (None, None)
