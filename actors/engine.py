@@ -49,6 +49,7 @@ from actors.scheduler import RowProgress, plan_step, prefill_budget
 from actors.step_cost import StepCheck, StepCost
 from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
+from weights_tool.dtypes import model_dtype
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class Engine:
         self._clock = _StepClock(self.device)
         self.step_cost = step_cost or StepCost()
         self.step_check = StepCheck()
-        self._kv_bytes_per_token = model.config.kv_bytes_per_token(str(model.dtype).removeprefix("torch."))
+        self._kv_bytes_per_token = model.config.kv_bytes_per_token(model_dtype(model.dtype))
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize and validate; raises before any compute. Returns the prompt token ids."""
@@ -122,7 +123,8 @@ class Engine:
 
     # ---- membership (any thread) ------------------------------------------------------
 
-    def add(self, prompt: list[int], params: SamplingParams, emit: Emit, tpot_target_s: float | None = None) -> Row:
+    def add(self, prompt: list[int], params: SamplingParams, emit: Emit,
+            tpot_target_s: float | None = None) -> Row:
         """Queue a row to join at the next step boundary; raises BatchFullError when the batch is full.
 
         `tpot_target_s`: once the row decodes, no step is planned longer than this (see the module doc).

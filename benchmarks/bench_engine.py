@@ -46,8 +46,8 @@ LONG_CONTEXT, LONG_BATCH = 1024, 8  # the KV term's step: 8 rows of 1,024 tokens
 DTYPES = ("bfloat16", "float32")
 
 
-def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, barrier=None,
-             is_long_context: bool = False) -> dict:
+def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, is_long_context: bool = False,
+             barrier=None) -> dict:
     """In a fresh process: prefill seconds of one prompt, and the median decode step per batch size."""
     import torch
 
@@ -55,11 +55,12 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     from actors.layer_loader import load_zqs
     from actors.sampling import SamplingParams
     from benchmarks.bench_batch import raise_errors, random_prompt, step_time
+    from weights_tool.dtypes import model_dtype
 
     torch.set_num_threads(threads)
     model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=dtype)
     engine = Engine(model, tokenizer, max_batch=max(batches), prefill_chunk_tokens=1_000_000)
-    dtype_name = str(model.dtype).removeprefix("torch.")
+    dtype_name = model_dtype(model.dtype)
     out: dict = {"dtype": dtype_name, "prefill_s": [], "step_s": {},
                  "kv_bytes_per_token": model.config.kv_bytes_per_token(dtype_name)}
     for attempt in range(3):  # the first touches every buffer; the later two are timed
@@ -116,8 +117,7 @@ def _kernels(threads: int, barrier=None) -> dict:
 
 
 def _in_process(args: tuple) -> dict:
-    *first, barrier = args
-    return _measure(*first[:5], barrier, *first[5:])
+    return _measure(*args)
 
 
 def _run(pool_args: list[tuple]) -> list[dict]:
@@ -142,8 +142,8 @@ def measure(zqs: str, batches: list[int], steps: int, repeats: int) -> dict:
                 log.info("repeat %d %s x %d thread(s): prefill %.0f ms, steps %s", repeat, dtype, threads,
                          statistics.median(r["prefill_s"]) * 1e3,
                          {b: round(s * 1e3, 1) for b, s in r["step_s"].items()})
-        two = _run([(zqs, auto, 1, batches, steps)] * 2)
-        one = _run([(zqs, auto, 2, [2 * b for b in batches], steps)])
+        two = _run([(zqs, auto, 1, batches, steps, False)] * 2)
+        one = _run([(zqs, auto, 2, [2 * b for b in batches], steps, False)])
         slots.setdefault("2x1", []).append(two)
         slots.setdefault("1x2", []).append(one)
         log.info("repeat %d slots: 2x1 %s | 1x2 %s", repeat, [t["step_s"] for t in two], one[0]["step_s"])

@@ -74,6 +74,7 @@ class IngressMetrics:
         # Recent dispatch latencies (µs) for /health's jitter figures, and recent requests' densities.
         self._recent_dispatch_us: deque[float] = deque(maxlen=window)
         self._recent_density: deque[tuple[float, float]] = deque(maxlen=window)  # (density, mean step rows)
+        self._window = window
         self._recent_step_ratio: deque[float] = deque(maxlen=window)
         self._recent_ttft_ratio: dict[str, deque[float]] = {}  # by tier
 
@@ -99,24 +100,18 @@ class IngressMetrics:
 
     def observe_ttft_ratio(self, model: str, tier: str, ratio: float) -> None:
         self.ttft_ratio.observe(ratio, tags={"model": model, "tier": tier})
-        self._recent_ttft_ratio.setdefault(tier, deque(maxlen=self._recent_step_ratio.maxlen)).append(ratio)
+        self._recent_ttft_ratio.setdefault(tier, deque(maxlen=self._window)).append(ratio)
 
     def recent_ttft_prediction(self) -> dict[str, dict[str, float | int]]:
         """Per tier: recent measured ÷ predicted TTFT (p50, p90), for /health."""
-        out = {}
-        for tier, recent in sorted(self._recent_ttft_ratio.items()):
-            ratios = sorted(recent)
-            out[tier] = {"count": len(ratios), "p50": round(_rank(ratios, 0.5), 3), "p90": round(_rank(ratios, 0.9), 3)}
-        return out
+        return {tier: _ratios(recent) for tier, recent in sorted(self._recent_ttft_ratio.items())}
 
     def recent_step_prediction(self) -> dict[str, float | int]:
         """Recent requests' measured ÷ predicted step time (p50, p90) and the median error |ratio - 1|, for /health."""
         if not self._recent_step_ratio:
             return {"count": 0}
-        ratios = sorted(self._recent_step_ratio)
-        errors = sorted(abs(r - 1.0) for r in ratios)
-        return {"count": len(ratios), "p50": round(_rank(ratios, 0.5), 3), "p90": round(_rank(ratios, 0.9), 3),
-                "median_error": round(_rank(errors, 0.5), 3)}
+        errors = sorted(abs(r - 1.0) for r in self._recent_step_ratio)
+        return _ratios(self._recent_step_ratio) | {"median_error": round(_rank(errors, 0.5), 3)}
 
     def recent_density(self) -> dict[str, float | int]:
         """Recent requests' compute density (p10 / p50: a low one waited) and mean step rows, for /health."""
@@ -138,6 +133,12 @@ class IngressMetrics:
 
         return {"count": len(xs), "p50": q(0.5), "p99": q(0.99), "max": round(xs[-1], 1),
                 "jitter": round(q(0.99) - q(0.5), 1)}
+
+
+def _ratios(recent: deque[float]) -> dict[str, float | int]:
+    """Count, p50 and p90 of recent measured ÷ predicted ratios (non-empty)."""
+    ratios = sorted(recent)
+    return {"count": len(ratios), "p50": round(_rank(ratios, 0.5), 3), "p90": round(_rank(ratios, 0.9), 3)}
 
 
 def _rank(xs: list[float], p: float) -> float:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from actors.step_cost import StepCost
@@ -90,12 +91,13 @@ class Scorer(Protocol):
 class RuleScorer:
     """The rule in the module docstring. Placeholders until measured constants replace them."""
 
-    prefill_tokens_per_s: float = 4000.0
-    decode_s_per_token: float = 0.03
+    # The step's constants default to StepCost's placeholders: one set for both.
+    prefill_tokens_per_s: float = StepCost.prefill_tokens_per_s
+    decode_s_per_token: float = StepCost.decode_s_per_token
     load_bytes_per_s: float = 2.0e9
     actor_start_s: float = 3.0  # process start, CUDA context, model skeleton
-    batch_row_cost: float = 0.05  # a step's extra time per extra row, as a share of a one-row step
-    kv_read_bytes_per_s: float = 2.0e10
+    batch_row_cost: float = StepCost.batch_row_cost  # a step's growth per extra row, a share of a one-row step
+    kv_read_bytes_per_s: float = StepCost.kv_read_bytes_per_s
     overhead_s: float = 0.0  # the control plane's part of every TTFT (module docstring)
 
     def __post_init__(self) -> None:
@@ -106,17 +108,22 @@ class RuleScorer:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"RuleScorer.{name} must be >= 0, got {getattr(self, name)}")
 
-    def step_cost(self) -> StepCost:
-        """The constants a step's cost needs, for the engine's planner (ActorConfig.step_cost)."""
+    @cached_property
+    def _cost(self) -> StepCost:
+        # Built once per scorer, not once per prediction: `predict` runs on every admission.
         return StepCost(self.decode_s_per_token, self.batch_row_cost, self.prefill_tokens_per_s,
                         self.kv_read_bytes_per_s)
 
+    def step_cost(self) -> StepCost:
+        """The constants a step's cost needs, for the engine's planner (ActorConfig.step_cost)."""
+        return self._cost
+
     def step_s(self, rows: int, tokens: int, kv_bytes_per_token: int) -> float:
         """One decode step of `rows` rows whose caches hold `tokens` positions in all."""
-        return self.step_cost().step_s(rows, 0, tokens, kv_bytes_per_token)
+        return self._cost.step_s(rows, 0, tokens, kv_bytes_per_token)
 
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
-        prefill_s = self.overhead_s + self.step_cost().prefill_s(features.input_tokens)
+        prefill_s = self.overhead_s + self._cost.prefill_s(features.input_tokens)
         own_tokens, per_token = features.input_tokens + features.max_tokens, features.kv_bytes_per_token
         alone = self.step_s(1, own_tokens, per_token)
         cold_ttft_s = self.actor_start_s + features.weight_bytes / self.load_bytes_per_s + prefill_s
@@ -137,7 +144,7 @@ class RuleScorer:
 
     def _chunked_prefill_s(self, input_tokens: int, tpot: float, target_s: float, kv_bytes_per_token: int) -> float:
         """A joiner's prompt fed in chunks that keep each step of its batch within `target_s` (module doc)."""
-        token_s = self.step_cost().prefill_token_s(kv_bytes_per_token)
+        token_s = self._cost.prefill_token_s(kv_bytes_per_token)
         chunk = max(1, int((target_s - tpot) / token_s))
         steps = -(-max(0, input_tokens - 1) // chunk)
         return self.overhead_s + tpot * max(1, steps) + max(0, input_tokens - 1) / self.prefill_tokens_per_s
