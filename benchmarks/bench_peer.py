@@ -224,7 +224,8 @@ def report(data: dict) -> str:
         "",
         "Model: SmolLM2-135M-Instruct. zeroqueue: `serve run configs/serve.yaml` as `make serve` runs it (direct "
         "ingress, HAProxy; its .zqs packed bf16, computed as `actor.compute_dtype: auto` decides; the default "
-        "targets TTFT 1 s, TPOT 0.2 s: a request predicted past them is refused). llama.cpp: `llama-server` on the wheel's GGUF converted to BF16, "
+        "targets TTFT 1 s, TPOT 0.2 s: a request predicted past them is refused). llama.cpp: `llama-server` on "
+        "the wheel's GGUF converted to BF16, "
         "8 parallel slots, 2 threads, its queue unbounded.",
         "",
         f"Load: GuideLLM {data['guidellm_version']}, constant rate, {data['seconds']} s per rate, streamed chat "

@@ -16,9 +16,10 @@ and the simulator all call the same code.
      waits on it, and it skips a cold start). A long request never takes a short-lane
      actor: that is the isolation the short lane exists for.
    - join: busy hot actors of the model *and of the request's lane* with fewer than
-     `max_batch` rows (a safety cap: targets, below, set a batch's size), whose slot has `dispatch_bytes` free — the `max_candidates` least
-     loaded of them (fewest rows, then fewest KV positions). The request becomes one more
-     row; it waits for nothing but the actor's next step boundary.
+     `max_batch` rows (a safety cap: targets, below, set a batch's size), whose slot has
+     `dispatch_bytes` free — the `max_candidates` least loaded of them (fewest rows, then
+     fewest KV positions). The request becomes one more row; it waits for nothing but the
+     actor's next step boundary.
    - warm: warm actors of the model filled for the request's lane (started ahead of any
      request, their first layers resident: warm_pool.py) whose slot has `dispatch_bytes`
      free. Binding one skips the process start; the rest of its weights stream in while
@@ -32,9 +33,9 @@ and the simulator all call the same code.
    slot the pool already holds — a fresh deployment serves its first requests this way
    instead of refusing them until its pool is warm.
 3. The scorer predicts TTFT, total time and TPOT per candidate; the fastest (TTFT, then
-   total, then the most TPOT slack, then candidate order) that meets the request's latency targets wins — and a
-   join must also keep every row already running within its own TPOT target, since the
-   new row slows every step of that batch. The decision carries the chosen candidate and
+   total, then the most TPOT slack, then candidate order) that meets the request's latency
+   targets wins — and a join must also keep every row already running within its own TPOT
+   target, since the new row slows every step of that batch. The decision carries the chosen candidate and
    its prediction. Predictions that are malformed (wrong count, NaN, negative, ttft >
    total) or a scorer that raises fall back to the rule scorer for this decision: a
    scorer only ranks what is feasible.
