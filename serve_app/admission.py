@@ -38,6 +38,7 @@ from serve_app import errors, traces
 from serve_app.cluster import ActorGone, Cluster, NewActor, RegistryUnavailable
 from serve_app.config import IngressConfig
 from serve_app.decisions import Bind, Decision, Reject, Spawn
+from serve_app.demand import DemandCounter
 from serve_app.lease import LeasedRow, SlowPathLease
 from serve_app.lease_book import LeaseBook
 from serve_app.loaded_model import LoadedModel
@@ -67,6 +68,9 @@ class Admission:
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, self.rows)
         # model -> its early-refusal window, set by a slow-path refusal for want of capacity (`refuse_early`).
         self._refused: dict[str, _EarlyRefusal] = {}
+        # Refusals and admissions since the last lease exchange, for the registry's capacity planner.
+        self.demand = DemandCounter()
+        self.last_summary: ClusterSummary | None = None  # the registry's counts from the last exchange
         cluster.start(self.rows.handed_over)
         try:
             self._gauges: asyncio.Task | None = asyncio.get_running_loop().create_task(self._exchange_leases())
@@ -103,11 +107,12 @@ class Admission:
         if not self.cluster.is_available:
             return
         sent_at = time.monotonic()
-        report = self.leases.report(sent_at)
+        report = dataclasses.replace(self.leases.report(sent_at), demand=self.demand.take())
         try:
             grant = await self.cluster.exchange_leases(report, self.config.registry_timeout_s * 4)
         except Exception:  # the registry is restarting or busy: the leases run on until they expire
             log.debug("leases not exchanged this round", exc_info=True)
+            self.demand.put_back(report.demand)
             return
         self.leases.apply(report, grant, sent_at)
         spare = self.leases.give_back_contended()
@@ -116,6 +121,7 @@ class Admission:
         self.metrics.leased_rows.set(self.leases.num_rows)
         if grant.summary is not None:
             self.metrics.set_cluster(grant.summary)
+            self.last_summary = grant.summary
 
     def refuse_early(self, model_id: str) -> None:
         """Raise the 503 at once — before the request is tokenized, and with no registry call — when the
@@ -145,6 +151,7 @@ class Admission:
             window.probe_until = now + self.config.registry_timeout_s
             return
         self.metrics.rejections.inc(tags={"reason": "no_capacity_early"})
+        self.demand.refused(model_id, window.lane)
         raise errors.overloaded(f"{model_id}: no idle actor, batch row or free slot now", window.retry_after_s)
 
     async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
@@ -194,11 +201,14 @@ class Admission:
         path = "registry" if lease is None or lease.row_id == request_id else "lease"
         self.metrics.admission_paths.inc(tags={"path": path})
         self.metrics.decisions.inc(tags={"model": model.id, "kind": type(decision).__name__.lower()})
+        lane = self.config.policy.lane(features.input_tokens, features.max_tokens)
         if isinstance(decision, Reject):
             self.metrics.rejections.inc(tags={"reason": decision.reason})
+            if decision.reason == "no_capacity":
+                self.demand.refused(model.id, lane)
             if decision.reason == "no_capacity" and decision.retry_after_s is not None:
                 self._refused[model.id] = _EarlyRefusal(time.monotonic() + self.config.early_refusal_s,
-                                                        decision.retry_after_s, self.rows.num_freed(model.id))
+                                                        decision.retry_after_s, self.rows.num_freed(model.id), lane)
             self.metrics.observe_dispatch(model.id, time.time() - arrival)
             self.rows.trace(request_id, model.id, arrival, features, decision, None)
             if decision.http_status == 400:
@@ -207,6 +217,8 @@ class Admission:
         rows = decision.candidate.batch_rows + 1 if decision.candidate is not None else 1
         self.metrics.batch_rows.observe(rows, tags={"model": model.id})
         self.metrics.admissions.inc(tags={"model": model.id, "tier": _tier(decision)})
+        if decision.prediction is not None:
+            self.demand.admitted(model.id, lane, decision.prediction.total_s)
         actor_request = dataclasses.replace(actor_request, keep_hot=decision.keep_hot)
         name = spawn_name if isinstance(decision, Spawn) else decision.actor_name
         new = NewActor(model.zqs_path, decision.node_id, decision.evict) if isinstance(decision, Spawn) else None
@@ -273,6 +285,7 @@ class _EarlyRefusal:
     until: float  # monotonic: refused early until then
     retry_after_s: float  # what the slow path's refusal quoted
     num_freed: int  # Rows.num_freed(model) at the refusal: a row ended since sends a probe
+    lane: str  # the refused request's: early refusals count as its lane's demand
     probe_until: float | None = None  # a probe is in flight until its decision, or this deadline
 
 

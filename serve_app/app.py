@@ -53,6 +53,7 @@ from serve_app.ray_cluster.cluster import RayClusterSpec
 from serve_app.relay import RelayedStream
 from serve_app.rows import Admitted
 from serve_app.scorer import RuleScorer
+from serve_app.snapshot import ClusterSummary
 from serve_app.streaming import StreamFormat, event_stream
 from serve_app.xgb_scorer import load_scorer
 
@@ -247,6 +248,8 @@ class Ingress:
             "rows": summary.num_rows,
             "batch_occupancy": round(summary.batch_occupancy, 3),
             "slots": {"total": summary.num_slots, "free": summary.num_free_slots, "free_bytes": summary.free_bytes},
+            # The capacity planner's, as of the last lease exchange (serve_app/capacity.py); null where it is off.
+            "capacity": _capacity(self.admission.last_summary),
             "models": list(self.models),
             # What each model's actors compute in (actors/compute_dtype.py): fp32 on a CPU without bf16.
             "compute_dtype": {m.id: m.compute_dtype for m in self.models.values()},
@@ -416,3 +419,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         # A replica being replaced (a redeploy) or stopped drains its streams for this long before Serve kills it.
         graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s,
     ).bind(config)
+
+
+def _capacity(summary: ClusterSummary | None) -> dict | None:
+    if summary is None or summary.num_slots_wanted is None:
+        return None
+    return {"slots_wanted": summary.num_slots_wanted, "slots_present": summary.num_slots,
+            "nodes_pending": summary.num_nodes_pending, "refused_for_capacity": summary.num_refused_for_capacity}

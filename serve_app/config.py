@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.actor_config import ActorConfig
 from actors.telemetry import TelemetryConfig
+from serve_app.capacity import CapacityConfig
 from serve_app.latency_targets import MAX_TARGET_S
 from serve_app.lease import LeaseConfig
 from serve_app.policy import PolicyConfig
@@ -65,9 +66,13 @@ class ModelArgs(_Strict):
 class SlotArgs(_Strict):
     """Where request actors may run. `auto`: one slot per GPU where the cluster has GPUs, else CPU slots."""
 
-    kind: Literal["auto", "gpu", "cpu"] = "auto"
+    kind: Literal["auto", "gpu", "cpu", "resource"] = "auto"
     num_cpu_slots: int = Field(default=2, ge=1)
+    # CPU and `resource` slots each offer this much memory.
     cpu_slot_bytes: int = Field(default=4 * GiB, ge=1)
+    # `resource`: every unit of this Ray resource on any node is one slot (a worker node type that declares
+    # `zq_slot: 2` brings two), so slots follow the nodes the autoscaler adds and removes.
+    resource: str = "zq_slot"
     # Memory a GPU slot offers when telemetry cannot read it (it normally can, through NVML).
     gpu_slot_bytes: int | None = Field(default=None, ge=1)
 
@@ -90,6 +95,8 @@ class AppArgs(_Strict):
     registry: RegistryConfig = RegistryConfig()
     # Rows of hot actors each replica holds and fills without a registry call (serve_app/lease.py).
     leases: LeaseConfig = LeaseConfig()
+    # Slots asked of Ray's autoscaler as refused demand calls for them (serve_app/capacity.py); off by default.
+    capacity: CapacityConfig = CapacityConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     # The *name* of an environment variable holding the API key; the key never sits in YAML.
     api_key_env: str | None = None
@@ -182,6 +189,22 @@ class AppArgs(_Strict):
                     f"or raise the target")
         return self
 
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _capacity_fields(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "slot_bundle" in value:
+            raise ValueError("capacity.slot_bundle is derived from slots.kind; not set here")
+        return value
+
+    @model_validator(mode="after")
+    def _capacity_needs_worker_slots(self) -> AppArgs:
+        """Slots that follow the nodes: one per GPU, or per unit of a Ray resource. `cpu` slots are the ingress
+        node's alone, and `auto` picks them on a cluster that starts with no GPU node."""
+        if self.capacity.is_enabled and self.slots.kind not in ("gpu", "resource"):
+            raise ValueError(f"capacity.is_enabled needs slots.kind gpu or resource (slots that nodes bring), "
+                             f"got {self.slots.kind!r}")
+        return self
+
     @model_validator(mode="after")
     def _replicas_one_way(self) -> AppArgs:
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
@@ -214,6 +237,7 @@ class IngressConfig:
     actor: ActorConfig
     registry: RegistryConfig
     leases: LeaseConfig
+    capacity: CapacityConfig
     telemetry: TelemetryConfig
     rule_scorer: RuleScorer
     api_key: str | None
@@ -235,7 +259,7 @@ class IngressConfig:
 
 
 # The fields built below rather than copied as they are.
-_BUILT = frozenset({"models", "actor", "registry", "api_key", "traces"})
+_BUILT = frozenset({"models", "actor", "registry", "capacity", "api_key", "traces"})
 
 
 def ingress_config(args: AppArgs) -> IngressConfig:
@@ -257,10 +281,20 @@ def ingress_config(args: AppArgs) -> IngressConfig:
                                   step_cost=args.rule_scorer.step_cost()),
         # The registry lives in the deployment's namespace and watches its request actors there.
         registry=dataclasses.replace(args.registry, namespace=args.namespace, actor_namespace=args.namespace),
+        capacity=dataclasses.replace(args.capacity, slot_bundle=slot_bundle(args.slots)),
         api_key=api_key,
         traces=TraceConfig(args.traces.path, args.traces.max_bytes) if args.traces.enabled else None,
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(IngressConfig) if f.name not in _BUILT},
     )
+
+
+def slot_bundle(slots: SlotArgs) -> tuple[tuple[str, float], ...]:
+    """One slot's bundle for the autoscaler: a GPU, or a unit of the slot resource (none for CPU slots)."""
+    if slots.kind == "gpu":
+        return (("GPU", 1.0),)
+    if slots.kind == "resource":
+        return ((slots.resource, 1.0),)
+    return ()
 
 
 def resolve_model_path(spec: ModelSpec) -> Path:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from serve_app.demand import LaneCount
 from serve_app.snapshot import ClusterSummary, Lane, RowView, SlotView
 
 
@@ -98,6 +99,8 @@ class LeaseReport:
     # Every row the replica holds as it sends this. A free row it does not know of was granted by an
     # exchange whose answer it never got: the registry takes it back.
     known: frozenset[str] = frozenset()
+    # Its refusals and admissions since its last report, for the capacity planner (demand.py).
+    demand: tuple[LaneCount, ...] = ()
 
 
 @dataclass(frozen=True)

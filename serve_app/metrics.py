@@ -71,6 +71,12 @@ class IngressMetrics:
         self.rows = metrics.Gauge("zq_rows", "Requests holding a row on an actor (registry view).")
         self.batch_occupancy = metrics.Gauge(
             "zq_batch_occupancy", "Rows on busy hot actors over the rows they could hold (max_batch each).")
+        self.slots = metrics.Gauge("zq_slots", "Slots in the registry (registry view).")
+        # The capacity planner's (serve_app/capacity.py), where it is on.
+        self.slots_wanted = metrics.Gauge("zq_slots_wanted", "Slots the capacity planner asks Ray's autoscaler for.")
+        self.nodes_pending = metrics.Gauge("zq_nodes_pending", "Nodes still to come for the slots wanted.")
+        self.refused_for_capacity = metrics.Gauge(
+            "zq_refused_for_capacity", "Refusals decided while a slot was on its way, since the registry started.")
         # Recent dispatch latencies (µs) for /health's jitter figures, and recent requests' densities.
         self._recent_dispatch_us: deque[float] = deque(maxlen=window)
         self._recent_density: deque[tuple[float, float]] = deque(maxlen=window)  # (density, mean step rows)
@@ -84,6 +90,11 @@ class IngressMetrics:
         self.free_slots.set(summary.num_free_slots)
         self.rows.set(summary.num_rows)
         self.batch_occupancy.set(summary.batch_occupancy)
+        self.slots.set(summary.num_slots)
+        if summary.num_slots_wanted is not None:
+            self.slots_wanted.set(summary.num_slots_wanted)
+            self.nodes_pending.set(summary.num_nodes_pending)
+            self.refused_for_capacity.set(summary.num_refused_for_capacity)
 
     def observe_dispatch(self, model: str, seconds: float) -> None:
         self.dispatch_latency.observe(seconds, tags={"model": model})

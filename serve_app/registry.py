@@ -53,6 +53,7 @@ from serve_app.decisions import Bind, Decision, Dispatch, Join, Reject, Spawn
 from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.policy import PolicyConfig, decide, warm_candidates
 from serve_app.registry_books import Books
+from serve_app.registry_capacity import CapacityBooks
 from serve_app.registry_leases import LeaseBooks
 from serve_app.registry_records import (
     ActorRecord,
@@ -66,7 +67,7 @@ from serve_app.registry_records import (
 from serve_app.registry_recovery import Recovery
 from serve_app.registry_warm import WarmBooks
 from serve_app.retry_after import retry_after_s
-from serve_app.scorer import RULE_SCORER, Scorer
+from serve_app.scorer import RULE_SCORER, RuleScorer, Scorer
 from serve_app.snapshot import ClusterSnapshot, ClusterSummary, RequestFeatures, summarize
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
@@ -103,6 +104,13 @@ class RegistryConfig:
                              f"{self.reconcile_interval_s}, {self.replica_lease_s}, {self.adopt_grace_s}")
 
 
+def _cold_start_s(features: RequestFeatures, scorer: Scorer) -> float:
+    """A fresh actor's start to its first layers' worth of weights, as the rule predicts it: what a slot on a
+    new node adds to that node's start before it serves (the trained scorer has no such constant)."""
+    rule = scorer if isinstance(scorer, RuleScorer) else RULE_SCORER
+    return rule.actor_start_s + features.weight_bytes / rule.load_bytes_per_s
+
+
 def is_leased_row(decision: Decision) -> bool:
     """A placement whose row can be leased: on a hot actor that stays hot (a join, or a dispatch that keeps
     it), where the row outlives its request. A cold or warm actor's first row is not: its actor's start
@@ -122,6 +130,7 @@ class RegistryState:
         self.warm = WarmBooks(self.books)
         self.recovery = Recovery(self.books, self.finish)
         self.leases = LeaseBooks(self.books, self.finish)
+        self.capacity = CapacityBooks(self.books)
         # Decisions by kind, actors evicted, and spawns decided while a warm actor of the model fitted
         # (a process start the warm pool was there to spare): what benchmarks and /health report.
         self.counters: Counter[str] = Counter()
@@ -235,11 +244,15 @@ class RegistryState:
             self.counters["recalled"] += 1
         if isinstance(decision, Reject):
             self.counters["reject"] += 1
+            ready_in = None
             if decision.reason == "no_capacity":
                 self.leases.refused(features.model, now)
+                self.capacity.observe(snapshot, now)  # every slot was busy now: the plan must see it
+                ready_in = self.capacity.ready_in_s(now, _cold_start_s(features, scorer))
+                self.capacity.num_refused_for_capacity += ready_in is not None
             if decision.retry_after_s is None:
                 return decision
-            wait = retry_after_s(features, snapshot, policy, now)
+            wait = retry_after_s(features, snapshot, policy, now, ready_in)
             return Reject(decision.reason, wait, decision.message)
         is_cold = isinstance(decision, (Spawn, Bind))  # its weights may still be streaming in
         predicted_total = decision.prediction.total_s if decision.prediction is not None else 0.0
@@ -269,9 +282,20 @@ class RegistryState:
         come from a snapshot of every slot and actor, so one summary serves every exchange for
         SUMMARY_MAX_AGE_S (the gauges' own resolution), not one snapshot per replica's heartbeat."""
         grant = self.leases.exchange(report, now)
+        self.capacity.record(report.demand, now)
         if self._summary is None or not 0 <= now - self._summary[0] < SUMMARY_MAX_AGE_S:
-            self._summary = (now, summarize(self.snapshot(), self.max_batch))
+            self._summary = (now, self.summary())
         return dataclasses.replace(grant, summary=self._summary[1])
+
+    def summary(self) -> ClusterSummary:
+        """The counts of the books now, with the capacity plan's where planning is on."""
+        summary = summarize(self.snapshot(), self.max_batch)
+        if not self.capacity.is_enabled:
+            return summary
+        status = self.capacity.status()
+        return dataclasses.replace(summary, num_slots_wanted=status.num_wanted,
+                                   num_nodes_pending=status.num_nodes_pending,
+                                   num_refused_for_capacity=status.num_refused_for_capacity)
 
     # ---- lifecycle -------------------------------------------------------------------
 

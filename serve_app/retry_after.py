@@ -14,7 +14,8 @@ instant the request would fit:
 The answer is the earliest such instant over all slots, minus now, kept within
 [min_retry_after_s, max_retry_after_s]; a row already past its predicted end counts as
 ending now. Where nothing running would ever make room (every slot held by idle actors of
-other models, say), it is `policy.retry_after_s`. Pure and stdlib-only, like `decide`.
+other models, say, or no slot at all), it is `policy.retry_after_s`. While the capacity planner
+has a slot on its way for the demand, the answer is that slot's predicted readiness instead. Pure and stdlib-only, like `decide`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,16 @@ from serve_app.policy import PolicyConfig
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, SlotView
 
 
-def retry_after_s(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig, now: float) -> float:
-    """Seconds from `now` until a place that fits the request is predicted to free up (see the module doc)."""
+def retry_after_s(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig, now: float,
+                  capacity_ready_in_s: float | None = None) -> float:
+    """Seconds from `now` until a place that fits the request is predicted to free up (see the module doc).
+
+    `capacity_ready_in_s`: when a slot asked of the autoscaler for this demand is predicted to serve
+    (capacity.py). It is quoted instead of a running slot's place, as it is, beyond `max_retry_after_s`:
+    the demand is over the capacity, so a place that frees goes to the next arrival, and a client told to
+    come back then would only be refused again."""
+    if capacity_ready_in_s is not None:
+        return max(policy.min_retry_after_s, capacity_ready_in_s)
     lane = policy.lane(features.input_tokens, features.max_tokens)
     earliest = math.inf
     for slot in snapshot.slots:

@@ -17,13 +17,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from serve_app.capacity import CapacityConfig, CapacityPlan
 from serve_app.decisions import Decision
 from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.policy import PolicyConfig
 from serve_app.registry import Outcome, ReconcileReport, RegistryState, SlotSpec
+from serve_app.registry_capacity import CapacityStatus
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
-from serve_app.warm_pool import WarmFill, WarmSpec
+from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
 
 class SharedRegistry:
@@ -117,11 +119,31 @@ class SharedRegistry:
         with self._lock:
             return self._state.remove(actor_name)
 
-    def configure(self, policy: PolicyConfig, scorer: Scorer | None = None) -> None:
-        """The policy and scorer of the latest deployment (a redeploy's replicas bring theirs)."""
+    def configure(self, policy: PolicyConfig, scorer: Scorer | None = None,
+                  capacity: CapacityConfig | None = None) -> None:
+        """The policy, scorer and capacity plan's config of the latest deployment (a redeploy's replicas bring
+        theirs)."""
         with self._lock:
             self._state.reconfigure(policy.max_actors_per_slot, policy.max_idle_s, policy.max_batch)
             self._policy, self._scorer = policy, scorer or RULE_SCORER
+            if capacity is not None:
+                self._state.capacity.configure(capacity)
+
+    # ---- capacity ----------------------------------------------------------------------
+
+    def plan_capacity(self) -> CapacityPlan | None:
+        """One planning step (registry_capacity.py); None when planning is off."""
+        with self._lock:
+            capacity = self._state.capacity
+            if not capacity.is_enabled:
+                return None
+            models = {a.model for a in self._state.books.actors.values()} | set(self._state.books.last_request_at)
+            warm = {m: sum(self._policy.num_warm(m, lane) for lane in LANES) for m in models}
+            return capacity.step(time.time(), warm)
+
+    def capacity_status(self) -> CapacityStatus:
+        with self._lock:
+            return self._state.capacity.status()
 
     def reconcile_books(self, alive: set[str], listed_at: float, alive_nodes: set[str]) -> ReconcileReport:
         """The books matched to the actors and nodes alive at `listed_at`; the caller kills what it names."""

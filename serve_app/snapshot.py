@@ -225,6 +225,11 @@ class ClusterSummary:
     free_bytes: int
     # Rows on busy hot actors over the rows they could hold (max_batch each); 0.0 when none is busy.
     batch_occupancy: float
+    # The capacity planner's (capacity.py), where it is on: the slots it asks Ray for, the nodes still to come
+    # for them, and the refusals decided while a slot was on its way (since the registry started).
+    num_slots_wanted: int | None = None
+    num_nodes_pending: int = 0
+    num_refused_for_capacity: int = 0
 
 
 def summarize(snap: ClusterSnapshot, max_batch: int) -> ClusterSummary:

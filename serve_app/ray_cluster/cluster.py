@@ -104,7 +104,8 @@ class RayCluster:
         """A new registry (first seen, restarted, or re-created): this deployment's policy and scorer, and
         the rows this replica still relays, so their actors are not killed as orphans. On the slot
         refresher's thread, after the slots were registered."""
-        ray.get(self._link.handle.configure.remote(self._config.policy, self._scorer), timeout=30)
+        ray.get(self._link.handle.configure.remote(self._config.policy, self._scorer, self._config.capacity),
+                timeout=30)
         rows, idle = self._handed_over()
         if rows or idle:
             taken = ray.get(self._link.handle.adopt.remote(rows, idle), timeout=30)

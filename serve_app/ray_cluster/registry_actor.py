@@ -48,10 +48,12 @@ import uuid
 from collections import Counter
 
 import ray
+import ray.autoscaler.sdk
 
 from actors.actor_kill import kill_named
 from actors.actor_names import is_request_actor_name
 from actors.priority import control_plane_runtime_env
+from serve_app.capacity import bundles
 from serve_app.decisions import Decision, Reject
 from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.policy import PolicyConfig
@@ -76,6 +78,7 @@ class RegistryActor(SharedRegistry):
         self._replicas: dict[str, float] = {}  # attached ingress replica -> when last heard from
         self.incarnation = uuid.uuid4().hex[:12]  # new with every (re)start: replicas then hand their rows back
         self._adopt_until = time.time() + config.adopt_grace_s
+        self._next_plan_at = 0.0  # epoch seconds: the capacity planner's next step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="zq-registry-reconcile", daemon=True)
         self._thread.start()
@@ -185,10 +188,37 @@ class RegistryActor(SharedRegistry):
         would count them: what benchmarks read as registry calls per admitted request."""
         return dict(self._calls)
 
+    # ---- capacity ----------------------------------------------------------------------
+
+    def _plan_capacity(self, now: float) -> None:
+        """Every capacity.interval_s: plan, and state a changed plan to Ray's autoscaler (one bundle a slot)."""
+        if now < self._next_plan_at:
+            return
+        plan = self.plan_capacity()
+        if plan is None:
+            return
+        with self._lock:
+            capacity = self._state.capacity
+            self._next_plan_at = now + capacity.config.interval_s
+            wanted = bundles(plan.num_wanted, capacity.config)
+            if wanted == capacity.bundles:
+                return
+            capacity.bundles = wanted
+        log.info("capacity: %d slots wanted (%d needed, %d present)", plan.num_wanted, plan.num_needed,
+                 len(self._state.slot_ids))
+        self.request_resources(list(wanted))
+
+    @staticmethod
+    def request_resources(wanted: list[dict[str, float]]) -> None:
+        """The plan to Ray's autoscaler: these bundles in all, replacing the last request (the seam tests
+        replace to see the plan without an autoscaler)."""
+        ray.autoscaler.sdk.request_resources(bundles=wanted)
+
     def _loop(self) -> None:
         while not self._stop.wait(self._config.reconcile_interval_s):
             try:
                 self._reconcile()
+                self._plan_capacity(time.time())
                 if self._is_lease_over(time.time()):
                     self._shut_down()
             except Exception:  # a GCS hiccup must not end the loop
@@ -217,7 +247,7 @@ class RegistryActor(SharedRegistry):
 # The methods callers reach through Ray; each call is counted in `_calls`.
 CALLED = ("admit", "exchange_leases", "give_back", "adopt", "attach", "detach", "reconcile_now", "register_slots",
           "snapshot", "counters", "fill_warm", "warm_ready", "drop_warming", "actor_started", "finish", "abandon",
-          "remove", "configure", "check_invariants")
+          "remove", "configure", "check_invariants", "capacity_status")
 
 
 def _counted(name: str, method):

@@ -1,7 +1,9 @@
 """Discovering the accelerator slots request actors may occupy.
 
-A slot is one GPU (`num_gpus=1` actors) or, on a CPU-only cluster, one CPU slot of
-`cpu_slot_bytes` on the ingress's node. A slot the registry offers must be placeable by
+A slot is one GPU (`num_gpus=1` actors), one unit of a Ray resource that nodes declare
+(`kind: resource`, e.g. `zq_slot`: slots on every node that has it, which is how CPU slots follow the
+nodes an autoscaler adds), or, on a CPU-only cluster, one CPU slot of `cpu_slot_bytes` on the
+ingress's node. A slot the registry offers must be placeable by
 Ray right now whenever it is free — otherwise a spawn onto it would wait in Ray's
 scheduler, a hidden queue — so discovery checks that the node has the resources for
 every slot's actor at once.
@@ -40,6 +42,8 @@ def discover_slots(args: SlotArgs, actor: ActorConfig, telemetry: TelemetryConfi
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     num_gpus = sum(int(n["Resources"].get("GPU", 0)) for n in nodes)
     kind = args.kind if args.kind != "auto" else ("gpu" if num_gpus else "cpu")
+    if kind == "resource":
+        return _resource_slots(nodes, args, actor)
     if kind == "gpu":
         return _gpu_slots(nodes, args, actor, telemetry or TelemetryConfig())
     return _cpu_slots(args, actor)
@@ -58,6 +62,28 @@ def _cpu_slots(args: SlotArgs, actor: ActorConfig) -> list[SlotSpec]:
             f"{ {k: node['Resources'].get(k, 0) for k in need} }: an actor could be left unplaceable"
         )
     return [SlotSpec(f"{node_id[:12]}/cpu{i}", node_id, args.cpu_slot_bytes) for i in range(args.num_cpu_slots)]
+
+
+def _resource_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig) -> list[SlotSpec]:
+    """One slot per unit of `args.resource` on every alive node: the nodes an autoscaler adds bring theirs.
+
+    A node whose CPUs (and the actor's own resources) cannot hold one actor per slot at once offers
+    none: a spawn onto it could wait in Ray's scheduler. Such a node is logged, not an error, since it
+    may have joined with a different shape than its node type states."""
+    slots = []
+    for n in nodes:
+        have = n["Resources"]
+        num = int(have.get(args.resource, 0))
+        if num == 0:
+            continue
+        need = {"CPU": actor.num_cpus * num} | {k: v * num for k, v in actor.resources}
+        if any(have.get(k, 0) < v for k, v in need.items()):
+            log.warning("node %s has %d %s slots but not %s for their actors; none used", n["NodeID"][:12], num,
+                        args.resource, need)
+            continue
+        slots.extend(SlotSpec(f"{n['NodeID'][:12]}/{args.resource}{i}", n["NodeID"], args.cpu_slot_bytes)
+                     for i in range(num))
+    return slots
 
 
 def _gpu_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig, telemetry: TelemetryConfig) -> list[SlotSpec]:

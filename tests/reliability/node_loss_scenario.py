@@ -1,20 +1,25 @@
 """The node-loss scenario, run in a subprocess by test_node_loss.py; prints one `ZQ-RESULT {json}` line.
 
 It needs a Ray cluster of its own (two nodes, `ray.cluster_utils.Cluster`), which cannot
-live in a pytest process that already holds the session's local Ray.
+live in a pytest process that already holds the session's local Ray. Slots are `kind: resource`
+(one per unit of `zq_slot` on any node) and the capacity planner is on, with no autoscaler: the
+scenario plays the autoscaler by hand, adding the node the planner asks for.
 
-  1. A head node (CPU slot of the app) and a tiny model packed into a temp dir.
+  1. A head node with one `zq_slot`, and a tiny model packed into a temp dir.
   2. Serve with the app on the head only (`proxy_location="HeadOnly"`); the ingress is
      placed while the head is the only node, so it and the registry stay there.
-  3. A worker node joins; its CPU slot is registered with the registry directly
-     (`register_slots`), since the app's CPU slots are discovered on the ingress's node
-     only and nothing in its args places replicas per node.
-  4. Pairs of concurrent requests until a hot actor is idle on the worker node's slot
-     (`max_hot_short_actors: 2`, so both slots keep one; `max_batch: 1`, so a pair needs
-     both actors, as it would on a loaded cluster).
-  5. The worker node is removed; then pairs of concurrent requests while another thread
-     polls the registry's snapshot, until the lost slot is gone and requests are served
-     again (or a deadline). Every status is recorded with its time since the removal.
+  3. Pairs of concurrent requests (`max_batch: 1`: a pair needs two slots) until one is refused
+     and the planner asks Ray for a second slot (`capacity_status`); then a worker node with
+     the bundle it asked for joins. Its slot reaches the registry from Ray's node table — no
+     redeploy, no slot registered by hand.
+  4. Pairs until a hot actor is idle on the worker node's slot (`max_hot_short_actors: 2`,
+     so both slots keep one).
+  5. Under load: two streams held open before their last event (the fault actor's `gate:`), one
+     on each node; the worker node is removed while both stream. The worker's stream must end
+     with an error event; the head's completes once the gate opens.
+  6. Pairs of concurrent requests while another thread polls the registry's snapshot, until
+     the lost slot is gone and requests are served again (or a deadline). Every status is
+     recorded with its time since the removal.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the fault actor's module, for this driver and (through it) Ray's workers
 
 NAMESPACE = "zq-node-loss-tests"
 APP = "zeroqueue-node-loss"
@@ -56,8 +64,34 @@ def _post(base: str, timeout_s: float) -> dict:
         "error_type": error.get("type") if isinstance(error, dict) else None,
         "error_message": error.get("message") if isinstance(error, dict) else None,
         "tier": r.headers.get("x-request-tier"),
+        "retry_after": r.headers.get("retry-after"),
         "raw": body.get("raw") if isinstance(body, dict) else None,
     }
+
+
+def _stream(base: str, prompt: str, first: threading.Event) -> dict:
+    """One streamed request: its SSE event names in order, and an error event's type; `first` is set at its
+    first text delta (the stream is computing on its actor)."""
+    import httpx
+
+    events, error_type = [], None
+    try:
+        with httpx.stream("POST", f"{base}/v1/messages", timeout=120, json={
+                "model": MODEL, "max_tokens": 8, "stream": True,
+                "messages": [{"role": "user", "content": prompt}]}) as r:
+            status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line.removeprefix("event: "))
+                    if events[-1] == "content_block_delta":
+                        first.set()
+                elif line.startswith("data: ") and events and events[-1] == "error":
+                    error_type = json.loads(line.removeprefix("data: "))["error"]["type"]
+    except httpx.HTTPError as e:
+        return {"status": None, "error": repr(e), "events": events}
+    finally:
+        first.set()  # a stream that never started must not hold the scenario up
+    return {"status": status, "events": events, "error_type": error_type}
 
 
 def _pair(pool: ThreadPoolExecutor, base: str, timeout_s: float) -> list[dict]:
@@ -75,8 +109,10 @@ def main() -> int:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from serve_app.app import build_app
-    from serve_app.registry import SlotSpec
+    from serve_app.app import Ingress
+    from serve_app.config import AppArgs, ingress_config
+    from serve_app.ray_cluster.cluster import RayClusterSpec
+    from tests.reliability.faults import FaultyActor
     from weights_tool.pack import pack
     from weights_tool.synth import synthesize
 
@@ -89,35 +125,66 @@ def main() -> int:
     # the worker's 1 is exactly its one slot. Dashboard agent ports are left to the OS, so
     # a Ray already running on this machine (the test session's) never collides.
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"zq-node-a": 1}, "include_dashboard": False,
+        "num_cpus": 2, "resources": {"zq_slot": 1}, "include_dashboard": False,
         "dashboard_agent_listen_port": None})
     try:
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
         head_id = ray.get_runtime_context().get_node_id()
         base = f"http://127.0.0.1:{args.port}"
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": args.port})
-        serve.run(build_app({
+        parsed = AppArgs.model_validate({
             "models": [{"id": MODEL, "zqs_path": str(zqs)}],
-            "slots": {"kind": "cpu", "num_cpu_slots": 1, "cpu_slot_bytes": 1 << 30},
+            "slots": {"kind": "resource", "resource": "zq_slot", "cpu_slot_bytes": 1 << 30},
             # Two hot actors: the warm-up leaves an idle one on each node's slot. One row per
             # actor: the remaining node's actor is full with one request, as a loaded cluster's
             # would be, so the other request of a pair is the one that meets the lost node.
             "policy": {"max_hot_short_actors": 2, "max_batch": 1},
             "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
+            "capacity": {"is_enabled": True, "min_slots": 1, "max_slots": 2, "interval_s": 0.5,
+                         "node_start_s": 5.0, "demand_window_s": 10.0, "scale_down_delay_s": 600.0},
+            "slot_refresh_s": 1.0,
             "namespace": NAMESPACE,
-        }), name=APP, route_prefix="/")
+        })
+        serve.run(Ingress.options(num_replicas=1).bind(ingress_config(parsed),
+                                                       cluster=RayClusterSpec(actor_cls=FaultyActor)),
+                  name=APP, route_prefix="/")
         result["phases"]["app_up_s"] = round(time.monotonic() - t_start, 2)
+        registry = ray.get_actor("zq-registry", namespace=NAMESPACE)
+        pool = ThreadPoolExecutor(max_workers=3)
 
-        worker = cluster.add_node(num_cpus=1, resources={"zq-node-b": 1})
+        # ---- the planner asks for a slot; a node with its bundle joins ------------------
+        asked: list[dict] = []
+        status = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            asked += _pair(pool, base, 60)
+            status = ray.get(registry.capacity_status.remote(), timeout=30)
+            if status.num_wanted == 2:
+                break
+            time.sleep(0.5)
+        result["asked"] = asked
+        result["status_before_node"] = [status.num_wanted, status.num_present, status.num_nodes_pending,
+                                        [dict(b) for b in status.bundles]] if status is not None else None
+        if status is None or status.num_wanted != 2:
+            result["error"] = f"the planner never asked for a second slot: {status}"
+            return _emit(result)
+        extra = {k: v for k, v in status.bundles[-1].items() if k != "CPU"}
+        worker = cluster.add_node(num_cpus=1, resources=extra)
         cluster.wait_for_nodes()
         worker_id = worker.node_id
         assert worker_id != head_id
-        registry = ray.get_actor("zq-registry", namespace=NAMESPACE)
-        worker_slot = f"{worker_id[:12]}/cpu0"
-        ray.get(registry.register_slots.remote([SlotSpec(worker_slot, worker_id, 1 << 30)]), timeout=30)
-        result.update(head_node=head_id, worker_node=worker_id, worker_slot=worker_slot)
+        worker_slot = f"{worker_id[:12]}/zq_slot0"
+        t_added = time.monotonic()
+        slots: list[str] = []
+        while time.monotonic() < t_added + 30 and worker_slot not in slots:
+            slots = [v.slot_id for v in ray.get(registry.snapshot.remote(), timeout=30).slots]
+            time.sleep(0.2)
+        result.update(head_node=head_id, worker_node=worker_id, worker_slot=worker_slot,
+                      worker_slot_seen_s=round(time.monotonic() - t_added, 2) if worker_slot in slots else None)
+        if worker_slot not in slots:
+            result["error"] = f"the worker's slot never reached the registry: {slots}"
+            return _emit(result)
 
-        pool = ThreadPoolExecutor(max_workers=3)
         warmup: list[dict] = []
         on_worker = None
         for _ in range(6):
@@ -133,7 +200,13 @@ def main() -> int:
             return _emit(result)
         result["phases"]["worker_actor_s"] = round(time.monotonic() - t_start, 2)
 
-        # ---- the loss ---------------------------------------------------------------
+        # ---- under load: a stream on each node, then the worker node goes --------------
+        gate = tmp / "go"
+        firsts = [threading.Event(), threading.Event()]
+        streams = [pool.submit(_stream, base, f"hold gate:{gate} {i}", firsts[i]) for i in range(2)]
+        for first in firsts:
+            first.wait(120)
+
         slots_seen: list[tuple[float, list[str]]] = []
         stop = threading.Event()
         t_removed = [0.0]
@@ -153,6 +226,9 @@ def main() -> int:
         result["remove_node_took_s"] = round(t_removed[0] - t0, 3)
         poller = threading.Thread(target=poll_slots, daemon=True)
         poller.start()
+        time.sleep(2.0)  # the worker's stream has met its dead actor (Ray notices a dead node within this)
+        gate.touch()
+        result["streams"] = [f.result(timeout=120) for f in streams]
 
         after: list[dict] = []
         deadline = t_removed[0] + args.observe_s

@@ -1,9 +1,11 @@
-"""A node lost from a multi-node cluster: its slots leave the registry, and no request is a 500.
+"""A node added by hand is used without a redeploy; a node lost from a multi-node cluster ends its rows
+the documented way, its slots leave the registry, and no request is a 500.
 
 The two-node cluster (`ray.cluster_utils.Cluster`) runs in a subprocess
 (node_loss_scenario.py): this pytest process already holds the session's local Ray. The
-scenario leaves an idle hot actor on each node's slot, removes the worker node, then sends
-pairs of concurrent requests while polling the registry's snapshot, and prints what it saw.
+scenario adds the worker node the capacity planner asks for, leaves an idle hot actor on each
+node's slot, removes the worker node while a stream runs on each, then sends pairs of concurrent
+requests while polling the registry's snapshot, and prints what it saw.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _summary(result: dict) -> str:
 
 
 @pytest.mark.slow
-def test_a_lost_nodes_slots_leave_the_registry_and_no_request_is_a_500():
+def test_a_node_added_is_used_and_a_lost_nodes_rows_end_and_its_slots_leave_and_no_request_is_a_500():
     t0 = time.monotonic()
     result, tail = _run_scenario()
     took = time.monotonic() - t0
@@ -86,6 +88,21 @@ def test_a_lost_nodes_slots_leave_the_registry_and_no_request_is_a_500():
     assert all(r["status"] == 200 for r in result["warmup"]), result["warmup"]
     worker_slot = result["worker_slot"]
     summary = _summary(result)
+
+    # Before the worker joined, a pair found one slot: the other was refused at once, quoting the node the
+    # planner asks for (node_start_s 5 s, then an actor's start), and the planner asked Ray for a second slot.
+    refused = [r for r in result["asked"] if r["status"] != 200]
+    assert refused and all(r["status"] == 503 and r["error_type"] == "overloaded_error" for r in refused), summary
+    assert all(float(r["retry_after"]) >= 5.0 for r in refused), refused
+    wanted, present, pending, bundles = result["status_before_node"]
+    assert (wanted, present, pending, bundles) == (2, 1, 1, [{"zq_slot": 1.0}] * 2), result["status_before_node"]
+    # The node added for it is used with no redeploy: its slot comes from Ray's node table.
+    assert result["worker_slot_seen_s"] is not None, summary
+
+    # Under load: the worker's stream ends with an error event after its first events; the head's completes.
+    ends = sorted((s["events"][-1] if s.get("events") else None, s.get("error_type")) for s in result["streams"])
+    assert ends == [("error", "overloaded_error"), ("message_stop", None)], result["streams"]
+    assert all(s["status"] == 200 and "content_block_delta" in s["events"] for s in result["streams"]), summary
 
     # The lost node's slot leaves the registry's snapshot, within the bound.
     seen = [(t, ids) for t, ids in result["slots_seen"] if not (ids and ids[0].startswith("error"))]
