@@ -33,7 +33,8 @@ SECOND_HALF = (
 # The modules that take longest (a cluster or a real model each), started first after the Ray halves, so that
 # the suite ends on short modules that fill both workers rather than on one long module.
 LONGEST_FIRST = (
-    "tests/serve/test_serve_run.py", "tests/reliability/test_node_loss.py", "tests/runtime/test_smollm2.py",
+    "tests/serve/test_serve_run.py", "tests/reliability/test_node_loss.py", "tests/elastic/test_elastic.py",
+    "tests/runtime/test_smollm2.py",
     "tests/unit/test_bench_loader.py",
 )
 

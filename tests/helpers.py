@@ -278,3 +278,37 @@ def undeploy(ray, namespace: str | None = None) -> None:
 def metrics_export_port(ray) -> int:
     """Where this (one-node) cluster exports its Prometheus metrics, from Ray's public node table."""
     return next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+
+
+def run_scenario(script, args: list[str], timeout_s: float) -> tuple[dict | None, str]:
+    """Run a scenario script that starts a Ray cluster of its own, in a session of its own (this process
+    holds the session's local Ray); its `ZQ-RESULT {json}` (None if it printed none) and its output's tail.
+
+    Past `timeout_s` its whole process group is killed: the scenario and every Ray process it started. A
+    cluster it started may leave Ray's "current cluster" address file pointing at itself: the file is put
+    back as it was, so later `ray.init()` calls on this machine are not sent to a cluster that is gone."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    address_file = Path("/tmp/ray/ray_current_cluster")
+    previous = address_file.read_text() if address_file.exists() else None
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "2"}
+    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=Path(__file__).resolve().parents[1], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started: the scenario and its Ray
+        out, _ = proc.communicate()
+        out += f"\n[killed after {timeout_s} s]"
+    finally:
+        if previous is None:
+            address_file.unlink(missing_ok=True)
+        elif not address_file.exists() or address_file.read_text() != previous:
+            address_file.write_text(previous)
+    lines = [x for x in out.splitlines() if x.startswith("ZQ-RESULT ")]
+    result = json.loads(lines[-1].removeprefix("ZQ-RESULT ")) if lines else None
+    return result, out[-6000:]

@@ -10,19 +10,14 @@ requests while polling the registry's snapshot, and prints what it saw.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from serve_app.registry import RegistryConfig
+from tests.helpers import run_scenario
 
-ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = Path(__file__).with_name("node_loss_scenario.py")
 PORT = 8769
 # How long the lost node's slot may stay in the registry's snapshot. The registry removes a
@@ -39,28 +34,8 @@ SCENARIO_TIMEOUT_S = 300
 
 
 def _run_scenario() -> tuple[dict | None, str]:
-    """Run the scenario; its result (None if it printed none) and the tail of its output."""
-    address_file = Path("/tmp/ray/ray_current_cluster")  # Cluster() writes it; a killed scenario leaves it
-    previous = address_file.read_text() if address_file.exists() else None
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "2"}
-    cmd = [sys.executable, str(SCENARIO), "--port", str(PORT),
-           "--observe-s", str(SLOT_GONE_BOUND_S + 10), "--min-ok-after", "2"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=SCENARIO_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started: the scenario and its Ray
-        out, _ = proc.communicate()
-        out += f"\n[killed after {SCENARIO_TIMEOUT_S} s]"
-    finally:
-        if previous is None:
-            address_file.unlink(missing_ok=True)
-        elif not address_file.exists() or address_file.read_text() != previous:
-            address_file.write_text(previous)
-    lines = [x for x in out.splitlines() if x.startswith("ZQ-RESULT ")]
-    result = json.loads(lines[-1].removeprefix("ZQ-RESULT ")) if lines else None
-    return result, out[-6000:]
+    return run_scenario(SCENARIO, ["--port", str(PORT), "--observe-s", str(SLOT_GONE_BOUND_S + 10),
+                                   "--min-ok-after", "2"], SCENARIO_TIMEOUT_S)
 
 
 def _summary(result: dict) -> str:

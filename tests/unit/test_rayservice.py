@@ -38,6 +38,9 @@ GPU_OVERRIDES: dict[tuple[str | int, ...], Any] = {
     ("args", "rule_scorer"): {},
     # The API listens beyond loopback: every route needs the key, read from the head's env (a Secret).
     ("args", "api_key_env"): "ZQ_API_KEY",
+    # GPU workers come and go with the demand (test_gpu_workers_follow_the_capacity_planner).
+    ("args", "capacity"): {"is_enabled": True, "min_slots": 1, "max_slots": 8, "node_start_s": 180,
+                           "demand_window_s": 30, "scale_down_delay_s": 120},
 }
 
 
@@ -225,26 +228,35 @@ def test_head_has_no_gpus_and_exposes_serve_and_metrics(manifest: dict, serve_co
     assert "dashboard" in ports
 
 
-def test_gpu_workers_hold_whole_gpus_at_a_fixed_count(manifest: dict, serve_config: dict) -> None:
+def test_gpu_workers_hold_whole_gpus_and_follow_the_capacity_planner(manifest: dict, serve_config: dict) -> None:
     head, workers = _groups(manifest)
     assert workers, "no worker groups"
-    # The ingress learns its slots at start and never creates an actor Ray cannot place now,
-    # so capacity is fixed: an autoscaler would see no pending demand.
-    assert manifest["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False
+    # The planner states refused demand to KubeRay's autoscaler, which adds and removes GPU workers.
+    config = manifest["spec"]["rayClusterConfig"]
+    assert config["enableInTreeAutoscaling"] is True
     (app,) = serve_config["applications"]
+    capacity, policy = app["args"]["capacity"], app["args"]["policy"]
+    assert capacity["is_enabled"] is True
+    # A worker goes back only once its actors retired (max_idle_s) and it then stayed idle this long.
+    assert 0 < config["autoscalerOptions"]["idleTimeoutSeconds"] <= policy["max_idle_s"]
     num_gpus_per_actor = app["args"]["actor"]["num_gpus"]
     images = {c["image"] for c in _containers(head)}
+    slots = [0, 0]
     for group in workers:
-        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] >= 1, group["groupName"]
+        assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], group["groupName"]
         (container,) = _containers(group)
         limits, requests = container["resources"]["limits"], container["resources"]["requests"]
         num_gpus = int(limits["nvidia.com/gpu"])
         assert num_gpus >= 1 and num_gpus % num_gpus_per_actor == 0, group["groupName"]
+        slots[0] += group["minReplicas"] * num_gpus // num_gpus_per_actor
+        slots[1] += group["maxReplicas"] * num_gpus // num_gpus_per_actor
         # Kubernetes requires an extended resource's request to equal its limit.
         assert int(requests.get("nvidia.com/gpu", num_gpus)) == num_gpus
         ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
         assert ports["metrics"] == int(group["rayStartParams"]["metrics-export-port"])
         assert container["image"] in images, "workers must run the head's image"
+    # The planner's bounds are the worker groups' (one slot per GPU): it asks for nothing they cannot give.
+    assert slots == [capacity["min_slots"], capacity["max_slots"]]
 
 
 def _mounts(group: dict) -> dict[str, str]:
