@@ -38,7 +38,7 @@ from serve_app import errors, traces
 from serve_app.cluster import ActorGone, Cluster, NewActor, RegistryUnavailable
 from serve_app.config import IngressConfig
 from serve_app.decisions import Bind, Decision, Reject, Spawn
-from serve_app.demand import DemandCounter
+from serve_app.demand import DemandCounter, refused_hold_s
 from serve_app.lease import LeasedRow, SlowPathLease
 from serve_app.lease_book import LeaseBook
 from serve_app.loaded_model import LoadedModel
@@ -151,7 +151,7 @@ class Admission:
             window.probe_until = now + self.config.registry_timeout_s
             return
         self.metrics.rejections.inc(tags={"reason": "no_capacity_early"})
-        self.demand.refused(model_id, window.lane)
+        self.demand.refused(model_id, window.lane, window.hold_s)
         raise errors.overloaded(f"{model_id}: no idle actor, batch row or free slot now", window.retry_after_s)
 
     async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
@@ -201,14 +201,16 @@ class Admission:
         path = "registry" if lease is None or lease.row_id == request_id else "lease"
         self.metrics.admission_paths.inc(tags={"path": path})
         self.metrics.decisions.inc(tags={"model": model.id, "kind": type(decision).__name__.lower()})
-        lane = self.config.policy.lane(features.input_tokens, features.max_tokens)
         if isinstance(decision, Reject):
             self.metrics.rejections.inc(tags={"reason": decision.reason})
             if decision.reason == "no_capacity":
-                self.demand.refused(model.id, lane)
-            if decision.reason == "no_capacity" and decision.retry_after_s is not None:
-                self._refused[model.id] = _EarlyRefusal(time.monotonic() + self.config.early_refusal_s,
-                                                        decision.retry_after_s, self.rows.num_freed(model.id), lane)
+                lane = self.config.policy.lane(features.input_tokens, features.max_tokens)
+                hold_s = refused_hold_s(features, self.config.rule_scorer)
+                self.demand.refused(model.id, lane, hold_s)
+                if decision.retry_after_s is not None:
+                    self._refused[model.id] = _EarlyRefusal(
+                        time.monotonic() + self.config.early_refusal_s, decision.retry_after_s,
+                        self.rows.num_freed(model.id), lane, hold_s)
             self.metrics.observe_dispatch(model.id, time.time() - arrival)
             self.rows.trace(request_id, model.id, arrival, features, decision, None)
             if decision.http_status == 400:
@@ -217,8 +219,6 @@ class Admission:
         rows = decision.candidate.batch_rows + 1 if decision.candidate is not None else 1
         self.metrics.batch_rows.observe(rows, tags={"model": model.id})
         self.metrics.admissions.inc(tags={"model": model.id, "tier": _tier(decision)})
-        if decision.prediction is not None:
-            self.demand.admitted(model.id, lane, decision.prediction.total_s)
         actor_request = dataclasses.replace(actor_request, keep_hot=decision.keep_hot)
         name = spawn_name if isinstance(decision, Spawn) else decision.actor_name
         new = NewActor(model.zqs_path, decision.node_id, decision.evict) if isinstance(decision, Spawn) else None
@@ -285,7 +285,8 @@ class _EarlyRefusal:
     until: float  # monotonic: refused early until then
     retry_after_s: float  # what the slow path's refusal quoted
     num_freed: int  # Rows.num_freed(model) at the refusal: a row ended since sends a probe
-    lane: str  # the refused request's: early refusals count as its lane's demand
+    lane: str  # the refused request's: early refusals count as its lane's demand,
+    hold_s: float  # each as long a hold as its own (demand.refused_hold_s)
     probe_until: float | None = None  # a probe is in flight until its decision, or this deadline
 
 

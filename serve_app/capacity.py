@@ -31,7 +31,7 @@ class CapacityConfig:
     is_enabled: bool = False
     min_slots: int = 0
     max_slots: int = 0
-    interval_s: float = 2.0  # how often the planner runs
+    interval_s: float = 2.0  # how often the planner runs (at most once a reconcile pass: RegistryConfig)
     # Refusals and admissions are counted over this window; the rates the plan uses are per second of it.
     demand_window_s: float = 20.0
     # The plan falls only after the need has stayed below it this long (hysteresis).
@@ -41,8 +41,6 @@ class CapacityConfig:
     node_start_s: float = 120.0
     # Rows a slot is assumed to take for a model and lane that has not run an actor yet.
     assumed_rows_per_slot: int = 1
-    # How long a refused request would have held its row, before any admission predicted one.
-    assumed_hold_s: float = 5.0
     # One slot's bundle for the autoscaler, set by the app builder from the slots' kind ({"GPU": 1} for GPU
     # slots; the slot resource for `resource` slots).
     slot_bundle: tuple[tuple[str, float], ...] = ()
@@ -52,8 +50,8 @@ class CapacityConfig:
             raise ValueError(f"capacity needs 0 <= min_slots <= max_slots, got {self.min_slots}, {self.max_slots}")
         if self.is_enabled and self.max_slots < 1:
             raise ValueError("capacity.is_enabled needs max_slots >= 1")
-        if min(self.interval_s, self.demand_window_s, self.node_start_s, self.assumed_hold_s) <= 0:
-            raise ValueError("capacity's interval_s, demand_window_s, node_start_s and assumed_hold_s must be > 0")
+        if min(self.interval_s, self.demand_window_s, self.node_start_s) <= 0:
+            raise ValueError("capacity's interval_s, demand_window_s and node_start_s must be > 0")
         if self.scale_down_delay_s < 0 or self.assumed_rows_per_slot < 1:
             raise ValueError("capacity needs scale_down_delay_s >= 0 and assumed_rows_per_slot >= 1")
 
@@ -67,7 +65,7 @@ class LaneDemand:
     num_busy_slots: int  # the most slots its actors held with rows running (or starting) within the window
     max_rows_per_actor: int  # the most rows one of its actors ran at once within the window (0: none ran)
     refused_per_s: float  # refusals for want of capacity, per second of the window
-    hold_s: float  # how long an admitted request holds its row, predicted (mean over the window)
+    hold_s: float  # how long a refused request would have held its row, predicted (mean over the window)
     num_warm_slots: int = 0  # slots its warm pool's actors need while the model has demand
 
 

@@ -2,8 +2,8 @@
 
 Two halves, one on each side of the lease exchange (lease.py):
   - `DemandCounter`, on each ingress replica: its refusals for want of capacity (those the
-    registry decided and those refused early at the edge, which the registry never sees) and its
-    admissions with their predicted hold times, since its last report;
+    registry decided and those refused early at the edge, which the registry never sees), each with
+    how long it would have held its row (`refused_hold_s`), since its last report;
   - `DemandMeter`, in the registry: every replica's counts over `demand_window_s`, plus what the
     books show now (busy slots, rows per actor), turned into `LaneDemand`s for `plan_slots`.
 """
@@ -15,46 +15,47 @@ from collections import deque
 from dataclasses import dataclass
 
 from serve_app.capacity import LaneDemand
-from serve_app.snapshot import ClusterSnapshot
+from serve_app.scorer import Candidate, RuleScorer
+from serve_app.snapshot import ClusterSnapshot, RequestFeatures
 
 
 @dataclass(frozen=True)
 class LaneCount:
-    """One replica's counts for a model and lane since its last report."""
+    """One replica's refusals for want of capacity for a model and lane, since its last report."""
 
     model: str
     lane: str
-    num_refused: int = 0  # refused for want of capacity
-    num_admitted: int = 0
-    hold_s_sum: float = 0.0  # the admitted requests' predicted total seconds, summed
+    num_refused: int = 0
+    hold_s_sum: float = 0.0  # how long each would have held its row, summed (refused_hold_s)
+
+
+def refused_hold_s(features: RequestFeatures, rule: RuleScorer) -> float:
+    """How long a refused request would have held its row: the rule's prediction on a hot actor of its own.
+    The refusal has no prediction of its own (nothing could place it), and the rule needs no candidate."""
+    hot = Candidate("hot", "", None, 0, 0, 0.0, 0.0, resident_fraction=1.0)
+    return rule.predict(features, [hot])[0].total_s
 
 
 class DemandCounter:
     """A replica's counts between two lease exchanges (the event loop's only: no lock)."""
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[str, str], list[float]] = {}
+        self._counts: dict[tuple[str, str], tuple[int, float]] = {}
 
-    def refused(self, model: str, lane: str) -> None:
-        self._counts.setdefault((model, lane), [0, 0, 0.0])[0] += 1
-
-    def admitted(self, model: str, lane: str, hold_s: float) -> None:
-        c = self._counts.setdefault((model, lane), [0, 0, 0.0])
-        c[1] += 1
-        c[2] += hold_s
+    def refused(self, model: str, lane: str, hold_s: float) -> None:
+        n, h = self._counts.get((model, lane), (0, 0.0))
+        self._counts[(model, lane)] = (n + 1, h + hold_s)
 
     def take(self) -> tuple[LaneCount, ...]:
         """Everything counted so far, handed over (the counter starts again from nothing)."""
         counts, self._counts = self._counts, {}
-        return tuple(LaneCount(m, lane, int(r), int(a), h) for (m, lane), (r, a, h) in sorted(counts.items()))
+        return tuple(LaneCount(m, lane, n, h) for (m, lane), (n, h) in sorted(counts.items()))
 
     def put_back(self, counts: tuple[LaneCount, ...]) -> None:
         """Counts whose report never reached the registry: they go with the next one."""
         for c in counts:
-            mine = self._counts.setdefault((c.model, c.lane), [0, 0, 0.0])
-            mine[0] += c.num_refused
-            mine[1] += c.num_admitted
-            mine[2] += c.hold_s_sum
+            n, h = self._counts.get((c.model, c.lane), (0, 0.0))
+            self._counts[(c.model, c.lane)] = (n + c.num_refused, h + c.hold_s_sum)
 
 
 class DemandMeter:
@@ -65,8 +66,8 @@ class DemandMeter:
     those requests have ended since. The registry samples the books at each refusal and each plan.
     """
 
-    def __init__(self, window_s: float, assumed_hold_s: float) -> None:
-        self.window_s, self.assumed_hold_s = window_s, assumed_hold_s
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
         self._counts: deque[tuple[float, LaneCount]] = deque()
         self._busy: dict[tuple[str, str], deque[tuple[float, int, int]]] = {}  # (when, busy slots, most rows)
 
@@ -99,24 +100,21 @@ class DemandMeter:
                 samples.popleft()
             if not samples:
                 del self._busy[key]
-        refused: dict[tuple[str, str], int] = {}
-        admitted: dict[tuple[str, str], tuple[int, float]] = {}
+        refused: dict[tuple[str, str], tuple[int, float]] = {}
         for _, c in self._counts:
-            key = (c.model, c.lane)
-            refused[key] = refused.get(key, 0) + c.num_refused
-            n, h = admitted.get(key, (0, 0.0))
-            admitted[key] = (n + c.num_admitted, h + c.hold_s_sum)
-        keys = set(refused) | {k for k, (n, _) in admitted.items() if n} | set(self._busy)
+            n, h = refused.get((c.model, c.lane), (0, 0.0))
+            refused[(c.model, c.lane)] = (n + c.num_refused, h + c.hold_s_sum)
+        keys = set(refused) | set(self._busy)
         demands = []
         for key in sorted(keys):
             samples = self._busy.get(key, ())
-            n, hold_sum = admitted.get(key, (0, 0.0))
+            n, hold_sum = refused.get(key, (0, 0.0))
             model, lane = key
             # A model's warm pool goes with its first lane in order ("long" < "short"): counted once per model.
             is_first_lane = key == min(k for k in keys if k[0] == model)
             demands.append(LaneDemand(
                 model, lane, max((b for _, b, _ in samples), default=0), max((r for _, _, r in samples), default=0),
-                refused.get(key, 0) / self.window_s, hold_sum / n if n else self.assumed_hold_s,
+                n / self.window_s, hold_sum / n if n else 0.0,
                 (warm_slots or {}).get(model, 0) if is_first_lane else 0))
         return demands
 

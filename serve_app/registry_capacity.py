@@ -46,8 +46,8 @@ class CapacityBooks:
     def configure(self, config: CapacityConfig) -> None:
         """A (re)deploy's capacity config; the demand counted so far is kept when its window is unchanged."""
         meter = getattr(self, "meter", None)
-        if meter is None or (meter.window_s, meter.assumed_hold_s) != (config.demand_window_s, config.assumed_hold_s):
-            self.meter = DemandMeter(config.demand_window_s, config.assumed_hold_s)
+        if meter is None or meter.window_s != config.demand_window_s:
+            self.meter = DemandMeter(config.demand_window_s)
         self.config = config
 
     @property

@@ -3,8 +3,8 @@ what a registry that restarted empty lost. A collaborator of `RegistryState` (re
 same books (registry_books.py), under the same lock; pure, no Ray.
 
 Crashes. `reconcile(alive, now, alive_nodes)` compares the registry with the request
-actors and the nodes Ray lists as alive (a dead node's slots are removed, and its actors
-forgotten as ghosts at once):
+actors and the nodes Ray lists as alive and not draining (a dead or draining node's slots are
+removed, and its actors forgotten as ghosts at once; a draining node's rows run on unbooked):
   - ghosts: registered, not alive, and spawned more than `spawn_grace_s` ago (an actor
     is committed here before it is created, so a young one may not be listed yet) —
     forgotten with their reservations (the actor died, or its replica crashed before

@@ -57,6 +57,7 @@ from serve_app.capacity import bundles
 from serve_app.decisions import Decision, Reject
 from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.policy import PolicyConfig
+from serve_app.ray_cluster.nodes import admissible_nodes
 from serve_app.registry import (
     AdoptedActor,
     AdoptedRow,
@@ -158,7 +159,7 @@ class RegistryActor(SharedRegistry):
     def _reconcile(self) -> ReconcileReport:
         listed_at = time.time()
         alive = self._alive_request_actors()
-        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        alive_nodes = {n["NodeID"] for n in admissible_nodes()}  # a node being drained leaves admission first
         report = self.reconcile_books(alive, listed_at, alive_nodes)
         with self._lock:
             silent = {r for r, t in self._replicas.items() if listed_at - t > self._config.replica_silence_s}
@@ -172,7 +173,7 @@ class RegistryActor(SharedRegistry):
         for name in report.to_kill:
             self._kill(name)
         if report.lost_slots:
-            log.warning("reconcile: slots %s removed: their node is gone", report.lost_slots)
+            log.warning("reconcile: slots %s removed: their node is gone or being drained", report.lost_slots)
         if report.ghosts or report.to_kill:
             log.info("reconcile: ghosts %s, expired %s, retired %s, orphans %s, released %d bytes",
                      report.ghosts, report.expired, report.retired, report.orphans, report.released_bytes)

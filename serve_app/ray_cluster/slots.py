@@ -32,14 +32,17 @@ from actors.actor_config import ActorConfig
 from actors.telemetry import NodeTelemetry, TelemetryConfig
 from actors.telemetry_agent import cluster_snapshot, ensure_agents
 from serve_app.config import SlotArgs
+from serve_app.ray_cluster.nodes import admissible_nodes
 from serve_app.ray_cluster.registry_link import RegistryLink
 from serve_app.registry import SlotSpec
 
 log = logging.getLogger(__name__)
 
 
+# Slot ids name their node in full: node ids need not differ in a prefix (Ray's fake autoscaling provider
+# numbers its nodes ffff...0001, ffff...0002), and two slots with one id would be one slot in the registry.
 def discover_slots(args: SlotArgs, actor: ActorConfig, telemetry: TelemetryConfig | None = None) -> list[SlotSpec]:
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    nodes = admissible_nodes()
     num_gpus = sum(int(n["Resources"].get("GPU", 0)) for n in nodes)
     kind = args.kind if args.kind != "auto" else ("gpu" if num_gpus else "cpu")
     if kind == "resource":
@@ -61,7 +64,7 @@ def _cpu_slots(args: SlotArgs, actor: ActorConfig) -> list[SlotSpec]:
             f"{args.num_cpu_slots} CPU slots need {need} on node {node_id[:12]}, which has "
             f"{ {k: node['Resources'].get(k, 0) for k in need} }: an actor could be left unplaceable"
         )
-    return [SlotSpec(f"{node_id[:12]}/cpu{i}", node_id, args.cpu_slot_bytes) for i in range(args.num_cpu_slots)]
+    return [SlotSpec(f"{node_id}/cpu{i}", node_id, args.cpu_slot_bytes) for i in range(args.num_cpu_slots)]
 
 
 def _resource_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig) -> list[SlotSpec]:
@@ -81,7 +84,7 @@ def _resource_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig) -> li
             log.warning("node %s has %d %s slots but not %s for their actors; none used", n["NodeID"][:12], num,
                         args.resource, need)
             continue
-        slots.extend(SlotSpec(f"{n['NodeID'][:12]}/{args.resource}{i}", n["NodeID"], args.cpu_slot_bytes)
+        slots.extend(SlotSpec(f"{n['NodeID']}/{args.resource}{i}", n["NodeID"], args.cpu_slot_bytes)
                      for i in range(num))
     return slots
 
@@ -105,7 +108,7 @@ def _gpu_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig, telemetry:
                 raise ValueError(f"no memory figure for GPU {i} on node {n['NodeID'][:12]}: set slots.gpu_slot_bytes")
             # Fractional actors share a GPU: the GPU's memory is split evenly between its slots.
             for k in range(per_gpu):
-                slots.append(SlotSpec(f"{n['NodeID'][:12]}/gpu{i}.{k}", n["NodeID"], total // per_gpu, "cuda", i))
+                slots.append(SlotSpec(f"{n['NodeID']}/gpu{i}.{k}", n["NodeID"], total // per_gpu, "cuda", i))
     return slots
 
 

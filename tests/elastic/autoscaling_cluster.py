@@ -26,6 +26,11 @@ the head raylet, the monitor (autoscaler), and the worker raylets the autoscaler
 session id, and so do their workers. Shutdown ends the processes of that session, plus any descendant of
 them or any process naming this cluster's temp dir (in case one started a session of its own).
 RAY_ADDRESS is removed from the cluster's environment; a driver should pass `address=` explicitly.
+RAY_AUTH_MODE defaults to "disabled", as for ray.init()'s local clusters.
+
+On 2 cores: start() takes about 9-14 s, a worker node joins about 4-5 s after request_resources(), and an
+idle one goes about idle_timeout_minutes after it became idle (it may already be, while a request held it).
+The idle cluster uses about 6% of one core; it coexists with other Ray clusters (ray.init() or this one).
 """
 
 from __future__ import annotations
@@ -81,9 +86,10 @@ class FakeAutoscalingCluster:
             "docker": {},
             "provider": provider,
             "auth": {"ssh_user": "ubuntu"},
-            "available_node_types": {**self.worker_types,
-                                     FAKE_HEAD_NODE_TYPE: {"resources": self.head_resources, "node_config": {},
-                                                 "max_workers": 0}},
+            "available_node_types": {
+                **self.worker_types,
+                FAKE_HEAD_NODE_TYPE: {"resources": self.head_resources, "node_config": {}, "max_workers": 0},
+            },
             "head_node_type": FAKE_HEAD_NODE_TYPE,
             "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
             "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [], "setup_commands": [],
@@ -158,8 +164,8 @@ class FakeAutoscalingCluster:
         """End this cluster's processes and wait for them to go: SIGTERM, then SIGKILL after grace_s.
 
         In stages: the autoscaler first (so that it launches no node meanwhile), then all but the GCS, then
-        the GCS. Signalled all at once, the raylets and the GCS each wait on the other and outlive 8 s; in
-        stages each stage takes about 2 s."""
+        the GCS. Signalled all at once, raylets and GCS outlived 8 s in a trial; in stages each stage takes
+        about 2 s, the whole about 6 s."""
         def command(p: psutil.Process) -> str:
             try:
                 return " ".join(p.cmdline())

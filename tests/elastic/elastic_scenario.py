@@ -14,7 +14,9 @@ its capacity planner may ask for `--max-slots` of them.
   2. Idle: no request; the node's actors retire, the planner lowers its ask, and the autoscaler
      removes the idle node; the registry forgets its slot. Watched until then or `--idle-watch-s`.
 
-Every request's status, retry-after and timings, and a timeline of the registry's capacity
+With `--idle-before-s`, the cluster is watched idle first (at `--min-slots`, which the autoscaler's
+`min_workers` bring up before the clock starts). Every request's status, retry-after and timings,
+and a timeline of the registry's capacity
 status and Ray's nodes (every 0.5 s) go into the result.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import sys
 import tempfile
@@ -81,13 +84,24 @@ def main() -> int:
     parser.add_argument("--idle-timeout-min", type=float, default=0.1, help="the autoscaler's idle timeout")
     parser.add_argument("--idle-watch-s", type=float, default=90.0)
     parser.add_argument("--node-start-s", type=float, default=5.0, help="the planner's predicted node start")
+    parser.add_argument("--idle-before-s", type=float, default=0.0, help="watched with no load, before it")
+    parser.add_argument("--min-slots", type=int, default=0, help="the planner's, and the workers' min_workers")
+    parser.add_argument("--max-batch", type=int, default=32, help="rows a hot actor runs at most")
+    parser.add_argument("--poisson", action="store_true", help="exponential gaps between arrivals (else even)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paced", action="store_true",
+                        help="rows held for device time (paced_actor.py), not the host CPU's decode alone")
+    parser.add_argument("--max-idle-s", type=float, default=3.0, help="an idle hot actor retires after this")
     args = parser.parse_args()
 
     import ray
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.app import Ingress
+    from serve_app.config import AppArgs, ingress_config
+    from serve_app.ray_cluster.cluster import RayClusterSpec
     from tests.elastic.autoscaling_cluster import FakeAutoscalingCluster
+    from tests.elastic.paced_actor import PacedActor
     from weights_tool.pack import pack
     from weights_tool.synth import synthesize
 
@@ -99,27 +113,37 @@ def main() -> int:
     # logical CPU per slot, exactly its actors'.
     cluster = FakeAutoscalingCluster({"CPU": 2}, {"slot_worker": {
         "resources": {"CPU": args.slots_per_node, "zq_slot": args.slots_per_node}, "node_config": {},
-        "min_workers": 0, "max_workers": args.max_slots}}, idle_timeout_minutes=args.idle_timeout_min)
+        "min_workers": args.min_slots // args.slots_per_node, "max_workers": args.max_slots // args.slots_per_node}},
+        idle_timeout_minutes=args.idle_timeout_min)
     try:
         address = cluster.start()
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
         base = f"http://127.0.0.1:{args.port}"
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": args.port})
-        serve.run(build_app({
+        parsed = AppArgs.model_validate({
             "models": [{"id": MODEL, "zqs_path": str(zqs)}],
             "slots": {"kind": "resource", "resource": "zq_slot", "cpu_slot_bytes": 1 << 30},
-            # Idle hot actors retire after 3 s, so that an idle node empties; no warm pool to hold one.
-            "policy": {"max_idle_s": 3.0, "num_warm_short_actors": 0, "num_warm_long_actors": 0},
+            # Idle hot actors retire soon (3 s), so that an idle node empties; no warm pool to hold one.
+            # Every slot may keep a hot actor: a slot's next request does not pay a process start.
+            "policy": {"max_idle_s": args.max_idle_s, "num_warm_short_actors": 0, "num_warm_long_actors": 0,
+                       "max_batch": args.max_batch, "max_hot_short_actors": args.max_slots},
             "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
-            "capacity": {"is_enabled": True, "min_slots": 0, "max_slots": args.max_slots, "interval_s": 0.5,
+            "capacity": {"is_enabled": True, "min_slots": args.min_slots, "max_slots": args.max_slots, "interval_s": 0.5,
                          "node_start_s": args.node_start_s, "demand_window_s": 5.0, "scale_down_delay_s": 5.0},
             "slot_refresh_s": 1.0,
             "namespace": NAMESPACE,
-        }), name="zeroqueue-elastic", route_prefix="/")
+        })
+        spec = RayClusterSpec(actor_cls=PacedActor) if args.paced else RayClusterSpec()
+        serve.run(Ingress.options(num_replicas=1).bind(ingress_config(parsed), cluster=spec),
+                  name="zeroqueue-elastic", route_prefix="/")
         registry = ray.get_actor("zq-registry", namespace=NAMESPACE)
         t0 = time.monotonic()
         result["phases"]["app_up_s"] = round(t0 - t_start, 2)
         result["timeline"] = timeline = [_timeline(registry, t0)]
+        while len([n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("zq_slot")]) * \
+                args.slots_per_node < args.min_slots and time.monotonic() < t0 + 120:
+            time.sleep(0.5)  # the autoscaler's min_workers come up first
+        t0 = time.monotonic()
 
         # ---- load -------------------------------------------------------------------------
         requests: list[dict] = []
@@ -140,17 +164,20 @@ def main() -> int:
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
+        time.sleep(args.idle_before_s)
+        result["phases"]["load_start_s"] = round(time.monotonic() - t0, 2)
         senders = []
-        deadline = t0 + (args.load_s or 120.0)
-        n = 0
+        rng = random.Random(args.seed)
+        next_at = time.monotonic()
+        deadline = next_at + (args.load_s or 120.0)
         while time.monotonic() < deadline:
             with lock:
                 if not args.load_s and sum(r["status"] == 200 for r in requests) >= args.served:
                     break
             senders.append(threading.Thread(target=send, daemon=True))
             senders[-1].start()
-            n += 1
-            time.sleep(max(0.0, t0 + n / args.rate - time.monotonic()))
+            next_at += rng.expovariate(args.rate) if args.poisson else 1 / args.rate
+            time.sleep(max(0.0, next_at - time.monotonic()))
         for s in senders:
             s.join(timeout=120)
         t_load_end = time.monotonic() - t0

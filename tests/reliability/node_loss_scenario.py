@@ -15,8 +15,10 @@ scenario plays the autoscaler by hand, adding the node the planner asks for.
   4. Pairs until a hot actor is idle on the worker node's slot (`max_hot_short_actors: 2`,
      so both slots keep one).
   5. Under load: two streams held open before their last event (the fault actor's `gate:`), one
-     on each node; the worker node is removed while both stream. The worker's stream must end
-     with an error event; the head's completes once the gate opens.
+     on each node. The worker is drained (a preemption): its slot leaves the registry while its
+     stream runs on, and a request then is refused, not placed there. Then the worker node is
+     removed while both stream: the worker's stream must end with an error event; the head's
+     completes once the gate opens.
   6. Pairs of concurrent requests while another thread polls the registry's snapshot, until
      the lost slot is gone and requests are served again (or a deadline). Every status is
      recorded with its time since the removal.
@@ -173,7 +175,7 @@ def main() -> int:
         cluster.wait_for_nodes()
         worker_id = worker.node_id
         assert worker_id != head_id
-        worker_slot = f"{worker_id[:12]}/zq_slot0"
+        worker_slot = f"{worker_id}/zq_slot0"
         t_added = time.monotonic()
         slots: list[str] = []
         while time.monotonic() < t_added + 30 and worker_slot not in slots:
@@ -206,6 +208,24 @@ def main() -> int:
         streams = [pool.submit(_stream, base, f"hold gate:{gate} {i}", firsts[i]) for i in range(2)]
         for first in firsts:
             first.wait(120)
+
+        # ---- the worker is drained first (a preemption with a deadline, as `ray drain-node` or KubeRay
+        # before a pod's deletion): it leaves admission while its stream runs on ----------------------
+        from ray.core.generated import autoscaler_pb2
+
+        gcs = ray._raylet.GcsClient(address=cluster.address)
+        result["drain_accepted"] = list(gcs.drain_node(
+            worker_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "node-loss scenario",
+            int(time.time() * 1000) + 120_000))
+        t_drain = time.monotonic()
+        is_out = False
+        while not is_out and time.monotonic() < t_drain + 30:
+            is_out = worker_slot not in [v.slot_id for v in ray.get(registry.snapshot.remote(), timeout=30).slots]
+            time.sleep(0.2)
+        result["drained_slot_gone_s"] = round(time.monotonic() - t_drain, 2) if is_out else None
+        result["streams_open_after_drain"] = [not f.done() for f in streams]
+        # The head's one slot holds its stream (one row an actor) and the worker is out of admission: refused.
+        result["during_drain"] = _post(base, 60)
 
         slots_seen: list[tuple[float, list[str]]] = []
         stop = threading.Event()

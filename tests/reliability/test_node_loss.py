@@ -1,11 +1,12 @@
-"""A node added by hand is used without a redeploy; a node lost from a multi-node cluster ends its rows
-the documented way, its slots leave the registry, and no request is a 500.
+"""A node added by hand is used without a redeploy; a node being drained leaves admission while its rows
+run on; a node lost from a multi-node cluster ends its rows the documented way, its slots leave the
+registry, and no request is a 500.
 
 The two-node cluster (`ray.cluster_utils.Cluster`) runs in a subprocess
 (node_loss_scenario.py): this pytest process already holds the session's local Ray. The
 scenario adds the worker node the capacity planner asks for, leaves an idle hot actor on each
-node's slot, removes the worker node while a stream runs on each, then sends pairs of concurrent
-requests while polling the registry's snapshot, and prints what it saw.
+node's slot, drains and then removes the worker node while a stream runs on each, then sends pairs
+of concurrent requests while polling the registry's snapshot, and prints what it saw.
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def test_a_node_added_is_used_and_a_lost_nodes_rows_end_and_its_slots_leave_and_
     # The node added for it is used with no redeploy: its slot comes from Ray's node table.
     assert result["worker_slot_seen_s"] is not None, summary
 
+    # Drained first: the worker's slot left admission while both streams ran on, and a request then was
+    # refused (the head's one place was busy), not placed on the node about to go.
+    assert result["drain_accepted"][0] is True, result["drain_accepted"]
+    assert result["drained_slot_gone_s"] is not None and result["drained_slot_gone_s"] <= SLOT_GONE_BOUND_S, summary
+    assert result["streams_open_after_drain"] == [True, True], summary
+    assert result["during_drain"]["status"] == 503, result["during_drain"]
+
     # Under load: the worker's stream ends with an error event after its first events; the head's completes.
     ends = sorted((s["events"][-1] if s.get("events") else None, s.get("error_type")) for s in result["streams"])
     assert ends == [("error", "overloaded_error"), ("message_stop", None)], result["streams"]
@@ -104,5 +112,6 @@ def test_a_node_added_is_used_and_a_lost_nodes_rows_end_and_its_slots_leave_and_
     assert result["final_slots"] and all(node == result["head_node"] for _, node, _ in result["final_slots"])
     head_slots = {s[0] for s in result["final_slots"]}
     assert all(a[1] in head_slots for a in result["final_actors"]), summary
-    print(f"node loss: slot gone {gone_at:.2f} s after the removal; {len(after)} requests after it "
+    print(f"node loss: slot out of admission {result['drained_slot_gone_s']} s after the drain, gone "
+          f"{gone_at:.2f} s after the removal; {len(after)} requests after it "
           f"({sum(r['status'] == 200 for r in after)} served); scenario {result['phases']}, test {took:.1f} s")

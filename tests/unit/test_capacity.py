@@ -18,10 +18,11 @@ from serve_app.capacity import (
 )
 from serve_app.config import AppArgs, ingress_config
 from serve_app.decisions import Reject
-from serve_app.demand import DemandCounter, DemandMeter, LaneCount
+from serve_app.demand import DemandCounter, DemandMeter, LaneCount, refused_hold_s
 from serve_app.lease import LeaseReport
 from serve_app.policy import PolicyConfig
 from serve_app.registry import RegistryState, SlotSpec
+from serve_app.scorer import RuleScorer
 from serve_app.snapshot import RequestFeatures
 
 CONFIG = CapacityConfig(is_enabled=True, min_slots=1, max_slots=12, scale_down_delay_s=30.0, node_start_s=20.0)
@@ -128,25 +129,32 @@ def test_bundles_are_one_per_slot_and_the_config_is_checked():
 
 def test_the_counter_hands_its_counts_over_once_and_takes_back_what_was_not_delivered():
     counter = DemandCounter()
-    counter.refused("a", "short")
-    counter.refused("a", "short")
-    counter.admitted("a", "short", 1.5)
+    counter.refused("a", "short", 1.0)
+    counter.refused("a", "short", 2.0)
     counts = counter.take()
-    assert counts == (LaneCount("a", "short", 2, 1, 1.5),)
+    assert counts == (LaneCount("a", "short", 2, 3.0),)
     assert counter.take() == ()
     counter.put_back(counts)
-    counter.refused("a", "short")
-    assert counter.take() == (LaneCount("a", "short", 3, 1, 1.5),)
+    counter.refused("a", "short", 0.5)
+    assert counter.take() == (LaneCount("a", "short", 3, 3.5),)
+
+
+def test_a_refused_requests_hold_is_the_rules_prediction_on_a_hot_actor():
+    rule = RuleScorer(decode_s_per_token=0.1, prefill_tokens_per_s=100.0, overhead_s=0.0)
+    features = RequestFeatures(model="m", input_tokens=101, max_tokens=20, weight_bytes=1,
+                               kv_bytes_per_token=0, workspace_bytes=0)
+    # Its prompt (one pass, then 100 tokens at 100/s) and 20 steps of one row.
+    assert refused_hold_s(features, rule) == pytest.approx(0.1 + 1.0 + 20 * 0.1, rel=0.01)
 
 
 def test_the_meter_turns_counts_in_its_window_into_rates_and_mean_holds():
-    meter = DemandMeter(window_s=10.0, assumed_hold_s=5.0)
+    meter = DemandMeter(window_s=10.0)
     state = RegistryState()
-    meter.record((LaneCount("a", "short", 20, 4, 8.0), LaneCount("b", "long", 5, 0, 0.0)), now=100.0)
+    meter.record((LaneCount("a", "short", 20, 40.0), LaneCount("b", "long", 5, 5.0)), now=100.0)
     (a, b) = meter.lane_demands(state.snapshot(), 105.0, {"a": 1, "b": 0})
-    assert a.num_busy_slots == b.num_busy_slots == 0
     assert (a.model, a.refused_per_s, a.hold_s, a.num_warm_slots) == ("a", 2.0, 2.0, 1)
-    assert (b.model, b.hold_s) == ("b", 5.0)  # no admission yet: the assumed hold
+    assert (b.model, b.refused_per_s, b.hold_s) == ("b", 0.5, 1.0)
+    assert a.num_busy_slots == b.num_busy_slots == 0
     assert meter.lane_demands(state.snapshot(), 111.0, {"a": 1}) == []  # out of the window, nothing busy
 
 
@@ -171,8 +179,8 @@ def test_a_refusal_with_a_slot_on_its_way_quotes_the_nodes_start_not_the_default
     assert isinstance(first, Reject) and first.reason == "no_capacity"
     # Asked within the next planning step: its node's start, then a fresh actor's start and load (the rule's).
     assert first.retry_after_s == pytest.approx(2.0 + 40.0 + 3.0 + 1.0, abs=0.01)
-    state.exchange_leases(LeaseReport("r", 10.0, demand=(LaneCount("m", "short", 1, 0, 0.0),)), 1000.5)
-    plan = state.capacity.step(1001.0, {"m": 0})  # 0.1 refusals/s x the assumed 5 s hold: half a row, one slot
+    state.exchange_leases(LeaseReport("r", 10.0, demand=(LaneCount("m", "short", 1, 5.0),)), 1000.5)
+    plan = state.capacity.step(1001.0, {"m": 0})  # 0.1 refusals/s x a 5 s hold: half a row, one slot
     assert plan.num_wanted == 1 and state.capacity.short_since == 1001.0
     later = state.admit(FEATURES, policy, "zq-m-2", "r2", now=1021.0)
     assert later.retry_after_s == pytest.approx(20.0 + 4.0, abs=0.01)
