@@ -74,7 +74,8 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
     after_full = [q for q in requests if full_at is not None and full_at <= q["sent_s"] <= end]
     # A place is held from the request's arrival to its end, a cold start included: the Erlang load's S.
     mean_service_s = sum(q["took_s"] for q in served) / len(served) if served else None
-    rate = r["args"]["rate"]
+    # The arrivals' own rate once every slot was up (Poisson at the nominal rate, counted): the floor's lambda.
+    rate = len(after_full) / (end - full_at) if after_full and end > full_at else r["args"]["rate"]
     back_at = next((t["t"] for t in timeline if t["t"] > end and t["present"] <= min_slots
                     and t["slot_nodes"] <= min_slots), None)
     return {
@@ -90,6 +91,7 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
                                      if after_full else None),
         "num_after_full": len(after_full),
         "mean_service_s": mean_service_s,
+        "arrival_rate": rate,
         "offered_erlangs": rate * mean_service_s if mean_service_s else None,
         "floor_after_full": refusal_floor(top, rate, mean_service_s) if mean_service_s else None,
         "floor_one_node": refusal_floor(min_slots or 1, rate, mean_service_s) if mean_service_s else None,
@@ -176,8 +178,8 @@ def report(data: dict[str, Any]) -> str:
         f"{f['num_failed']} | no failure but a documented 503 |",
         f"| mean service time S (arrival to last token of the served; {f['num_cold']} of them cold starts) | "
         f"{s(f['mean_service_s'], '.3f')} s | |",
-        f"| offered load A = rate x S | {s(f['offered_erlangs'], '.2f')} Erlangs (one node: 1 place) | 2x one "
-        f"node |",
+        f"| offered load A = arrivals x S (arrivals once every slot was up: {s(f['arrival_rate'], '.2f')} "
+        f"req/s) | {s(f['offered_erlangs'], '.2f')} Erlangs (one node: 1 place) | 2x one node |",
         f"| first refusal of the step → a slot added (node joined, slot in the registry) | {s(join_s)} s | |",
         f"| first refusal → first admission on the new slot | {s(admit_s)} s | node start + 5 s "
         f"= {s(join_s + 5 if join_s is not None else None)} s |",
@@ -188,6 +190,15 @@ def report(data: dict[str, Any]) -> str:
         f"(one node: {s(100 * f['floor_one_node'] if f['floor_one_node'] is not None else None)}%) |",
         f"| load end → back to min_slots ({a['min_slots']}) | {s(f['back_to_min_s'])} s | idle timeout + 30 s "
         f"= {idle_timeout_s + 30:.0f} s |",
+        "",
+        "S is what a client measured, arrival to last token: a little longer than the registry holds the "
+        "place (from the admission, after parsing and tokenizing, to the row's end), so the floor computed "
+        "from it is a little high; and a share of "
+        f"{f['num_after_full']} Poisson arrivals has a standard error of about "
+        f"{s(100 * ((f['floor_after_full'] or 0) * (1 - (f['floor_after_full'] or 0)) / max(1, f['num_after_full'])) ** 0.5)}"
+        " points at the floor. The demand window and scale-down delay are 5 s each so that the run is "
+        "short: the plan moves with the Poisson load's lulls (the dips of slots wanted), and a deployment "
+        "sets them to minutes.",
         "",
         f"Over time ({data['bin_s']:.0f} s bins; slots and nodes: the most seen in the bin):",
         "",
