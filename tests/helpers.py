@@ -312,3 +312,28 @@ def run_scenario(script, args: list[str], timeout_s: float) -> tuple[dict | None
     lines = [x for x in out.splitlines() if x.startswith("ZQ-RESULT ")]
     result = json.loads(lines[-1].removeprefix("ZQ-RESULT ")) if lines else None
     return result, out[-6000:]
+
+
+def emit_result(result: dict) -> int:
+    """A scenario's result, as the one line `run_scenario` reads."""
+    import json
+
+    print("ZQ-RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def end_scenario(cluster, tmp) -> None:
+    """A scenario's teardown: Serve, then this driver's connection (before the cluster it is connected to:
+    a driver left behind aborts when its GCS goes), then the cluster, then its temp dir."""
+    import shutil
+
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    except Exception:  # Serve never started, or went with a failed start
+        pass
+    ray.shutdown()
+    cluster.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)

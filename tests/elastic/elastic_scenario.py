@@ -23,9 +23,7 @@ status and Ray's nodes (every 0.5 s) go into the result.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import shutil
 import sys
 import tempfile
 import threading
@@ -102,6 +100,7 @@ def main() -> int:
     from serve_app.ray_cluster.cluster import RayClusterSpec
     from tests.elastic.autoscaling_cluster import FakeAutoscalingCluster
     from tests.elastic.paced_actor import PacedActor
+    from tests.helpers import emit_result, end_scenario
     from weights_tool.pack import pack
     from weights_tool.synth import synthesize
 
@@ -199,20 +198,9 @@ def main() -> int:
             final=_timeline(registry, t0),
         )
         result["phases"]["total_s"] = round(time.monotonic() - t_start, 2)
-        return _emit(result)
+        return emit_result(result)
     finally:
-        try:
-            serve.shutdown()
-        except Exception:
-            pass
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _emit(result: dict) -> int:
-    print("ZQ-RESULT " + json.dumps(result), flush=True)
-    return 0
+        end_scenario(cluster, tmp)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,15 @@ scenario plays the autoscaler by hand, adding the node the planner asks for.
   6. Pairs of concurrent requests while another thread polls the registry's snapshot, until
      the lost slot is gone and requests are served again (or a deadline). Every status is
      recorded with its time since the removal.
+  7. A second worker added by hand: a gated answer collected whole runs on it (the head's actor
+     holds a gated stream), the head's stream ends, and the node is removed: the collected request
+     is decided again and served on the head.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import threading
@@ -42,15 +44,16 @@ sys.path.insert(0, str(ROOT))  # the fault actor's module, for this driver and (
 NAMESPACE = "zq-node-loss-tests"
 APP = "zeroqueue-node-loss"
 MODEL = "zq-tiny"
+SLOT_GONE_S = 30.0  # the longest the registry takes to drop a removed node's slot (test_node_loss's bound is less)
 
 
-def _post(base: str, timeout_s: float) -> dict:
+def _post(base: str, timeout_s: float, prompt: str = "hi") -> dict:
     import httpx
 
     t0 = time.monotonic()
     try:
         r = httpx.post(f"{base}/v1/messages", timeout=timeout_s, json={
-            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": prompt}]})
     except httpx.HTTPError as e:  # no answer at all: recorded, the test fails on it
         return {"status": None, "error": repr(e), "took_s": time.monotonic() - t0}
     try:
@@ -96,6 +99,19 @@ def _stream(base: str, prompt: str, first: threading.Event) -> dict:
     return {"status": status, "events": events, "error_type": error_type}
 
 
+def _wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _slot_ids(ray, registry) -> list[str]:
+    return [v.slot_id for v in ray.get(registry.snapshot.remote(), timeout=30).slots]
+
+
 def _pair(pool: ThreadPoolExecutor, base: str, timeout_s: float) -> list[dict]:
     return list(pool.map(lambda _: _post(base, timeout_s), range(2)))
 
@@ -114,6 +130,7 @@ def main() -> int:
     from serve_app.app import Ingress
     from serve_app.config import AppArgs, ingress_config
     from serve_app.ray_cluster.cluster import RayClusterSpec
+    from tests.helpers import emit_result, end_scenario
     from tests.reliability.faults import FaultyActor
     from weights_tool.pack import pack
     from weights_tool.synth import synthesize
@@ -169,7 +186,7 @@ def main() -> int:
                                         [dict(b) for b in status.bundles]] if status is not None else None
         if status is None or status.num_wanted != 2:
             result["error"] = f"the planner never asked for a second slot: {status}"
-            return _emit(result)
+            return emit_result(result)
         extra = {k: v for k, v in status.bundles[-1].items() if k != "CPU"}
         worker = cluster.add_node(num_cpus=1, resources=extra)
         cluster.wait_for_nodes()
@@ -185,7 +202,7 @@ def main() -> int:
                       worker_slot_seen_s=round(time.monotonic() - t_added, 2) if worker_slot in slots else None)
         if worker_slot not in slots:
             result["error"] = f"the worker's slot never reached the registry: {slots}"
-            return _emit(result)
+            return emit_result(result)
 
         warmup: list[dict] = []
         on_worker = None
@@ -199,7 +216,7 @@ def main() -> int:
         result["actors_before"] = [(a.name, a.slot_id, a.state, a.is_hot) for a in snap.actors]
         if on_worker is None:
             result["error"] = "no actor ever ran on the worker node's slot"
-            return _emit(result)
+            return emit_result(result)
         result["phases"]["worker_actor_s"] = round(time.monotonic() - t_start, 2)
 
         # ---- under load: a stream on each node, then the worker node goes --------------
@@ -264,6 +281,30 @@ def main() -> int:
             time.sleep(0.2)
         stop.set()
         poller.join(timeout=15)
+
+        # ---- a second node added by hand: an answer collected whole is retried when its node goes --------
+        # The head's actor takes a gated stream, so the next request spawns an actor on the new node's slot;
+        # that node goes while the request is there (its actor starting, or computing up to its gate), after
+        # the head's stream ended: decided again, it is served by the head's hot actor, and its client sees
+        # only the 200.
+        second = cluster.add_node(num_cpus=1, resources={"zq_slot": 1})
+        cluster.wait_for_nodes()
+        second_slot = f"{second.node_id}/zq_slot0"
+        result["second_slot_seen"] = _wait_for(lambda: second_slot in _slot_ids(ray, registry), 30)
+        gate_head, gate_second = tmp / "go-head", tmp / "go-second"
+        first = threading.Event()
+        held = pool.submit(_stream, base, f"hold gate:{gate_head} head", first)
+        first.wait(120)
+        collected = pool.submit(_post, base, 120, f"hold gate:{gate_second} second")
+        result["collected_on_second"] = _wait_for(lambda: any(
+            a.slot_id == second_slot and a.num_rows for a in ray.get(registry.snapshot.remote(), timeout=30).actors),
+            60)
+        gate_head.touch()
+        result["head_stream"] = held.result(timeout=120)
+        cluster.remove_node(second)
+        gate_second.touch()  # for the request's next attempt: its first actor is gone with the node
+        result["collected"] = collected.result(timeout=120)
+        result["second_slot_gone"] = _wait_for(lambda: second_slot not in _slot_ids(ray, registry), SLOT_GONE_S)
         final = ray.get(registry.snapshot.remote(), timeout=30)
         result.update(
             after=after,
@@ -273,20 +314,9 @@ def main() -> int:
         )
         pool.shutdown(wait=True)
         result["phases"]["total_s"] = round(time.monotonic() - t_start, 2)
-        return _emit(result)
+        return emit_result(result)
     finally:
-        try:
-            serve.shutdown()
-        except Exception:
-            pass
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _emit(result: dict) -> int:
-    print("ZQ-RESULT " + json.dumps(result), flush=True)
-    return 0
+        end_scenario(cluster, tmp)
 
 
 if __name__ == "__main__":

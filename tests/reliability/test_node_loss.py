@@ -105,6 +105,14 @@ def test_a_node_added_is_used_and_a_lost_nodes_rows_end_and_its_slots_leave_and_
             assert r["error_type"] == "overloaded_error", f"{r}\n{summary}"
             assert r["request_id_body"] and r["request_id_body"] == r["request_id_header"], f"{r}\n{summary}"
 
+    # A second node added by hand is used too; an answer collected whole whose node goes is decided again
+    # before anything reached its client, and served on the head: the client sees only its 200.
+    assert result["second_slot_seen"] and result["collected_on_second"], summary
+    assert result["head_stream"]["events"][-1] == "message_stop", result["head_stream"]
+    # Served by the head's hot actor, not by the cold actor its first decision spawned on the node that went.
+    assert result["collected"]["status"] == 200 and result["collected"]["tier"] == "hot", result["collected"]
+    assert result["second_slot_gone"], summary
+
     # Requests are served again, on the remaining node: 200s sent after the slot was gone, when
     # every slot and actor the registry knows is the head's.
     served = [r for r in after if r["status"] == 200 and r["sent_s"] >= gone_at]
