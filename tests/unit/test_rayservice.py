@@ -38,6 +38,8 @@ GPU_OVERRIDES: dict[tuple[str | int, ...], Any] = {
     ("args", "rule_scorer"): {},
     # The API listens beyond loopback: every route needs the key, read from the head's env (a Secret).
     ("args", "api_key_env"): "ZQ_API_KEY",
+    # Each GPU the planner may add keeps a hot actor.
+    ("args", "policy", "max_hot_short_actors"): 8,
     # GPU workers come and go with the demand (test_gpu_workers_follow_the_capacity_planner).
     ("args", "capacity"): {"is_enabled": True, "min_slots": 1, "max_slots": 8, "node_start_s": 180,
                            "demand_window_s": 30, "scale_down_delay_s": 120},
@@ -257,6 +259,8 @@ def test_gpu_workers_hold_whole_gpus_and_follow_the_capacity_planner(manifest: d
         assert container["image"] in images, "workers must run the head's image"
     # The planner's bounds are the worker groups' (one slot per GPU): it asks for nothing they cannot give.
     assert slots == [capacity["min_slots"], capacity["max_slots"]]
+    # Every slot it may add keeps a hot actor: a grown cluster's requests do not each pay an actor's start.
+    assert policy["max_hot_short_actors"] >= capacity["max_slots"]
 
 
 def _mounts(group: dict) -> dict[str, str]:
