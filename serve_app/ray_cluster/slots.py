@@ -10,8 +10,10 @@ every slot's actor at once.
 
 `SlotRefresher` keeps the registry current on one background thread: it heartbeats the
 registry link (registry_link.py; a restarted registry comes back empty and gets the slots
-at once), re-registers the slots every `slot_refresh_s` (GPU workers may join after the
-ingress starts) and, every `telemetry_refresh_s`, copies each
+at once), re-registers the slots when the admissible nodes change (a node joins, goes, or
+starts draining: read from Ray's node table every heartbeat, so a node an autoscaler adds is
+used within a heartbeat of joining) and every `slot_refresh_s` besides, and, every
+`telemetry_refresh_s`, copies each
 slot's device fragmentation and utilisation EWMA from the node telemetry agents into
 the registry, where the scorer sees them: the ingress hands the latest figures to the
 registry with its next admission (see `RegistryActor.admit`). Telemetry is best effort: a
@@ -41,8 +43,10 @@ log = logging.getLogger(__name__)
 
 # Slot ids name their node in full: node ids need not differ in a prefix (Ray's fake autoscaling provider
 # numbers its nodes ffff...0001, ffff...0002), and two slots with one id would be one slot in the registry.
-def discover_slots(args: SlotArgs, actor: ActorConfig, telemetry: TelemetryConfig | None = None) -> list[SlotSpec]:
-    nodes = admissible_nodes()
+def discover_slots(args: SlotArgs, actor: ActorConfig, telemetry: TelemetryConfig | None = None,
+                   nodes: list[dict] | None = None) -> list[SlotSpec]:
+    """The slots on `nodes` (Ray's node table entries; default: every admissible node now)."""
+    nodes = admissible_nodes() if nodes is None else nodes
     num_gpus = sum(int(n["Resources"].get("GPU", 0)) for n in nodes)
     kind = args.kind if args.kind != "auto" else ("gpu" if num_gpus else "cpu")
     if kind == "resource":
@@ -138,6 +142,7 @@ class SlotRefresher:
         self._on_new_incarnation = on_new_incarnation
         self._slot_refresh_s, self._telemetry_refresh_s = slot_refresh_s, telemetry_refresh_s
         self.slots: list[SlotSpec] = []
+        self._node_ids: frozenset[str] = frozenset()  # the admissible nodes the slots were discovered on
         self._agents: dict[str, Any] = {}
         self._pending_stats: dict[str, tuple[float, float]] | None = None
         self._link.heartbeat(self._hand_over)  # a registry that cannot be reached fails the replica's start
@@ -146,9 +151,16 @@ class SlotRefresher:
         self._register_slots()
         self._ensure_agents()
 
-    def _register_slots(self) -> None:
-        self.slots = discover_slots(self._args, self._actor, self._telemetry)
+    def _register_slots(self, nodes: list[dict] | None = None) -> None:
+        nodes = admissible_nodes() if nodes is None else nodes
+        self.slots = discover_slots(self._args, self._actor, self._telemetry, nodes)
         ray.get(self._link.handle.register_slots.remote(self.slots), timeout=30)
+        self._node_ids = frozenset(n["NodeID"] for n in nodes)
+
+    def _nodes_changed(self) -> list[dict] | None:
+        """The admissible nodes, if they are not the ones the slots were discovered on; else None."""
+        nodes = admissible_nodes()
+        return nodes if frozenset(n["NodeID"] for n in nodes) != self._node_ids else None
 
     def _ensure_agents(self) -> None:
         # Idempotent: agents already running are returned as they are; new nodes get one.
@@ -183,9 +195,11 @@ class SlotRefresher:
             try:
                 self._link.heartbeat(self._hand_over)
                 now = time.monotonic()
-                if now >= next_slots:
+                changed = self._nodes_changed()
+                if now >= next_slots or changed is not None:
                     next_slots = now + self._slot_refresh_s
-                    self.register()
+                    self._register_slots(changed)
+                    self._ensure_agents()
                 if now >= next_telemetry:
                     next_telemetry = now + self._telemetry_refresh_s
                     self.poll_telemetry()

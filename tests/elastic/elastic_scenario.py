@@ -129,7 +129,8 @@ def main() -> int:
             "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
             "capacity": {"is_enabled": True, "min_slots": args.min_slots, "max_slots": args.max_slots, "interval_s": 0.5,
                          "node_start_s": args.node_start_s, "demand_window_s": 5.0, "scale_down_delay_s": 5.0},
-            "slot_refresh_s": 1.0,
+            # Longer than the whole run: a joining or draining node is seen in the node table each heartbeat.
+            "slot_refresh_s": 600.0,
             "namespace": NAMESPACE,
         })
         spec = RayClusterSpec(actor_cls=PacedActor) if args.paced else RayClusterSpec()

@@ -161,7 +161,8 @@ def main() -> int:
             "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
             "capacity": {"is_enabled": True, "min_slots": 1, "max_slots": 2, "interval_s": 0.5,
                          "node_start_s": 5.0, "demand_window_s": 10.0, "scale_down_delay_s": 600.0},
-            "slot_refresh_s": 1.0,
+            # Longer than the whole run: a joining or draining node is seen in the node table each heartbeat.
+            "slot_refresh_s": 600.0,
             "namespace": NAMESPACE,
         })
         serve.run(Ingress.options(num_replicas=1).bind(ingress_config(parsed),
