@@ -166,7 +166,9 @@ def report(data: dict[str, Any]) -> str:
         f"one `zq_slot` per worker node, min_slots {a['min_slots']}, max_slots {a['max_slots']}; the `tiny` "
         f"synthetic model, one row per actor, max_tokens {a['max_tokens']}; Poisson arrivals at {a['rate']} req/s "
         f"for {a['load_s']:.0f} s after {a['idle_before_s']:.0f} s idle; the planner's node_start_s "
-        f"{a['node_start_s']}, demand window 5 s, scale-down delay 5 s; max_idle_s {a['max_idle_s']:g} s; rows paced at 50 ms a "
+        f"{a['node_start_s']}, demand window {a.get('demand_window_s', 5.0):g} s, scale-down delay "
+        f"{a.get('scale_down_delay_s', 5.0):g} s; "
+        f"max_idle_s {a['max_idle_s']:g} s; rows paced at 50 ms a "
         f"token (device time, paced_actor.py); the autoscaler's idle "
         f"timeout {idle_timeout_s:.0f} s.",
         "",

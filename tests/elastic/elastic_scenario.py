@@ -90,6 +90,8 @@ def main() -> int:
     parser.add_argument("--paced", action="store_true",
                         help="rows held for device time (paced_actor.py), not the host CPU's decode alone")
     parser.add_argument("--max-idle-s", type=float, default=3.0, help="an idle hot actor retires after this")
+    parser.add_argument("--demand-window-s", type=float, default=5.0, help="the planner's")
+    parser.add_argument("--scale-down-delay-s", type=float, default=5.0, help="the planner's")
     args = parser.parse_args()
 
     import ray
@@ -122,13 +124,14 @@ def main() -> int:
         parsed = AppArgs.model_validate({
             "models": [{"id": MODEL, "zqs_path": str(zqs)}],
             "slots": {"kind": "resource", "resource": "zq_slot", "cpu_slot_bytes": 1 << 30},
-            # Idle hot actors retire soon (3 s), so that an idle node empties; no warm pool to hold one.
+            # Idle hot actors retire soon (--max-idle-s), so that an idle node empties; no warm pool to hold one.
             # Every slot may keep a hot actor: a slot's next request does not pay a process start.
             "policy": {"max_idle_s": args.max_idle_s, "num_warm_short_actors": 0, "num_warm_long_actors": 0,
                        "max_batch": args.max_batch, "max_hot_short_actors": args.max_slots},
             "actor": {"num_cpus": 1, "load_threads": 1, "compute_threads": 1},
             "capacity": {"is_enabled": True, "min_slots": args.min_slots, "max_slots": args.max_slots, "interval_s": 0.5,
-                         "node_start_s": args.node_start_s, "demand_window_s": 5.0, "scale_down_delay_s": 5.0},
+                         "node_start_s": args.node_start_s, "demand_window_s": args.demand_window_s,
+                         "scale_down_delay_s": args.scale_down_delay_s},
             # Longer than the whole run: a joining or draining node is seen in the node table each heartbeat.
             "slot_refresh_s": 600.0,
             "namespace": NAMESPACE,
