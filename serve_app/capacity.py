@@ -101,7 +101,8 @@ def plan_slots(demands: list[LaneDemand], previous: CapacityPlan | None, now: fl
         return CapacityPlan(need, need)
     is_lowering = previous is not None and previous.lower_since is not None
     since = previous.lower_since if is_lowering else now
-    peak = max(previous.peak_need, need) if is_lowering else need
+    # The highest need since the fall began: never above the plan itself (a fall never raises it).
+    peak = min(wanted, max(previous.peak_need, need)) if is_lowering else need
     if now - since >= config.scale_down_delay_s:
         # Down to the highest need of the delay; if the need is lower still, its own delay starts now.
         return CapacityPlan(peak, need, now if need < peak else None, need)

@@ -203,6 +203,8 @@ class AppArgs(_Strict):
         if self.capacity.is_enabled and self.slots.kind not in ("gpu", "resource"):
             raise ValueError(f"capacity.is_enabled needs slots.kind gpu or resource (slots that nodes bring), "
                              f"got {self.slots.kind!r}")
+        if self.capacity.is_enabled and self.slots.kind == "gpu" and not self.actor.num_gpus > 0:
+            raise ValueError("capacity with GPU slots needs actor.num_gpus > 0: each slot's bundle is its share")
         return self
 
     @model_validator(mode="after")
@@ -281,17 +283,18 @@ def ingress_config(args: AppArgs) -> IngressConfig:
                                   step_cost=args.rule_scorer.step_cost()),
         # The registry lives in the deployment's namespace and watches its request actors there.
         registry=dataclasses.replace(args.registry, namespace=args.namespace, actor_namespace=args.namespace),
-        capacity=dataclasses.replace(args.capacity, slot_bundle=slot_bundle(args.slots)),
+        capacity=dataclasses.replace(args.capacity, slot_bundle=slot_bundle(args.slots, args.actor)),
         api_key=api_key,
         traces=TraceConfig(args.traces.path, args.traces.max_bytes) if args.traces.enabled else None,
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(IngressConfig) if f.name not in _BUILT},
     )
 
 
-def slot_bundle(slots: SlotArgs) -> tuple[tuple[str, float], ...]:
-    """One slot's bundle for the autoscaler: a GPU, or a unit of the slot resource (none for CPU slots)."""
+def slot_bundle(slots: SlotArgs, actor: ActorConfig) -> tuple[tuple[str, float], ...]:
+    """One slot's bundle for the autoscaler: an actor's share of a GPU (a fractional actor's slot is that
+    fraction of one), or a unit of the slot resource (none for CPU slots)."""
     if slots.kind == "gpu":
-        return (("GPU", 1.0),)
+        return (("GPU", float(actor.num_gpus)),)
     if slots.kind == "resource":
         return ((slots.resource, 1.0),)
     return ()

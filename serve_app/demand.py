@@ -3,7 +3,10 @@
 Two halves, one on each side of the lease exchange (lease.py):
   - `DemandCounter`, on each ingress replica: its refusals for want of capacity (those the
     registry decided and those refused early at the edge, which the registry never sees), each with
-    how long it would have held its row (`refused_hold_s`), since its last report;
+    how long it would have held its row (`refused_hold_s`; an early refusal, refused before it was
+    tokenized, counts as the lane and hold of the refusal that opened its window), since its last
+    report. A report that timed out is sent again with the next one: should the registry have taken
+    it after all, those refusals count twice, for one window;
   - `DemandMeter`, in the registry: every replica's counts over `demand_window_s`, plus what the
     books show now (busy slots, rows per actor), turned into `LaneDemand`s for `plan_slots`.
 """
@@ -58,6 +61,11 @@ class DemandCounter:
             self._counts[(c.model, c.lane)] = (n + c.num_refused, h + c.hold_s_sum)
 
 
+# The shortest time a refusal rate is measured over (within the window): refusals that began within it are
+# counted as a rate over all of it.
+MIN_RATE_SPAN_S = 5.0
+
+
 class DemandMeter:
     """Every replica's counts over the window, and the peak busy slots and rows per actor of each lane.
 
@@ -73,6 +81,15 @@ class DemandMeter:
 
     def record(self, counts: tuple[LaneCount, ...], now: float) -> None:
         self._counts.extend((now, c) for c in counts)
+        self._prune(now)
+
+    def forget_refusals(self) -> None:
+        """Drop the refusals counted so far: the capacity they asked for has arrived."""
+        self._counts.clear()
+
+    def _prune(self, now: float) -> None:
+        while self._counts and now - self._counts[0][0] > self.window_s:
+            self._counts.popleft()
 
     def observe(self, snapshot: ClusterSnapshot, now: float) -> None:
         """Sample each lane's busy slots and its fullest actor's rows in the books now."""
@@ -92,8 +109,11 @@ class DemandMeter:
         """Each model and lane with demand or busy slots in the window. `warm_slots`: model -> the slots its
         warm pool needs, counted for models with demand in the window (an idle model's pool retires)."""
         self.observe(snapshot, now)
-        while self._counts and now - self._counts[0][0] > self.window_s:
-            self._counts.popleft()
+        self._prune(now)
+        # Refusals per second over the time they have been coming, within the window: a burst that began a
+        # second ago is its own rate, not a window's average (at least MIN_RATE_SPAN_S: one refusal is not a
+        # rate of one a heartbeat).
+        span = min(self.window_s, max(MIN_RATE_SPAN_S, now - self._counts[0][0])) if self._counts else self.window_s
         for key in list(self._busy):
             samples = self._busy[key]
             while samples and now - samples[0][0] > self.window_s:
@@ -114,7 +134,7 @@ class DemandMeter:
             is_first_lane = key == min(k for k in keys if k[0] == model)
             demands.append(LaneDemand(
                 model, lane, max((b for _, b, _ in samples), default=0), max((r for _, _, r in samples), default=0),
-                n / self.window_s, hold_sum / n if n else 0.0,
+                n / span, hold_sum / n if n else 0.0,
                 (warm_slots or {}).get(model, 0) if is_first_lane else 0))
         return demands
 

@@ -362,9 +362,13 @@ class RegistryState:
     def drop_warming(self, actor_name: str) -> bool:
         return self.warm.drop_warming(actor_name)
 
-    def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None) -> ReconcileReport:
+    def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None,
+                  draining_nodes: set[str] = frozenset()) -> ReconcileReport:
         self.leases.expire(now)  # before: a lease past its expiry returns; it does not expire its actor
-        return self.recovery.reconcile(alive, now, alive_nodes)
+        # Free leased rows on a draining node return: their holders would place requests there unasked.
+        if draining_nodes:
+            self.leases.take_back_free(lambda a: self.books.slots[a.slot_id].node_id in draining_nodes, now)
+        return self.recovery.reconcile(alive, now, alive_nodes, draining_nodes)
 
     def adopt(self, rows: Iterable[AdoptedRow], now: float, idle: Iterable[AdoptedActor] = ()) -> list[str]:
         return self.recovery.adopt(rows, now, idle)

@@ -40,7 +40,10 @@ class Books:
         # finding a row, or one replica's leases, does not scan every actor of a large cluster.
         self._holders: dict[str, dict[str, ActorRecord]] = {}  # row id -> {actor name -> actor} holding it
         self._leased: dict[str, dict[tuple[str, str], ActorRecord]] = {}  # replica -> {(actor, row id) -> actor}
-        self._slot_views: dict[str, SlotView] = {}
+        self._slot_views: dict[str, SlotView] = {}  # the admissible slots': a draining slot has none
+        # Slots whose node is being drained: out of admission (no view, so no decision sees them), while the
+        # actors on them stay booked until their rows end or the node goes.
+        self.draining: frozenset[str] = frozenset()
         self._actor_views: dict[str, ActorView] = {}
         self._version = 0
         self._snapshot: ClusterSnapshot | None = None
@@ -67,7 +70,16 @@ class Books:
             slot.node_id, slot.total_bytes = spec.node_id, spec.total_bytes
             self.touch_slot(slot)
         self.slots = dict(sorted(self.slots.items()))
-        self._slot_views = {k: self._slot_views[k] for k in self.slots}
+        self._slot_views = {k: self._slot_views[k] for k in self.slots if k in self._slot_views}
+
+    def set_draining(self, slot_ids: Iterable[str]) -> None:
+        """The slots now being drained (every other one is admissible again)."""
+        draining = frozenset(s for s in slot_ids if s in self.slots)
+        if draining == self.draining:
+            return
+        self.draining = draining
+        self._slot_views = {k: s.view() for k, s in self.slots.items() if k not in draining}
+        self._changed()
 
     def update_slot_stats(self, slot_id: str, fragmentation: float, utilization: float) -> None:
         slot = self.slots.get(slot_id)
@@ -79,7 +91,8 @@ class Books:
     def remove_slot(self, slot_id: str) -> None:
         """A slot whose node is gone (its actors forgotten first)."""
         del self.slots[slot_id]
-        del self._slot_views[slot_id]
+        self._slot_views.pop(slot_id, None)
+        self.draining = self.draining - {slot_id}
         self._changed()
 
     # ---- reads -----------------------------------------------------------------------
@@ -137,7 +150,8 @@ class Books:
                   if r.is_lease}
         assert {(h, *key) for h, keys in self._leased.items() for key in keys} == leased, "stale leases' index"
         assert self.snapshot() == ClusterSnapshot(
-            tuple(s.view() for s in self.slots.values()), tuple(a.view() for a in self.actors.values()),
+            tuple(s.view() for s in self.slots.values() if s.slot_id not in self.draining),
+            tuple(a.view() for a in self.actors.values()),
             self._version), "the cached snapshot is stale"
 
     # ---- changes ---------------------------------------------------------------------
@@ -187,7 +201,8 @@ class Books:
         self.touch_slot(slot)
 
     def touch_slot(self, slot: SlotRecord) -> None:
-        self._slot_views[slot.slot_id] = slot.view()
+        if slot.slot_id not in self.draining:
+            self._slot_views[slot.slot_id] = slot.view()
         self._changed()
 
     def touch_actor(self, actor: ActorRecord) -> None:

@@ -98,7 +98,7 @@ class LeaseBooks:
         next exchange tells it otherwise, the actor — which never runs more than `max_batch` rows — turns
         the row away if its batch is full (the holder then forgets the row and decides again)."""
         for a in self.books.actors.values():
-            if a.model != model or a.lane != lane or not a.is_hot:
+            if a.model != model or a.lane != lane or not a.is_hot or a.slot_id in self.books.draining:
                 continue
             slot = self.books.slots[a.slot_id]
             for r in a.rows.values():
@@ -107,6 +107,13 @@ class LeaseBooks:
                     self._finish(a.name, r.request_id, "cancelled", now)
                     return True
         return False
+
+    def take_back_free(self, is_leaving: Callable[[ActorRecord], bool], now: float) -> int:
+        """Free leased rows on the actors `is_leaving` names (their node is being drained) return; how many."""
+        leaving = [(a.name, r.request_id) for a, r in self.books.leased_rows() if r.is_free_lease and is_leaving(a)]
+        for name, row_id in leaving:
+            self._finish(name, row_id, "cancelled", now)
+        return len(leaving)
 
     def expire(self, now: float) -> int:
         """Rows whose lease ran out return; returns how many."""
@@ -122,7 +129,8 @@ class LeaseBooks:
         thousands); granting only fills batches and slots, so one found full stays full for this exchange."""
         books = self.books
         heap = [(len(a.rows), a.name, a) for a in books.actors.values()
-                if a.model == want.model and a.lane == want.lane and a.is_hot and a.state in ("busy", "idle")]
+                if a.model == want.model and a.lane == want.lane and a.is_hot and a.state in ("busy", "idle")
+                and a.slot_id not in books.draining]
         heapq.heapify(heap)
         while heap:
             _, _, a = heapq.heappop(heap)

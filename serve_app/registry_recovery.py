@@ -3,8 +3,9 @@ what a registry that restarted empty lost. A collaborator of `RegistryState` (re
 same books (registry_books.py), under the same lock; pure, no Ray.
 
 Crashes. `reconcile(alive, now, alive_nodes)` compares the registry with the request
-actors and the nodes Ray lists as alive and not draining (a dead or draining node's slots are
-removed, and its actors forgotten as ghosts at once; a draining node's rows run on unbooked):
+actors and the nodes Ray lists as alive (a dead node's slots are removed, and its actors
+forgotten as ghosts at once; a draining node's slots leave admission, its idle actors retire,
+and its running rows run on, booked, until they end or the node goes):
   - ghosts: registered, not alive, and spawned more than `spawn_grace_s` ago (an actor
     is committed here before it is created, so a young one may not be listed yet) —
     forgotten with their reservations (the actor died, or its replica crashed before
@@ -39,16 +40,21 @@ class Recovery:
         self.books = books
         self._finish = finish
 
-    def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None) -> ReconcileReport:
+    def reconcile(self, alive: set[str], now: float, alive_nodes: set[str] | None = None,
+                  draining_nodes: set[str] = frozenset()) -> ReconcileReport:
         """Match the registry to Ray's alive request actors, listed at `now` (see the module doc).
 
         With `alive_nodes`, every other node's slots are removed, and the actors on them
         forgotten as ghosts at once (however young: nothing runs on a node that is gone), so
-        no decision places anything there again.
+        no decision places anything there again. The slots of `draining_nodes` (alive, about to
+        go) leave admission (`Books.set_draining`), their idle and warm actors are retired, and
+        their running rows run on, booked, until they end or the node goes.
         """
         books = self.books
         dead_slots = {s.slot_id for s in books.slots.values()
                       if alive_nodes is not None and s.node_id not in alive_nodes}
+        draining = {s.slot_id for s in books.slots.values() if s.node_id in draining_nodes} - dead_slots
+        books.set_draining(draining)
         orphans = tuple(sorted(name for name in alive if name not in books.actors))
         ghosts, expired, retired = [], [], []
         released = 0
@@ -59,7 +65,7 @@ class Recovery:
                 ghosts.append(actor.name)
             elif any(now > r.busy_deadline for r in actor.rows.values() if not r.is_lease):
                 expired.append(actor.name)
-            elif self._is_retired(actor, now):
+            elif self._is_retired(actor, now) or (actor.slot_id in draining and not actor.rows):
                 retired.append(actor.name)
             else:
                 continue

@@ -27,22 +27,23 @@ from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, Slot
 
 
 def retry_after_s(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig, now: float,
-                  capacity_ready_in_s: float | None = None) -> float:
+                  capacity: tuple[float, bool] | None = None) -> float:
     """Seconds from `now` until a place that fits the request is predicted to free up (see the module doc).
 
-    `capacity_ready_in_s`: when a slot asked of the autoscaler for this demand is predicted to serve
-    (capacity.py). It is quoted instead of a running slot's place, as it is, beyond `max_retry_after_s`:
-    the demand is over the capacity, so a place that frees goes to the next arrival, and a client told to
-    come back then would only be refused again."""
-    if capacity_ready_in_s is not None:
-        return max(policy.min_retry_after_s, capacity_ready_in_s)
+    `capacity`: (seconds, whether it is on its way) until a slot the capacity planner asks for serves
+    (registry_capacity.py). On its way, it is quoted instead of a running slot's place, as it is, beyond
+    `max_retry_after_s`: the demand is over the capacity, so a place that frees goes to the next arrival,
+    and a client told to come back then would only be refused again. Not yet asked for, it is quoted only
+    where no slot present would ever free a place (no slot at all, say)."""
+    if capacity is not None and capacity[1]:
+        return max(policy.min_retry_after_s, capacity[0])
     lane = policy.lane(features.input_tokens, features.max_tokens)
     earliest = math.inf
     for slot in snapshot.slots:
         t = _slot_frees_at(features, lane, slot, snapshot.actors_on_slot(slot.slot_id), policy, now)
         earliest = min(earliest, t)
     if math.isinf(earliest):
-        return policy.retry_after_s
+        return policy.retry_after_s if capacity is None else max(policy.min_retry_after_s, capacity[0])
     return min(policy.max_retry_after_s, max(policy.min_retry_after_s, earliest - now))
 
 

@@ -145,7 +145,9 @@ class SharedRegistry:
         with self._lock:
             return self._state.capacity.status()
 
-    def reconcile_books(self, alive: set[str], listed_at: float, alive_nodes: set[str]) -> ReconcileReport:
-        """The books matched to the actors and nodes alive at `listed_at`; the caller kills what it names."""
+    def reconcile_books(self, alive: set[str], listed_at: float, alive_nodes: set[str],
+                        draining_nodes: set[str] = frozenset()) -> ReconcileReport:
+        """The books matched to the actors and nodes alive (and draining) at `listed_at`; the caller kills what
+        it names."""
         with self._lock:
-            return self._state.reconcile(alive, listed_at, alive_nodes)
+            return self._state.reconcile(alive, listed_at, alive_nodes, draining_nodes)

@@ -2,9 +2,10 @@
 
 A node being drained (autoscaler v2 ending an idle node, or a preemption with a deadline: `ray
 drain-node`, or KubeRay before it deletes the pod) is still alive, and its actors still run: it
-leaves admission first — its slots are not registered and are taken out of the registry — so no
-new row lands on a node about to go, while the rows already there run on until they end or the
-node does. Ray lists draining nodes only through its GCS state accessor, not `ray.nodes()`.
+leaves admission first — discovery skips it, and the registry's reconcile takes its slots out of
+every decision (`Books.set_draining`) — so no new row lands on a node about to go, while the rows
+already there run on, booked, until they end or the node does. Ray lists draining nodes only
+through its GCS state accessor, not `ray.nodes()`.
 """
 
 from __future__ import annotations

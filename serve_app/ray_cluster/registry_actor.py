@@ -57,7 +57,7 @@ from serve_app.capacity import bundles
 from serve_app.decisions import Decision, Reject
 from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.policy import PolicyConfig
-from serve_app.ray_cluster.nodes import admissible_nodes
+from serve_app.ray_cluster.nodes import draining_node_ids
 from serve_app.registry import (
     AdoptedActor,
     AdoptedRow,
@@ -147,6 +147,11 @@ class RegistryActor(SharedRegistry):
         for a in ray.util.list_named_actors(all_namespaces=True):
             if a["namespace"] == c.actor_namespace and a["name"].startswith("zq-") and a["name"] != c.name:
                 self._kill(a["name"])
+        if self._state.capacity.bundles:
+            try:  # the plan goes with the app: no node is kept for a deployment that is gone
+                self.request_resources([])
+            except Exception:
+                log.exception("the capacity request was not cleared")
         log.info("registry %s: the last ingress replica is gone; every actor it placed was killed", c.name)
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
@@ -159,8 +164,8 @@ class RegistryActor(SharedRegistry):
     def _reconcile(self) -> ReconcileReport:
         listed_at = time.time()
         alive = self._alive_request_actors()
-        alive_nodes = {n["NodeID"] for n in admissible_nodes()}  # a node being drained leaves admission first
-        report = self.reconcile_books(alive, listed_at, alive_nodes)
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        report = self.reconcile_books(alive, listed_at, alive_nodes, draining_node_ids())
         with self._lock:
             silent = {r for r, t in self._replicas.items() if listed_at - t > self._config.replica_silence_s}
             abandoned = self._state.release_rows_of(silent, listed_at) if silent else []
@@ -173,7 +178,7 @@ class RegistryActor(SharedRegistry):
         for name in report.to_kill:
             self._kill(name)
         if report.lost_slots:
-            log.warning("reconcile: slots %s removed: their node is gone or being drained", report.lost_slots)
+            log.warning("reconcile: slots %s removed: their node is gone", report.lost_slots)
         if report.ghosts or report.to_kill:
             log.info("reconcile: ghosts %s, expired %s, retired %s, orphans %s, released %d bytes",
                      report.ghosts, report.expired, report.retired, report.orphans, report.released_bytes)
@@ -192,22 +197,25 @@ class RegistryActor(SharedRegistry):
     # ---- capacity ----------------------------------------------------------------------
 
     def _plan_capacity(self, now: float) -> None:
-        """Every capacity.interval_s: plan, and state a changed plan to Ray's autoscaler (one bundle a slot)."""
+        """Every capacity.interval_s: plan, and state a changed plan to Ray's autoscaler (one bundle a slot).
+
+        A plan is marked stated only once Ray took it, so a failed call is made again next pass. Planning
+        off (or turned off by a redeploy) states an empty request once, so none is left standing."""
         if now < self._next_plan_at:
             return
         plan = self.plan_capacity()
-        if plan is None:
-            return
         with self._lock:
             capacity = self._state.capacity
             self._next_plan_at = now + capacity.config.interval_s
-            wanted = bundles(plan.num_wanted, capacity.config)
-            if wanted == capacity.bundles:
+            wanted = bundles(plan.num_wanted, capacity.config) if plan is not None else ()
+            if wanted == capacity.bundles or (plan is None and capacity.bundles is None):
                 return
-            capacity.bundles = wanted
-        log.info("capacity: %d slots wanted (%d needed, %d present)", plan.num_wanted, plan.num_needed,
-                 len(self._state.slot_ids))
+            present = capacity.num_present
+        if plan is not None:
+            log.info("capacity: %d slots wanted (%d needed, %d present)", plan.num_wanted, plan.num_needed, present)
         self.request_resources(list(wanted))
+        with self._lock:
+            capacity.bundles = wanted
 
     @staticmethod
     def request_resources(wanted: list[dict[str, float]]) -> None:
@@ -216,14 +224,18 @@ class RegistryActor(SharedRegistry):
         ray.autoscaler.sdk.request_resources(bundles=wanted)
 
     def _loop(self) -> None:
+        # Each step on its own: a failed reconcile (a GCS hiccup) neither skips the plan nor the lease check.
         while not self._stop.wait(self._config.reconcile_interval_s):
+            for step in (self._reconcile, lambda: self._plan_capacity(time.time())):
+                try:
+                    step()
+                except Exception:  # the loop must not end; the next pass tries again
+                    log.exception("registry loop step failed")
             try:
-                self._reconcile()
-                self._plan_capacity(time.time())
                 if self._is_lease_over(time.time()):
                     self._shut_down()
-            except Exception:  # a GCS hiccup must not end the loop
-                log.exception("reconcile pass failed")
+            except Exception:
+                log.exception("registry lease check failed")
 
     def _is_lease_over(self, now: float) -> bool:
         """True once every replica that ever attached has been silent for `replica_lease_s`."""

@@ -108,12 +108,21 @@ def _gpu_slots(nodes: list[dict], args: SlotArgs, actor: ActorConfig, telemetry:
     for n in nodes:
         for i in range(int(n["Resources"].get("GPU", 0))):
             total = args.gpu_slot_bytes or totals.get((n["NodeID"], i))
-            if total is None:
-                raise ValueError(f"no memory figure for GPU {i} on node {n['NodeID'][:12]}: set slots.gpu_slot_bytes")
+            if total is None:  # its agent has not answered yet (a node just joined): looked at again next round
+                log.warning("no memory figure for GPU %d on node %s yet (its telemetry agent has not answered; "
+                            "slots.gpu_slot_bytes sets one): its slots wait", i, n["NodeID"][:12])
+                continue
             # Fractional actors share a GPU: the GPU's memory is split evenly between its slots.
             for k in range(per_gpu):
                 slots.append(SlotSpec(f"{n['NodeID']}/gpu{i}.{k}", n["NodeID"], total // per_gpu, "cuda", i))
     return slots
+
+
+def _offers_slots(node: dict, args: SlotArgs) -> bool:
+    """Whether the node's slots may come later than the node: its GPUs' memory is read from its telemetry
+    agent, which a node that just joined may not have started yet. Other slots come from the node table
+    alone (a node that offered none will offer none until it changes)."""
+    return args.kind in ("gpu", "auto") and args.gpu_slot_bytes is None and node["Resources"].get("GPU", 0) > 0
 
 
 def slot_stats(slots: Sequence[SlotSpec], nodes: Iterable[NodeTelemetry]) -> dict[str, tuple[float, float]]:
@@ -155,7 +164,11 @@ class SlotRefresher:
         nodes = admissible_nodes() if nodes is None else nodes
         self.slots = discover_slots(self._args, self._actor, self._telemetry, nodes)
         ray.get(self._link.handle.register_slots.remote(self.slots), timeout=30)
-        self._node_ids = frozenset(n["NodeID"] for n in nodes)
+        # A node that should offer slots and offered none (a GPU whose agent has not answered yet) is not
+        # counted as seen: the next heartbeat looks again.
+        with_slots = {s.node_id for s in self.slots}
+        self._node_ids = frozenset(n["NodeID"] for n in nodes
+                                   if n["NodeID"] in with_slots or not _offers_slots(n, self._args))
 
     def _nodes_changed(self) -> list[dict] | None:
         """The admissible nodes, if they are not the ones the slots were discovered on; else None."""

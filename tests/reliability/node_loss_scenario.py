@@ -241,6 +241,7 @@ def main() -> int:
             is_out = worker_slot not in [v.slot_id for v in ray.get(registry.snapshot.remote(), timeout=30).slots]
             time.sleep(0.2)
         result["drained_slot_gone_s"] = round(time.monotonic() - t_drain, 2) if is_out else None
+        time.sleep(2.5)  # two more reconcile passes: a booked actor on the draining node is no orphan in either
         result["streams_open_after_drain"] = [not f.done() for f in streams]
         # The head's one slot holds its stream (one row an actor) and the worker is out of admission: refused.
         result["during_drain"] = _post(base, 60)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,10 +20,11 @@ from serve_app.capacity import (
 )
 from serve_app.config import AppArgs, ingress_config
 from serve_app.decisions import Reject
-from serve_app.demand import DemandCounter, DemandMeter, LaneCount, refused_hold_s
+from serve_app.demand import MIN_RATE_SPAN_S, DemandCounter, DemandMeter, LaneCount, refused_hold_s
 from serve_app.lease import LeaseReport
 from serve_app.policy import PolicyConfig
-from serve_app.registry import RegistryState, SlotSpec
+from serve_app.ray_cluster.registry_actor import RegistryActor
+from serve_app.registry import RegistryConfig, RegistryState, SlotSpec
 from serve_app.scorer import RuleScorer
 from serve_app.snapshot import RequestFeatures
 
@@ -151,11 +154,15 @@ def test_the_meter_turns_counts_in_its_window_into_rates_and_mean_holds():
     meter = DemandMeter(window_s=10.0)
     state = RegistryState()
     meter.record((LaneCount("a", "short", 20, 40.0), LaneCount("b", "long", 5, 5.0)), now=100.0)
+    # Refusals that began 5 s ago are a rate over those 5 s, not over the whole 10 s window.
     (a, b) = meter.lane_demands(state.snapshot(), 105.0, {"a": 1, "b": 0})
-    assert (a.model, a.refused_per_s, a.hold_s, a.num_warm_slots) == ("a", 2.0, 2.0, 1)
-    assert (b.model, b.refused_per_s, b.hold_s) == ("b", 0.5, 1.0)
+    assert (a.model, a.refused_per_s, a.hold_s, a.num_warm_slots) == ("a", 4.0, 2.0, 1)
+    assert (b.model, b.refused_per_s, b.hold_s) == ("b", 1.0, 1.0)
+    # ... and never over less than MIN_RATE_SPAN_S: one refusal a moment ago is not a rate of one a second.
+    meter.record((LaneCount("c", "short", 1, 1.0),), now=110.5)
+    assert meter.lane_demands(state.snapshot(), 110.5, {})[0].refused_per_s == pytest.approx(1 / MIN_RATE_SPAN_S)
     assert a.num_busy_slots == b.num_busy_slots == 0
-    assert meter.lane_demands(state.snapshot(), 111.0, {"a": 1}) == []  # out of the window, nothing busy
+    assert [d.model for d in meter.lane_demands(state.snapshot(), 111.0, {"a": 1})] == ["c"]  # a, b: out of it
 
 
 # ---- the registry: demand in, retry-after while a slot is coming --------------------------
@@ -164,8 +171,8 @@ FEATURES = RequestFeatures(model="m", input_tokens=10, max_tokens=4, weight_byte
                            kv_bytes_per_token=1024, workspace_bytes=1 << 20)
 
 
-def _state(slots: int, config: CapacityConfig) -> RegistryState:
-    state = RegistryState()
+def _state(slots: int, config: CapacityConfig, max_batch: int = 32) -> RegistryState:
+    state = RegistryState(max_batch=max_batch)
     state.register_slots(SlotSpec(f"n/zq_slot{i}", "n", 1 << 30) for i in range(slots))  # too small for the model
     state.capacity.configure(config)
     return state
@@ -202,11 +209,18 @@ def test_planning_off_or_at_max_slots_quotes_no_node():
     # The one slot's running request is what frees a place: no node will come past max_slots.
     assert refused.reason == "no_capacity" and refused.retry_after_s < 30.0
     assert full.capacity.status().num_refused_for_capacity == 0
-    # Below max_slots, the node the planner asks for is quoted, not the running request's end.
+    # Below max_slots, before the plan rose, the running request's end is quoted (no node is coming yet)...
     coming = _state(0, CapacityConfig(is_enabled=True, max_slots=2, node_start_s=40.0))
     coming.register_slots([SlotSpec("n/zq_slot0", "n", 4 << 30)])
     assert not isinstance(coming.admit(FEATURES, policy, "zq-m-1", "r1", now=10.0), Reject)
-    assert coming.admit(FEATURES, policy, "zq-m-2", "r2", now=10.0).retry_after_s > 40.0
+    assert coming.admit(FEATURES, policy, "zq-m-2", "r2", now=10.0).retry_after_s < 30.0
+    # ... and once the plan asks for a node, that node, not the running request's end: a place that frees
+    # goes to the next arrival while the demand is over the capacity.
+    coming.exchange_leases(LeaseReport("r", 10.0, demand=(LaneCount("m", "short", 1, 5.0),)), 10.5)
+    assert coming.capacity.step(11.0, {"m": 0}).num_wanted == 2
+    assert coming.admit(FEATURES, policy, "zq-m-3", "r3", now=12.0).retry_after_s > 40.0
+    # A node overdue by a whole node start (the autoscaler cannot add it) is no longer quoted.
+    assert coming.admit(FEATURES, policy, "zq-m-4", "r4", now=11.0 + 81.0).retry_after_s < 30.0
 
 
 def test_busy_slots_count_as_demand_for_the_window_after_they_ran():
@@ -224,6 +238,57 @@ def test_busy_slots_count_as_demand_for_the_window_after_they_ran():
     assert state.capacity.step(11.0 + 20.5, {"m": 0}).num_wanted == 0
 
 
+def test_planning_off_keeps_no_demand_and_a_grown_cluster_is_not_asked_for_twice():
+    off = _state(0, CapacityConfig())
+    for t in range(100):
+        off.exchange_leases(LeaseReport("r", 10.0, demand=(LaneCount("m", "short", 3, 3.0),)), float(t))
+    assert len(off.capacity.meter._counts) == 0
+    # Demand for 2 slots on 1: the plan asks for 2; when the second joins (its refusals now served there,
+    # busy), the refusals that asked for it are not counted again on top.
+    state = _state(0, CapacityConfig(is_enabled=True, max_slots=8, demand_window_s=10.0, scale_down_delay_s=0.0),
+                   max_batch=1)
+    state.register_slots([SlotSpec("n/zq_slot0", "n", 4 << 30)])
+    features = RequestFeatures(model="m", input_tokens=10, max_tokens=4, weight_bytes=1 << 20,
+                               kv_bytes_per_token=1024, workspace_bytes=1 << 20)
+    state.admit(features, PolicyConfig(max_batch=1), "zq-m-1", "r1", now=100.0)
+    state.exchange_leases(LeaseReport("r", 10.0, demand=(LaneCount("m", "short", 1, 1.0),)), 100.0)
+    assert state.capacity.step(101.0, {"m": 0}).num_wanted == 2
+    state.register_slots([SlotSpec("n2/zq_slot0", "n2", 4 << 30)])
+    state.admit(features, PolicyConfig(max_batch=1), "zq-m-2", "r2", now=102.0)
+    assert state.capacity.step(102.5, {"m": 0}).num_wanted == 2
+
+
+def test_a_draining_nodes_slots_leave_admission_and_its_running_rows_stay_booked():
+    state = _state(0, CapacityConfig(is_enabled=True, max_slots=4), max_batch=1)
+    features = RequestFeatures(model="m", input_tokens=10, max_tokens=4, weight_bytes=1 << 20,
+                               kv_bytes_per_token=1024, workspace_bytes=1 << 20)
+    policy = PolicyConfig(max_batch=1, max_hot_short_actors=2)
+    # Node b runs a request; node c has an idle hot actor; node a is empty. Slots registered one at a
+    # time, so each request lands where the test says.
+    state.register_slots([SlotSpec("b/zq_slot0", "b", 4 << 30)])
+    assert state.admit(features, policy, "zq-m-1", "r1", now=1.0).slot_id == "b/zq_slot0"
+    state.register_slots([SlotSpec("c/zq_slot0", "c", 4 << 30)])
+    assert state.admit(features, policy, "zq-m-2", "r2", now=1.0).slot_id == "c/zq_slot0"
+    state.actor_started("zq-m-2")
+    state.finish("zq-m-2", "r2", "complete", 2.0)
+    state.register_slots([SlotSpec("a/zq_slot0", "a", 4 << 30)])
+    alive = {"zq-m-1", "zq-m-2"}
+    # b and c drain. Two passes: on the second the running actor is neither a ghost nor an orphan.
+    first = state.reconcile(alive, 3.0, {"a", "b", "c"}, {"b", "c"})
+    second = state.reconcile(alive - set(first.to_kill), 4.0, {"a", "b", "c"}, {"b", "c"})
+    state.check_invariants()
+    assert first.retired == ("zq-m-2",) and not second.to_kill  # the idle actor retires, the running one stays
+    assert state.books.actors["zq-m-1"].rows and [s.slot_id for s in state.snapshot().slots] == ["a/zq_slot0"]
+    assert state.capacity.num_present == 1
+    # Nothing new is placed on a draining node: the next request spawns on a.
+    assert state.admit(features, policy, "zq-m-3", "r3", now=5.0).slot_id == "a/zq_slot0"
+    # b goes: its slot and its actor leave the books; c stops draining and is admissible again.
+    state.reconcile({"zq-m-3"}, 6.0, {"a", "c"}, set())
+    state.check_invariants()
+    assert list(state.books.slots) == ["a/zq_slot0", "c/zq_slot0"] and state.books.draining == frozenset()
+    assert [s.slot_id for s in state.snapshot().slots] == ["a/zq_slot0", "c/zq_slot0"]
+
+
 # ---- the app's args -----------------------------------------------------------------------
 
 
@@ -236,6 +301,51 @@ def test_capacity_needs_slots_that_nodes_bring_and_its_bundle_follows_the_slots_
     args = AppArgs(models=[model], slots={"kind": "resource", "resource": "zq_slot"},
                    capacity={"is_enabled": True, "max_slots": 2})
     assert ingress_config(args).capacity.slot_bundle == (("zq_slot", 1.0),)
-    gpu = AppArgs(models=[model], slots={"kind": "gpu"}, capacity={"is_enabled": True, "max_slots": 2})
+    gpu = AppArgs(models=[model], slots={"kind": "gpu"}, actor={"num_gpus": 1},
+                  capacity={"is_enabled": True, "max_slots": 2})
     assert ingress_config(gpu).capacity.slot_bundle == (("GPU", 1.0),)
+    # Two actors to a GPU: each slot asks for half of one, so max_slots 4 is 2 GPUs, not 4.
+    half = AppArgs(models=[model], slots={"kind": "gpu"}, actor={"num_gpus": 0.5},
+                   capacity={"is_enabled": True, "max_slots": 4})
+    assert ingress_config(half).capacity.slot_bundle == (("GPU", 0.5),)
+    with pytest.raises(ValueError, match="num_gpus > 0"):
+        AppArgs(models=[model], slots={"kind": "gpu"}, capacity={"is_enabled": True, "max_slots": 2})
 
+
+
+# ---- the registry actor states the plan (its class, without Ray: the loop is not started) -----------
+
+
+class _Planner(RegistryActor):
+    """The registry actor's planning step, with Ray's autoscaler call recorded (or failing on cue)."""
+
+    def _loop(self) -> None:  # no reconcile thread: the test drives `_plan_capacity` itself
+        return
+
+    def request_resources(self, wanted):
+        if self.is_failing:
+            raise ConnectionError("the GCS did not answer")
+        self.stated.append(wanted)
+
+
+def test_the_plan_is_stated_once_again_after_a_failure_and_cleared_when_planning_stops():
+    registry = _Planner(RegistryConfig(), PolicyConfig())
+    registry.stated, registry.is_failing = [], False
+    registry._plan_capacity(0.0)
+    assert registry.stated == []  # planning off from the start: nothing is ever stated
+    config = CapacityConfig(is_enabled=True, max_slots=2, interval_s=1.0, slot_bundle=(("zq_slot", 1.0),))
+    registry.configure(PolicyConfig(), None, config)
+    registry._plan_capacity(10.0)
+    assert registry.stated == [[]]  # a new registry replaces whatever request an earlier one left standing
+    registry.exchange_leases(LeaseReport("r", 10.0, demand=(LaneCount("m", "short", 1, 1.0),)))
+    registry.is_failing = True
+    with pytest.raises(ConnectionError):
+        registry._plan_capacity(20.0)
+    registry.is_failing = False
+    registry._plan_capacity(30.0)  # not marked stated when Ray did not take it: sent again
+    registry._plan_capacity(40.0)  # unchanged: not sent again
+    assert registry.stated == [[], [{"zq_slot": 1.0}]]
+    registry.configure(PolicyConfig(), None, dataclasses.replace(config, is_enabled=False))
+    registry._plan_capacity(50.0)
+    registry._plan_capacity(60.0)
+    assert registry.stated == [[], [{"zq_slot": 1.0}], []]  # planning turned off: the request is cleared, once
