@@ -107,8 +107,7 @@ class RegistryConfig:
 def _cold_start_s(features: RequestFeatures, scorer: Scorer) -> float:
     """A fresh actor's start to its first layers' worth of weights, as the rule predicts it: what a slot on a
     new node adds to that node's start before it serves (the trained scorer has no such constant)."""
-    rule = scorer if isinstance(scorer, RuleScorer) else RULE_SCORER
-    return rule.actor_start_s + features.weight_bytes / rule.load_bytes_per_s
+    return (scorer if isinstance(scorer, RuleScorer) else RULE_SCORER).start_s(features.weight_bytes)
 
 
 def is_leased_row(decision: Decision) -> bool:

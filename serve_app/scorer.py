@@ -122,11 +122,15 @@ class RuleScorer:
         """One decode step of `rows` rows whose caches hold `tokens` positions in all."""
         return self._cost.step_s(rows, 0, tokens, kv_bytes_per_token)
 
+    def start_s(self, weight_bytes: int) -> float:
+        """A fresh actor's start to its weights resident: its process, then every byte loaded."""
+        return self.actor_start_s + weight_bytes / self.load_bytes_per_s
+
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
         prefill_s = self.overhead_s + self._cost.prefill_s(features.input_tokens)
         own_tokens, per_token = features.input_tokens + features.max_tokens, features.kv_bytes_per_token
         alone = self.step_s(1, own_tokens, per_token)
-        cold_ttft_s = self.actor_start_s + features.weight_bytes / self.load_bytes_per_s + prefill_s
+        cold_ttft_s = self.start_s(features.weight_bytes) + prefill_s
         out = []
         for c in candidates:
             if c.kind == "join":

@@ -11,12 +11,11 @@ and shutdown run `ray stop --force` (which ends every Ray process on the machine
         "resources": {"CPU": 1, "zq_slot": 1}, "node_config": {}, "min_workers": 0, "max_workers": 2}})
     address = cluster.start()          # "ip:port"; pass it to ray.init(address=...)
     try: ...
-    finally: cluster.shutdown()        # or: with FakeAutoscalingCluster(...) as address: ...
+    finally: cluster.shutdown()
 
 - `head_resources`: CPU, GPU and object_store_memory become `ray start` flags, the rest `--resources`.
 - `worker_types`: autoscaler node types (`resources`, `node_config`, `min_workers`, `max_workers`).
 - `idle_timeout_minutes`: how long a worker node stays idle before the autoscaler terminates it.
-- `autoscaler_v2`: run autoscaler v2 instead of v1 (Ray's default).
 - `port` (GCS, default a free one), `temp_dir` (default a new short dir under /tmp: Unix socket paths are
   limited to 107 characters; a dir this harness made is removed on shutdown, one passed in is kept).
 - `processes()`: this cluster's live processes; `shutdown()` ends exactly those.
@@ -28,9 +27,10 @@ them or any process naming this cluster's temp dir (in case one started a sessio
 RAY_ADDRESS is removed from the cluster's environment; a driver should pass `address=` explicitly.
 RAY_AUTH_MODE defaults to "disabled", as for ray.init()'s local clusters.
 
-On 2 cores: start() takes about 9-14 s, a worker node joins about 4-5 s after request_resources(), and an
-idle one goes about idle_timeout_minutes after it became idle (it may already be, while a request held it).
-The idle cluster uses about 6% of one core; it coexists with other Ray clusters (ray.init() or this one).
+An idle worker goes idle_timeout_minutes after it became idle, which it may already be while a
+`request_resources` holds it: the node goes soon after that request is lowered. The cluster coexists
+with other Ray clusters on the machine (ray.init()'s, or another of these). How fast a node joins is
+measured by benchmarks/bench_elastic.py.
 """
 
 from __future__ import annotations
@@ -45,9 +45,7 @@ import sys
 import tempfile
 
 import psutil
-from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID, FAKE_HEAD_NODE_TYPE
-
-FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider"
+from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_TYPE
 
 
 def free_port() -> int:
@@ -58,11 +56,10 @@ def free_port() -> int:
 
 class FakeAutoscalingCluster:
     def __init__(self, head_resources: dict, worker_types: dict, *, idle_timeout_minutes: float = 0.2,
-                 port: int | None = None, temp_dir: str | None = None, autoscaler_v2: bool = False):
+                 port: int | None = None, temp_dir: str | None = None):
         self.head_resources = dict(head_resources)
         self.worker_types = json.loads(json.dumps(worker_types))  # a deep copy
         self.idle_timeout_minutes = idle_timeout_minutes
-        self.autoscaler_v2 = autoscaler_v2
         self.port = port or free_port()
         self._own_temp_dir = temp_dir is None
         self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="rfc-", dir="/tmp")
@@ -73,11 +70,6 @@ class FakeAutoscalingCluster:
         """The whole autoscaler config: the v1 autoscaler reads it as is, with no defaults filled in."""
         provider = {"type": "fake_multinode", "gcs_address": gcs_address,  # else worker raylets use :6379
                     "use_node_id_as_ip": True, "disable_node_updaters": True, "disable_launch_config_check": True}
-        if self.autoscaler_v2:
-            # v2 fills in the provider type's defaults, which for fake_multinode are the missing example.yaml;
-            # type "external" names the same provider class, and its defaults are built in.
-            provider.update(type="external", module=f"{FAKE_PROVIDER}.FakeMultiNodeProvider",
-                            launch_multiple=True, head_node_id=FAKE_HEAD_NODE_ID)
         return {
             "cluster_name": "fake_multinode",
             "max_workers": sum(t.get("max_workers", 0) for t in self.worker_types.values()),
@@ -117,10 +109,7 @@ class FakeAutoscalingCluster:
         if resources:
             cmd.append(f"--resources={json.dumps(resources)}")
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1",
-                   RAY_enable_autoscaler_v2="1" if self.autoscaler_v2 else "0")
-        if self.autoscaler_v2:
-            env["RAY_CLOUD_INSTANCE_ID"] = FAKE_HEAD_NODE_ID
+        env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_enable_autoscaler_v2="0")
         # With RAY_AUTH_MODE unset, `ray start` turns token auth on when ~/.ray/auth_token exists, and then a
         # driver whose RAY_AUTH_MODE is unset fails with "InvalidAuthToken"; ray.init()'s local clusters do not.
         env.setdefault("RAY_AUTH_MODE", "disabled")
@@ -164,8 +153,8 @@ class FakeAutoscalingCluster:
         """End this cluster's processes and wait for them to go: SIGTERM, then SIGKILL after grace_s.
 
         In stages: the autoscaler first (so that it launches no node meanwhile), then all but the GCS, then
-        the GCS. Signalled all at once, raylets and GCS outlived 8 s in a trial; in stages each stage takes
-        about 2 s, the whole about 6 s."""
+        the GCS: signalled all at once, the raylets and the GCS each wait on the other, and the SIGTERM
+        grace runs out."""
         def command(p: psutil.Process) -> str:
             try:
                 return " ".join(p.cmdline())
@@ -193,9 +182,3 @@ class FakeAutoscalingCluster:
             raise RuntimeError(f"cluster processes left: {[(p.pid, command(p)) for p in left]}")
         if self._own_temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-    def __enter__(self) -> str:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()

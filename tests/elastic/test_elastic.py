@@ -22,10 +22,10 @@ NODE_START_S = 5.0
 # After the load's last request: its slot counts as busy for the demand window (3 s), the plan falls
 # after the scale-down delay (2 s), the idle hot actor retires (max_idle_s 2 s, a reconcile pass 1 s),
 # the autoscaler sees the node idle for its idle timeout (3 s) and ends it, and the registry drops the
-# slot at its next reconcile pass (1 s). The sum is 12 s; on top, a 2-core machine shared by the GCS, two
-# raylets, the autoscaler's 1 s update loop and Serve: 30 s. Seen here: 16.6-17.2 s with twice these
-# settings.
-BACK_TO_MIN_BOUND_S = 3 + 2 + 2 + 1 + 3 + 1 + 30.0
+# slot at its next reconcile pass (1 s). The sum is 12 s; on top, a margin for a slow or loaded CI machine
+# where the GCS, two raylets, the autoscaler's 1 s update loop and Serve share the cores: 60 s. (This
+# test's own print, on the 2-core machine it was written on: 12.7 s.)
+BACK_TO_MIN_BOUND_S = 3 + 2 + 2 + 1 + 3 + 1 + 60.0
 SCENARIO_TIMEOUT_S = 400
 
 

@@ -99,13 +99,17 @@ def _stream(base: str, prompt: str, first: threading.Event) -> dict:
     return {"status": status, "events": events, "error_type": error_type}
 
 
-def _wait_for(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
+def _reached(condition, timeout_s: float) -> float | None:
+    """Seconds until `condition` held (tests/serve/waiting.py's wait), or None if it did not within
+    `timeout_s`: the scenario records what it saw and the test judges it."""
+    from tests.serve.waiting import wait_for
+
+    t0 = time.monotonic()
+    try:
+        wait_for(condition, timeout_s)
+    except AssertionError:
+        return None
+    return round(time.monotonic() - t0, 2)
 
 
 def _slot_ids(ray, registry) -> list[str]:
@@ -194,15 +198,10 @@ def main() -> int:
         worker_id = worker.node_id
         assert worker_id != head_id
         worker_slot = f"{worker_id}/zq_slot0"
-        t_added = time.monotonic()
-        slots: list[str] = []
-        while time.monotonic() < t_added + 30 and worker_slot not in slots:
-            slots = [v.slot_id for v in ray.get(registry.snapshot.remote(), timeout=30).slots]
-            time.sleep(0.2)
-        result.update(head_node=head_id, worker_node=worker_id, worker_slot=worker_slot,
-                      worker_slot_seen_s=round(time.monotonic() - t_added, 2) if worker_slot in slots else None)
-        if worker_slot not in slots:
-            result["error"] = f"the worker's slot never reached the registry: {slots}"
+        seen_s = _reached(lambda: worker_slot in _slot_ids(ray, registry), 30)
+        result.update(head_node=head_id, worker_node=worker_id, worker_slot=worker_slot, worker_slot_seen_s=seen_s)
+        if seen_s is None:
+            result["error"] = f"the worker's slot never reached the registry: {_slot_ids(ray, registry)}"
             return emit_result(result)
 
         warmup: list[dict] = []
@@ -235,12 +234,7 @@ def main() -> int:
         result["drain_accepted"] = list(gcs.drain_node(
             worker_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "node-loss scenario",
             int(time.time() * 1000) + 120_000))
-        t_drain = time.monotonic()
-        is_out = False
-        while not is_out and time.monotonic() < t_drain + 30:
-            is_out = worker_slot not in [v.slot_id for v in ray.get(registry.snapshot.remote(), timeout=30).slots]
-            time.sleep(0.2)
-        result["drained_slot_gone_s"] = round(time.monotonic() - t_drain, 2) if is_out else None
+        result["drained_slot_gone_s"] = _reached(lambda: worker_slot not in _slot_ids(ray, registry), 30)
         time.sleep(2.5)  # two more reconcile passes: a booked actor on the draining node is no orphan in either
         result["streams_open_after_drain"] = [not f.done() for f in streams]
         # The head's one slot holds its stream (one row an actor) and the worker is out of admission: refused.
@@ -292,21 +286,21 @@ def main() -> int:
         second = cluster.add_node(num_cpus=1, resources={"zq_slot": 1})
         cluster.wait_for_nodes()
         second_slot = f"{second.node_id}/zq_slot0"
-        result["second_slot_seen"] = _wait_for(lambda: second_slot in _slot_ids(ray, registry), 30)
+        result["second_slot_seen"] = _reached(lambda: second_slot in _slot_ids(ray, registry), 30) is not None
         gate_head, gate_second = tmp / "go-head", tmp / "go-second"
         first = threading.Event()
         held = pool.submit(_stream, base, f"hold gate:{gate_head} head", first)
         first.wait(120)
         collected = pool.submit(_post, base, 120, f"hold gate:{gate_second} second")
-        result["collected_on_second"] = _wait_for(lambda: any(
+        result["collected_on_second"] = _reached(lambda: any(
             a.slot_id == second_slot and a.num_rows for a in ray.get(registry.snapshot.remote(), timeout=30).actors),
-            60)
+            60) is not None
         gate_head.touch()
         result["head_stream"] = held.result(timeout=120)
         cluster.remove_node(second)
         gate_second.touch()  # for the request's next attempt: its first actor is gone with the node
         result["collected"] = collected.result(timeout=120)
-        result["second_slot_gone"] = _wait_for(lambda: second_slot not in _slot_ids(ray, registry), SLOT_GONE_S)
+        result["second_slot_gone"] = _reached(lambda: second_slot not in _slot_ids(ray, registry), SLOT_GONE_S) is not None
         final = ray.get(registry.snapshot.remote(), timeout=30)
         result.update(
             after=after,
