@@ -2,9 +2,9 @@
 
 The ingress (app.py) validates a request and hands it here; everything it asks of the
 world goes through the cluster port (cluster.py: Ray's, or the in-process one):
-  1. decide: first on this replica's leases (lease_book.py) — rows of hot actors it holds,
-     placed with the same pure `decide()` and no registry call; where they cannot place the
-     request, the slow path: `cluster.admit(features)`, the registry's `decide()` and the
+  1. decide: first on this replica's leases (lease_book.py) — rows of hot actors it holds, and
+     its start leases (a warm actor to bind, slot bytes to spawn into), placed with the same pure
+     `decide()` and no registry call; where they cannot place the request, the slow path: `cluster.admit(features)`, the registry's `decide()` and the
      reservation it implies in one atomic step (no replica can over-commit a slot or a batch),
      which leases a row it places on a hot actor to this replica — or a 503 at once when the
      registry does not answer within its deadline;
@@ -196,6 +196,12 @@ class Admission:
                 lease = LeasedRow(request_id, decision.actor_name, model.id, decision.slot_id, decision.lane,
                                   decision.reserve_bytes, hot_resident)
                 self.leases.add(lease, features, _predicted_end(decision))
+        if isinstance(decision, (Bind, Spawn)):  # rows ran out: this replica wants a start lease for the next
+            policy = self.config.policy
+            self.leases.note_start(model.id, decision.lane, features.dispatch_bytes, hot_resident,
+                                   policy.max_hot(model.id, decision.lane), policy.num_warm(model.id, decision.lane))
+        if isinstance(decision, Spawn) and lease is not None:
+            spawn_name = lease.actor_name  # the actor its spawn lease committed
         decided_at = time.time()
         self._refused.pop(model.id, None)  # the probe has its answer (a refusal opens a new window below)
         path = "registry" if lease is None or lease.row_id == request_id else "lease"

@@ -1,4 +1,5 @@
-"""Leases: rows of hot actors' batches that the registry hands to one ingress replica at a time.
+"""Leases: rows of hot actors' batches, warm actors to bind and slot bytes to spawn into, each held by one
+ingress replica at a time.
 
 The registry (registry.py) stays the authority on slots, actors and memory, but not on every
 request. Each replica holds a few rows on hot actors, sized by its own recent demand; it
@@ -7,6 +8,15 @@ leases alone (lease_book.py), and keeps the row when the request ends — no reg
 either side. Once a heartbeat (`registry_heartbeat_s`) it sends one `LeaseReport` (what runs
 in its rows, the rows it gives back, the rows it wants) and gets one `LeaseGrant` back
 (registry_leases.py): new rows, the rows it still holds, and what else runs on their actors.
+
+Start leases. A replica whose rows ran out recently (it bound or spawned an actor within
+`demand_window_s`) also holds one *start lease* per model and lane: a warm actor to bind, or, where no
+warm actor is free, the bytes and the actor place on a slot to spawn a named actor into. The registry
+commits it as its own admission would commit the bind or the spawn, with a free leased row for the
+request (registry_leases.py), so no other decision can take the actor or the bytes; the replica
+binds or spawns on it with no registry call, and tells the registry with its next report
+(`LeaseReport.start_uses`). An unused warm lease that returns leaves its actor warm again; an unused
+spawn lease leaves nothing (no process was started).
 
 A request its leases cannot place takes the slow path, the registry's `admit`, before any
 refusal; a row the slow path places on a hot actor is leased to that replica from the start,
@@ -23,6 +33,7 @@ Plain frozen dataclasses, stdlib only: they travel between replicas and the regi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from serve_app.demand import LaneCount
 from serve_app.snapshot import ClusterSummary, Lane, RowView, SlotView
@@ -39,6 +50,9 @@ class LeaseConfig:
     # plus this many spare (0: only rows the slow path placed, kept while the demand lasts).
     headroom_rows: int = 1
     demand_window_s: float = 5.0
+    # Start leases (module doc): a warm actor to bind, or slot bytes to spawn into, for a replica that bound
+    # or spawned within `demand_window_s`. Off: binds and spawns take the slow path.
+    is_start_enabled: bool = True
 
     def __post_init__(self) -> None:
         if self.ttl_heartbeats < 3 or self.headroom_rows < 0 or self.demand_window_s <= 0:
@@ -56,9 +70,14 @@ class SlowPathLease:
     returned: tuple[str, ...] = ()
 
 
+StartKind = Literal["", "warm", "spawn"]
+
+
 @dataclass(frozen=True)
 class LeasedRow:
-    """One row of a hot actor's batch, held for one replica: `row_bytes` of KV cache and workspace reserved."""
+    """One row held for one replica, `row_bytes` of KV cache and workspace reserved: on a hot actor's batch
+    (`start` ""), or a start lease's first row: on a warm actor to bind ("warm"), or on an actor not yet
+    started, `actor_name`, whose `resident_bytes` are reserved on the slot to spawn it into ("spawn")."""
 
     row_id: str
     actor_name: str
@@ -67,6 +86,10 @@ class LeasedRow:
     lane: Lane
     row_bytes: int
     resident_bytes: int  # the actor's, as the registry holds them (for a hand-over to a new registry)
+    start: StartKind = ""
+    keep_hot: bool = True  # a start lease's actor stays hot after its request (the registry counted it so)
+    node_id: str = ""  # a start lease's: where a spawn goes
+    resident_fraction: float = 1.0  # a warm actor's share of its weights in (the prediction reads it)
 
 
 @dataclass(frozen=True)
@@ -87,6 +110,10 @@ class LeaseWant:
     lane: Lane
     num_rows: int
     row_bytes: int
+    num_starts: int = 0  # start leases wanted (held ones included): 1 after a recent bind or spawn
+    resident_bytes: int = 0  # a new actor's weights and process, for a spawn lease
+    max_hot: int = 0  # the policy's hot actors for the model and lane: a start lease's actor stays hot below it
+    num_warm: int = 0  # the policy's warm pool for them: no spawn lease takes a slot while the pool is short
 
 
 @dataclass(frozen=True)
@@ -101,6 +128,9 @@ class LeaseReport:
     known: frozenset[str] = frozenset()
     # Its refusals and admissions since its last report, for the capacity planner (demand.py).
     demand: tuple[LaneCount, ...] = ()
+    # Start leases it has placed a request in -> whether their actor has sent its first token (then it may
+    # batch). Sent until a grant answers them: the registry's books follow the bind or spawn from then on.
+    start_uses: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,13 @@ Demand. For each model and lane, the most rows this replica had in use at once o
 free, so a replica whose traffic stopped holds nothing after the window. A request larger than
 every free row (its KV bytes) takes the slow path; the largest request of the window sizes the
 rows asked for.
+
+Start leases (lease.py). A bind or spawn this replica made within `demand_window_s` (on a start lease,
+or by the slow path) makes it want one start lease per model and lane. A free one shows in the view
+as what it is — a warm actor to bind, or a slot with room for one actor — so the same `decide()`
+weighs it against the leased rows; once used, its actor is left out of the view until it has sent
+its first token (only then may it batch), and the row is a hot actor's from then on if the actor
+stays hot. Otherwise, when its request ends, the row goes back with the next report.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from serve_app.decisions import Dispatch, Join
+from serve_app.decisions import Bind, Dispatch, Join, Spawn
 from serve_app.lease import BatchInfo, LeaseConfig, LeasedRow, LeaseGrant, LeaseReport, LeaseWant, RowUse
 from serve_app.policy import PolicyConfig, decide
 from serve_app.registry_records import AdoptedRow
@@ -35,6 +42,17 @@ class _Sample:
     row_bytes: int  # the request's bytes
 
 
+@dataclass(frozen=True)
+class _Start:
+    """A bind or spawn this replica made (Key's model and lane), and what a spawn lease for them would hold."""
+
+    at: float  # monotonic
+    row_bytes: int
+    resident_bytes: int
+    max_hot: int
+    num_warm: int
+
+
 class LeaseBook:
     def __init__(self, config: LeaseConfig, replica_id: str, max_batch: int, heartbeat_s: float) -> None:
         self.config, self.replica_id, self._max_batch = config, replica_id, max_batch
@@ -47,6 +65,8 @@ class LeaseBook:
         self._returned: list[str] = []  # rows given back, sent with the next report
         self._samples: dict[Key, deque[_Sample]] = {}
         self._contended: frozenset[str] = frozenset()  # models the registry lacks rows for (LeaseGrant)
+        self._starts: dict[Key, deque[_Start]] = {}  # binds and spawns made, over the demand window
+        self._start_uses: dict[str, bool] = {}  # start leases used -> first token seen; reported until answered
 
     @property
     def num_rows(self) -> int:
@@ -73,13 +93,18 @@ class LeaseBook:
         need = features.dispatch_bytes
         mine: dict[str, list[LeasedRow]] = {}  # actor -> every row of ours on it
         free: dict[str, int] = {}  # actor -> the largest fitting free row it has for us
+        starts: list[LeasedRow] = []  # free start leases that fit
         for row_id, row in self._rows.items():
             if row.model != features.model:  # an actor serves one model: another's rows are on other actors
+                continue
+            if row.start:  # a start lease: free, a warm actor or a slot to start one on; used, not batching yet
+                if row_id not in self._used and row.row_bytes >= need:
+                    starts.append(row)
                 continue
             mine.setdefault(row.actor_name, []).append(row)
             if row_id not in self._used and row.row_bytes >= need:
                 free[row.actor_name] = max(free.get(row.actor_name, 0), row.row_bytes)
-        if not free:
+        if not free and not starts:
             return None
         slots: dict[str, SlotView] = {}
         actors = []
@@ -98,6 +123,16 @@ class LeaseBook:
             slots[base.slot_id] = SlotView(base.slot_id, base.node_id, base.total_bytes,
                                            max(0, base.total_bytes - room), base.num_actors,
                                            base.fragmentation, base.utilization)
+        for row in starts:
+            if row.slot_id in slots:  # a slot of our hot rows too (several actors a slot): left to the registry
+                continue
+            if row.start == "warm":
+                actors.append(ActorView(row.actor_name, row.model, row.slot_id, "warm", row.lane, False,
+                                        row.resident_bytes, (), row.resident_fraction))
+                slots[row.slot_id] = SlotView(row.slot_id, row.node_id, row.resident_bytes + row.row_bytes,
+                                              row.resident_bytes, 1)
+            else:  # the slot's room for one actor and its row, and nothing else
+                slots[row.slot_id] = SlotView(row.slot_id, row.node_id, row.resident_bytes + row.row_bytes, 0, 0)
         return ClusterSnapshot(tuple(slots[s] for s in sorted(slots)), tuple(actors))
 
     def place(self, features: RequestFeatures, policy: PolicyConfig, scorer: Scorer, at: float,
@@ -109,18 +144,22 @@ class LeaseBook:
         if view is None:
             return None
         decision = decide(features, view, policy, scorer)
+        if isinstance(decision, (Bind, Spawn)) and not getattr(decision, "evict", ()):
+            start = self._start_lease(decision)
+            decision = replace(decision, keep_hot=start.keep_hot)  # the registry counted its actor so
+            self._use(start, features, at + _total_s(decision), now)
+            return decision, start
         if not isinstance(decision, (Join, Dispatch)):
             return None  # no leased row meets the targets: the registry knows every other option
         if isinstance(decision, Dispatch):  # the actor is hot and leased: it stays hot
             decision = replace(decision, keep_hot=True)
-        total_s = decision.prediction.total_s if decision.prediction is not None else 0.0
-        return decision, self.take(decision, features, at + total_s, now)
+        return decision, self.take(decision, features, at + _total_s(decision), now)
 
     def take(self, decision: Join | Dispatch, features: RequestFeatures, predicted_end: float,
              now: float | None = None) -> LeasedRow:
         """The free row on the decision's actor that fits the request most tightly, now in use by it."""
         need = features.dispatch_bytes
-        fitting = [r for r in self._rows.values() if r.actor_name == decision.actor_name
+        fitting = [r for r in self._rows.values() if r.actor_name == decision.actor_name and not r.start
                    and r.row_id not in self._used and r.row_bytes >= need]
         if not fitting:
             raise ValueError(f"no free leased row on {decision.actor_name} fits {need} bytes")
@@ -133,11 +172,34 @@ class LeaseBook:
         self._rows[row.row_id] = row
         self._use(row, features, predicted_end, now)
 
+    def note_start(self, model: str, lane: str, row_bytes: int, resident_bytes: int, max_hot: int, num_warm: int,
+                   now: float | None = None) -> None:
+        """A bind or spawn was made for a request of `model` and `lane` (on a start lease, or by the slow path);
+        `max_hot` and `num_warm`: the policy's hot actors and warm pool for them."""
+        at = time.monotonic() if now is None else now
+        self._starts.setdefault((model, lane), deque()).append(_Start(at, row_bytes, resident_bytes, max_hot,
+                                                                      num_warm))
+
+    def started(self, row_id: str) -> None:
+        """A start lease's actor sent its first token: every weight is in, it may batch. An actor that stays hot
+        is a hot actor's row from now on, in this view too; the registry hears it with the next report."""
+        row = self._rows.get(row_id)
+        if row is None or not row.start:
+            return
+        self._start_uses[row_id] = True
+        if row.keep_hot:
+            self._rows[row_id] = replace(row, start="")
+
     def release(self, row_id: str) -> bool:
         """The row's request ended (complete, or cancelled once its stream has ended): free again — or, while
-        its model is contended, forgotten here; True then, and the caller gives it back at once."""
+        its model is contended, forgotten here; True then, and the caller gives it back at once. A start
+        lease's row whose actor does not stay hot, or never sent a token, goes back with the next report."""
         self._used.pop(row_id, None)
         row = self._rows.get(row_id)
+        if row is not None and row.start:
+            self.forget(row_id)
+            self._returned.append(row_id)
+            return False
         if row is None or row.model not in self._contended:
             return False
         self.forget(row_id)
@@ -170,11 +232,16 @@ class LeaseBook:
         """What the next exchange sends: uses, rows given back (forgotten here at once), rows wanted."""
         now = time.monotonic() if now is None else now
         wanted = []
-        for key in set(self._samples) | {(r.model, r.lane) for r in self._rows.values()}:
+        for key in set(self._samples) | set(self._starts) | {(r.model, r.lane) for r in self._rows.values()}:
             samples = self._samples.get(key, deque())
             while samples and now - samples[0].at > self.config.demand_window_s:
                 samples.popleft()
-            held = [r for r in self._rows.values() if (r.model, r.lane) == key]
+            want_start = self._wants_start(key, now)
+            for r in [r for r in self._rows.values() if (r.model, r.lane) == key and r.start]:
+                if want_start is None and r.row_id not in self._used:  # no recent start: back to the registry
+                    self.forget(r.row_id)
+                    self._returned.append(r.row_id)
+            held = [r for r in self._rows.values() if (r.model, r.lane) == key and not r.start]
             in_use = sum(1 for r in held if r.row_id in self._used)
             peak = max([s.num_rows for s in samples] + [in_use])
             headroom = 0 if key[0] in self._contended else self.config.headroom_rows
@@ -184,19 +251,25 @@ class LeaseBook:
                 self.forget(r.row_id)
                 self._returned.append(r.row_id)
             row_bytes = max([s.row_bytes for s in samples] + [r.row_bytes for r in held], default=0)
-            if target and row_bytes:
+            if want_start is not None:
+                wanted.append(LeaseWant(key[0], key[1], target, max(row_bytes, want_start.row_bytes), 1,
+                                        want_start.resident_bytes, want_start.max_hot, want_start.num_warm))
+            elif target and row_bytes:
                 wanted.append(LeaseWant(key[0], key[1], target, row_bytes))
             if not samples:
                 self._samples.pop(key, None)
         returned, self._returned = tuple(self._returned), []
         return LeaseReport(self.replica_id, self.ttl_s, returned, dict(self._used), tuple(wanted),
-                           frozenset(self._rows))
+                           frozenset(self._rows), start_uses=dict(self._start_uses))
 
     def apply(self, report: LeaseReport, grant: LeaseGrant, sent_at: float) -> None:
         """The answer to `report`, sent at `sent_at` (monotonic): rows it knew of that the registry no
         longer holds for us are forgotten (a row added since it was sent is kept), new rows are free."""
         for row_id in report.known - grant.held:
             self.forget(row_id)
+        for row_id, is_started in report.start_uses.items():  # answered: the registry follows them now
+            if self._start_uses.get(row_id) == is_started:
+                del self._start_uses[row_id]
         self._rows.update((r.row_id, r) for r in grant.granted)
         self._contended = grant.contended
         self._batches = {b.actor_name: b for b in grant.batches}
@@ -207,20 +280,51 @@ class LeaseBook:
         out = []
         for r in self._rows.values():
             use = self._used.get(r.row_id)
-            out.append(AdoptedRow(r.actor_name, r.model, r.slot_id, r.lane, True, True, r.resident_bytes, r.row_id,
-                                  r.row_bytes, use.num_tokens if use else 0, use.tpot_target_s if use else None,
-                                  use.predicted_end if use else time.time(), self.ttl_s, self.replica_id,
-                                  is_lease=True))
+            is_unused = r.start and use is None and r.row_id not in self._start_uses
+            is_started = not r.start or self._start_uses.get(r.row_id, False)
+            out.append(AdoptedRow(r.actor_name, r.model, r.slot_id, r.lane, r.keep_hot, is_started, r.resident_bytes,
+                                  r.row_id, r.row_bytes, use.num_tokens if use else 0,
+                                  use.tpot_target_s if use else None, use.predicted_end if use else time.time(),
+                                  self.ttl_s, self.replica_id, is_lease=True, start=r.start if is_unused else ""))
         return out
 
     # ---- internals -----------------------------------------------------------------------
 
+    def _wants_start(self, key: Key, now: float) -> _Start | None:
+        """The latest bind or spawn of the key within the window, if start leases are on and it is not
+        contended: one start lease is wanted for it."""
+        starts = self._starts.get(key)
+        while starts and now - starts[0].at > self.config.demand_window_s:
+            starts.popleft()
+        if not starts:
+            self._starts.pop(key, None)
+            return None
+        if not self.config.is_start_enabled or key[0] in self._contended:
+            return None
+        return starts[-1]
+
+    def _start_lease(self, decision: Bind | Spawn) -> LeasedRow:
+        """The free start lease a Bind or Spawn decided on the leased view names: its warm actor, or its slot."""
+        for r in self._rows.values():
+            if r.row_id in self._used:
+                continue
+            if (r.start == "warm" and isinstance(decision, Bind) and r.actor_name == decision.actor_name) or (
+                    r.start == "spawn" and isinstance(decision, Spawn) and r.slot_id == decision.slot_id):
+                return r
+        raise ValueError(f"no free start lease for {decision}")
+
     def _use(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None) -> None:
+        if row.start:
+            self._start_uses[row.row_id] = False
         self._used[row.row_id] = RowUse(features.num_tokens, features.tpot_target_s, predicted_end)
         key = (row.model, row.lane)
         in_use = sum(1 for r in self._rows.values() if (r.model, r.lane) == key and r.row_id in self._used)
         at = time.monotonic() if now is None else now
         self._samples.setdefault(key, deque()).append(_Sample(at, in_use, features.dispatch_bytes))
+
+
+def _total_s(decision) -> float:
+    return decision.prediction.total_s if decision.prediction is not None else 0.0
 
 
 def _row_view(row: LeasedRow, use: RowUse) -> RowView:

@@ -326,7 +326,11 @@ class LocalCluster:
         """Each model's warm pool kept full: the registry's plan, actors created, then marked ready."""
         specs = [s for s in self._warm_specs if self._pool_sizes.get(s.model, 0) > 0]
         while specs:
-            await self._warm_wake.wait()
+            try:  # woken by a bind or a freed slot, and every `warm_refresh_s` besides (as on Ray): a pool that
+                # could not fill while an actor was starting on its node fills once it has started
+                await asyncio.wait_for(self._warm_wake.wait(), self._config.warm_refresh_s)
+            except asyncio.TimeoutError:
+                pass
             self._warm_wake.clear()
             fills = self._call("fill_warm", lambda: self.registry.fill_warm(specs, self._new_names(specs)))
             for name, fill in fills:

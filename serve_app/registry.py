@@ -303,7 +303,7 @@ class RegistryState:
         actor = self.books.actors.get(actor_name)
         if actor is None or actor.state != "starting":
             return False
-        actor.state = "busy"
+        actor.state, actor.start_lease = "busy", ""
         self.books.touch_actor(actor)
         return True
 

@@ -1,4 +1,4 @@
-"""The registry's side of leases (lease.py): rows of hot actors held for one ingress replica each.
+"""The registry's side of leases (lease.py): rows of hot actors, and start leases, held for one ingress replica each.
 
 A collaborator of `RegistryState` (registry.py) on the same books (registry_books.py), under the
 same lock; pure, no Ray. A leased row is an ordinary `RowReservation` on its actor with
@@ -15,6 +15,14 @@ cover it unchanged. An actor with leased rows is "busy": never evicted or retire
 
 A row given back, expired, or of an actor that failed is simply gone from the holder's `held`
 set in its next grant; the holder forgets it then.
+
+A start lease is committed as the registry's own bind or spawn would be, with a free leased row for
+the request: a warm actor becomes "starting" (held, so no other decision binds or evicts it), or a
+new actor is registered "starting" on a slot with room, named but not created (`start_lease` says
+which; reconcile does not take an uncreated one for a ghost). Its holder's report says when it
+used the lease, and when the actor sent its first token ("busy": it may batch); from then on the
+actor is like any other. An unused start lease that returns (given back, expired, taken back)
+leaves the warm actor warm again, or forgets the actor that was never started.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import itertools
 import uuid
 from collections.abc import Callable, Iterator
 
+from actors.actor_names import new_actor_name
 from serve_app.lease import BatchInfo, LeasedRow, LeaseGrant, LeaseReport, LeaseWant, RowUse
 from serve_app.registry_books import Books
 from serve_app.registry_records import ActorRecord, RowReservation
@@ -42,6 +51,8 @@ class LeaseBooks:
 
     def exchange(self, report: LeaseReport, now: float) -> LeaseGrant:
         replica, ttl_s = report.replica_id, report.ttl_s
+        for row_id, is_started in report.start_uses.items():  # before the returns: a used lease is a bind or spawn
+            self._start_used(replica, row_id, is_started)
         for row_id in report.returned:
             self.give_back(replica, row_id, now)
         held = self.books.leased_to(replica)
@@ -52,7 +63,7 @@ class LeaseBooks:
                 row.busy_deadline = now + ttl_s
                 renewed[actor.name] = actor
             elif row.is_free_lease:  # granted by an exchange whose answer was lost: nobody will use it
-                self._finish(actor.name, row_id, "cancelled", now)
+                self._end(actor, row_id, now)
                 del held[row_id]
             # else: placed by an admission whose answer the replica had not seen when it sent this; not
             # renewed, so it expires if the replica never learns of it
@@ -62,9 +73,11 @@ class LeaseBooks:
         still_known = self.recalled.pop(replica, set()) & report.known
         if still_known:
             self.recalled[replica] = still_known
+        contended = frozenset(m for m, t in self._refused_at.items() if now - t < ttl_s)
         granted: list[LeasedRow] = []
         for want in report.wanted:
-            have = sum(1 for a, _ in held.values() if a.model == want.model and a.lane == want.lane)
+            have = sum(1 for a, _ in held.values()
+                       if a.model == want.model and a.lane == want.lane and not a.start_lease)
             actors = self._best_actors(want)
             for _ in range(want.num_rows - have):
                 actor = next(actors, None)
@@ -74,9 +87,32 @@ class LeaseBooks:
                                      replica_id=replica, is_lease=True)
                 self.books.add_row(actor, row, want.row_bytes)
                 held[row.request_id] = (actor, row)
-                granted.append(leased_row(actor, row))
-        contended = frozenset(m for m, t in self._refused_at.items() if now - t < ttl_s)
+                granted.append(leased_row(actor, row, self.books))
+            granted += self._grant_starts(replica, want, held, want.model in contended, now, ttl_s)
         return LeaseGrant(tuple(granted), frozenset(held), self._batches(replica, held), contended=contended)
+
+    def _grant_starts(self, replica: str, want: LeaseWant, held: dict[str, tuple[ActorRecord, RowReservation]],
+                      is_contended: bool, now: float, ttl_s: float) -> list[LeasedRow]:
+        """Start leases up to `want.num_starts`, only while every hot batch of the model and lane is full (its
+        places leased or running): a request that could join one must not start a process instead. Held
+        ones that are free go back when a place frees, or while the model is contended (they would sit idle
+        while the registry refuses others)."""
+        starts = [(a, r) for a, r in held.values() if a.start_lease and a.model == want.model and a.lane == want.lane]
+        has_place = next(self._best_actors(want), None) is not None
+        if has_place or is_contended:
+            for actor, row in starts:
+                if row.is_free_lease:
+                    self._end(actor, row.request_id, now)
+                    del held[row.request_id]
+            return []
+        granted = []
+        for _ in range(want.num_starts - len(starts)):
+            start = self._lease_start(replica, want, now, ttl_s)
+            if start is None:
+                break
+            held[start[1].request_id] = start
+            granted.append(leased_row(*start, self.books))
+        return granted
 
     def refused(self, model: str, now: float) -> None:
         """The registry refused a request of `model` for want of capacity: its holders hear it's contended."""
@@ -87,7 +123,7 @@ class LeaseBooks:
         actor = self.books.row_holder(row_id)
         row = actor.rows[row_id] if actor is not None else None
         if row is not None and row.is_lease and row.replica_id == replica:
-            self._finish(actor.name, row_id, "cancelled", now)
+            self._end(actor, row_id, now)
 
     def recall_free_row(self, model: str, lane: str, need: int, replica: str, now: float) -> bool:
         """Take back one free row another replica holds on a hot actor of `model` and `lane` where `need`
@@ -98,8 +134,9 @@ class LeaseBooks:
         next exchange tells it otherwise, the actor — which never runs more than `max_batch` rows — turns
         the row away if its batch is full (the holder then forgets the row and decides again)."""
         for a in self.books.actors.values():
-            if a.model != model or a.lane != lane or not a.is_hot or a.slot_id in self.books.draining:
-                continue
+            if (a.model != model or a.lane != lane or not a.is_hot or a.start_lease
+                    or a.slot_id in self.books.draining):
+                continue  # a start lease is not a row of a hot batch: its holder may be binding it now
             slot = self.books.slots[a.slot_id]
             for r in a.rows.values():
                 if r.is_free_lease and r.replica_id != replica and slot.free_bytes + r.request_bytes >= need:
@@ -110,17 +147,72 @@ class LeaseBooks:
 
     def take_back_free(self, is_leaving: Callable[[ActorRecord], bool], now: float) -> int:
         """Free leased rows on the actors `is_leaving` names (their node is being drained) return; how many."""
-        leaving = [(a.name, r.request_id) for a, r in self.books.leased_rows() if r.is_free_lease and is_leaving(a)]
-        for name, row_id in leaving:
-            self._finish(name, row_id, "cancelled", now)
+        leaving = [(a, r.request_id) for a, r in self.books.leased_rows() if r.is_free_lease and is_leaving(a)]
+        for actor, row_id in leaving:
+            self._end(actor, row_id, now)
         return len(leaving)
 
     def expire(self, now: float) -> int:
         """Rows whose lease ran out return; returns how many."""
-        expired = [(a.name, r.request_id) for a, r in self.books.leased_rows() if now > r.busy_deadline]
-        for name, row_id in expired:
-            self._finish(name, row_id, "cancelled", now)
+        expired = [(a, r.request_id) for a, r in self.books.leased_rows() if now > r.busy_deadline]
+        for actor, row_id in expired:
+            self._end(actor, row_id, now)
         return len(expired)
+
+    def _end(self, actor: ActorRecord, row_id: str, now: float) -> None:
+        """A leased row returns. An unused warm lease leaves its actor warm (its process waits on, loaded);
+        any other row ends as the registry's `finish` ends a cancelled row — an unused spawn lease's actor,
+        "starting", is forgotten (and killed, should its holder have created it after all)."""
+        row = actor.rows.get(row_id)
+        if actor.start_lease == "warm" and row is not None and row.is_free_lease and len(actor.rows) == 1:
+            self.books.end_row(actor, row_id)
+            actor.state, actor.is_hot, actor.start_lease = "warm", False, ""
+            self.books.touch_actor(actor)
+            return
+        self._finish(actor.name, row_id, "cancelled", now)
+
+    def _start_used(self, replica: str, row_id: str, is_started: bool) -> None:
+        """`replica` placed a request in its start lease `row_id` (and its actor has sent a first token)."""
+        actor = self.books.row_holder(row_id)
+        row = actor.rows[row_id] if actor is not None else None
+        if row is None or not row.is_lease or row.replica_id != replica:
+            return  # expired, or its actor failed, before this report came
+        changed = bool(actor.start_lease) or (is_started and actor.state == "starting")
+        actor.start_lease = ""
+        if is_started and actor.state == "starting":
+            actor.state = "busy"
+        if changed:
+            self.books.touch_actor(actor)
+
+    def _lease_start(self, replica: str, want: LeaseWant, now: float,
+                     ttl_s: float) -> tuple[ActorRecord, RowReservation] | None:
+        """A start lease for `want`, committed as a bind or a spawn would be: a warm actor of the model filled for
+        its lane, else a new actor on the first slot with room for it and its row (no eviction) — unless the
+        model's warm pool is short, since it refills onto such a slot, and a warm actor binds faster than a
+        spawn starts; None if neither."""
+        books = self.books
+        snapshot = books.snapshot()
+        keep_hot = snapshot.hot_count(want.model, want.lane) < want.max_hot
+        row = RowReservation(f"lease-{self._prefix}-{next(self._ids)}", 0, None, now, now + ttl_s,
+                             replica_id=replica, is_lease=True)
+        for a in books.actors.values():
+            if (a.state == "warm" and a.model == want.model and a.lane == want.lane
+                    and a.slot_id not in books.draining and books.add_row(a, row, want.row_bytes)):
+                a.state, a.is_hot, a.start_lease = "starting", keep_hot, "warm"
+                books.touch_actor(a)
+                return a, row
+        if snapshot.warm_count(want.model, want.lane) < want.num_warm:
+            return None
+        for slot in books.slots.values():
+            if (slot.slot_id in books.draining or slot.num_actors >= books.max_actors_per_slot
+                    or slot.free_bytes < want.resident_bytes + want.row_bytes):
+                continue
+            row.request_bytes = want.row_bytes
+            actor = ActorRecord(new_actor_name(want.model), want.model, slot.slot_id, want.lane, "starting", keep_hot,
+                                want.resident_bytes, now, {row.request_id: row}, start_lease="spawn")
+            books.register(actor, slot)
+            return actor, row
+        return None
 
     def _best_actors(self, want: LeaseWant) -> Iterator[ActorRecord]:
         """For each row granted in turn, the hot actor of the model and lane with the fewest rows (then the first
@@ -148,9 +240,10 @@ class LeaseBooks:
             for a in actors.values())
 
 
-def leased_row(actor: ActorRecord, row: RowReservation) -> LeasedRow:
+def leased_row(actor: ActorRecord, row: RowReservation, books: Books) -> LeasedRow:
     return LeasedRow(row.request_id, actor.name, actor.model, actor.slot_id, actor.lane, row.request_bytes,
-                     actor.resident_bytes)
+                     actor.resident_bytes, actor.start_lease, actor.is_hot, books.slots[actor.slot_id].node_id,
+                     actor.resident_fraction)
 
 
 def _record_use(row: RowReservation, use: RowUse | None, now: float) -> None:

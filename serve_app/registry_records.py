@@ -101,6 +101,7 @@ class AdoptedRow:
     busy_timeout_s: float  # from the adoption on: the registry's own clock sets the deadline
     replica_id: str = ""  # the replica handing it over
     is_lease: bool = False  # a row leased to that replica (num_tokens 0: free)
+    start: str = ""  # its start lease's kind while unused (lease.py), else ""
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,9 @@ class ActorRecord:
     rows: dict[str, RowReservation] = field(default_factory=dict)  # request id -> row, in admission order
     idle_since: float | None = None
     resident_fraction: float = 1.0  # a warm actor's share of its weights in; 0 while warming
+    # An unused start lease (registry_leases.py): "warm", a warm actor held for a replica to bind; "spawn", an
+    # actor committed for a replica to create. "" once its holder used it, and for every other actor.
+    start_lease: str = ""
 
     @property
     def reserved_bytes(self) -> int:

@@ -60,8 +60,9 @@ class Recovery:
         released = 0
         for actor in list(books.actors.values()):
             if actor.slot_id in dead_slots or actor.name not in alive:
-                if actor.slot_id not in dead_slots and now - actor.spawned_at < books.spawn_grace_s:
-                    continue
+                if actor.slot_id not in dead_slots and (now - actor.spawned_at < books.spawn_grace_s
+                                                        or actor.start_lease == "spawn"):
+                    continue  # not created yet (an unused spawn lease lasts until its lease returns)
                 ghosts.append(actor.name)
             elif any(now > r.busy_deadline for r in actor.rows.values() if not r.is_lease):
                 expired.append(actor.name)
@@ -109,7 +110,7 @@ class Recovery:
                     continue
                 state = "busy" if r.is_started else "starting"
                 books.register(ActorRecord(r.actor_name, r.model, r.slot_id, r.lane, state, r.is_hot,
-                                           r.resident_bytes, now, {r.request_id: row}), slot)
+                                           r.resident_bytes, now, {r.request_id: row}, start_lease=r.start), slot)
             elif (actor.slot_id != r.slot_id or actor.state == "starting"
                   or not books.add_row(actor, row, r.request_bytes)):
                 continue

@@ -109,7 +109,13 @@ class Rows:
         self._idle.pop(actor_name, None)
 
     def first_token(self, admitted: Admitted) -> None:
-        if admitted.tier != "hot":  # every weight is resident now: starting -> busy, and it may batch
+        if admitted.tier == "hot":
+            return
+        # Every weight is resident now: starting -> busy, and it may batch. On a start lease the registry
+        # hears it with the next lease report instead of a call.
+        if admitted.lease_row is not None:
+            self._leases.started(admitted.lease_row)
+        else:
             self._cluster.actor_started(admitted.actor_name)
 
     def completed(self, admitted: Admitted, done: Completion) -> None:

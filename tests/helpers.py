@@ -217,11 +217,13 @@ SERVE_PORT = 8780 + int(_WORKER[2:]) if _WORKER.startswith("gw") else 8766
 
 def is_settled(snap: ClusterSnapshot, alive: set[str]) -> bool:
     """Nothing running or leaked: no request holds a row (a free row leased to a replica holds none; it
-    returns once that replica's demand has gone), no actor is starting, every slot's reservation is its
-    actors' sum, and no actor is alive that the books do not know."""
+    returns once that replica's demand has gone), no actor is starting but an unused start lease's (its
+    one row free), every slot's reservation is its actors' sum, and no actor is alive that the books do
+    not know."""
     known = {a.name for a in snap.actors}
     is_idle = all(all(r.num_tokens == 0 for r in a.rows)
-                  and (a.state in ("idle", "warm", "warming") or (a.state == "busy" and a.is_hot))
+                  and (a.state in ("idle", "warm", "warming") or (a.state == "busy" and a.is_hot)
+                       or (a.state == "starting" and a.rows))
                   for a in snap.actors)
     is_reserved_by_actors = all(s.reserved_bytes == sum(a.reserved_bytes for a in snap.actors
                                                         if a.slot_id == s.slot_id) for s in snap.slots)

@@ -1,5 +1,6 @@
 """Leases: rows of hot actors held for one replica at a time — the registry's side, a replica's lease book,
-and both under random interleavings of requests, heartbeats, lost answers, silence and failures."""
+and both under random interleavings of requests, heartbeats, lost answers, silence and failures (start
+leases among them; their own cases are tests/unit/test_start_leases.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from serve_app.decisions import Dispatch, Join, Spawn
+from serve_app.decisions import Bind, Dispatch, Join, Spawn
 from serve_app.lease import LeaseConfig, LeasedRow, LeaseReport, LeaseWant, RowUse, SlowPathLease
 from serve_app.lease_book import LeaseBook
 from serve_app.policy import PolicyConfig, decide
 from serve_app.registry import SUMMARY_MAX_AGE_S, RegistryState, RowReservation, SlotSpec, is_leased_row
+from serve_app.scorer import RULE_SCORER
 from serve_app.snapshot import RequestFeatures
+from serve_app.warm_pool import WarmFill
 
 POLICY = PolicyConfig(short_max_input_tokens=64, short_max_output_tokens=64, max_hot_short_actors=4,
                       actor_overhead_bytes=0, max_actors_per_slot=1, max_batch=4)
@@ -287,27 +290,37 @@ def test_a_failed_actor_takes_every_lease_on_it_with_it():
 
 
 class LeaseMachine(RuleBasedStateMachine):
-    """Two replicas' lease books and one registry: requests placed on leases or by the slow path, rows
-    released, heartbeats (some answers lost), silence, expiry and failed actors, in any order. A row a
-    replica may use is always held for it alone, and the books always balance."""
+    """Two replicas' lease books and one registry: requests placed on leases (start leases included) or by the
+    slow path, warm actors readied, first tokens, rows released, heartbeats (some answers lost), silence,
+    expiry and failed actors, in any order. A row a replica may use is always held for it alone, an unused
+    start lease is what its holder thinks it is, and the books always balance."""
 
-    @initialize(num_hot=st.integers(1, 3), headroom=st.integers(0, 2))
-    def setup(self, num_hot, headroom):
+    @initialize(num_hot=st.integers(1, 3), num_spare=st.integers(0, 2), headroom=st.integers(0, 2))
+    def setup(self, num_hot, num_spare, headroom):
         self.reg = _registry(num_hot=num_hot, slot_bytes=RESIDENT + 4 * 300)
+        self.reg.register_slots(SlotSpec(f"spare{i}", "n", RESIDENT + 4 * 300) for i in range(num_spare))
         self.books = {r: LeaseBook(LeaseConfig(headroom_rows=headroom), r, POLICY.max_batch, heartbeat_s=1.0)
                       for r in ("A", "B")}
         self.now = 1.0
         self.num_requests = 0
+        self.num_warm = 0
+
+    @rule()
+    def warm_actor_ready(self):
+        """A warm actor fills an empty slot (the pool's), ready to bind."""
+        empty = [s for s in self.reg.books.slots.values() if s.num_actors == 0]
+        if empty:
+            self.num_warm += 1
+            name = f"warm{self.num_warm}"
+            assert self.reg.warm.try_warm(WarmFill("m", "short", empty[0].slot_id, RESIDENT), name, self.now)
+            self.reg.warm_ready(name, 0.5)
 
     @rule(replica=st.sampled_from("AB"), tokens=st.integers(1, 14))
     def request(self, replica, tokens):
         book, f = self.books[replica], _features(tokens)
         self.num_requests += 1
-        view = book.view(f, self.now)
-        d = decide(f, view, POLICY) if view is not None else None
-        if isinstance(d, (Join, Dispatch)):
-            book.take(d, f, self.now + 1, now=self.now)
-            return
+        if book.place(f, POLICY, RULE_SCORER, self.now, now=self.now) is not None:
+            return  # a row of a hot batch, or a start lease's bind or spawn: no registry call
         request_id = f"{replica}-req-{self.num_requests}"
         d = self.reg.admit(f, POLICY, f"spawn-{self.num_requests}", request_id, self.now, replica_id=replica,
                            lease=SlowPathLease(book.ttl_s, book.give_back_free("m")))
@@ -315,6 +328,8 @@ class LeaseMachine(RuleBasedStateMachine):
             book.add(LeasedRow(request_id, d.actor_name, "m", d.slot_id, d.lane, d.reserve_bytes, RESIDENT), f,
                      self.now + 1, now=self.now)
         elif not hasattr(d, "reason"):  # a spawn or bind: an ordinary row, ended by finish
+            if isinstance(d, (Bind, Spawn)):
+                book.note_start("m", d.lane, f.dispatch_bytes, RESIDENT, POLICY.max_hot("m", d.lane), 0, self.now)
             self.reg.actor_started(d.actor_name) if hasattr(d, "actor_name") else None
             self.reg.finish(getattr(d, "actor_name", f"spawn-{self.num_requests}"), request_id, "complete", self.now)
 
@@ -323,6 +338,20 @@ class LeaseMachine(RuleBasedStateMachine):
         used = sorted(self.books[replica]._used)
         if used and self.books[replica].release(used[k % len(used)]):  # contended: given back at once
             self.reg.leases.give_back(replica, used[k % len(used)], self.now)
+
+    @rule(replica=st.sampled_from("AB"), n=st.integers(2, 6))
+    def burst(self, replica, n):
+        """Requests one after another with none ending: the leased rows run out, and start leases are used."""
+        for _ in range(n):
+            self.request(replica, 10)
+
+    @rule(replica=st.sampled_from("AB"), k=st.integers(0, 8))
+    def first_token(self, replica, k):
+        """A start lease's actor, bound or spawned, sends its first token."""
+        book = self.books[replica]
+        used = sorted(r for r in book._used if r in book._rows and book._rows[r].start)
+        if used:
+            book.started(used[k % len(used)])
 
     @rule(replica=st.sampled_from("AB"), is_answer_lost=st.booleans())
     def heartbeat(self, replica, is_answer_lost):
@@ -360,6 +389,10 @@ class LeaseMachine(RuleBasedStateMachine):
                 if row.actor_name in self.reg.books.actors and row.request_id not in recalled:
                     # (a failed actor's rows fail with it; a recalled row's holder is told at its next exchange)
                     assert held.get(row.request_id) == replica, (row, held)
+            for row in book._rows.values():  # an unused start lease is, in the registry, what its holder thinks
+                actor = self.reg.books.actors.get(row.actor_name)
+                if row.start and row.row_id not in book._used and row.row_id not in book._start_uses and actor:
+                    assert (actor.state, actor.start_lease) == ("starting", row.start), (row, actor)
         self.reg.check_invariants()
 
 
