@@ -237,7 +237,11 @@ class Admission:
             self.leases.drop_actor(name)
             raise ActorLost(503, "overloaded_error", "the model's process was lost; retry") from None
         except BaseException:  # a deadline, or the client left: nothing was sent, give the row back
-            if lease is not None and lease.row_id != request_id:
+            if lease is not None and self.leases.is_unstarted_start(lease.row_id):
+                # A bind or spawn on a start lease: the actor may be starting for it, so it goes (and is killed).
+                self.cluster.finish(name, lease.row_id, "cancelled")
+                self.leases.forget(lease.row_id)
+            elif lease is not None and lease.row_id != request_id:
                 self.rows.release_lease(lease.row_id)  # ours: nobody else was told
             else:
                 self.leases.forget(request_id)  # the registry takes the row back, leased or not

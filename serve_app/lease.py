@@ -152,3 +152,7 @@ class LeaseGrant:
     # holders keep no spare rows, and give each row back the moment its request ends (one call), so no
     # request is refused while a row sits free in another replica's lease.
     contended: frozenset[str] = frozenset()
+    # Start leases the registry wants back (a hot batch of their model has a place again, the model is
+    # contended, or their node is draining). They stay booked: the holder returns each with its next report
+    # if it is still unused, and uses none of them meanwhile; one it used just before is reported as used.
+    recalled_starts: frozenset[str] = frozenset()

@@ -67,6 +67,8 @@ class LeaseBook:
         self._contended: frozenset[str] = frozenset()  # models the registry lacks rows for (LeaseGrant)
         self._starts: dict[Key, deque[_Start]] = {}  # binds and spawns made, over the demand window
         self._start_uses: dict[str, bool] = {}  # start leases used -> first token seen; reported until answered
+        self._started: set[str] = set()  # start leases whose actor sent its first token
+        self._recalled: frozenset[str] = frozenset()  # start leases the registry wants back: unused, not used
 
     @property
     def num_rows(self) -> int:
@@ -98,7 +100,7 @@ class LeaseBook:
             if row.model != features.model:  # an actor serves one model: another's rows are on other actors
                 continue
             if row.start:  # a start lease: free, a warm actor or a slot to start one on; used, not batching yet
-                if row_id not in self._used and row.row_bytes >= need:
+                if row_id not in self._used and row_id not in self._recalled and row.row_bytes >= need:
                     starts.append(row)
                 continue
             mine.setdefault(row.actor_name, []).append(row)
@@ -144,8 +146,10 @@ class LeaseBook:
         if view is None:
             return None
         decision = decide(features, view, policy, scorer)
-        if isinstance(decision, (Bind, Spawn)) and not getattr(decision, "evict", ()):
-            start = self._start_lease(decision)
+        if isinstance(decision, (Bind, Spawn)):
+            start = self._start_lease(decision, features)
+            if start is None:  # a spawn beside a hot row's actor, or another lane's lease: the registry decides
+                return None
             decision = replace(decision, keep_hot=start.keep_hot)  # the registry counted its actor so
             self._use(start, features, at + _total_s(decision), now)
             return decision, start
@@ -187,13 +191,15 @@ class LeaseBook:
         if row is None or not row.start:
             return
         self._start_uses[row_id] = True
+        self._started.add(row_id)
         if row.keep_hot:
             self._rows[row_id] = replace(row, start="")
 
     def release(self, row_id: str) -> bool:
         """The row's request ended (complete, or cancelled once its stream has ended): free again — or, while
         its model is contended, forgotten here; True then, and the caller gives it back at once. A start
-        lease's row whose actor does not stay hot, or never sent a token, goes back with the next report."""
+        lease's row whose actor does not stay hot goes back with the next report (the actor exits by itself);
+        one whose actor never sent a token is the caller's to end (`is_unstarted_start`)."""
         self._used.pop(row_id, None)
         row = self._rows.get(row_id)
         if row is not None and row.start:
@@ -213,6 +219,7 @@ class LeaseBook:
         """The registry already took the row back (an abandoned admission): not ours any more."""
         self._rows.pop(row_id, None)
         self._used.pop(row_id, None)
+        self._started.discard(row_id)
 
     def give_back_free(self, model: str) -> tuple[str, ...]:
         """The free rows of `model`, forgotten here: a slow-path admission returns them to the registry first."""
@@ -238,7 +245,8 @@ class LeaseBook:
                 samples.popleft()
             want_start = self._wants_start(key, now)
             for r in [r for r in self._rows.values() if (r.model, r.lane) == key and r.start]:
-                if want_start is None and r.row_id not in self._used:  # no recent start: back to the registry
+                is_unwanted = want_start is None or r.row_id in self._recalled
+                if is_unwanted and r.row_id not in self._used and r.row_id not in self._start_uses:  # unused
                     self.forget(r.row_id)
                     self._returned.append(r.row_id)
             held = [r for r in self._rows.values() if (r.model, r.lane) == key and not r.start]
@@ -270,6 +278,7 @@ class LeaseBook:
         for row_id, is_started in report.start_uses.items():  # answered: the registry follows them now
             if self._start_uses.get(row_id) == is_started:
                 del self._start_uses[row_id]
+        self._recalled = grant.recalled_starts
         self._rows.update((r.row_id, r) for r in grant.granted)
         self._contended = grant.contended
         self._batches = {b.actor_name: b for b in grant.batches}
@@ -280,8 +289,8 @@ class LeaseBook:
         out = []
         for r in self._rows.values():
             use = self._used.get(r.row_id)
-            is_unused = r.start and use is None and r.row_id not in self._start_uses
-            is_started = not r.start or self._start_uses.get(r.row_id, False)
+            is_started = not r.start or r.row_id in self._started
+            is_unused = r.start and use is None and r.row_id not in self._start_uses and not is_started
             out.append(AdoptedRow(r.actor_name, r.model, r.slot_id, r.lane, r.keep_hot, is_started, r.resident_bytes,
                                   r.row_id, r.row_bytes, use.num_tokens if use else 0,
                                   use.tpot_target_s if use else None, use.predicted_end if use else time.time(),
@@ -303,15 +312,25 @@ class LeaseBook:
             return None
         return starts[-1]
 
-    def _start_lease(self, decision: Bind | Spawn) -> LeasedRow:
-        """The free start lease a Bind or Spawn decided on the leased view names: its warm actor, or its slot."""
+    def _start_lease(self, decision: Bind | Spawn, features: RequestFeatures) -> LeasedRow | None:
+        """The free start lease a Bind or Spawn decided on the leased view names — its warm actor, or its slot
+        — if its lane is the decision's (a warm actor bound for the other lane would change lanes unseen by
+        the registry) and its row fits; None otherwise (a spawn with evictions, or beside a hot row's actor)."""
+        if getattr(decision, "evict", ()):
+            return None
         for r in self._rows.values():
-            if r.row_id in self._used:
+            if (r.row_id in self._used or r.row_id in self._recalled or r.lane != decision.lane
+                    or r.row_bytes < features.dispatch_bytes):
                 continue
             if (r.start == "warm" and isinstance(decision, Bind) and r.actor_name == decision.actor_name) or (
                     r.start == "spawn" and isinstance(decision, Spawn) and r.slot_id == decision.slot_id):
                 return r
-        raise ValueError(f"no free start lease for {decision}")
+        return None
+
+    def is_unstarted_start(self, row_id: str) -> bool:
+        """A start lease used by a request whose actor has not sent a token: still loading for it."""
+        row = self._rows.get(row_id)
+        return row is not None and bool(row.start) and row_id not in self._started
 
     def _use(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None) -> None:
         if row.start:

@@ -75,9 +75,10 @@ class LeaseBooks:
             self.recalled[replica] = still_known
         contended = frozenset(m for m, t in self._refused_at.items() if now - t < ttl_s)
         granted: list[LeasedRow] = []
+        recalled: set[str] = set()
         for want in report.wanted:
-            have = sum(1 for a, _ in held.values()
-                       if a.model == want.model and a.lane == want.lane and not a.start_lease)
+            have = sum(1 for a, _ in held.values()  # rows of hot batches (a used start lease's, once hot)
+                       if a.model == want.model and a.lane == want.lane and a.is_hot and not a.start_lease)
             actors = self._best_actors(want)
             for _ in range(want.num_rows - have):
                 actor = next(actors, None)
@@ -88,22 +89,23 @@ class LeaseBooks:
                 self.books.add_row(actor, row, want.row_bytes)
                 held[row.request_id] = (actor, row)
                 granted.append(leased_row(actor, row, self.books))
-            granted += self._grant_starts(replica, want, held, want.model in contended, now, ttl_s)
-        return LeaseGrant(tuple(granted), frozenset(held), self._batches(replica, held), contended=contended)
+            granted += self._grant_starts(replica, want, held, want.model in contended, recalled, now, ttl_s)
+        # A start lease no longer wanted at all (its key left the report) is returned by its holder unasked.
+        recalled |= {r for r, (a, _) in held.items() if a.start_lease and a.slot_id in self.books.draining}
+        return LeaseGrant(tuple(granted), frozenset(held), self._batches(replica, held), contended=contended,
+                          recalled_starts=frozenset(recalled))
 
     def _grant_starts(self, replica: str, want: LeaseWant, held: dict[str, tuple[ActorRecord, RowReservation]],
-                      is_contended: bool, now: float, ttl_s: float) -> list[LeasedRow]:
+                      is_contended: bool, recalled: set[str], now: float, ttl_s: float) -> list[LeasedRow]:
         """Start leases up to `want.num_starts`, only while every hot batch of the model and lane is full (its
         places leased or running): a request that could join one must not start a process instead. Held
-        ones that are free go back when a place frees, or while the model is contended (they would sit idle
-        while the registry refuses others)."""
+        ones are recalled when a place frees, or while the model is contended (they would sit idle while the
+        registry refuses others) — never ended here: the holder may have used one since it sent its report,
+        so only the holder returns them (`LeaseGrant.recalled_starts`)."""
         starts = [(a, r) for a, r in held.values() if a.start_lease and a.model == want.model and a.lane == want.lane]
         has_place = next(self._best_actors(want), None) is not None
         if has_place or is_contended:
-            for actor, row in starts:
-                if row.is_free_lease:
-                    self._end(actor, row.request_id, now)
-                    del held[row.request_id]
+            recalled.update(r.request_id for _, r in starts)
             return []
         granted = []
         for _ in range(want.num_starts - len(starts)):
@@ -147,7 +149,8 @@ class LeaseBooks:
 
     def take_back_free(self, is_leaving: Callable[[ActorRecord], bool], now: float) -> int:
         """Free leased rows on the actors `is_leaving` names (their node is being drained) return; how many."""
-        leaving = [(a, r.request_id) for a, r in self.books.leased_rows() if r.is_free_lease and is_leaving(a)]
+        leaving = [(a, r.request_id) for a, r in self.books.leased_rows()
+                   if r.is_free_lease and is_leaving(a) and not a.start_lease]  # those its holder returns
         for actor, row_id in leaving:
             self._end(actor, row_id, now)
         return len(leaving)

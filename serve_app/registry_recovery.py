@@ -7,7 +7,8 @@ actors and the nodes Ray lists as alive (a dead node's slots are removed, and it
 forgotten as ghosts at once; a draining node's slots leave admission, its idle actors retire,
 and its running rows run on, booked, until they end or the node goes):
   - ghosts: registered, not alive, and spawned more than `spawn_grace_s` ago (an actor
-    is committed here before it is created, so a young one may not be listed yet) —
+    is committed here before it is created, so a young one may not be listed yet; an unused
+    spawn lease's actor is not created until its holder uses it, and waits for its lease) —
     forgotten with their reservations (the actor died, or its replica crashed before
     creating it);
   - expired: an actor with a row past its `busy_deadline` — the replica that ran the

@@ -202,6 +202,9 @@ class Rows:
                 self._leases.drop_actor(admitted.actor_name)
             elif admitted.is_turned_away:  # recalled by the registry, or a batch fuller than we knew
                 self._leases.forget(admitted.lease_row)
+            elif self._leases.is_unstarted_start(admitted.lease_row):  # bound or spawned, never started: it goes,
+                self._cluster.finish(admitted.actor_name, admitted.lease_row, outcome)  # as a cold row's actor does
+                self._leases.forget(admitted.lease_row)
             else:
                 self.release_lease(admitted.lease_row)
         else:

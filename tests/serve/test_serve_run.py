@@ -64,6 +64,7 @@ def test_serve_run_then_one_request(tmp_path):
             "model": MODEL, "max_tokens": 16, "temperature": 0.0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert r.status_code == 200 and "Paris" in r.json()["content"][0]["text"], r.text
+        _a_client_that_leaves_the_direct_port_frees_its_row()
         # Ctrl-C, as a user stops it: Serve and the Ray it started shut down, and `serve run` exits.
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -74,6 +75,24 @@ def test_serve_run_then_one_request(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _a_client_that_leaves_the_direct_port_frees_its_row() -> None:
+    """On the replica's own port, as through the proxy: `/health` answers, and a client that leaves a stream
+    mid-answer frees its row at once. The answer would run far longer than the wait: `ignore_eos` holds it
+    to its 1,500 tokens, minutes of SmolLM2 on one thread."""
+    assert httpx.get(f"{DIRECT}/health", timeout=10).status_code == 200
+    body = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": "Count from one to a thousand."}]}
+    with httpx.stream("POST", f"{DIRECT}/v1/chat/completions", json=body, timeout=120) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if '"content"' in line:
+                break  # the first text: the client leaves mid-answer
+    deadline = time.monotonic() + 30
+    while (rows := httpx.get(f"{DIRECT}/health", timeout=10).json()["rows"]) != 0:
+        assert time.monotonic() < deadline, f"{rows} rows still running 30 s after the client left"
+        time.sleep(0.5)
 
 
 def _first_answer() -> httpx.Response:

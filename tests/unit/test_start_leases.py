@@ -210,6 +210,70 @@ def test_no_start_lease_while_a_hot_batch_has_a_place_and_a_free_one_goes_back_w
     _start_wanted(book, now=0.5)
     assert [r.start for r in _exchange(reg, book, now=0.5).granted] == ["warm"]
     assert reg.finish("hot0", "other-0", "complete", 0.6) is False  # a place frees on hot0
-    _exchange(reg, book, now=1.0)
+    assert _exchange(reg, book, now=1.0).recalled_starts  # asked back: the holder may have used it meanwhile
+    _exchange(reg, book, now=1.5)  # unused: returned
     assert not _start_leases(book) and reg.books.actors["warm0"].state == "warm"
+    reg.check_invariants()
+
+
+def test_a_start_lease_the_registry_wants_back_is_recalled_not_ended_and_a_use_just_before_is_kept():
+    """The registry never ends a start lease its holder still knows: the holder may have used it since it sent
+    its report. It asks for it back; an unused one comes back with the next report, a used one is followed."""
+    reg = _with_warm(_full(_registry(num_hot=1)))
+    a, b = _book("A"), _book("B")
+    for book in (a, b):
+        _start_wanted(book)
+    (lease,) = _exchange(reg, a, now=0.0).granted
+    report = a.report(0.5)  # sent while the lease is free...
+    decision, row = a.place(_features(), POLICY, RULE_SCORER, at=0.6, now=0.6)  # ...and used before it arrives
+    assert isinstance(decision, Bind) and row.row_id == lease.row_id
+    reg.finish("hot0", "other-0", "complete", 0.7)  # a place frees on hot0: start leases are not wanted now
+    grant = reg.exchange_leases(report, 0.8)
+    assert lease.row_id in grant.recalled_starts and lease.row_id in grant.held
+    a.apply(report, grant, sent_at=0.5)
+    warm = reg.books.actors["warm0"]
+    assert (warm.state, len(warm.rows)) == ("starting", 1)  # still booked for A: nobody else binds it
+    d = reg.admit(_features(), POLICY, "b-spawn", "b-0", 0.9, replica_id="B", lease=SlowPathLease(5.0))
+    assert getattr(d, "actor_name", None) != "warm0"
+    _exchange(reg, a, now=1.0)  # A reports the use: the registry follows the bind
+    assert warm.start_lease == "" and len(warm.rows) == 1 and a.num_rows >= 1
+    reg.check_invariants()
+
+
+def test_a_recalled_unused_start_lease_is_not_used_and_comes_back_with_the_next_report():
+    reg = _with_warm(_full(_registry(num_hot=1)))
+    book = _book()
+    _start_wanted(book)
+    _exchange(reg, book, now=0.0)
+    reg.finish("hot0", "other-0", "complete", 0.1)
+    assert _exchange(reg, book, now=0.5).recalled_starts
+    placed = book.place(_features(), POLICY, RULE_SCORER, at=0.6, now=0.6)
+    assert placed is None or not isinstance(placed[0], Bind)  # the warm lease is off the view
+    report = book.report(1.0)
+    assert report.returned and not _start_leases(book)
+    reg.exchange_leases(report, 1.0)
+    assert reg.books.actors["warm0"].state == "warm"
+    reg.check_invariants()
+
+
+def test_a_request_of_the_other_lane_does_not_take_a_start_lease():
+    reg = _with_warm(_full(_registry(num_hot=1)))
+    book = _book()
+    book.note_start("m", "short", 2000, RESIDENT, 4, 0, now=0.0)  # rows large enough for a long request
+    _exchange(reg, book, now=0.0)
+    long_request = _features(tokens=70)  # past the short lane's 64 tokens
+    assert POLICY.lane(long_request.input_tokens, long_request.max_tokens) == "long"
+    assert book.place(long_request, POLICY, RULE_SCORER, at=0.5, now=0.5) is None  # the registry decides it
+
+
+def test_a_start_lease_used_but_not_started_is_the_callers_to_end_and_the_registry_kills_its_actor():
+    reg = _with_warm(_full(_registry(num_hot=1)))
+    book = _book()
+    _start_wanted(book)
+    _exchange(reg, book, now=0.0)
+    _, row = book.place(_features(), POLICY, RULE_SCORER, at=0.5, now=0.5)
+    assert book.is_unstarted_start(row.row_id)  # cancelled now, rows.py ends it with cluster.finish
+    assert reg.finish("warm0", row.row_id, "cancelled", 0.6) is True and "warm0" not in reg.books.actors
+    book.started(row.row_id)
+    assert not book.is_unstarted_start(row.row_id)
     reg.check_invariants()
