@@ -93,6 +93,8 @@ class RayCluster:
         self._link.close()  # before detaching: a registry gone with the app is not re-created
         try:
             self._warm.stop()  # before detaching: the last replica's detach kills every actor alive then
+            if self._slots is not None:
+                await asyncio.to_thread(self._slots.stop)  # likewise: no telemetry agent created after it
             self._placer.close()
         finally:
             try:

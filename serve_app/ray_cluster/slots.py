@@ -154,6 +154,10 @@ class SlotRefresher:
         self._node_ids: frozenset[str] = frozenset()  # the admissible nodes the slots were discovered on
         self._agents: dict[str, Any] = {}
         self._pending_stats: dict[str, tuple[float, float]] | None = None
+        # Held while agents are created; once `stop` has taken it, none is: the last replica's detach kills
+        # every actor alive then, and an agent a round created after it would outlive the app.
+        self._agents_lock = threading.Lock()
+        self._is_stopped = False
         self._link.heartbeat(self._hand_over)  # a registry that cannot be reached fails the replica's start
 
     def register(self) -> None:
@@ -177,7 +181,15 @@ class SlotRefresher:
 
     def _ensure_agents(self) -> None:
         # Idempotent: agents already running are returned as they are; new nodes get one.
-        self._agents = ensure_agents(self._telemetry, namespace=self._actor.namespace)
+        with self._agents_lock:
+            if not self._is_stopped:
+                self._agents = ensure_agents(self._telemetry, namespace=self._actor.namespace)
+
+    def stop(self) -> None:
+        """No agent is created once this returns (a round creating one is waited for); the link is closed."""
+        self._link.close()
+        with self._agents_lock:
+            self._is_stopped = True
 
     def _hand_over(self) -> None:
         # The slots and the running rows first: the new registry kills unknown actors after its grace.
