@@ -27,14 +27,19 @@ model predictions are malformed:
     warm: tpot = step_s(1, request tokens);  ttft = (1 - resident_fraction) * weight_bytes / load_bytes_per_s
                                                    + prefill_s  (the process is up; the rest streams in)
     cold: tpot = step_s(1, request tokens);  ttft = actor_start_s + weight_bytes / load_bytes_per_s + prefill_s
+    A start on a busy node is slower: with `node_cpus` set, the cold start (and a warm actor's
+    remaining load) is scaled by max(1, (others + 1) / node_cpus), `others` being the node's
+    actors computing or starting besides it — the start's share of the host's cores
+    (benchmarks/results/busy_start.md: 2 cores, no slower beside one busy actor, 1.63x beside two).
     total_s = ttft + max_tokens * tpot
     (every ttft also counts `overhead_s`: arrival at the ingress to the actor's first step — parsing,
     the decision, the hops — measured per deployment; 0 by default)
 
 A decode step reads every weight once for the whole batch, so a row more costs a little
 compute (`batch_row_cost`) and its KV reads, not another pass over the weights. The
-constants are placeholders of the right order for a small model, not measurements. The
-rule does not look at the slot, so every cold candidate gets the same prediction and
+constants are placeholders of the right order for a small model, not measurements. Beyond
+its node's busy actors (`node_cpus`), the rule does not look at the slot, so every cold
+candidate on an idle node gets the same prediction and
 every hot one is faster than any join, and any join than any cold one; with ties kept in
 candidate order, `decide` reduces to "the first idle hot actor, else the batch with the
 fewest rows and KV positions, else the first slot that fits" (first fit). A warm actor
@@ -43,6 +48,7 @@ is faster than a cold one, and faster than a join when most of its weights are i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -99,8 +105,15 @@ class RuleScorer:
     batch_row_cost: float = StepCost.batch_row_cost  # a step's growth per extra row, a share of a one-row step
     kv_read_bytes_per_s: float = StepCost.kv_read_bytes_per_s
     overhead_s: float = 0.0  # the control plane's part of every TTFT (module docstring)
+    # The cores of a slot's node, which a start shares with the actors busy there (module docstring); 0: a
+    # start is predicted as on an idle node; -1: this machine's cores (one node, as `make serve` runs).
+    node_cpus: int = 0
 
     def __post_init__(self) -> None:
+        if self.node_cpus < -1:
+            raise ValueError(f"RuleScorer.node_cpus must be >= -1, got {self.node_cpus}")
+        if self.node_cpus == -1:
+            object.__setattr__(self, "node_cpus", os.cpu_count() or 1)
         for name in ("prefill_tokens_per_s", "load_bytes_per_s", "kv_read_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RuleScorer.{name} must be > 0, got {getattr(self, name)}")
@@ -126,11 +139,19 @@ class RuleScorer:
         """A fresh actor's start to its weights resident: its process, then every byte loaded."""
         return self.actor_start_s + weight_bytes / self.load_bytes_per_s
 
+    def contention(self, candidate: Candidate) -> float:
+        """How many times longer a start (or a warm actor's remaining load) takes on the candidate's node now."""
+        if not self.node_cpus:
+            return 1.0
+        # A warming actor bound as a fresh one counts among its node's busy actors itself.
+        others = candidate.node_num_busy - (candidate.kind == "cold" and candidate.actor_name is not None)
+        return max(1.0, (max(0, others) + 1) / self.node_cpus)
+
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
         prefill_s = self.overhead_s + self._cost.prefill_s(features.input_tokens)
         own_tokens, per_token = features.input_tokens + features.max_tokens, features.kv_bytes_per_token
         alone = self.step_s(1, own_tokens, per_token)
-        cold_ttft_s = self.start_s(features.weight_bytes) + prefill_s
+        start_s = self.start_s(features.weight_bytes)
         out = []
         for c in candidates:
             if c.kind == "join":
@@ -140,9 +161,11 @@ class RuleScorer:
                                                             per_token))
             elif c.kind == "warm":
                 to_load = max(0.0, 1.0 - c.resident_fraction) * features.weight_bytes
-                tpot, ttft = alone, to_load / self.load_bytes_per_s + prefill_s
+                tpot, ttft = alone, self.contention(c) * to_load / self.load_bytes_per_s + prefill_s
+            elif c.kind == "hot":
+                tpot, ttft = alone, prefill_s
             else:
-                tpot, ttft = alone, prefill_s if c.kind == "hot" else cold_ttft_s
+                tpot, ttft = alone, self.contention(c) * start_s + prefill_s
             out.append(Prediction(ttft, ttft + features.max_tokens * tpot, tpot))
         return out
 

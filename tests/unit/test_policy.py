@@ -328,6 +328,44 @@ def test_the_rule_scorer_predicts_by_its_documented_formula():
         assert g.tpot_s == pytest.approx(w.tpot_s)
 
 
+def test_a_start_on_a_busy_node_is_predicted_by_its_share_of_the_nodes_cores():
+    f = _features(input_tokens=40, max_tokens=10, weight_bytes=2_000_000_000)
+    constants = {"prefill_tokens_per_s": 1000, "decode_s_per_token": 0.1, "load_bytes_per_s": 1e9,
+                 "actor_start_s": 2}
+    rule, idle = RuleScorer(**constants, node_cpus=2), RuleScorer(**constants)
+    start_s = 2 + 2.0  # the process, then 2 GB at 1 GB/s
+
+    def cold(busy, actor=None):
+        return Candidate("cold", "a", actor, 1, 0 if actor is None else 1, 0, 0, node_num_busy=busy)
+
+    base = idle.predict(f, [cold(3)])[0].ttft_s  # node_cpus 0: every start as on an idle node
+    got = [p.ttft_s for p in rule.predict(f, [cold(0), cold(1), cold(2), cold(3)])]
+    assert got[0] == pytest.approx(base) and got[1] == pytest.approx(base)  # one busy actor: a core is free
+    assert got[2] - base == pytest.approx(0.5 * start_s)  # three processes on two cores: 1.5x
+    assert got[3] - base == pytest.approx(1.0 * start_s)
+    # A warming actor bound as a fresh one is among its node's busy actors itself.
+    assert rule.predict(f, [cold(2, actor="warming")])[0].ttft_s == pytest.approx(base)
+    # A warm actor's remaining load (half the weights: 1 s idle) takes twice as long beside three busy actors.
+    w0, w3 = (p.ttft_s for p in rule.predict(f, [
+        Candidate("warm", "a", "w", 1, 1, 0, 0, node_num_busy=busy, resident_fraction=0.5) for busy in (0, 3)]))
+    assert w3 - w0 == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        RuleScorer(node_cpus=-2)
+
+
+def test_under_a_ttft_target_a_spawn_on_a_saturated_node_is_refused_where_an_idle_node_takes_it():
+    rule = RuleScorer(prefill_tokens_per_s=1e6, decode_s_per_token=0.0, load_bytes_per_s=1e12, actor_start_s=0.8,
+                      node_cpus=2)
+    f = _features(ttft_target_s=1.0)
+    idle = _snap([_slot("a")])
+    assert isinstance(decide(f, idle, POLICY, rule), Spawn)  # 0.8 s to a first token: within 1 s
+    # Two actors of another model compute on the node's two cores: the start takes 1.5x, 1.2 s.
+    busy = _snap([_slot("a"), _busy_slot("b"), _busy_slot("c")],
+                 [_actor("x", "b", state="busy", model="other"), _actor("y", "c", state="busy", model="other")])
+    d = decide(f, busy, POLICY, rule)
+    assert isinstance(d, Reject) and d.reason == "latency_target", d
+
+
 def test_a_join_into_a_batch_near_its_tpot_target_is_predicted_to_take_its_prompt_a_chunk_a_step():
     f = _features(input_tokens=101, max_tokens=10, kv_bytes_per_token=0)
     rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, overhead_s=0.0)
