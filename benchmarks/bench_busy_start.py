@@ -1,5 +1,5 @@
 """A request actor's start on a busy node: how much longer a fresh process takes to its first token while
-other actors compute on the same cores (the rule's `busy_start_factor`, serve_app/scorer.py).
+other actors compute on the same cores, against the rule's share of the cores (`node_cpus`, serve_app/scorer.py).
 
 Each measured start is a fresh process doing what a cold actor does before its first token — import torch and
 the runtime, load the served model's `.zqs`, run a 32-token prompt and sample one token — at the actors'
@@ -97,7 +97,7 @@ def measure(model: str, num_busy: int, repeats: int) -> list[dict]:
 def report(runs: dict[int, list[dict]], command: str, took_s: float, load: tuple[float, float]) -> str:
     med = {k: {f: statistics.median(r[f] for r in rs) for f in rs[0]} for k, rs in runs.items()}
     base = med[0]["first_token_s"]
-    factors = [(med[k]["first_token_s"] / base - 1) / k for k in med if k > 0]
+    cores = os.cpu_count() or 1
     lines = [
         "# A request actor's start on a busy node",
         "",
@@ -112,14 +112,14 @@ def report(runs: dict[int, list[dict]], command: str, took_s: float, load: tuple
         "N busy processes at the same nice each step 4 rows of the same model back to back (a hot actor). "
         f"Medians of {len(runs[0])} starts; seconds from the spawn.",
         "",
-        "| busy processes | imports (s) | load (s) | prompt (s) | first token (s) | ÷ idle |",
-        "|--:|--:|--:|--:|--:|--:|",
+        "| busy processes | imports (s) | load (s) | prompt (s) | first token (s) | ÷ idle | the rule's share |",
+        "|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for k, m in med.items():
         lines.append(f"| {k} | {m['import_s']:.2f} | {m['load_s']:.2f} | {m['prefill_s']:.2f} | "
-                     f"{m['first_token_s']:.2f} | {m['first_token_s'] / base:.2f} |")
-    lines += ["", f"Growth per busy process: {', '.join(f'{f:.2f}' for f in factors)}; the rule's "
-              f"`busy_start_factor` takes their median, **{statistics.median(factors):.2f}**."]
+                     f"{m['first_token_s']:.2f} | {m['first_token_s'] / base:.2f} | {max(1.0, (k + 1) / cores):.2f} |")
+    lines += ["", f"The rule's share: max(1, (busy + 1) / node_cpus) with node_cpus = {cores}, this machine's cores: "
+              "a start beside fewer busy actors than cores has one to itself, and beside more it gets its share."]
     return "\n".join(lines) + "\n"
 
 

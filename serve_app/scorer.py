@@ -30,7 +30,8 @@ model predictions are malformed:
     A start on a busy node is slower: with `node_cpus` set, the cold start (and a warm actor's
     remaining load) is scaled by max(1, (others + 1) / node_cpus), `others` being the node's
     actors computing or starting besides it — the start's share of the host's cores
-    (benchmarks/results/busy_start.md: 2 cores, no slower beside one busy actor, 1.63x beside two).
+    (benchmarks/results/busy_start.md: on 2 cores, no slower beside one busy actor, 1.84x beside two,
+    where the share says 1.5x: memory and caches are shared too, so this is a lower bound).
     total_s = ttft + max_tokens * tpot
     (every ttft also counts `overhead_s`: arrival at the ingress to the actor's first step — parsing,
     the decision, the hops — measured per deployment; 0 by default)
