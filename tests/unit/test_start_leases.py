@@ -48,6 +48,14 @@ def _start_wanted(book: LeaseBook, now: float = 0.0) -> None:
     book.note_start("m", "short", ROW, RESIDENT, POLICY.max_hot("m", "short"), 0, now)
 
 
+def _warm_leased() -> tuple[RegistryState, LeaseBook]:
+    """hot0 full, warm0 ready, and replica A holding it on a start lease (it had just started an actor)."""
+    reg, book = _with_warm(_full(_registry(num_hot=1))), _book()
+    _start_wanted(book)
+    _exchange(reg, book, now=0.0)
+    return reg, book
+
+
 def _start_leases(book: LeaseBook):
     return [r for r in book._rows.values() if r.start]
 
@@ -171,10 +179,7 @@ def test_another_replicas_slow_path_neither_binds_nor_evicts_a_leased_warm_actor
 
 
 def test_a_restarted_registry_adopts_an_unused_warm_lease_and_its_return_leaves_the_actor_warm():
-    reg = _with_warm(_full(_registry(num_hot=1)))
-    book = _book()
-    _start_wanted(book)
-    _exchange(reg, book, now=0.0)
+    reg, book = _warm_leased()
     rows = book.handed_over()
     fresh = _with_warm(_full(_registry(num_hot=1)), name="other")  # a new incarnation: slot s1 known, warm0 not
     fresh.remove("other")
@@ -241,10 +246,7 @@ def test_a_start_lease_the_registry_wants_back_is_recalled_not_ended_and_a_use_j
 
 
 def test_a_recalled_unused_start_lease_is_not_used_and_comes_back_with_the_next_report():
-    reg = _with_warm(_full(_registry(num_hot=1)))
-    book = _book()
-    _start_wanted(book)
-    _exchange(reg, book, now=0.0)
+    reg, book = _warm_leased()
     reg.finish("hot0", "other-0", "complete", 0.1)
     assert _exchange(reg, book, now=0.5).recalled_starts
     placed = book.place(_features(), POLICY, RULE_SCORER, at=0.6, now=0.6)
@@ -267,10 +269,7 @@ def test_a_request_of_the_other_lane_does_not_take_a_start_lease():
 
 
 def test_a_start_lease_used_but_not_started_is_the_callers_to_end_and_the_registry_kills_its_actor():
-    reg = _with_warm(_full(_registry(num_hot=1)))
-    book = _book()
-    _start_wanted(book)
-    _exchange(reg, book, now=0.0)
+    reg, book = _warm_leased()
     _, row = book.place(_features(), POLICY, RULE_SCORER, at=0.5, now=0.5)
     assert book.is_unstarted_start(row.row_id)  # cancelled now, rows.py ends it with cluster.finish
     assert reg.finish("warm0", row.row_id, "cancelled", 0.6) is True and "warm0" not in reg.books.actors
