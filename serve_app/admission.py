@@ -61,7 +61,8 @@ class Admission:
                  metrics: IngressMetrics, replica_id: str, scorer: Scorer) -> None:
         self.config, self.models, self.cluster, self.metrics = config, models, cluster, metrics
         self.scorer = scorer
-        self.leases = LeaseBook(config.leases, replica_id, config.policy.max_batch, config.registry_heartbeat_s)
+        self.leases = LeaseBook(config.leases, replica_id, config.policy.max_batch, config.registry_heartbeat_s,
+                                config.rule_scorer.node_cpus)
         self.rows = Rows(cluster, self.leases, metrics, config.policy, replica_id,
                          drain_timeout_s=config.token_timeout_s,
                          traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None)

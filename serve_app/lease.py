@@ -114,6 +114,7 @@ class LeaseWant:
     resident_bytes: int = 0  # a new actor's weights and process, for a spawn lease
     max_hot: int = 0  # the policy's hot actors for the model and lane: a start lease's actor stays hot below it
     num_warm: int = 0  # the policy's warm pool for them: no spawn lease takes a slot while the pool is short
+    node_cpus: int = 0  # the rule's (scorer.py): no start lease on a node whose busy actors would slow the start
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,11 @@ class _Start:
 
 
 class LeaseBook:
-    def __init__(self, config: LeaseConfig, replica_id: str, max_batch: int, heartbeat_s: float) -> None:
+    def __init__(self, config: LeaseConfig, replica_id: str, max_batch: int, heartbeat_s: float,
+                 node_cpus: int = 0) -> None:
+        """`node_cpus`: the rule's (scorer.py), sent with start wants: no start lease on a node too busy."""
         self.config, self.replica_id, self._max_batch = config, replica_id, max_batch
+        self._node_cpus = node_cpus
         self.ttl_s = config.ttl_heartbeats * heartbeat_s
         self._usable_s = self.ttl_s - heartbeat_s  # a margin of one heartbeat for the exchange's own time
         self._rows: dict[str, LeasedRow] = {}  # every row held, by id
@@ -87,9 +90,10 @@ class LeaseBook:
 
     # ---- deciding ------------------------------------------------------------------------
 
-    def view(self, features: RequestFeatures, now: float | None = None) -> ClusterSnapshot | None:
-        """The leased actors of the model with a free row that fits the request, as `decide()` reads
-        them; None if there is none (or the leases are not valid now): the request takes the slow path."""
+    def view(self, features: RequestFeatures, now: float | None = None, lane: str | None = None) -> ClusterSnapshot | None:
+        """The leased actors of the model with a free row that fits the request, and its free start leases
+        (of `lane`, where given), as `decide()` reads them; None if there is none (or the leases are not
+        valid now): the request takes the slow path."""
         if not self.is_valid(now):
             return None
         need = features.dispatch_bytes
@@ -100,7 +104,8 @@ class LeaseBook:
             if row.model != features.model:  # an actor serves one model: another's rows are on other actors
                 continue
             if row.start:  # a start lease: free, a warm actor or a slot to start one on; used, not batching yet
-                if row_id not in self._used and row_id not in self._recalled and row.row_bytes >= need:
+                if (row_id not in self._used and row_id not in self._recalled and row.row_bytes >= need
+                        and (lane is None or row.lane == lane)):
                     starts.append(row)
                 continue
             mine.setdefault(row.actor_name, []).append(row)
@@ -142,7 +147,7 @@ class LeaseBook:
         """A join or dispatch on a row this replica leases, decided by the same `decide()` on the leased view
         alone, and the row taken; None when the leases cannot place the request (the slow path decides).
         `at`: the clock the row's predicted end is on (epoch seconds here, simulated ones in the simulator)."""
-        view = self.view(features, now)
+        view = self.view(features, now, policy.lane(features.input_tokens, features.max_tokens))
         if view is None:
             return None
         decision = decide(features, view, policy, scorer)
@@ -261,7 +266,8 @@ class LeaseBook:
             row_bytes = max([s.row_bytes for s in samples] + [r.row_bytes for r in held], default=0)
             if want_start is not None:
                 wanted.append(LeaseWant(key[0], key[1], target, max(row_bytes, want_start.row_bytes), 1,
-                                        want_start.resident_bytes, want_start.max_hot, want_start.num_warm))
+                                        want_start.resident_bytes, want_start.max_hot, want_start.num_warm,
+                                        self._node_cpus))
             elif target and row_bytes:
                 wanted.append(LeaseWant(key[0], key[1], target, row_bytes))
             if not samples:

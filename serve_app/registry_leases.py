@@ -52,7 +52,7 @@ class LeaseBooks:
     def exchange(self, report: LeaseReport, now: float) -> LeaseGrant:
         replica, ttl_s = report.replica_id, report.ttl_s
         for row_id, is_started in report.start_uses.items():  # before the returns: a used lease is a bind or spawn
-            self._start_used(replica, row_id, is_started)
+            self._start_used(replica, row_id, is_started, now)
         for row_id in report.returned:
             self.give_back(replica, row_id, now)
         held = self.books.leased_to(replica)
@@ -77,8 +77,8 @@ class LeaseBooks:
         granted: list[LeasedRow] = []
         recalled: set[str] = set()
         for want in report.wanted:
-            have = sum(1 for a, _ in held.values()  # rows of hot batches (a used start lease's, once hot)
-                       if a.model == want.model and a.lane == want.lane and a.is_hot and not a.start_lease)
+            have = sum(1 for a, _ in held.values()  # rows of hot batches (a used start lease's, once started)
+                       if a.model == want.model and a.lane == want.lane and a.is_hot and a.state in ("busy", "idle"))
             actors = self._best_actors(want)
             for _ in range(want.num_rows - have):
                 actor = next(actors, None)
@@ -107,6 +107,8 @@ class LeaseBooks:
         if has_place or is_contended:
             recalled.update(r.request_id for _, r in starts)
             return []
+        # One on a node now too busy for a start at full speed goes back (the registry's own decisions price it).
+        recalled.update(r.request_id for a, r in starts if self._is_busy_node(a.slot_id, want))
         granted = []
         for _ in range(want.num_starts - len(starts)):
             start = self._lease_start(replica, want, now, ttl_s)
@@ -115,6 +117,12 @@ class LeaseBooks:
             held[start[1].request_id] = start
             granted.append(leased_row(*start, self.books))
         return granted
+
+    def _is_busy_node(self, slot_id: str, want: LeaseWant) -> bool:
+        """A start on this slot's node would run at less than a core's speed (rule_scorer.node_cpus): a start
+        lease is no place to decide it, since the replica's leased view does not see its node's actors."""
+        node = self.books.slots[slot_id].node_id
+        return bool(want.node_cpus) and self.books.snapshot().num_busy_on_node(node) + 1 > want.node_cpus
 
     def refused(self, model: str, now: float) -> None:
         """The registry refused a request of `model` for want of capacity: its holders hear it's contended."""
@@ -174,13 +182,15 @@ class LeaseBooks:
             return
         self._finish(actor.name, row_id, "cancelled", now)
 
-    def _start_used(self, replica: str, row_id: str, is_started: bool) -> None:
+    def _start_used(self, replica: str, row_id: str, is_started: bool, now: float) -> None:
         """`replica` placed a request in its start lease `row_id` (and its actor has sent a first token)."""
         actor = self.books.row_holder(row_id)
         row = actor.rows[row_id] if actor is not None else None
         if row is None or not row.is_lease or row.replica_id != replica:
             return  # expired, or its actor failed, before this report came
         changed = bool(actor.start_lease) or (is_started and actor.state == "starting")
+        if actor.start_lease == "spawn":  # created about now: reconcile's grace for a young actor runs from here
+            actor.spawned_at = now
         actor.start_lease = ""
         if is_started and actor.state == "starting":
             actor.state = "busy"
@@ -200,7 +210,8 @@ class LeaseBooks:
                              replica_id=replica, is_lease=True)
         for a in books.actors.values():
             if (a.state == "warm" and a.model == want.model and a.lane == want.lane
-                    and a.slot_id not in books.draining and books.add_row(a, row, want.row_bytes)):
+                    and a.slot_id not in books.draining and not self._is_busy_node(a.slot_id, want)
+                    and books.add_row(a, row, want.row_bytes)):
                 a.state, a.is_hot, a.start_lease = "starting", keep_hot, "warm"
                 books.touch_actor(a)
                 return a, row
@@ -208,7 +219,7 @@ class LeaseBooks:
             return None
         for slot in books.slots.values():
             if (slot.slot_id in books.draining or slot.num_actors >= books.max_actors_per_slot
-                    or slot.free_bytes < want.resident_bytes + want.row_bytes):
+                    or slot.free_bytes < want.resident_bytes + want.row_bytes or self._is_busy_node(slot.slot_id, want)):
                 continue
             row.request_bytes = want.row_bytes
             actor = ActorRecord(new_actor_name(want.model), want.model, slot.slot_id, want.lane, "starting", keep_hot,

@@ -138,4 +138,5 @@ class ActorRecord:
 
     def view(self) -> ActorView:
         return ActorView(self.name, self.model, self.slot_id, self.state, self.lane, self.is_hot,
-                         self.resident_bytes, tuple(r.view() for r in self.rows.values()), self.resident_fraction)
+                         self.resident_bytes, tuple(r.view() for r in self.rows.values()), self.resident_fraction,
+                         bool(self.start_lease))

@@ -113,8 +113,9 @@ class RuleScorer:
     def __post_init__(self) -> None:
         if self.node_cpus < -1:
             raise ValueError(f"RuleScorer.node_cpus must be >= -1, got {self.node_cpus}")
-        if self.node_cpus == -1:
-            object.__setattr__(self, "node_cpus", os.cpu_count() or 1)
+        if self.node_cpus == -1:  # the cores this process may run on (its affinity), not the host's
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            object.__setattr__(self, "node_cpus", cores or 1)
         for name in ("prefill_tokens_per_s", "load_bytes_per_s", "kv_read_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RuleScorer.{name} must be > 0, got {getattr(self, name)}")

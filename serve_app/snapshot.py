@@ -101,6 +101,9 @@ class ActorView:
     resident_bytes: int = 0  # weights + per-process overhead
     rows: tuple[RowView, ...] = ()
     resident_fraction: float = 1.0  # share of the weight bytes loaded (a warm actor's first layers)
+    # An unused start lease's actor (lease.py): "starting" for the books, but not loading and not computing —
+    # it neither slows its node's starts nor holds its warm pool back.
+    is_start_lease: bool = False
 
     @property
     def reserved_bytes(self) -> int:
@@ -202,7 +205,7 @@ class ClusterSnapshot:
         counts: dict[str, dict[ActorState, int]] = {}
         for a in self.actors:
             slot = self._slots_by_id.get(a.slot_id)
-            if slot is not None:
+            if slot is not None and not a.is_start_lease:
                 by_state = counts.setdefault(slot.node_id, {})
                 by_state[a.state] = by_state.get(a.state, 0) + 1
         return counts

@@ -185,11 +185,14 @@ class SlotRefresher:
             if not self._is_stopped:
                 self._agents = ensure_agents(self._telemetry, namespace=self._actor.namespace)
 
-    def stop(self) -> None:
-        """No agent is created once this returns (a round creating one is waited for); the link is closed."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """No agent is created once this returns (a round creating one is waited for, up to `timeout_s`: a
+        control plane that hangs must not keep the replica from detaching); the link is closed."""
         self._link.close()
-        with self._agents_lock:
-            self._is_stopped = True
+        is_locked = self._agents_lock.acquire(timeout=timeout_s)
+        self._is_stopped = True
+        if is_locked:
+            self._agents_lock.release()
 
     def _hand_over(self) -> None:
         # The slots and the running rows first: the new registry kills unknown actors after its grace.

@@ -276,3 +276,42 @@ def test_a_start_lease_used_but_not_started_is_the_callers_to_end_and_the_regist
     book.started(row.row_id)
     assert not book.is_unstarted_start(row.row_id)
     reg.check_invariants()
+
+
+def test_no_start_lease_on_a_node_too_busy_for_a_start_at_full_speed_and_a_held_one_is_recalled():
+    """With the rule's node_cpus, a start beside as many busy actors as cores is slower than the leased view
+    (which sees none of them) would predict: such starts are left to the registry's own decisions."""
+    reg = _with_warm(_full(_registry(num_hot=1)))  # hot0 busy, on node n with warm0
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0, node_cpus=1)
+    _start_wanted(book)
+    assert not any(r.start for r in _exchange(reg, book, now=0.0).granted)  # one core, one busy actor
+    roomy = LeaseBook(LeaseConfig(), "B", POLICY.max_batch, heartbeat_s=1.0, node_cpus=2)
+    _start_wanted(roomy)
+    (lease,) = _exchange(reg, roomy, now=0.1).granted
+    assert lease.start == "warm"
+    # An unused lease's actor is not busy on its node: it neither slows starts there nor holds the pool back.
+    snapshot = reg.snapshot()
+    assert snapshot.num_busy_on_node("n") == 1 and snapshot.num_starting_on_node("n") == 0
+    from serve_app.registry import RowReservation
+
+    reg.books.slots["s1"].total_bytes += 10_000  # room for one more actor's bytes on the warm lease's slot...
+    reg.books.max_actors_per_slot = 2
+    reg.try_spawn(Spawn("s1", "short", True, RESIDENT + ROW, RESIDENT), "other", "m",
+                  RowReservation("other-req", 20, None, 0.2, 10.0), 0.2)  # ...where a second actor starts
+    assert _exchange(reg, roomy, now=0.3).recalled_starts == {lease.row_id}  # two busy on two cores: recalled
+    reg.check_invariants()
+
+
+def test_a_spawn_lease_used_late_has_its_reconcile_grace_from_its_use():
+    reg = _full(_registry(num_hot=1))
+    from serve_app.registry import SlotSpec
+
+    reg.register_slots([SlotSpec("s1", "n1", 10_000)])
+    book = _book()
+    _start_wanted(book)
+    (lease,) = _exchange(reg, book, now=0.0).granted
+    book.place(_features(), POLICY, RULE_SCORER, at=20.0, now=3.0)  # used after the spawn grace (10 s) ran out
+    _exchange(reg, book, now=20.0)
+    # Listed before its process was created: young since its use, not a ghost.
+    assert lease.actor_name not in reg.reconcile({"hot0"}, now=21.0).ghosts
+    assert lease.actor_name in reg.books.actors
