@@ -98,12 +98,16 @@ class LeaseBooks:
     def _grant_starts(self, replica: str, want: LeaseWant, held: dict[str, tuple[ActorRecord, RowReservation]],
                       is_contended: bool, recalled: set[str], now: float, ttl_s: float) -> list[LeasedRow]:
         """Start leases up to `want.num_starts`, only while every hot batch of the model and lane is full (its
-        places leased or running): a request that could join one must not start a process instead. Held
+        places leased or running) and none is starting: a request that could join one must not start a
+        process instead. Held
         ones are recalled when a place frees, or while the model is contended (they would sit idle while the
         registry refuses others) — never ended here: the holder may have used one since it sent its report,
         so only the holder returns them (`LeaseGrant.recalled_starts`)."""
         starts = [(a, r) for a, r in held.values() if a.start_lease and a.model == want.model and a.lane == want.lane]
-        has_place = next(self._best_actors(want), None) is not None
+        # A hot actor still starting for its first request will have places too, within its start.
+        has_place = next(self._best_actors(want), None) is not None or any(
+            a.is_hot and a.state == "starting" and not a.start_lease and a.model == want.model and a.lane == want.lane
+            for a in self.books.actors.values())
         if has_place or is_contended:
             recalled.update(r.request_id for _, r in starts)
             return []

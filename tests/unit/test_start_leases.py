@@ -315,3 +315,19 @@ def test_a_spawn_lease_used_late_has_its_reconcile_grace_from_its_use():
     # Listed before its process was created: young since its use, not a ghost.
     assert lease.actor_name not in reg.reconcile({"hot0"}, now=21.0).ghosts
     assert lease.actor_name in reg.books.actors
+
+
+def test_no_start_lease_while_a_hot_actor_of_the_model_is_still_starting():
+    """Its batch's places come with its first token: a second request then joins or is dispatched to it."""
+    reg = _registry(num_hot=0)
+    from serve_app.registry import SlotSpec
+
+    reg.register_slots([SlotSpec("s0", "n", 10_000), SlotSpec("s1", "n", 10_000)])
+    d = reg.admit(_features(), POLICY, "first", "req-0", 0.0, replica_id="A", lease=SlowPathLease(5.0))
+    assert isinstance(d, Spawn) and d.keep_hot  # the model's first actor, starting
+    book = _book()
+    _start_wanted(book)
+    assert not any(r.start for r in _exchange(reg, book, now=0.5).granted)
+    reg.actor_started("first")
+    reg.finish("first", "req-0", "complete", 1.0)  # idle and hot: the next request's place
+    assert not any(r.start for r in _exchange(reg, book, now=1.5).granted)
