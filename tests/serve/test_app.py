@@ -130,7 +130,10 @@ def test_actor_killed_mid_stream_ends_the_stream_with_an_error_event(zq, ray_clu
                 events.append(line.removeprefix("event: "))
             if events.count("content_block_delta") == 2:
                 for name in _actors(ray) - before:
-                    ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+                    try:
+                        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+                    except ValueError:  # another new actor that exited meanwhile (one not kept hot, say)
+                        pass
     assert events[-1] == "error", events[-5:]
     assert "message_stop" not in events
 
