@@ -104,6 +104,8 @@ class LeaseBooks:
         registry refuses others) — never ended here: the holder may have used one since it sent its report,
         so only the holder returns them (`LeaseGrant.recalled_starts`)."""
         starts = [(a, r) for a, r in held.values() if a.start_lease and a.model == want.model and a.lane == want.lane]
+        if not starts and not want.num_starts:  # the usual want: rows only, and no scan of every actor for it
+            return []
         # A hot actor still starting for its first request will have places too, within its start.
         has_place = next(self._best_actors(want), None) is not None or any(
             a.is_hot and a.state == "starting" and not a.start_lease and a.model == want.model and a.lane == want.lane

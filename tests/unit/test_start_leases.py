@@ -7,7 +7,7 @@ from __future__ import annotations
 from serve_app.decisions import Bind, Spawn
 from serve_app.lease import LeaseConfig, SlowPathLease
 from serve_app.lease_book import LeaseBook
-from serve_app.registry import RegistryState
+from serve_app.registry import RegistryState, RowReservation, SlotSpec
 from serve_app.scorer import RULE_SCORER
 from serve_app.warm_pool import WarmFill
 from tests.unit.test_leases import POLICY, RESIDENT, _features, _registry
@@ -17,8 +17,6 @@ ROW = 200  # a request's KV and workspace at _features(): 20 tokens x 10 bytes
 
 def _with_warm(reg: RegistryState, slot_id: str = "s1", name: str = "warm0") -> RegistryState:
     """A warm actor of model m, filled for the short lane, ready to bind on `slot_id`."""
-    from serve_app.registry import SlotSpec
-
     reg.register_slots([SlotSpec(slot_id, "n", 10_000)])
     assert reg.warm.try_warm(WarmFill("m", "short", slot_id, RESIDENT), name, 0.0)
     assert reg.warm_ready(name, 0.5)
@@ -56,6 +54,15 @@ def _warm_leased() -> tuple[RegistryState, LeaseBook]:
     return reg, book
 
 
+def _spawn_leased():
+    """hot0 full, slot s1 (node n1) empty, and replica A holding a spawn lease on it; (registry, book, lease)."""
+    reg, book = _full(_registry(num_hot=1)), _book()
+    reg.register_slots([SlotSpec("s1", "n1", 10_000)])
+    _start_wanted(book)
+    (lease,) = _exchange(reg, book, now=0.0).granted
+    return reg, book, lease
+
+
 def _start_leases(book: LeaseBook):
     return [r for r in book._rows.values() if r.start]
 
@@ -91,13 +98,7 @@ def test_a_replica_that_bound_gets_a_warm_lease_binds_it_locally_and_the_registr
 
 
 def test_with_no_warm_actor_a_spawn_lease_holds_a_slot_for_a_named_actor_and_is_no_ghost():
-    reg = _full(_registry(num_hot=1))
-    from serve_app.registry import SlotSpec
-
-    reg.register_slots([SlotSpec("s1", "n1", 10_000)])
-    book = _book()
-    _start_wanted(book)
-    (lease,) = _exchange(reg, book, now=0.0).granted
+    reg, book, lease = _spawn_leased()
     assert lease.start == "spawn" and lease.slot_id == "s1" and lease.node_id == "n1"
     actor = reg.books.actors[lease.actor_name]
     assert (actor.state, actor.start_lease, actor.reserved_bytes) == ("starting", "spawn", RESIDENT + ROW)
@@ -115,8 +116,6 @@ def test_with_no_warm_actor_a_spawn_lease_holds_a_slot_for_a_named_actor_and_is_
 
 def test_unused_start_leases_return_whole_the_warm_actor_warm_again_the_unstarted_actor_forgotten():
     reg = _with_warm(_full(_registry(num_hot=1)))
-    from serve_app.registry import SlotSpec
-
     reg.register_slots([SlotSpec("s2", "n", 10_000)])
     book = _book()
     _start_wanted(book)
@@ -193,8 +192,6 @@ def test_a_restarted_registry_adopts_an_unused_warm_lease_and_its_return_leaves_
 
 def test_no_spawn_lease_takes_a_slot_the_models_short_warm_pool_would_refill():
     reg = _full(_registry(num_hot=1))
-    from serve_app.registry import SlotSpec
-
     reg.register_slots([SlotSpec("s1", "n", 10_000)])
     book = _book()
     book.note_start("m", "short", ROW, RESIDENT, max_hot=4, num_warm=1, now=0.0)  # its pool: one warm actor
@@ -205,8 +202,6 @@ def test_no_spawn_lease_takes_a_slot_the_models_short_warm_pool_would_refill():
 
 def test_no_start_lease_while_a_hot_batch_has_a_place_and_a_free_one_goes_back_when_a_place_frees():
     reg = _registry(num_hot=1)
-    from serve_app.registry import SlotSpec
-
     reg.register_slots([SlotSpec("s1", "n", 10_000)])
     book = _book()
     _start_wanted(book)
@@ -292,8 +287,6 @@ def test_no_start_lease_on_a_node_too_busy_for_a_start_at_full_speed_and_a_held_
     # An unused lease's actor is not busy on its node: it neither slows starts there nor holds the pool back.
     snapshot = reg.snapshot()
     assert snapshot.num_busy_on_node("n") == 1 and snapshot.num_starting_on_node("n") == 0
-    from serve_app.registry import RowReservation
-
     reg.books.slots["s1"].total_bytes += 10_000  # room for one more actor's bytes on the warm lease's slot...
     reg.books.max_actors_per_slot = 2
     reg.try_spawn(Spawn("s1", "short", True, RESIDENT + ROW, RESIDENT), "other", "m",
@@ -303,13 +296,7 @@ def test_no_start_lease_on_a_node_too_busy_for_a_start_at_full_speed_and_a_held_
 
 
 def test_a_spawn_lease_used_late_has_its_reconcile_grace_from_its_use():
-    reg = _full(_registry(num_hot=1))
-    from serve_app.registry import SlotSpec
-
-    reg.register_slots([SlotSpec("s1", "n1", 10_000)])
-    book = _book()
-    _start_wanted(book)
-    (lease,) = _exchange(reg, book, now=0.0).granted
+    reg, book, lease = _spawn_leased()
     book.place(_features(), POLICY, RULE_SCORER, at=20.0, now=3.0)  # used after the spawn grace (10 s) ran out
     _exchange(reg, book, now=20.0)
     # Listed before its process was created: young since its use, not a ghost.
@@ -320,8 +307,6 @@ def test_a_spawn_lease_used_late_has_its_reconcile_grace_from_its_use():
 def test_no_start_lease_while_a_hot_actor_of_the_model_is_still_starting():
     """Its batch's places come with its first token: a second request then joins or is dispatched to it."""
     reg = _registry(num_hot=0)
-    from serve_app.registry import SlotSpec
-
     reg.register_slots([SlotSpec("s0", "n", 10_000), SlotSpec("s1", "n", 10_000)])
     d = reg.admit(_features(), POLICY, "first", "req-0", 0.0, replica_id="A", lease=SlowPathLease(5.0))
     assert isinstance(d, Spawn) and d.keep_hot  # the model's first actor, starting
