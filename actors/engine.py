@@ -45,7 +45,7 @@ from actors.events import BatchFullError, Emit, Event, FinishEvent, StartEvent, 
 from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, make_generator, mask_tokens, sample
-from actors.scheduler import RowProgress, plan_step, prefill_budget
+from actors.scheduler import RowProgress, max_step_s, plan_step, prefill_budget
 from actors.step_cost import StepCheck, StepCost
 from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
@@ -78,6 +78,7 @@ class Row:
     decoder: StreamDecoder | None = None
     stops: StopSequenceFilter | None = None
     engine_s: float = 0.0  # see FinishEvent
+    decode_s: float = 0.0  # the step clock's seconds since its first token: its mean time per token so far
     predicted_s: float = 0.0  # the same steps, as predicted before each ran (checked ones only)
     checked_s: float = 0.0  # the measured seconds of those checked steps
     num_steps: int = 0
@@ -174,8 +175,7 @@ class Engine:
             self._leave(row, "cancelled", None)
         if not self._rows:
             return
-        progress = [RowProgress(r.id, len(r.prompt), r.num_prefilled, r.position, r.tpot_target_s)
-                    for r in self._rows]
+        progress = [self._progress(r) for r in self._rows]
         plan = plan_step(progress, self._prefill_budget(progress))
         predicted_s = self._predict(progress, plan)
         clock = self._clock
@@ -206,6 +206,8 @@ class Engine:
             self.step_check.observe(predicted_s / self.step_check.correction, seconds)
             self._log_check()
         for row in self._rows:  # every row advances every step (actors/scheduler.py)
+            if row.first_time is not None:
+                row.decode_s += seconds
             row.engine_s += seconds
             row.num_steps += 1
             row.num_step_rows += len(self._rows)
@@ -215,6 +217,13 @@ class Engine:
         now = time.time()
         for row, token_id in zip(rows, ids, strict=True):
             self._deliver(row, token_id, now)
+
+    @staticmethod
+    def _progress(row: Row) -> RowProgress:
+        # The step clock, not the wall clock, measures its time per token: what the steps cost is what the
+        # planner answers for (the host's few ms between steps are not), and what the checks predict.
+        limit = max_step_s(row.tpot_target_s, row.num_out, row.decode_s) if row.first_time is not None else None
+        return RowProgress(row.id, len(row.prompt), row.num_prefilled, row.position, row.tpot_target_s, limit)
 
     def _rule_step_s(self, num_rows: int, num_extra_prompt_tokens: int, num_kv_tokens: int) -> float:
         return self.step_check.correction * self.step_cost.step_s(num_rows, num_extra_prompt_tokens, num_kv_tokens,
@@ -259,7 +268,7 @@ class Engine:
         row.stops = StopSequenceFilter(p.stop_sequences)
         row.compute_start = now
         self._rows.append(row)
-        row.emit(StartEvent(now))
+        row.emit(StartEvent(now, self.step_check.correction))
 
     def _allowed(self, logits: torch.Tensor, row: Row) -> torch.Tensor:
         """The row's logits [1, V], without the end-of-turn tokens while it is short of its `min_tokens`."""

@@ -15,6 +15,9 @@ class BatchFullError(RuntimeError):
 @dataclass(frozen=True)
 class StartEvent:
     time: float  # epoch seconds; the row's prefill began
+    # The engine's measured ÷ rule-predicted step time (actors/step_cost.py, StepCheck) at the join: how much
+    # slower than the rule's constants this actor's steps run now (a busy host, another machine).
+    step_correction: float = 1.0
 
 
 @dataclass(frozen=True)

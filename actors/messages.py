@@ -64,6 +64,7 @@ class Started:
     request_id: str
     time: float
     is_cold: bool
+    step_correction: float = 1.0  # the engine's, as its StartEvent says: the router prices this actor's steps by it
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,26 @@ advances by a chunk of it. The rule:
 - Every row advances every step: a decoding row by 1 token, a prefilling row by at
   least 1 prompt token. No row is ever skipped, so none can starve.
 - While some row is decoding, the prefill tokens of one step are bounded by
-  `prefill_budget` (shared out in join order; each prefilling row gets at least one
-  token, so a step holds at most max(prefill_budget, rows) prompt tokens). A decoding
+  `prefill_budget`, given out in join order: each prefilling row gets one token, and what
+  is left goes to the earliest joiner first (so a step holds at most max(prefill_budget,
+  rows) prompt tokens). First come, first served: a joiner's prompt waits only for the
+  prompts that joined before it, which is what the router predicts its TTFT from
+  (serve_app/scorer.py); a later joiner never slows an earlier one's first token. A decoding
   row therefore waits at most one step of that size for a newcomer's prompt: a long
   prompt is chunked over several steps instead of stalling the rows already running.
 - The budget is derived (`prefill_budget`): the most prompt tokens for which the step's
-  predicted time (actors/step_cost.py) stays within the tightest TPOT target of the
-  decoding rows, at most the configured cap (`prefill_chunk_tokens`); the cap alone where
+  predicted time (actors/step_cost.py) stays within what every decoding row with a TPOT
+  target accepts, at most the configured cap (`prefill_chunk_tokens`); the cap alone where
   no decoding row states a target. A step can never be shorter than its decode work and
   one token per prefilling row: a target that this breaks was broken at admission.
+- What a decoding row accepts (`max_step_s`): its TPOT target is the mean time per output
+  token once decoding, as a client measures it ((last token - first token) / (tokens - 1)),
+  not a bound on each step. A row whose steps so far ran faster than its target has slack,
+  and the next step may spend it: up to target * tokens so far - time since its first token,
+  so its mean stays within the target once the step is done. Never more than
+  `MAX_STEP_STRETCH` times the target: one long step is a visible stall in a stream. A
+  joiner's prompt thus goes in a few large chunks rather than many small ones, and every
+  chunk's step reads the weights once for many more prompt tokens.
 - While no row is decoding, nothing is waiting on the step: each prefilling row runs
   its whole remaining prompt at once (one pass reads every weight once, which is also
   what lets a cold actor compute layer i as soon as layer i is resident).
@@ -29,6 +40,19 @@ from dataclasses import dataclass
 # (rows, prompt tokens beyond each row's first, KV positions read) -> predicted seconds of the step
 PredictStep = Callable[[int, int, int], float]
 
+MAX_STEP_STRETCH = 2.0  # no step planned past twice a row's TPOT target, whatever slack it has
+
+
+def max_step_s(tpot_target_s: float | None, num_out: int, decode_elapsed_s: float) -> float | None:
+    """The longest next step that keeps a decoding row's mean time per output token within its target.
+
+    After `num_out` >= 1 tokens, the first `decode_elapsed_s` ago, the row's next token makes
+    `num_out` intervals since its first: (decode_elapsed_s + step) / num_out <= target. None: no target.
+    """
+    if tpot_target_s is None:
+        return None
+    return min(MAX_STEP_STRETCH * tpot_target_s, tpot_target_s * max(1, num_out) - decode_elapsed_s)
+
 
 @dataclass(frozen=True)
 class RowProgress:
@@ -38,7 +62,13 @@ class RowProgress:
     num_prompt_tokens: int
     num_prefilled: int  # prompt tokens already in the row's cache
     num_cached: int = 0  # KV positions in the row's cache (the prompt's prefilled part, then its output)
-    tpot_target_s: float | None = None  # the longest step this row accepts once decoding
+    tpot_target_s: float | None = None  # its mean time per output token once decoding, at most
+    # The longest next step it accepts (`max_step_s`: its target and the slack its steps left); None: the target.
+    max_step_s: float | None = None
+
+    @property
+    def step_limit_s(self) -> float | None:
+        return self.max_step_s if self.max_step_s is not None else self.tpot_target_s
 
     @property
     def num_remaining(self) -> int:
@@ -56,18 +86,14 @@ def plan_step(rows: Sequence[RowProgress], prefill_budget: int) -> list[tuple[in
     prefilling = [r for r in rows if r.is_prefilling]
     if len(prefilling) == len(rows):  # nobody decoding: nothing waits on this step
         return [(r.row_id, r.num_remaining) for r in rows]
-    chunk: dict[int, int] = {}
-    if prefilling:
-        share = max(1, prefill_budget // len(prefilling))
-        for r in prefilling:
-            chunk[r.row_id] = min(r.num_remaining, share)
-        left = prefill_budget - sum(chunk.values())
-        for r in prefilling:  # what the short prompts left over goes to the earliest joiners
-            if left <= 0:
-                break
-            extra = min(left, r.num_remaining - chunk[r.row_id])
-            chunk[r.row_id] += extra
-            left -= extra
+    chunk = {r.row_id: 1 for r in prefilling}  # every row advances
+    left = prefill_budget - len(prefilling)
+    for r in prefilling:  # the rest to the earliest joiners first
+        if left <= 0:
+            break
+        extra = min(left, r.num_remaining - 1)
+        chunk[r.row_id] += extra
+        left -= extra
     return [(r.row_id, chunk.get(r.row_id, 1)) for r in rows]
 
 
@@ -82,7 +108,7 @@ def prefill_budget(rows: Sequence[RowProgress], max_chunk_tokens: int, predict_s
         raise ValueError(f"max_chunk_tokens must be >= 1 and prefill_token_s > 0, got {max_chunk_tokens}, "
                          f"{prefill_token_s}")
     decoding = [r for r in rows if not r.is_prefilling]
-    targets = [r.tpot_target_s for r in decoding if r.tpot_target_s is not None]
+    targets = [r.step_limit_s for r in decoding if r.step_limit_s is not None]
     if not targets:
         return max_chunk_tokens
     num_prefilling = len(rows) - len(decoding)

@@ -245,7 +245,9 @@ def test_a_decoding_rows_tpot_target_chunks_a_joiners_prompt_finer_and_tokens_st
     while engine.has_work:
         engine.step()
     assert joined.tokens == expected  # chunking changes when tokens are computed, not which
-    assert max(chunks) <= 30 and sum(chunks) == len(long_prompt) and len(chunks) >= len(long_prompt) // 30
+    # At most 30 prompt tokens a step, give or take the one that a step's rounding below its 40 ms leaves as
+    # slack for the next (actors/scheduler.py: the target bounds the row's mean time per token).
+    assert max(chunks) <= 31 and sum(chunks) == len(long_prompt) and len(chunks) >= len(long_prompt) // 31
     done = running.finish
     assert done.predicted_step_s > 0 and done.checked_step_s == pytest.approx(done.predicted_step_s)
     assert engine.step_check.num_steps >= len(chunks)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.scheduler import RowProgress, plan_step, prefill_budget
+from actors.scheduler import MAX_STEP_STRETCH, RowProgress, max_step_s, plan_step, prefill_budget
 from actors.step_cost import StepCost
 
 rows_strategy = st.lists(
@@ -54,10 +55,13 @@ def test_repeated_steps_finish_every_prompt_no_row_starves(rows, budget):
     raise AssertionError("a prompt never finished")
 
 
-def test_budget_is_shared_in_join_order_and_leftovers_go_to_the_earliest():
+def test_budget_goes_to_the_earliest_joiner_first_and_every_row_advances():
     rows = [RowProgress(0, 10, 10), RowProgress(1, 500, 0), RowProgress(2, 3, 0), RowProgress(3, 500, 100)]
-    # share = 256 // 3 = 85; row 2 needs only 3, so 82 + 1 left over go to row 1 first.
-    assert plan_step(rows, 256) == [(0, 1), (1, 85 + 83), (2, 3), (3, 85)]
+    # One token each, then the 253 left to row 1, the earliest joiner: its prompt first.
+    assert plan_step(rows, 256) == [(0, 1), (1, 254), (2, 1), (3, 1)]
+    # Row 1 needs only 20 more: the rest goes on to row 2 (3), then row 3 (256 - 20 - 3 = 233).
+    rows[1] = RowProgress(1, 500, 480)
+    assert plan_step(rows, 256) == [(0, 1), (1, 20), (2, 3), (3, 233)]
 
 
 # ---- the budget: steps bounded by the tightest TPOT target of the decoding rows
@@ -133,3 +137,40 @@ def test_a_tight_target_shrinks_the_chunk_and_no_target_leaves_the_cap():
     assert _budget([loose, joiner], 256, cost) == 256
     broken = RowProgress(0, 10, 10, 10, tpot_target_s=0.01)  # below the decode work alone
     assert _budget([broken, joiner, RowProgress(2, 5, 0, 0)], 256, cost) == 2  # one token per prefilling row
+
+
+# ---- slack: a TPOT target bounds a row's mean time per token, not each step
+
+def test_a_rows_step_limit_is_its_target_plus_the_slack_its_faster_steps_left_at_most_twice_the_target():
+    assert max_step_s(None, 5, 1.0) is None
+    assert max_step_s(0.2, 1, 0.05) == pytest.approx(0.15)  # first token 50 ms ago: the gap counts already
+    assert max_step_s(0.2, 5, 0.6) == pytest.approx(0.4)  # 4 steps of 0.15 s: 0.2 s of slack
+    assert max_step_s(0.2, 50, 5.0) == pytest.approx(MAX_STEP_STRETCH * 0.2)  # more slack than one step may spend
+    assert max_step_s(0.2, 5, 1.2) == pytest.approx(-0.2)  # behind its target: the shortest step possible
+
+
+@settings(max_examples=300, deadline=None)
+@given(target=st.floats(0.01, 1.0), steps=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=60),
+       decode_share=st.floats(0.05, 1.0))
+def test_steps_planned_within_the_limit_keep_every_rows_mean_time_per_token_within_its_target(
+        target, steps, decode_share):
+    # Each step takes what the scheduler allows it (a share `pressure` of the limit, as prefill work fills
+    # it), never less than the decode work itself (decode_share * target): the mean stays within the target.
+    elapsed, n = 0.0, 1
+    for pressure in steps:
+        limit = max_step_s(target, n, elapsed)
+        decode_s = decode_share * target
+        step = decode_s if limit <= decode_s else decode_s + pressure * (limit - decode_s)
+        assert step <= MAX_STEP_STRETCH * target + 1e-12
+        elapsed, n = elapsed + step, n + 1
+        assert elapsed / (n - 1) <= target * (1 + 1e-9)
+
+
+def test_a_decoding_row_with_slack_lets_a_joiner_take_a_larger_chunk():
+    cost = StepCost(decode_s_per_token=0.02, batch_row_cost=0.0, prefill_tokens_per_s=1000.0,
+                    kv_read_bytes_per_s=1e12)
+    joiner = RowProgress(1, 600, 0, 0)
+    fresh = RowProgress(0, 10, 10, 10, tpot_target_s=0.07, max_step_s=0.07)
+    rested = RowProgress(0, 10, 10, 10, tpot_target_s=0.07, max_step_s=0.14)  # its steps ran at 20 ms
+    assert _budget([fresh, joiner], 256, cost) == 50
+    assert _budget([rested, joiner], 256, cost) == 120  # 0.12 s left beyond the 20 ms decode step
