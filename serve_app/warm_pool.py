@@ -12,7 +12,11 @@ slot only where a spawn could have gone, and eviction (policy.py) gives it back 
 request that needs it. A refill waits while a request's actor on the same node is still
 "starting" (loading its weights, before its first token): a process start and a load
 take the node's host CPU, which that request's load and prefill need now; the pool is
-for the next request, not worth this one's first token.
+for the next request, not worth this one's first token. For the same reason a refill waits
+while its node's cores are all computing (`WarmSpec.node_cpus`, the rule's: as many busy
+actors as cores): a start beside them would take its CPU from their steps, stretching every
+running row's tokens and every joiner's prompt, for a request that may never come. It fills
+once a core is free again (the fillers retry every `warm_refresh_s`).
 
 Idleness. A model's warm actors exist to catch its next request: once the model has had
 no request for `policy.max_idle_s`, its warm actors retire and the pool is not refilled
@@ -37,10 +41,14 @@ class WarmSpec:
 
     model: str
     resident_bytes: int  # weights + per-process overhead
+    # The cores of a node (rule_scorer.node_cpus): no refill where that many actors compute or start; 0: no limit.
+    node_cpus: int = 0
 
     def __post_init__(self) -> None:
         if self.resident_bytes < 0:
             raise ValueError(f"{self.model}: resident_bytes must be >= 0, got {self.resident_bytes}")
+        if self.node_cpus < 0:
+            raise ValueError(f"{self.model}: node_cpus must be >= 0, got {self.node_cpus}")
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,7 @@ def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: Pol
         for lane in LANES:
             missing = policy.num_warm(spec.model, lane) - snapshot.warm_count(spec.model, lane)
             for _ in range(max(0, missing)):
-                slot = _first_fit(snapshot, spec.resident_bytes, policy.max_actors_per_slot, added_bytes, added_actors)
+                slot = _first_fit(snapshot, spec, policy.max_actors_per_slot, added_bytes, added_actors)
                 if slot is None:
                     break
                 added_bytes[slot.slot_id] = added_bytes.get(slot.slot_id, 0) + spec.resident_bytes
@@ -79,12 +87,14 @@ def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: Pol
     return fills
 
 
-def _first_fit(snapshot: ClusterSnapshot, need: int, max_actors: int, added_bytes: dict[str, int],
+def _first_fit(snapshot: ClusterSnapshot, spec: WarmSpec, max_actors: int, added_bytes: dict[str, int],
                added_actors: dict[str, int]) -> SlotView | None:
     for slot in snapshot.slots:
         if snapshot.num_starting_on_node(slot.node_id):
             continue
+        if spec.node_cpus and snapshot.num_busy_on_node(slot.node_id) >= spec.node_cpus:
+            continue  # every core computes: a start now would slow them all (module docstring)
         free = slot.free_bytes - added_bytes.get(slot.slot_id, 0)
-        if free >= need and slot.num_actors + added_actors.get(slot.slot_id, 0) < max_actors:
+        if free >= spec.resident_bytes and slot.num_actors + added_actors.get(slot.slot_id, 0) < max_actors:
             return slot
     return None

@@ -86,6 +86,27 @@ def test_a_bound_warm_actor_serves_then_goes_like_a_spawned_one_and_the_pool_ref
     assert reg.counters["bind"] == 1 and reg.counters["spawn_with_warm_available"] == 0
 
 
+def test_no_refill_while_every_core_of_the_node_computes_and_one_once_a_core_is_free():
+    reg = RegistryState(max_idle_s=60.0)
+    reg.register_slots([SlotSpec("a", "n", 10_000), SlotSpec("b", "n", 10_000), SlotSpec("c", "n", 10_000)])
+    short_only = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=1,
+                              actor_overhead_bytes=0, num_warm_short_actors=1)
+    two_cores = WarmSpec("m", 1000, node_cpus=2)
+    reg.admit(_features(), short_only, "hot", "r0", now=0.0)  # a hot actor computes on a
+    reg.actor_started("hot")
+    [(w1, _)] = reg.fill_warm([two_cores], short_only, {"m": ["w1"]}, now=0.5)  # one core free: filled
+    reg.warm_ready(w1, 1.0)
+    assert isinstance(reg.admit(_features(), short_only, "x", "r1", now=1.0), Bind)  # w1 bound: computes too
+    reg.actor_started(w1)
+    # Both cores compute: a process start now would take its CPU from both batches' steps.
+    assert reg.fill_warm([two_cores], short_only, {"m": ["w2"]}, now=1.5) == []
+    assert [n for n, _ in reg.fill_warm([WarmSpec("m", 1000)], short_only, {"m": ["w2"]}, now=1.5)] == ["w2"]
+    reg.drop_warming("w2")  # (that pool had no limit; back to the two-core one)
+    reg.finish(w1, "r1", "complete", now=2.0)  # w1 served and goes: a core is free again
+    assert [n for n, _ in reg.fill_warm([two_cores], short_only, {"m": ["w3"]}, now=2.5)] == ["w3"]
+    reg.check_invariants()
+
+
 def test_a_models_warm_actors_retire_once_it_is_idle_and_are_not_refilled_until_it_is_asked_for():
     reg = RegistryState(max_idle_s=60.0)
     reg.register_slots([SlotSpec("a", "n", 10_000)])
