@@ -48,6 +48,7 @@ from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Relay
 from serve_app.rows import Admitted, Rows
 from serve_app.scorer import Scorer
 from serve_app.snapshot import ClusterSnapshot, ClusterSummary, summarize
+from serve_app.ttft_check import TtftCheck, TtftCorrection, corrected
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,13 @@ class Admission:
                  metrics: IngressMetrics, replica_id: str, scorer: Scorer) -> None:
         self.config, self.models, self.cluster, self.metrics = config, models, cluster, metrics
         self.scorer = scorer
+        # Measured ÷ predicted TTFT per placement kind, learned from this replica's requests: the scorer's
+        # predictions are corrected by it, here and in the registry's slow path (ttft_check.py).
+        self.ttft_check = TtftCheck()
         self.leases = LeaseBook(config.leases, replica_id, config.policy.max_batch, config.registry_heartbeat_s,
                                 config.rule_scorer.node_cpus)
         self.rows = Rows(cluster, self.leases, metrics, config.policy, replica_id,
+                         self.ttft_check if config.is_prediction_corrected else None,
                          drain_timeout_s=config.token_timeout_s,
                          traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None)
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, self.rows)
@@ -189,10 +194,11 @@ class Admission:
         request_id = actor_request.request_id
         spawn_name = new_actor_name(model.id)
         hot_resident = model.numbers.weight_bytes + self.config.policy.actor_overhead_bytes  # its weights and process
-        placed = self.leases.place(features, self.config.policy, self.scorer, time.time())
+        correction = self.ttft_check.correction(time.time()) if self.config.is_prediction_corrected else None
+        placed = self.leases.place(features, self.config.policy, corrected(self.scorer, correction), time.time())
         decision, lease = placed if placed is not None else (None, None)
         if decision is None:
-            decision = await self._admit(features, spawn_name, request_id)
+            decision = await self._admit(features, spawn_name, request_id, correction)
             if self.config.leases.is_enabled and is_leased_row(decision):
                 lease = LeasedRow(request_id, decision.actor_name, model.id, decision.slot_id, decision.lane,
                                   decision.reserve_bytes, hot_resident)
@@ -264,7 +270,7 @@ class Admission:
         await self.relay.first(admitted)
         return admitted
 
-    async def _admit(self, features, spawn_name: str, request_id: str):
+    async def _admit(self, features, spawn_name: str, request_id: str, correction: TtftCorrection | None = None):
         """The registry's decision, or a 503 at once when it does not answer in time (or is known not to
         answer: until the cluster's next heartbeat is answered, nothing is asked)."""
         if not self.cluster.is_available:
@@ -273,7 +279,7 @@ class Admission:
             lease = None
             if self.config.leases.is_enabled:  # its free rows of the model could not take it: they go back
                 lease = SlowPathLease(self.leases.ttl_s, self.leases.give_back_free(features.model))
-            return await self.cluster.admit(features, spawn_name, request_id, lease)
+            return await self.cluster.admit(features, spawn_name, request_id, lease, correction)
         except asyncio.CancelledError:  # the client left: whatever the admission commits is undone
             self.cluster.abandon(request_id)
             raise

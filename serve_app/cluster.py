@@ -31,6 +31,7 @@ from serve_app.lease import LeaseGrant, LeaseReport, SlowPathLease
 from serve_app.loaded_model import LoadedModel
 from serve_app.registry import AdoptedActor, AdoptedRow, Outcome
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
+from serve_app.ttft_check import TtftCorrection
 
 Item = Started | TextChunk | Completion
 # What a new registry is handed: the rows this replica still relays, and the idle hot actors it knows.
@@ -117,9 +118,10 @@ class Cluster(Protocol):
         """This replica stops: background work ends; the last replica takes every actor with it."""
 
     async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
-                    lease: SlowPathLease | None = None) -> Decision:
+                    lease: SlowPathLease | None = None, correction: TtftCorrection | None = None) -> Decision:
         """Decide and reserve in one atomic step; raises RegistryUnavailable. With `lease`, the free rows it
-        names return first, and a row placed on a hot actor is leased to this replica (its id: `request_id`)."""
+        names return first, and a row placed on a hot actor is leased to this replica (its id: `request_id`).
+        `correction`: this replica's measured ÷ predicted TTFT per placement kind (ttft_check.py)."""
 
     async def exchange_leases(self, report: LeaseReport, timeout_s: float) -> LeaseGrant:
         """This replica's lease heartbeat (lease.py); raises RegistryUnavailable."""

@@ -142,6 +142,10 @@ class AppArgs(_Strict):
     scorer_path: str | None = None
     # The rule's constants (serve_app/scorer.py), measured for this deployment.
     rule_scorer: RuleScorer = RuleScorer()
+    # Predictions corrected by what runs now: each actor's measured step time (its engine's, heard when a
+    # request starts there) and each placement kind's measured over predicted TTFT (serve_app/ttft_check.py).
+    # Off: every prediction is the scorer's own, from its constants alone.
+    is_prediction_corrected: bool = True
     traces: TraceArgs = TraceArgs()
 
     @field_validator("actor", mode="before")
@@ -242,6 +246,7 @@ class IngressConfig:
     capacity: CapacityConfig
     telemetry: TelemetryConfig
     rule_scorer: RuleScorer
+    is_prediction_corrected: bool
     api_key: str | None
     traces: TraceConfig | None  # None: off
     scorer_path: str | None

@@ -100,6 +100,7 @@ class RowUse:
     num_tokens: int
     tpot_target_s: float | None
     predicted_end: float  # epoch seconds
+    pending_prompt_tokens: int = 0  # its prompt, until its first token arrives
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,8 @@ class LeaseReport:
     # Start leases it has placed a request in -> whether their actor has sent its first token (then it may
     # batch). Sent until a grant answers them: the registry's books follow the bind or spawn from then on.
     start_uses: dict[str, bool] = field(default_factory=dict)
+    # Actors it holds rows on -> their engine's step correction, as their last Started said (scorer.py).
+    step_corrections: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

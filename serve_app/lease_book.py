@@ -53,6 +53,9 @@ class _Start:
     num_warm: int
 
 
+STEP_CORRECTION_HALF_LIFE_S = 10.0
+
+
 class LeaseBook:
     def __init__(self, config: LeaseConfig, replica_id: str, max_batch: int, heartbeat_s: float,
                  node_cpus: int = 0) -> None:
@@ -72,6 +75,9 @@ class LeaseBook:
         self._start_uses: dict[str, bool] = {}  # start leases used -> first token seen; reported until answered
         self._started: set[str] = set()  # start leases whose actor sent its first token
         self._recalled: frozenset[str] = frozenset()  # start leases the registry wants back: unused, not used
+        # actor -> its engine's step correction as its last Started said, and when (monotonic): a join on it is
+        # priced by it, fading back to the rule's own (`_step_correction`)
+        self._step_corrections: dict[str, tuple[float, float]] = {}
 
     @property
     def num_rows(self) -> int:
@@ -96,6 +102,7 @@ class LeaseBook:
         valid now): the request takes the slow path."""
         if not self.is_valid(now):
             return None
+        now = time.monotonic() if now is None else now
         need = features.dispatch_bytes
         mine: dict[str, list[LeasedRow]] = {}  # actor -> every row of ours on it
         free: dict[str, int] = {}  # actor -> the largest fitting free row it has for us
@@ -122,7 +129,8 @@ class LeaseBook:
             others = batch.other_rows[:max(0, self._max_batch - len(ours))] if batch is not None else ()
             rows = used + others
             actors.append(ActorView(name, some_row.model, some_row.slot_id, "busy" if rows else "idle",
-                                    some_row.lane, True, some_row.resident_bytes, rows))
+                                    some_row.lane, True, some_row.resident_bytes, rows,
+                                    step_correction=self._step_correction(name, now)))
             # The slot as the registry last showed it, but with only what this replica may use of it free.
             base = batch.slot if batch is not None else SlotView(some_row.slot_id, "", row_bytes, 0, 1)
             seen = slots.get(base.slot_id)
@@ -274,7 +282,8 @@ class LeaseBook:
                 self._samples.pop(key, None)
         returned, self._returned = tuple(self._returned), []
         return LeaseReport(self.replica_id, self.ttl_s, returned, dict(self._used), tuple(wanted),
-                           frozenset(self._rows), start_uses=dict(self._start_uses))
+                           frozenset(self._rows), start_uses=dict(self._start_uses),
+                           step_corrections={name: self._step_correction(name, now) for name in self._step_corrections})
 
     def apply(self, report: LeaseReport, grant: LeaseGrant, sent_at: float) -> None:
         """The answer to `report`, sent at `sent_at` (monotonic): rows it knew of that the registry no
@@ -289,6 +298,9 @@ class LeaseBook:
         self._contended = grant.contended
         self._batches = {b.actor_name: b for b in grant.batches}
         self._valid_until = sent_at + self._usable_s
+        held_actors = {r.actor_name for r in self._rows.values()}
+        for name in [n for n in self._step_corrections if n not in held_actors]:
+            del self._step_corrections[name]
 
     def handed_over(self) -> list[AdoptedRow]:
         """Every row held, for a registry that restarted empty: re-adopted as rows are."""
@@ -338,10 +350,32 @@ class LeaseBook:
         row = self._rows.get(row_id)
         return row is not None and bool(row.start) and row_id not in self._started
 
+    def note_step_correction(self, actor_name: str, correction: float, now: float | None = None) -> None:
+        """What the actor's engine said of its steps when a request of ours started there (Started)."""
+        if correction > 0 and any(r.actor_name == actor_name for r in self._rows.values()):
+            self._step_corrections[actor_name] = (correction, time.monotonic() if now is None else now)
+
+    def _step_correction(self, actor_name: str, now: float) -> float:
+        """The actor's correction as last heard, fading back to 1 (the rule's own) with STEP_CORRECTION_HALF_LIFE_S.
+
+        It is heard only when a request starts there. An actor slowed by a burst and then left alone (every
+        request refused on the strength of that figure) would otherwise never be tried again: fading, its
+        next prediction is the rule's, a request is admitted, and its Started says how fast it runs now.
+        """
+        correction, at = self._step_corrections.get(actor_name, (1.0, now))
+        return 1.0 + (correction - 1.0) * 0.5 ** (max(0.0, now - at) / STEP_CORRECTION_HALF_LIFE_S)
+
+    def prompt_done(self, row_id: str) -> None:
+        """The request in leased row `row_id` has its first token: its prompt no longer delays a joiner's."""
+        use = self._used.get(row_id)
+        if use is not None and use.pending_prompt_tokens:
+            self._used[row_id] = replace(use, pending_prompt_tokens=0)
+
     def _use(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None) -> None:
         if row.start:
             self._start_uses[row.row_id] = False
-        self._used[row.row_id] = RowUse(features.num_tokens, features.tpot_target_s, predicted_end)
+        self._used[row.row_id] = RowUse(features.num_tokens, features.tpot_target_s, predicted_end,
+                                        features.input_tokens)
         key = (row.model, row.lane)
         in_use = sum(1 for r in self._rows.values() if (r.model, r.lane) == key and r.row_id in self._used)
         at = time.monotonic() if now is None else now
@@ -353,4 +387,4 @@ def _total_s(decision) -> float:
 
 
 def _row_view(row: LeasedRow, use: RowUse) -> RowView:
-    return RowView(row.row_bytes, use.num_tokens, use.tpot_target_s, use.predicted_end)
+    return RowView(row.row_bytes, use.num_tokens, use.tpot_target_s, use.predicted_end, use.pending_prompt_tokens)

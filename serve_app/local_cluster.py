@@ -48,6 +48,7 @@ from serve_app.registry import Outcome, SlotSpec
 from serve_app.scorer import Scorer
 from serve_app.shared_registry import SharedRegistry
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
+from serve_app.ttft_check import TtftCorrection
 from serve_app.warm_pool import LANES, WarmSpec
 
 log = logging.getLogger(__name__)
@@ -167,8 +168,8 @@ class LocalCluster:
         node.num_clusters += 1
         self._slots = [SlotSpec(f"{NODE_ID}/cpu{i}", NODE_ID, config.slots.cpu_slot_bytes)
                        for i in range(config.slots.num_cpu_slots)]
-        self._warm_specs = [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes)
-                            for m in models.values()]
+        self._warm_specs = [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes,
+                                     config.rule_scorer.node_cpus) for m in models.values()]
         self._pool_sizes = {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in models}
         self._tasks: set[asyncio.Task] = set()
         self._warm_wake: asyncio.Event | None = None
@@ -219,10 +220,11 @@ class LocalCluster:
         return fn()
 
     async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
-                    lease: SlowPathLease | None = None) -> Decision:
+                    lease: SlowPathLease | None = None, correction: TtftCorrection | None = None) -> Decision:
         self._ensure_running()
         return self._call("admit", lambda: self.registry.admit(features, spawn_name, request_id,
-                                                               replica_id=self.replica_id, lease=lease))
+                                                               replica_id=self.replica_id, lease=lease,
+                                                               correction=correction))
 
     async def exchange_leases(self, report: LeaseReport, timeout_s: float) -> LeaseGrant:
         return self._call("exchange_leases", lambda: self.registry.exchange_leases(report))

@@ -219,9 +219,11 @@ def decide(
     if not candidates:
         return _evict_or_reject(features, snapshot, policy, keep_new_hot, scorer)
     if best is None:
-        fastest = min(p.ttft_s for p in predictions)
+        fastest = min(range(len(predictions)), key=lambda i: predictions[i].ttft_s)
         return Reject("latency_target", policy.retry_after_s,
-                      f"no placement meets the latency targets (fastest predicted TTFT {fastest:.3f}s)")
+                      f"no placement meets the latency targets (fastest predicted TTFT "
+                      f"{predictions[fastest].ttft_s:.3f}s, a {candidates[fastest].kind} of "
+                      f"{len(candidates)} candidates)")
     chosen, predicted = candidates[best], predictions[best]
     if best < len(hot):
         actor_lane = hot_lanes[best]
@@ -245,7 +247,9 @@ def _candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | No
                      slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
                      actor.num_rows if actor else 0, actor.batch_tokens if actor else 0,
                      actor.resident_fraction if actor else 0.0,
-                     actor.min_tpot_target_s if actor is not None and kind == "join" else None)
+                     actor.min_tpot_target_s if actor is not None and kind == "join" else None,
+                     actor.pending_prompt_tokens if actor is not None and kind == "join" else 0,
+                     actor.step_correction if actor is not None and kind in ("hot", "join") else 1.0)
 
 
 def _hot_candidates(

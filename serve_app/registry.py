@@ -258,7 +258,7 @@ class RegistryState:
         is_lease = lease is not None and is_leased_row(decision)
         row = RowReservation(request_id, features.num_tokens, features.tpot_target_s, now + predicted_total,
                              now + (lease.ttl_s if is_lease else policy.busy_timeout_s(features, is_cold)),
-                             replica_id=replica_id, is_lease=is_lease)
+                             replica_id=replica_id, is_lease=is_lease, pending_prompt_tokens=features.input_tokens)
         if isinstance(decision, Spawn):
             is_committed = self._evict(decision.evict) and self.try_spawn(decision, spawn_name, features.model,
                                                                           row, now)
@@ -325,6 +325,9 @@ class RegistryState:
                 books.forget(actor)  # it exits by itself after its last row
                 return False
             actor.state, actor.idle_since = "idle", now
+            # What its batch's steps measured is no figure for it alone: with nobody left to report it again,
+            # a stale one would price (and refuse) every dispatch to it from now on.
+            actor.step_correction = 1.0
         books.touch_actor(actor)
         return False
 

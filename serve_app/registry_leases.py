@@ -67,6 +67,9 @@ class LeaseBooks:
                 del held[row_id]
             # else: placed by an admission whose answer the replica had not seen when it sent this; not
             # renewed, so it expires if the replica never learns of it
+        for name, actor in renewed.items():  # as this replica last heard it (fading), or the rule's own
+            correction = report.step_corrections.get(name, 1.0)
+            actor.step_correction = correction if correction > 0 else 1.0
         for actor in renewed.values():  # its view rebuilt once, not once per row
             self.books.touch_actor(actor)
         # Told now (`held` lacks them); remembered until a report no longer knows them (this grant may be lost).
@@ -268,6 +271,7 @@ def leased_row(actor: ActorRecord, row: RowReservation, books: Books) -> LeasedR
 
 def _record_use(row: RowReservation, use: RowUse | None, now: float) -> None:
     if use is None:  # free: it holds its bytes, and could take a request at once
-        row.num_tokens, row.tpot_target_s, row.predicted_end = 0, None, now
+        row.num_tokens, row.tpot_target_s, row.predicted_end, row.pending_prompt_tokens = 0, None, now, 0
     else:
         row.num_tokens, row.tpot_target_s, row.predicted_end = use.num_tokens, use.tpot_target_s, use.predicted_end
+        row.pending_prompt_tokens = use.pending_prompt_tokens

@@ -70,13 +70,18 @@ class RowReservation:
     # A row leased to `replica_id` (registry_leases.py): it places requests in it without asking, and
     # keeps it after they end; `busy_deadline` is its lease's expiry. Free while `num_tokens` is 0.
     is_lease: bool = False
+    # Its prompt tokens still to compute: all of them from its admission until its holder reports its first
+    # token (a joiner's prompt is fed after them, actors/scheduler.py). A row no replica reports keeps them
+    # until it ends: a join beside it is predicted slower, never faster, than it runs.
+    pending_prompt_tokens: int = 0
 
     @property
     def is_free_lease(self) -> bool:
         return self.is_lease and self.num_tokens == 0
 
     def view(self) -> RowView:
-        return RowView(self.request_bytes, self.num_tokens, self.tpot_target_s, self.predicted_end)
+        return RowView(self.request_bytes, self.num_tokens, self.tpot_target_s, self.predicted_end,
+                       self.pending_prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,9 @@ class ActorRecord:
     # An unused start lease (registry_leases.py): "warm", a warm actor held for a replica to bind; "spawn", an
     # actor committed for a replica to create. "" once its holder used it, and for every other actor.
     start_lease: str = ""
+    # Its engine's measured ÷ rule-predicted step time, as a replica relaying its rows last reported it (1: the
+    # rule's own): joins and dispatches on it are priced by it (scorer.py).
+    step_correction: float = 1.0
 
     @property
     def reserved_bytes(self) -> int:
@@ -139,4 +147,4 @@ class ActorRecord:
     def view(self) -> ActorView:
         return ActorView(self.name, self.model, self.slot_id, self.state, self.lane, self.is_hot,
                          self.resident_bytes, tuple(r.view() for r in self.rows.values()), self.resident_fraction,
-                         bool(self.start_lease))
+                         bool(self.start_lease), self.step_correction)

@@ -64,6 +64,7 @@ class Relay:
         except BaseException as e:
             raise self._failed(admitted, e, is_answer_started=False) from None
         admitted.started, admitted.started_at = first, time.time()
+        self.rows.started(admitted, first)
         return first
 
     def answer(self, admitted: Admitted, *, is_streamed: bool) -> Answer:

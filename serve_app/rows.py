@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from actors.messages import Completion, Started
@@ -39,6 +40,7 @@ from serve_app.offload import within
 from serve_app.policy import PolicyConfig
 from serve_app.registry import AdoptedActor, AdoptedRow, Outcome
 from serve_app.snapshot import RequestFeatures
+from serve_app.ttft_check import TtftCheck
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +85,10 @@ class Admitted:
 
 class Rows:
     def __init__(self, cluster: Cluster, leases: LeaseBook, metrics: IngressMetrics, policy: PolicyConfig,
-                 replica_id: str, *, drain_timeout_s: float, traces_writer: traces.TraceWriter | None) -> None:
+                 replica_id: str, ttft_check: TtftCheck | None, *, drain_timeout_s: float,
+                 traces_writer: traces.TraceWriter | None) -> None:
         self._cluster, self._leases, self._metrics, self._policy = cluster, leases, metrics, policy
+        self._ttft_check = ttft_check  # None: predictions are not corrected, nor their corrections learned
         self._replica_id = replica_id
         self._drain_timeout_s = drain_timeout_s
         self._traces = traces_writer
@@ -108,7 +112,14 @@ class Rows:
         """An idle actor was dispatched to, or evicted: it is not idle any more (or not at all)."""
         self._idle.pop(actor_name, None)
 
+    def started(self, admitted: Admitted, started: Started) -> None:
+        """The actor began computing the request: its engine's step correction prices its next joins."""
+        if self._ttft_check is not None:
+            self._leases.note_step_correction(admitted.actor_name, started.step_correction)
+
     def first_token(self, admitted: Admitted) -> None:
+        if admitted.lease_row is not None:  # its prompt is computed: a joiner's no longer waits behind it
+            self._leases.prompt_done(admitted.lease_row)
         if admitted.tier == "hot":
             return
         # Every weight is resident now: starting -> busy, and it may batch. On a start lease the registry
@@ -127,6 +138,9 @@ class Rows:
             predicted = getattr(admitted.decision, "prediction", None)
             if predicted is not None and predicted.ttft_s > 0:
                 self._metrics.observe_ttft_ratio(model, admitted.tier, ttft / predicted.ttft_s)
+                candidate = getattr(admitted.decision, "candidate", None)
+                if candidate is not None and self._ttft_check is not None:  # its kind's next predictions learn
+                    self._ttft_check.observe(candidate.kind, ttft, predicted.ttft_s, time.time())
             if admitted.tier == "cold":
                 self._metrics.cold_start.observe(t.first_token - t.actor_start, tags={"model": model})
         if t.last_token is not None and done.output_tokens > 1:

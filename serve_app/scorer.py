@@ -22,8 +22,12 @@ model predictions are malformed:
           batch's rows state a TPOT target, the engine feeds the prompt in chunks that keep each
           step within it (actors/scheduler.py): chunk = (target - tpot) / prefill token's cost,
           at least 1, and ttft = overhead + tpot * (1 + prompt steps) + (input - 1) / prefill_tokens_per_s
-          with prompt steps = ceil((input - 1) / chunk). A batch near its target takes a prompt a
-          few tokens a step: that join is predicted slow, not fast.
+          with prompt steps = ceil((pending + input - 1) / chunk): the engine feeds earlier
+          joiners' prompts first (`pending`: theirs still to compute, where the replica knows). A
+          batch near its target takes a prompt a few tokens a step: that join is predicted slow.
+    hot and join, on an actor whose engine said its steps run `step_correction` times the rule's
+    (its StartEvent: a busy host, another machine): every step and prompt term above times it,
+    as the engine's own planner does (actors/step_cost.py, StepCheck).
     warm: tpot = step_s(1, request tokens);  ttft = (1 - resident_fraction) * weight_bytes / load_bytes_per_s
                                                    + prefill_s  (the process is up; the rest streams in)
     cold: tpot = step_s(1, request tokens);  ttft = actor_start_s + weight_bytes / load_bytes_per_s + prefill_s
@@ -79,6 +83,8 @@ class Candidate:
     batch_tokens: int = 0  # KV positions those rows read per step, at most
     resident_fraction: float = 0.0  # share of the weights already loaded: 1 hot or join, a warm actor's N/L-ish
     batch_tpot_target_s: float | None = None  # join: the tightest TPOT target of the rows the batch runs
+    batch_pending_prompt_tokens: int = 0  # join: prompt tokens of its rows still to compute, where known
+    step_correction: float = 1.0  # hot or join: the actor's steps measured ÷ the rule's (ActorView)
 
 
 @dataclass(frozen=True)
@@ -150,33 +156,39 @@ class RuleScorer:
         return max(1.0, (max(0, others) + 1) / self.node_cpus)
 
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
-        prefill_s = self.overhead_s + self._cost.prefill_s(features.input_tokens)
+        compute_s = self._cost.prefill_s(features.input_tokens)
+        prefill_s = self.overhead_s + compute_s
         own_tokens, per_token = features.input_tokens + features.max_tokens, features.kv_bytes_per_token
         alone = self.step_s(1, own_tokens, per_token)
         start_s = self.start_s(features.weight_bytes)
         out = []
         for c in candidates:
+            k = c.step_correction  # a known actor's steps run k times the rule's (1 for a warm or cold one)
             if c.kind == "join":
-                tpot = self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
-                ttft = tpot + (prefill_s if c.batch_tpot_target_s is None
-                               else self._chunked_prefill_s(features.input_tokens, tpot, c.batch_tpot_target_s,
-                                                            per_token))
+                tpot = k * self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
+                ttft = tpot + (self.overhead_s + k * compute_s if c.batch_tpot_target_s is None
+                               else self._chunked_prefill_s(features.input_tokens, c.batch_pending_prompt_tokens,
+                                                            tpot, c.batch_tpot_target_s, per_token, k))
             elif c.kind == "warm":
                 to_load = max(0.0, 1.0 - c.resident_fraction) * features.weight_bytes
                 tpot, ttft = alone, self.contention(c) * to_load / self.load_bytes_per_s + prefill_s
             elif c.kind == "hot":
-                tpot, ttft = alone, prefill_s
+                tpot, ttft = k * alone, self.overhead_s + k * compute_s
             else:
                 tpot, ttft = alone, self.contention(c) * start_s + prefill_s
             out.append(Prediction(ttft, ttft + features.max_tokens * tpot, tpot))
         return out
 
-    def _chunked_prefill_s(self, input_tokens: int, tpot: float, target_s: float, kv_bytes_per_token: int) -> float:
-        """A joiner's prompt fed in chunks that keep each step of its batch within `target_s` (module doc)."""
-        token_s = self._cost.prefill_token_s(kv_bytes_per_token)
+    def _chunked_prefill_s(self, input_tokens: int, pending_tokens: int, tpot: float, target_s: float,
+                           kv_bytes_per_token: int, correction: float = 1.0) -> float:
+        """A joiner's prompt fed in chunks that keep each step of its batch within `target_s`, after the
+        `pending_tokens` of earlier joiners, on an actor whose steps run `correction` times the rule's
+        (module doc)."""
+        token_s = correction * self._cost.prefill_token_s(kv_bytes_per_token)
         chunk = max(1, int((target_s - tpot) / token_s))
-        steps = -(-max(0, input_tokens - 1) // chunk)
-        return self.overhead_s + tpot * max(1, steps) + max(0, input_tokens - 1) / self.prefill_tokens_per_s
+        tokens = pending_tokens + max(0, input_tokens - 1)
+        steps = -(-tokens // chunk)
+        return self.overhead_s + tpot * max(1, steps) + correction * tokens / self.prefill_tokens_per_s
 
 
 RULE_SCORER = RuleScorer()

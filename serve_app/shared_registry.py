@@ -25,6 +25,7 @@ from serve_app.registry import Outcome, ReconcileReport, RegistryState, SlotSpec
 from serve_app.registry_capacity import CapacityStatus
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
+from serve_app.ttft_check import TtftCorrection, corrected
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
 
@@ -60,7 +61,7 @@ class SharedRegistry:
 
     def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
               slot_stats: dict[str, tuple[float, float]] | None = None, replica_id: str = "",
-              lease: SlowPathLease | None = None) -> Decision:
+              lease: SlowPathLease | None = None, correction: TtftCorrection | None = None) -> Decision:
         """Decide with this registry's policy and scorer, and commit, in one step. `slot_stats`:
         slot_id -> (fragmentation, utilization) from telemetry, applied first (unknown slots skipped).
         With `lease`, a row on a hot actor is leased to `replica_id` (RegistryState.admit)."""
@@ -68,8 +69,8 @@ class SharedRegistry:
             for slot_id, (fragmentation, utilization) in (slot_stats or {}).items():
                 if slot_id in self._state.slot_ids:
                     self._state.update_slot_stats(slot_id, fragmentation, utilization)
-            return self._state.admit(features, self._policy, spawn_name, request_id, time.time(), self._scorer,
-                                     replica_id, lease)
+            return self._state.admit(features, self._policy, spawn_name, request_id, time.time(),
+                                     corrected(self._scorer, correction), replica_id, lease)
 
     def exchange_leases(self, report: LeaseReport) -> LeaseGrant:
         """A replica's lease heartbeat: returns, uses and wants in; its rows, renewed and granted, out."""

@@ -88,6 +88,9 @@ class RowView:
     num_tokens: int  # input + max_tokens: the KV positions it reads per step, at most
     tpot_target_s: float | None
     predicted_end: float  # epoch seconds, from the prediction it was admitted with
+    # Prompt tokens it has yet to compute, where its holder knows (a leased row: until its first token);
+    # 0 where unknown (the registry's own rows).
+    pending_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class ActorView:
     # An unused start lease's actor (lease.py): "starting" for the books, but not loading and not computing —
     # it neither slows its node's starts nor holds its warm pool back.
     is_start_lease: bool = False
+    # Its engine's measured ÷ rule-predicted step time, where its holder heard it (Started); 1: the rule's own.
+    step_correction: float = 1.0
 
     @property
     def reserved_bytes(self) -> int:
@@ -118,6 +123,11 @@ class ActorView:
     def batch_tokens(self) -> int:
         """KV positions the batch reads per step, at most (every row at its full length)."""
         return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens the batch's rows have yet to compute (as far as known): a joiner's prompt comes after."""
+        return sum(r.pending_prompt_tokens for r in self.rows)
 
     @property
     def min_tpot_target_s(self) -> float | None:

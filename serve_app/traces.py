@@ -12,7 +12,8 @@ the ingress; `null` where a value does not apply):
      "features": {"input_tokens", "max_tokens", "temperature", "top_k", "top_p", "weight_bytes",
                   "kv_bytes_per_token", "workspace_bytes", "actor_overhead_bytes",
                   "ttft_target_s", "total_target_s", "tpot_target_s"},
-     "decision": {"kind": "dispatch" | "join" | "bind" | "spawn" | "reject", "reason", "slot_id", "lane",
+     "decision": {"kind": "dispatch" | "join" | "bind" | "spawn" | "reject", "reason", "message" (a refusal's
+                  own words: what it found, the fastest predicted TTFT for a latency target), "slot_id", "lane",
                   "keep_hot", "reserve_bytes", "tier": "hot" | "join" | "warm" | "cold", "evict": [actor names],
                   "candidate": {Candidate's fields, batch_rows, batch_tokens and resident_fraction included},
                   "predicted": {"ttft_s", "total_s", "tpot_s"}},
@@ -189,7 +190,8 @@ def decision_record(decision: Any) -> dict[str, Any]:
     """A `Dispatch`, `Join`, `Bind`, `Spawn` or `Reject` (duck-typed) as the trace stores it."""
     kind = type(decision).__name__.lower()
     if kind == "reject":
-        return {"kind": kind, "reason": decision.reason, "retry_after_s": decision.retry_after_s}
+        return {"kind": kind, "reason": decision.reason, "retry_after_s": decision.retry_after_s,
+                "message": decision.message}
     candidate, predicted = decision.candidate, decision.prediction
     return {
         "kind": kind, "slot_id": decision.slot_id, "lane": decision.lane, "keep_hot": decision.keep_hot,

@@ -36,6 +36,7 @@ from serve_app.ray_cluster.warm_filler import WarmFiller
 from serve_app.registry import Outcome
 from serve_app.scorer import Scorer
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
+from serve_app.ttft_check import TtftCorrection
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class RayCluster:
         policy = config.policy
         self._warm = WarmFiller(
             self._link,
-            [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes) for m in models.values()],
+            [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes, config.rule_scorer.node_cpus)
+             for m in models.values()],
             {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in models},
             self._create_warm, new_actor_name, refresh_s=config.warm_refresh_s,
             ready_timeout_s=config.actor.load_timeout_s)
@@ -125,12 +127,12 @@ class RayCluster:
     # ---- the registry ----------------------------------------------------------------
 
     async def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
-                    lease: SlowPathLease | None = None) -> Decision:
+                    lease: SlowPathLease | None = None, correction: TtftCorrection | None = None) -> Decision:
         stats = self._slots.take_stats() if self._slots is not None else None
         try:
             decision = await within(
                 self._link.handle.admit.remote(features, spawn_name, request_id, stats, self.replica_id,
-                                               self._link.incarnation, lease),
+                                               self._link.incarnation, lease, correction),
                 self._config.registry_timeout_s)
         except _UNANSWERED as e:
             # Late: probe, and go on admitting. Gone: refuse at once until a heartbeat (which re-creates one

@@ -67,6 +67,7 @@ from serve_app.registry import (
 from serve_app.scorer import Scorer
 from serve_app.shared_registry import SharedRegistry
 from serve_app.snapshot import RequestFeatures
+from serve_app.ttft_check import TtftCorrection
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ class RegistryActor(SharedRegistry):
 
     def admit(self, features: RequestFeatures, spawn_name: str, request_id: str,
               slot_stats: dict[str, tuple[float, float]] | None = None, replica_id: str = "",
-              incarnation: str | None = None, lease: SlowPathLease | None = None) -> Decision:
+              incarnation: str | None = None, lease: SlowPathLease | None = None,
+              correction: TtftCorrection | None = None) -> Decision:
         """Decide with this registry's policy and scorer, and commit, in one call.
 
         `incarnation` is the one the caller last handed its rows to. A restarted registry refuses
@@ -102,7 +104,7 @@ class RegistryActor(SharedRegistry):
         """
         if incarnation is not None and incarnation != self.incarnation:
             return Reject("registry_restarted", None, "the admission registry restarted; retry shortly")
-        return super().admit(features, spawn_name, request_id, slot_stats, replica_id, lease)
+        return super().admit(features, spawn_name, request_id, slot_stats, replica_id, lease, correction)
 
     def exchange_leases(self, report: LeaseReport, incarnation: str | None = None) -> LeaseGrant | None:
         """A replica's lease heartbeat (it also counts as an attach); None from a registry the replica has not

@@ -2,7 +2,8 @@
 row's TPOT target is predicted to hold, and a join that would break one is not taken. Over HTTP on the
 in-process cluster: one slot, so every request is a row of its one hot actor or refused; rows are held
 open by gated requests (FaultyActor's `gate:`), and the rule's constants are set so that its
-predictions are known here: a step is 10 ms plus 5 ms per extra row, prompts and KV reads ~free."""
+predictions are known here: a step is 10 ms plus 5 ms per extra row, prompts and KV reads ~free
+(uncorrected: `is_prediction_corrected` off)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def _serve(tiny_zqs, max_batch: int) -> LocalServer:
                                     "slots": {"kind": "cpu", "num_cpu_slots": 1, "cpu_slot_bytes": 1 << 30},
                                     "policy": {"max_hot_short_actors": 1, "max_batch": max_batch,
                                                "num_warm_short_actors": 0, "num_warm_long_actors": 0},
-                                    "rule_scorer": RULE, "early_refusal_s": 0.0},
+                                    "rule_scorer": RULE, "early_refusal_s": 0.0,
+                                    # The rule's own predictions, known here: not corrected by the steps the
+                                    # tiny model's actor measures on this machine.
+                                    "is_prediction_corrected": False},
                        LocalClusterSpec(FaultyActor))
 
 

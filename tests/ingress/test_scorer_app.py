@@ -82,7 +82,9 @@ def test_an_unmeetable_target_is_refused_at_once_and_honestly(app):
     assert int(r.headers["retry-after"]) >= 1 and "latency target" in r.json()["error"]["message"]
     assert server.actor_names() <= before  # nothing was started
     line = _lines(traces, num_lines + 1)[num_lines]
-    assert line["decision"] == {"kind": "reject", "reason": "latency_target", "retry_after_s": 1.0}
+    assert line["decision"] | {"message": ""} == {"kind": "reject", "reason": "latency_target", "retry_after_s": 1.0,
+                                                   "message": ""}
+    assert "no placement meets the latency targets" in line["decision"]["message"]
     assert line["features"]["ttft_target_s"] == 0.001 and line["outcome"] is None
     # A target the model says is met is admitted.
     assert _post(base, {"x-zq-ttft-target-s": "30", "x-zq-total-target-s": "300"}).status_code == 200

@@ -4,6 +4,7 @@ leases among them; their own cases are tests/unit/test_start_leases.py)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -398,3 +399,60 @@ class LeaseMachine(RuleBasedStateMachine):
 
 TestLeaseMachine = LeaseMachine.TestCase
 TestLeaseMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_leased_rows_prompt_counts_as_pending_for_joiners_until_its_first_token():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    _slow_path(reg, book, "req-0", 0.0)  # a 10-token prompt, running in a leased row
+    _exchanged(reg, book, now=0.0)
+    [actor] = book.view(_features(), now=0.5).actors
+    assert actor.pending_prompt_tokens == 10  # a joiner's prompt would come after it
+    book.prompt_done("req-0")
+    [actor] = book.view(_features(), now=0.5).actors
+    assert actor.pending_prompt_tokens == 0 and actor.num_rows == 1
+
+
+def test_a_leased_actors_view_carries_the_step_correction_its_engine_last_reported():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    _slow_path(reg, book, "req-0", 0.0)
+    _exchanged(reg, book, now=0.0)
+    [actor] = book.view(_features(), now=0.5).actors
+    assert actor.step_correction == 1.0  # nothing heard yet: the rule's own
+    book.note_step_correction(actor.name, 1.8, now=0.5)  # a Started: its steps run 1.8x the rule's
+    book.note_step_correction("not-ours", 3.0, now=0.5)  # an actor this replica holds no row of: not kept
+    [actor] = book.view(_features(), now=0.5).actors
+    assert actor.step_correction == 1.8
+    assert "not-ours" not in book._step_corrections
+    # Unheard since, it fades back to the rule's own: an actor left alone is tried again.
+    _exchanged(reg, book, now=10.0)
+    [actor] = book.view(_features(), now=10.5).actors
+    assert actor.step_correction == pytest.approx(1.0 + 0.8 * 0.5)
+
+
+def test_the_registry_counts_a_rows_prompt_until_its_holder_reports_its_first_token_and_hears_its_correction():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    d = _slow_path(reg, book, "req-0", 0.0)
+    [actor] = reg.snapshot().actors
+    assert actor.pending_prompt_tokens == 10 and actor.step_correction == 1.0  # from its admission on
+    _exchanged(reg, book, now=0.5)
+    [actor] = reg.snapshot().actors
+    assert actor.pending_prompt_tokens == 10  # still computing its prompt, as its holder reports
+    book.note_step_correction(d.actor_name, 1.6, now=1.0)  # its Started: the actor's steps run 1.6x the rule's
+    book.prompt_done("req-0")
+    _exchanged(reg, book, now=1.0)
+    [actor] = reg.snapshot().actors
+    assert actor.pending_prompt_tokens == 0 and actor.step_correction == 1.6
+    reg.check_invariants()
+
+
+def test_an_actor_left_idle_is_priced_by_the_rule_again_not_by_its_last_batchs_steps():
+    reg = _registry()
+    d = reg.admit(_features(), POLICY, "unused", "req-0", 0.0)  # no lease: it ends through the registry
+    reg.books.actors[d.actor_name].step_correction = 2.5  # as a replica last reported its batch's steps
+    assert not reg.finish(d.actor_name, "req-0", "complete", 1.0)
+    [actor] = reg.snapshot().actors
+    assert actor.state == "idle" and actor.step_correction == 1.0
+    reg.check_invariants()

@@ -376,6 +376,9 @@ def test_a_join_into_a_batch_near_its_tpot_target_is_predicted_to_take_its_promp
     assert unchunked == pytest.approx(0.1 + 0.1 + 0.1)  # the step it waits for, the weights' pass, 100 tokens
     assert one_chunk == pytest.approx(0.1 + 0.1 * 1 + 0.1)
     assert ten_chunks == pytest.approx(0.1 + 0.1 * 10 + 0.1)
+    # Earlier joiners' prompts still to compute come first: 40 of them and its own 100, 14 chunks.
+    waiting = dataclasses.replace(tight, batch_pending_prompt_tokens=40)
+    assert rule.predict(f, [waiting])[0].ttft_s == pytest.approx(0.1 + 0.1 * 14 + 0.14)
     # A 41-token prompt with a TTFT target of 0.5 s: 4 chunks beside the tight batch (0.54 s), one beside the
     # roomy one (0.24 s). The tight batch is no place for it: the roomy one is taken, or nothing.
     snap = _snap([_busy_slot("a"), _busy_slot("b")], [
@@ -385,6 +388,28 @@ def test_a_join_into_a_batch_near_its_tpot_target_is_predicted_to_take_its_promp
     assert decide(targeted, snap, POLICY, rule).actor_name == "roomy"
     only_tight = _snap([_busy_slot("a")], [_actor("tight", "a", state="busy", rows=3, tpot=0.1105)])
     assert decide(targeted, only_tight, POLICY, rule).reason == "latency_target"
+
+
+def test_a_join_or_dispatch_is_priced_by_the_actors_own_step_correction():
+    f = _features(input_tokens=81, max_tokens=10, kv_bytes_per_token=0, ttft_target_s=1.0)
+    rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, overhead_s=0.01)
+    join = Candidate("join", "c", "y", 1, 1, 0, 0, batch_rows=3, batch_tokens=0, batch_tpot_target_s=0.2)
+    hot = Candidate("hot", "c", "y", 1, 1, 0, 0)
+    # Its engine measured steps twice the rule's (a busy host): a step of 0.2 s leaves no room beside the
+    # decode work, so the prompt goes a token a step (80 steps), not in one 80-token chunk.
+    slow_join, slow_hot = (dataclasses.replace(c, step_correction=2.0) for c in (join, hot))
+    p_join, p_hot, p_slow_join, p_slow_hot = rule.predict(f, [join, hot, slow_join, slow_hot])
+    assert p_join.ttft_s == pytest.approx(0.01 + 0.1 + 0.1 * 1 + 0.08)
+    assert p_slow_join.tpot_s == pytest.approx(0.2)
+    assert p_slow_join.ttft_s == pytest.approx(0.01 + 0.2 + 0.2 * 80 + 0.16)
+    assert p_slow_hot.ttft_s == pytest.approx(0.01 + 2 * (p_hot.ttft_s - 0.01))  # the overhead is not the actor's
+    assert p_slow_hot.tpot_s == pytest.approx(2 * p_hot.tpot_s)
+    # Within the TTFT target of 1 s by the rule alone (0.29 s): joined. By the actor's own steps, 16 s: refused.
+    snap = _snap([_busy_slot("a")], [_actor("y", "a", state="busy", rows=3, tpot=0.2)])
+    assert decide(f, snap, POLICY, rule).actor_name == "y"
+    slow = _snap([_busy_slot("a")], [dataclasses.replace(_actor("y", "a", state="busy", rows=3, tpot=0.2),
+                                                          step_correction=2.0)])
+    assert decide(f, slow, POLICY, rule).reason == "latency_target"
 
 
 def test_the_scorer_ranks_only_feasible_candidates_and_its_choice_is_followed():

@@ -65,7 +65,7 @@ def test_a_finished_request_leaves_its_features_decision_and_outcome(tmp_path):
         "ok": True, "error": None, "dispatch_s": 0.25, "reserved_bytes": 1200, "load_s": 2.0, "ttft_s": 3.5,
         "total_s": 4.25, "tpot_s": 0.75 / 7, "output_tokens": 8, "stop_reason": "max_tokens", "is_cold": True,
         "first_layers": 2, "peak_bytes": None})
-    assert second["decision"] == {"kind": "reject", "reason": "no_capacity", "retry_after_s": 1.0}
+    assert second["decision"] == {"kind": "reject", "reason": "no_capacity", "retry_after_s": 1.0, "message": "full"}
     assert second["outcome"] is None
     w.close()
 

@@ -1,0 +1,96 @@
+"""Predicted TTFT checked against measured TTFT, per placement kind, and the correction that follows. Pure.
+
+The rule (scorer.py) predicts from constants measured on a quiet machine; the engine corrects
+its own step planning by the steps it measures (actors/step_cost.py, StepCheck), and a join
+or dispatch is priced with that actor's correction. What neither sees is the rest of a
+first token's path as it runs now: a warm actor's first forward (its remaining layers
+loading, its kernels and pages touched for the first time) beside busy neighbours, a
+process start on a host that is also running the load generator, the ingress's own CPU.
+On the peer benchmark, warm binds took 1.8-2x their predicted TTFT at the median (4.6x at
+P90) while the steps were predicted within 6% (benchmarks/results/peer.md, before this).
+
+`TtftCheck` keeps, per candidate kind ("hot", "join", "warm", "cold"), a factor that the
+ingress multiplies that kind's predicted TTFT by (`CorrectedScorer`), learned from each
+admitted request's measured ÷ predicted TTFT:
+
+    log f  <-  log f + weight * log(measured / predicted)        (within [min_factor, max_factor])
+
+`predicted` is what the decision used, the factor of the time included, so the factor moves
+until the corrected predictions are right on a (geometric) average. A kind that is no
+longer chosen gets no samples, so its factor decays back toward 1 with `half_life_s`: a
+factor learned in a burst must not refuse that kind for good once the burst has passed.
+
+The registry decides the slow path's requests with the same correction: the replica sends its
+`TtftCorrection` with each admission (registry.py, `admit`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from serve_app.scorer import Candidate, Prediction, Scorer
+
+if TYPE_CHECKING:
+    from serve_app.snapshot import RequestFeatures
+
+
+@dataclass(frozen=True)
+class TtftCorrection:
+    """Per candidate kind, the factor its predicted TTFT is multiplied by (1 where absent)."""
+
+    factors: tuple[tuple[str, float], ...] = ()
+
+    def factor(self, kind: str) -> float:
+        return dict(self.factors).get(kind, 1.0)
+
+
+@dataclass(frozen=True)
+class CorrectedScorer:
+    """`base`'s predictions with each candidate kind's TTFT (and so its total) times its factor."""
+
+    base: Scorer
+    correction: TtftCorrection = field(default_factory=TtftCorrection)
+
+    def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
+        out = []
+        for c, p in zip(candidates, self.base.predict(features, candidates), strict=True):
+            ttft = p.ttft_s * self.correction.factor(c.kind)
+            out.append(replace(p, ttft_s=ttft, total_s=p.total_s + ttft - p.ttft_s))
+        return out
+
+
+def corrected(scorer: Scorer, correction: TtftCorrection | None) -> Scorer:
+    """`scorer` with `correction` applied, or as it is where there is none."""
+    return CorrectedScorer(scorer, correction) if correction is not None and correction.factors else scorer
+
+
+class TtftCheck:
+    def __init__(self, weight: float = 0.2, half_life_s: float = 20.0, min_factor: float = 0.5,
+                 max_factor: float = 4.0) -> None:
+        if not 0 < weight <= 1 or not half_life_s > 0 or not 0 < min_factor <= 1 <= max_factor:
+            raise ValueError(f"TtftCheck needs 0 < weight <= 1, half_life_s > 0 and min <= 1 <= max factor, got "
+                             f"{weight}, {half_life_s}, {min_factor}, {max_factor}")
+        self.weight, self.half_life_s = weight, half_life_s
+        self._lo, self._hi = math.log(min_factor), math.log(max_factor)
+        self._log_factor: dict[str, tuple[float, float]] = {}  # kind -> (log factor, when last set)
+
+    def observe(self, kind: str, measured_s: float, predicted_s: float, now: float) -> None:
+        """An admitted request of candidate kind `kind`: its TTFT as measured, and as its decision predicted it."""
+        if not (measured_s > 0 and predicted_s > 0):
+            return
+        log_f = self._decayed(kind, now) + self.weight * math.log(measured_s / predicted_s)
+        self._log_factor[kind] = (min(self._hi, max(self._lo, log_f)), now)
+
+    def factor(self, kind: str, now: float) -> float:
+        return math.exp(self._decayed(kind, now))
+
+    def correction(self, now: float) -> TtftCorrection:
+        """The factors as they stand at `now`, for the scorer (and the registry's slow path)."""
+        return TtftCorrection(tuple((kind, round(self.factor(kind, now), 4)) for kind in sorted(self._log_factor)))
+
+    def _decayed(self, kind: str, now: float) -> float:
+        log_f, at = self._log_factor.get(kind, (0.0, now))
+        return log_f * 0.5 ** (max(0.0, now - at) / self.half_life_s)

@@ -1,0 +1,71 @@
+"""TTFT predictions checked against measurements: the per-kind correction, and the decisions it changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.decisions import Join, Reject, Spawn
+from serve_app.registry import SlotSpec
+from serve_app.scorer import Candidate, RuleScorer
+from serve_app.shared_registry import SharedRegistry
+from serve_app.ttft_check import CorrectedScorer, TtftCheck, TtftCorrection, corrected
+from tests.helpers import features as _features
+from tests.helpers import policy
+
+RULE = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, overhead_s=0.0,
+                  actor_start_s=0.5, load_bytes_per_s=1e9)
+
+
+def test_a_kind_measured_slower_than_predicted_is_predicted_slower_until_its_predictions_are_right():
+    check = TtftCheck(weight=0.5, half_life_s=1e9)
+    factor = 1.0
+    for _ in range(30):  # warm binds take 3x the rule's prediction: each corrected prediction is checked
+        predicted = 0.2 * factor
+        check.observe("warm", 0.6, predicted, now=0.0)
+        factor = check.factor("warm", now=0.0)
+    assert factor == pytest.approx(3.0, rel=1e-3)
+    assert check.factor("hot", now=0.0) == 1.0  # another kind: untouched
+    assert dict(check.correction(0.0).factors) == {"warm": pytest.approx(3.0, rel=1e-3)}
+
+
+def test_the_factor_stays_within_its_bounds_and_decays_back_to_one_without_samples():
+    check = TtftCheck(weight=1.0, half_life_s=60.0, min_factor=0.5, max_factor=4.0)
+    check.observe("cold", 100.0, 1.0, now=0.0)  # one stalled start: at most 4x, however slow
+    assert check.factor("cold", now=0.0) == pytest.approx(4.0)
+    assert check.factor("cold", now=60.0) == pytest.approx(2.0)  # half of the log factor a minute on
+    assert check.factor("cold", now=600.0) == pytest.approx(1.0, abs=0.01)
+    check.observe("join", 0.01, 1.0, now=0.0)
+    assert check.factor("join", now=0.0) == pytest.approx(0.5)
+    check.observe("join", 0.0, 1.0, now=0.0)  # nothing measured: ignored
+    assert check.factor("join", now=0.0) == pytest.approx(0.5)
+
+
+def test_the_corrected_scorer_scales_each_kinds_ttft_and_total_and_leaves_tpot():
+    f = _features(input_tokens=11, max_tokens=10, kv_bytes_per_token=0)
+    hot, warm = Candidate("hot", "a", "x", 1, 1, 0, 0), Candidate("warm", "b", "w", 1, 1, 0, 0, resident_fraction=1.0)
+    base = RULE.predict(f, [hot, warm])
+    scorer = CorrectedScorer(RULE, TtftCorrection((("warm", 3.0),)))
+    p_hot, p_warm = scorer.predict(f, [hot, warm])
+    assert p_hot == base[0]
+    assert p_warm.ttft_s == pytest.approx(3 * base[1].ttft_s)
+    assert p_warm.total_s - p_warm.ttft_s == pytest.approx(base[1].total_s - base[1].ttft_s)
+    assert p_warm.tpot_s == base[1].tpot_s
+    assert corrected(RULE, None) is RULE and corrected(RULE, TtftCorrection()) is RULE
+
+
+def test_the_registry_decides_the_slow_path_with_the_replicas_correction():
+    # One hot actor runs a row on slot a; slot b is free. By the rule a request joins it within its 1 s target.
+    pol = policy(max_hot_short_actors=1, num_warm_short_actors=0)
+    reg = SharedRegistry(pol, RULE, spawn_grace_s=30.0, kill=lambda name: None)
+    reg.register_slots([SlotSpec("a", "n", 10**10), SlotSpec("b", "n", 10**10)])
+    f = _features(input_tokens=61, max_tokens=10, kv_bytes_per_token=0, ttft_target_s=1.0)
+    assert isinstance(reg.admit(f, "hot", "r0"), Spawn) and reg.actor_started("hot")
+    assert isinstance(reg.admit(f, "s1", "r1"), Join)
+    assert reg.finish("hot", "r1", "complete") is False
+    # The replica measured its joins at 4x their prediction (0.26 s: 1.04 s now) and its spawns at 2x (0.66 s:
+    # 1.32 s): neither is within the target. Refused, honestly, rather than admitted into seconds.
+    slow_joins = TtftCorrection((("cold", 2.0), ("join", 4.0)))
+    d = reg.admit(f, "s2", "r2", correction=slow_joins)
+    assert isinstance(d, Reject) and d.reason == "latency_target", d
+    assert isinstance(reg.admit(f, "s3", "r3"), Join)  # without it, the rule's own prediction again
+    reg.check_invariants()
