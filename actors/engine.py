@@ -7,7 +7,7 @@ next step boundary, with its own KV cache sized for prompt + max_tokens, its own
 sampling generator (seeded per request), text decoder and stop sequences. `step()` runs
 one forward over every row (`actors/scheduler.py` decides how far each advances: a decode
 row one token, a joining row a chunk of its prompt, sized so that the step's predicted time
-keeps every decoding row within its TPOT target), samples, and hands each row its
+keeps every decoding row's mean time per token within its TPOT target), samples, and hands each row its
 events; a row that ends leaves the batch, and its cache is freed, *before* its
 `FinishEvent` is delivered, so whoever reads that event may add the next request at once.
 
@@ -65,7 +65,7 @@ class Row:
     params: SamplingParams
     emit: Emit
     added_at: float
-    tpot_target_s: float | None = None  # bounds the prefill work of steps while this row decodes
+    tpot_target_s: float | None = None  # bounds its mean time per token, so the prefill work of steps beside it
     is_cancelled: bool = False
     caches: list[KVCache] | None = None  # allocated when the row joins
     num_prefilled: int = 0
@@ -128,7 +128,8 @@ class Engine:
             tpot_target_s: float | None = None) -> Row:
         """Queue a row to join at the next step boundary; raises BatchFullError when the batch is full.
 
-        `tpot_target_s`: once the row decodes, no step is planned longer than this (see the module doc).
+        `tpot_target_s`: once the row decodes, no step is planned that would take its mean time per
+        token past this (actors/scheduler.py: slack it has left may lengthen a step, to twice the target).
 
         Cancelled rows still in the batch do not count: they leave at the next boundary.
         """

@@ -21,9 +21,11 @@ advances by a chunk of it. The rule:
   one token per prefilling row: a target that this breaks was broken at admission.
 - What a decoding row accepts (`max_step_s`): its TPOT target is the mean time per output
   token once decoding, as a client measures it ((last token - first token) / (tokens - 1)),
-  not a bound on each step. A row whose steps so far ran faster than its target has slack,
-  and the next step may spend it: up to target * tokens so far - time since its first token,
-  so its mean stays within the target once the step is done. Never more than
+  not a bound on each step. A row whose steps so far ran faster than its target has slack
+  (target * intervals so far - time since its first token), and the next step may take the
+  target plus `SLACK_SHARE` of it, so its mean stays within the target once the step is
+  done. The time is the engine's step clock: the host's few ms between steps (sampling,
+  streaming) are not in it, which is what the share left unspent is for. Never more than
   `MAX_STEP_STRETCH` times the target: one long step is a visible stall in a stream. A
   joiner's prompt thus goes in a few large chunks rather than many small ones, and every
   chunk's step reads the weights once for many more prompt tokens.
@@ -41,17 +43,21 @@ from dataclasses import dataclass
 PredictStep = Callable[[int, int, int], float]
 
 MAX_STEP_STRETCH = 2.0  # no step planned past twice a row's TPOT target, whatever slack it has
+SLACK_SHARE = 0.9  # of a row's slack, what one step may spend (the rest covers the host's time between steps)
 
 
 def max_step_s(tpot_target_s: float | None, num_out: int, decode_elapsed_s: float) -> float | None:
     """The longest next step that keeps a decoding row's mean time per output token within its target.
 
-    After `num_out` >= 1 tokens, the first `decode_elapsed_s` ago, the row's next token makes
-    `num_out` intervals since its first: (decode_elapsed_s + step) / num_out <= target. None: no target.
+    After `num_out` >= 1 tokens, the first `decode_elapsed_s` ago, its slack is what its
+    `num_out - 1` intervals left under the target; the next step may take the target and
+    SLACK_SHARE of the slack (all of a deficit comes off), at most MAX_STEP_STRETCH times the
+    target. So (decode_elapsed_s + step) / num_out <= target. None: no target.
     """
     if tpot_target_s is None:
         return None
-    return min(MAX_STEP_STRETCH * tpot_target_s, tpot_target_s * max(1, num_out) - decode_elapsed_s)
+    slack = tpot_target_s * (max(1, num_out) - 1) - decode_elapsed_s
+    return min(MAX_STEP_STRETCH * tpot_target_s, tpot_target_s + (SLACK_SHARE * slack if slack > 0 else slack))
 
 
 @dataclass(frozen=True)

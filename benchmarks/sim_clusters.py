@@ -231,8 +231,7 @@ class IncrementalCluster:
             return decision, None
         end = _predicted_end(decision, now)
         if isinstance(decision, Spawn):
-            return decision, self._spawn(decision, int(decision.slot_id[1:]), request, features.num_tokens, end,
-                                         features.input_tokens).name
+            return decision, self._spawn(decision, int(decision.slot_id[1:]), request, features.num_tokens, end).name
         a = self.actors[decision.actor_name]
         if isinstance(decision, Dispatch):
             if a.state != "idle":
@@ -245,21 +244,17 @@ class IncrementalCluster:
         elif not (isinstance(decision, Join) and a.state == "busy" and a.is_hot
                   and len(a.rows) < self.policy.max_batch):
             raise RuntimeError(f"{decision} names an actor that cannot take a row")
-        # Its prompt counts as pending until it ends, as in the registry where no replica reports its first token.
-        a.rows[request] = RowView(decision.reserve_bytes, features.num_tokens, features.tpot_target_s, end,
-                                  features.input_tokens)
+        a.rows[request] = RowView(decision.reserve_bytes, features.num_tokens, features.tpot_target_s, end)
         self._reserve(a.slot, decision.reserve_bytes)
         self._changed(a)
         return decision, a.name
 
-    def _spawn(self, decision: Spawn, slot: int, request: int, num_tokens: int, end: float,
-               input_tokens: int = 0) -> _Actor:
+    def _spawn(self, decision: Spawn, slot: int, request: int, num_tokens: int, end: float) -> _Actor:
         if (self.total[slot] - self.reserved[slot] < decision.reserve_bytes
                 or self.num_actors[slot] >= self.policy.max_actors_per_slot):
             raise RuntimeError(f"{decision} does not fit slot {slot}")
         a = _Actor(self._next_seq, slot, decision.lane, decision.keep_hot, decision.resident_bytes)
-        a.rows[request] = RowView(decision.reserve_bytes - decision.resident_bytes, num_tokens, None, end,
-                                  input_tokens)
+        a.rows[request] = RowView(decision.reserve_bytes - decision.resident_bytes, num_tokens, None, end)
         self._next_seq += 1
         self.actors[a.name], self.by_seq[a.seq] = a, a
         self._reserve(slot, decision.reserve_bytes)

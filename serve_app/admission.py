@@ -194,7 +194,7 @@ class Admission:
         request_id = actor_request.request_id
         spawn_name = new_actor_name(model.id)
         hot_resident = model.numbers.weight_bytes + self.config.policy.actor_overhead_bytes  # its weights and process
-        correction = self.ttft_check.correction(time.time()) if self.config.is_prediction_corrected else None
+        correction = self.ttft_check.correction(model.id, time.time()) if self.config.is_prediction_corrected else None
         placed = self.leases.place(features, self.config.policy, corrected(self.scorer, correction), time.time())
         decision, lease = placed if placed is not None else (None, None)
         if decision is None:

@@ -107,7 +107,8 @@ class RegistryConfig:
 def _cold_start_s(features: RequestFeatures, scorer: Scorer) -> float:
     """A fresh actor's start to its first layers' worth of weights, as the rule predicts it: what a slot on a
     new node adds to that node's start before it serves (the trained scorer has no such constant)."""
-    return (scorer if isinstance(scorer, RuleScorer) else RULE_SCORER).start_s(features.weight_bytes)
+    base = getattr(scorer, "base", scorer)  # a CorrectedScorer's rule (ttft_check.py)
+    return (base if isinstance(base, RuleScorer) else RULE_SCORER).start_s(features.weight_bytes)
 
 
 def is_leased_row(decision: Decision) -> bool:
@@ -258,7 +259,10 @@ class RegistryState:
         is_lease = lease is not None and is_leased_row(decision)
         row = RowReservation(request_id, features.num_tokens, features.tpot_target_s, now + predicted_total,
                              now + (lease.ttl_s if is_lease else policy.busy_timeout_s(features, is_cold)),
-                             replica_id=replica_id, is_lease=is_lease, pending_prompt_tokens=features.input_tokens)
+                             replica_id=replica_id, is_lease=is_lease,
+                             # Its holder reports when its prompt is done. A row nobody reports is a start's
+                             # (no join before its first token) or on an actor that does not stay hot.
+                             pending_prompt_tokens=features.input_tokens if is_lease else 0)
         if isinstance(decision, Spawn):
             is_committed = self._evict(decision.evict) and self.try_spawn(decision, spawn_name, features.model,
                                                                           row, now)
@@ -325,8 +329,8 @@ class RegistryState:
                 books.forget(actor)  # it exits by itself after its last row
                 return False
             actor.state, actor.idle_since = "idle", now
-            # What its batch's steps measured is no figure for it alone: with nobody left to report it again,
-            # a stale one would price (and refuse) every dispatch to it from now on.
+            # Nobody runs a request there to report it again: a stale figure (a busy host's, a burst's) would
+            # price, and refuse, every dispatch to it from now on. The rule's own until a request starts there.
             actor.step_correction = 1.0
         books.touch_actor(actor)
         return False

@@ -67,9 +67,10 @@ class LeaseBooks:
                 del held[row_id]
             # else: placed by an admission whose answer the replica had not seen when it sent this; not
             # renewed, so it expires if the replica never learns of it
-        for name, actor in renewed.items():  # as this replica last heard it (fading), or the rule's own
-            correction = report.step_corrections.get(name, 1.0)
-            actor.step_correction = correction if correction > 0 else 1.0
+        for name, correction in report.step_corrections.items():  # as this replica last heard it (fading)
+            actor = renewed.get(name)
+            if actor is not None and correction > 0:
+                actor.step_correction = correction
         for actor in renewed.values():  # its view rebuilt once, not once per row
             self.books.touch_actor(actor)
         # Told now (`held` lacks them); remembered until a report no longer knows them (this grant may be lost).

@@ -70,9 +70,8 @@ class RowReservation:
     # A row leased to `replica_id` (registry_leases.py): it places requests in it without asking, and
     # keeps it after they end; `busy_deadline` is its lease's expiry. Free while `num_tokens` is 0.
     is_lease: bool = False
-    # Its prompt tokens still to compute: all of them from its admission until its holder reports its first
-    # token (a joiner's prompt is fed after them, actors/scheduler.py). A row no replica reports keeps them
-    # until it ends: a join beside it is predicted slower, never faster, than it runs.
+    # Its prompt tokens still to compute (a joiner's prompt is fed after them, actors/scheduler.py): a leased
+    # row's from its admission until its holder reports its first token; 0 where nobody reports it.
     pending_prompt_tokens: int = 0
 
     @property

@@ -120,6 +120,11 @@ class Rows:
     def first_token(self, admitted: Admitted) -> None:
         if admitted.lease_row is not None:  # its prompt is computed: a joiner's no longer waits behind it
             self._leases.prompt_done(admitted.lease_row)
+        predicted = getattr(admitted.decision, "prediction", None)
+        candidate = getattr(admitted.decision, "candidate", None)
+        if self._ttft_check is not None and predicted is not None and candidate is not None:
+            now = time.time()  # its kind's next predictions learn from it at once, not when it ends
+            self._ttft_check.observe(admitted.model_id, candidate.kind, now - admitted.arrival, predicted.ttft_s, now)
         if admitted.tier == "hot":
             return
         # Every weight is resident now: starting -> busy, and it may batch. On a start lease the registry
@@ -138,9 +143,6 @@ class Rows:
             predicted = getattr(admitted.decision, "prediction", None)
             if predicted is not None and predicted.ttft_s > 0:
                 self._metrics.observe_ttft_ratio(model, admitted.tier, ttft / predicted.ttft_s)
-                candidate = getattr(admitted.decision, "candidate", None)
-                if candidate is not None and self._ttft_check is not None:  # its kind's next predictions learn
-                    self._ttft_check.observe(candidate.kind, ttft, predicted.ttft_s, time.time())
             if admitted.tier == "cold":
                 self._metrics.cold_start.observe(t.first_token - t.actor_start, tags={"model": model})
         if t.last_token is not None and done.output_tokens > 1:

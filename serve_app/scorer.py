@@ -17,14 +17,18 @@ model predictions are malformed:
     prefill_s = decode_s_per_token + (input_tokens - 1) / prefill_tokens_per_s
                 (the weights' pass, then each further prompt token: actors/step_cost.py)
     hot:  tpot = step_s(1, request tokens);                 ttft = prefill_s
-    join: tpot = step_s(rows + 1, batch tokens + request's); ttft = tpot + prefill_s
-          (the next step boundary, then its prompt; the batch keeps decoding beside it). Where the
-          batch's rows state a TPOT target, the engine feeds the prompt in chunks that keep each
-          step within it (actors/scheduler.py): chunk = (target - tpot) / prefill token's cost,
+    join: tpot = step_s(rows + 1, batch tokens + request's);
+          ttft = tpot + prefill_s + pending / prefill_tokens_per_s
+          (the next step boundary, then the prompts ahead of it and its own; the batch keeps
+          decoding beside it). Where the batch's rows state a TPOT target, the engine feeds the
+          prompts in chunks that keep the rows' mean time per token within it (actors/scheduler.py),
+          predicted as no more than the target each step: chunk = (target - tpot) / prefill token's cost,
           at least 1, and ttft = overhead + tpot * (1 + prompt steps) + (input - 1) / prefill_tokens_per_s
           with prompt steps = ceil((pending + input - 1) / chunk): the engine feeds earlier
           joiners' prompts first (`pending`: theirs still to compute, where the replica knows). A
-          batch near its target takes a prompt a few tokens a step: that join is predicted slow.
+          batch near its target takes a prompt a few tokens a step: that join is predicted slow
+          (slower than the engine, which may spend rows' slack on a larger chunk: the join's
+          measured ÷ predicted TTFT corrects it, serve_app/ttft_check.py).
     hot and join, on an actor whose engine said its steps run `step_correction` times the rule's
     (its StartEvent: a busy host, another machine): every step and prompt term above times it,
     as the engine's own planner does (actors/step_cost.py, StepCheck).
@@ -43,8 +47,8 @@ model predictions are malformed:
 A decode step reads every weight once for the whole batch, so a row more costs a little
 compute (`batch_row_cost`) and its KV reads, not another pass over the weights. The
 constants are placeholders of the right order for a small model, not measurements. Beyond
-its node's busy actors (`node_cpus`), the rule does not look at the slot, so every cold
-candidate on an idle node gets the same prediction and
+its node's busy actors (`node_cpus`) and an actor's own step correction, the rule does not look at the
+slot, so every cold candidate on an idle node gets the same prediction and, with no correction,
 every hot one is faster than any join, and any join than any cold one; with ties kept in
 candidate order, `decide` reduces to "the first idle hot actor, else the batch with the
 fewest rows and KV positions, else the first slot that fits" (first fit). A warm actor
@@ -166,7 +170,8 @@ class RuleScorer:
             k = c.step_correction  # a known actor's steps run k times the rule's (1 for a warm or cold one)
             if c.kind == "join":
                 tpot = k * self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
-                ttft = tpot + (self.overhead_s + k * compute_s if c.batch_tpot_target_s is None
+                ttft = tpot + (self.overhead_s + k * (compute_s + c.batch_pending_prompt_tokens / self.prefill_tokens_per_s)
+                               if c.batch_tpot_target_s is None
                                else self._chunked_prefill_s(features.input_tokens, c.batch_pending_prompt_tokens,
                                                             tpot, c.batch_tpot_target_s, per_token, k))
             elif c.kind == "warm":

@@ -176,6 +176,13 @@ class ClusterSnapshot:
         counts = self._states_by_node.get(node_id, {})
         return sum(n for state, n in counts.items() if state not in ("idle", "warm"))
 
+    def num_computing_on_node(self, node_id: str) -> int:
+        """Actors using a node's CPU now: starting or warming (a process start, a load), or running a request
+        (a hot actor holding only free leased rows is "busy" for the books, but computes nothing)."""
+        slots = {s.slot_id for s in self.slots if s.node_id == node_id}
+        return sum(1 for a in self.actors if a.slot_id in slots and not a.is_start_lease and (
+            a.state in ("starting", "warming") or any(r.num_tokens > 0 for r in a.rows)))
+
     def num_starting_on_node(self, node_id: str) -> int:
         """Actors loading for a request on a node (spawned or bound, before their first token)."""
         return self._states_by_node.get(node_id, {}).get("starting", 0)

@@ -9,9 +9,9 @@ process start on a host that is also running the load generator, the ingress's o
 On the peer benchmark, warm binds took 1.8-2x their predicted TTFT at the median (4.6x at
 P90) while the steps were predicted within 6% (benchmarks/results/peer.md, before this).
 
-`TtftCheck` keeps, per candidate kind ("hot", "join", "warm", "cold"), a factor that the
-ingress multiplies that kind's predicted TTFT by (`CorrectedScorer`), learned from each
-admitted request's measured ÷ predicted TTFT:
+`TtftCheck` keeps, per model and candidate kind ("hot", "join", "warm", "cold"), a factor
+that the ingress multiplies that kind's predicted TTFT by (`CorrectedScorer`), learned from
+each admitted request's measured ÷ predicted TTFT the moment its first token arrives:
 
     log f  <-  log f + weight * log(measured / predicted)        (within [min_factor, max_factor])
 
@@ -19,6 +19,8 @@ admitted request's measured ÷ predicted TTFT:
 until the corrected predictions are right on a (geometric) average. A kind that is no
 longer chosen gets no samples, so its factor decays back toward 1 with `half_life_s`: a
 factor learned in a burst must not refuse that kind for good once the burst has passed.
+A request that ends before its first token (its client gave up, its actor failed) leaves no
+sample: the factor can lag behind the slowest first tokens.
 
 The registry decides the slow path's requests with the same correction: the replica sends its
 `TtftCorrection` with each admission (registry.py, `admit`).
@@ -75,22 +77,24 @@ class TtftCheck:
                              f"{weight}, {half_life_s}, {min_factor}, {max_factor}")
         self.weight, self.half_life_s = weight, half_life_s
         self._lo, self._hi = math.log(min_factor), math.log(max_factor)
-        self._log_factor: dict[str, tuple[float, float]] = {}  # kind -> (log factor, when last set)
+        # (model, kind) -> (log factor, when last set): one entry per model and kind served, never more
+        self._log_factor: dict[tuple[str, str], tuple[float, float]] = {}
 
-    def observe(self, kind: str, measured_s: float, predicted_s: float, now: float) -> None:
-        """An admitted request of candidate kind `kind`: its TTFT as measured, and as its decision predicted it."""
+    def observe(self, model: str, kind: str, measured_s: float, predicted_s: float, now: float) -> None:
+        """A request of `model` placed on a candidate of `kind`: its TTFT as measured, and as predicted."""
         if not (measured_s > 0 and predicted_s > 0):
             return
-        log_f = self._decayed(kind, now) + self.weight * math.log(measured_s / predicted_s)
-        self._log_factor[kind] = (min(self._hi, max(self._lo, log_f)), now)
+        log_f = self._decayed((model, kind), now) + self.weight * math.log(measured_s / predicted_s)
+        self._log_factor[(model, kind)] = (min(self._hi, max(self._lo, log_f)), now)
 
-    def factor(self, kind: str, now: float) -> float:
-        return math.exp(self._decayed(kind, now))
+    def factor(self, model: str, kind: str, now: float) -> float:
+        return math.exp(self._decayed((model, kind), now))
 
-    def correction(self, now: float) -> TtftCorrection:
-        """The factors as they stand at `now`, for the scorer (and the registry's slow path)."""
-        return TtftCorrection(tuple((kind, round(self.factor(kind, now), 4)) for kind in sorted(self._log_factor)))
+    def correction(self, model: str, now: float) -> TtftCorrection:
+        """The model's factors as they stand at `now`, for the scorer (and the registry's slow path)."""
+        return TtftCorrection(tuple((kind, round(self.factor(model, kind, now), 4))
+                                    for m, kind in sorted(self._log_factor) if m == model))
 
-    def _decayed(self, kind: str, now: float) -> float:
-        log_f, at = self._log_factor.get(kind, (0.0, now))
+    def _decayed(self, key: tuple[str, str], now: float) -> float:
+        log_f, at = self._log_factor.get(key, (0.0, now))
         return log_f * 0.5 ** (max(0.0, now - at) / self.half_life_s)

@@ -13,8 +13,8 @@ request that needs it. A refill waits while a request's actor on the same node i
 "starting" (loading its weights, before its first token): a process start and a load
 take the node's host CPU, which that request's load and prefill need now; the pool is
 for the next request, not worth this one's first token. For the same reason a refill waits
-while its node's cores are all computing (`WarmSpec.node_cpus`, the rule's: as many busy
-actors as cores): a start beside them would take its CPU from their steps, stretching every
+while its node's cores are all computing (`WarmSpec.node_cpus`, the rule's: as many actors
+starting, warming or running a request as cores, this plan's own fills counted): a start beside them would take its CPU from their steps, stretching every
 running row's tokens and every joiner's prompt, for a request that may never come. It fills
 once a core is free again (the fillers retry every `warm_refresh_s`).
 
@@ -70,7 +70,8 @@ def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: Pol
                active_models: set[str]) -> list[WarmFill]:
     """The warm actors missing from each active model's pool, each on the first slot that fits."""
     added_bytes: dict[str, int] = {}
-    added_actors: dict[str, int] = {}
+    added_actors: dict[str, int] = {}  # by slot
+    added_on_node: dict[str, int] = {}  # the fills this plan starts, by node: they compute too
     fills: list[WarmFill] = []
     for spec in specs:
         if spec.model not in active_models:
@@ -78,21 +79,23 @@ def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: Pol
         for lane in LANES:
             missing = policy.num_warm(spec.model, lane) - snapshot.warm_count(spec.model, lane)
             for _ in range(max(0, missing)):
-                slot = _first_fit(snapshot, spec, policy.max_actors_per_slot, added_bytes, added_actors)
+                slot = _first_fit(snapshot, spec, policy.max_actors_per_slot, added_bytes, added_actors, added_on_node)
                 if slot is None:
                     break
                 added_bytes[slot.slot_id] = added_bytes.get(slot.slot_id, 0) + spec.resident_bytes
                 added_actors[slot.slot_id] = added_actors.get(slot.slot_id, 0) + 1
+                added_on_node[slot.node_id] = added_on_node.get(slot.node_id, 0) + 1
                 fills.append(WarmFill(spec.model, lane, slot.slot_id, spec.resident_bytes, slot.node_id))
     return fills
 
 
 def _first_fit(snapshot: ClusterSnapshot, spec: WarmSpec, max_actors: int, added_bytes: dict[str, int],
-               added_actors: dict[str, int]) -> SlotView | None:
+               added_actors: dict[str, int], added_on_node: dict[str, int]) -> SlotView | None:
     for slot in snapshot.slots:
         if snapshot.num_starting_on_node(slot.node_id):
             continue
-        if spec.node_cpus and snapshot.num_busy_on_node(slot.node_id) >= spec.node_cpus:
+        computing = snapshot.num_computing_on_node(slot.node_id) + added_on_node.get(slot.node_id, 0)
+        if spec.node_cpus and computing >= spec.node_cpus:
             continue  # every core computes: a start now would slow them all (module docstring)
         free = slot.free_bytes - added_bytes.get(slot.slot_id, 0)
         if free >= spec.resident_bytes and slot.num_actors + added_actors.get(slot.slot_id, 0) < max_actors:

@@ -144,7 +144,7 @@ def test_a_tight_target_shrinks_the_chunk_and_no_target_leaves_the_cap():
 def test_a_rows_step_limit_is_its_target_plus_the_slack_its_faster_steps_left_at_most_twice_the_target():
     assert max_step_s(None, 5, 1.0) is None
     assert max_step_s(0.2, 1, 0.05) == pytest.approx(0.15)  # first token 50 ms ago: the gap counts already
-    assert max_step_s(0.2, 5, 0.6) == pytest.approx(0.4)  # 4 steps of 0.15 s: 0.2 s of slack
+    assert max_step_s(0.2, 5, 0.6) == pytest.approx(0.2 + 0.9 * 0.2)  # 4 steps of 0.15 s: 0.2 s of slack
     assert max_step_s(0.2, 50, 5.0) == pytest.approx(MAX_STEP_STRETCH * 0.2)  # more slack than one step may spend
     assert max_step_s(0.2, 5, 1.2) == pytest.approx(-0.2)  # behind its target: the shortest step possible
 

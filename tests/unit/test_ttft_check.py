@@ -21,23 +21,25 @@ def test_a_kind_measured_slower_than_predicted_is_predicted_slower_until_its_pre
     factor = 1.0
     for _ in range(30):  # warm binds take 3x the rule's prediction: each corrected prediction is checked
         predicted = 0.2 * factor
-        check.observe("warm", 0.6, predicted, now=0.0)
-        factor = check.factor("warm", now=0.0)
+        check.observe("m", "warm", 0.6, predicted, now=0.0)
+        factor = check.factor("m", "warm", now=0.0)
     assert factor == pytest.approx(3.0, rel=1e-3)
-    assert check.factor("hot", now=0.0) == 1.0  # another kind: untouched
-    assert dict(check.correction(0.0).factors) == {"warm": pytest.approx(3.0, rel=1e-3)}
+    assert check.factor("m", "hot", now=0.0) == 1.0  # another kind: untouched
+    assert check.factor("other", "warm", now=0.0) == 1.0  # another model: untouched
+    assert dict(check.correction("m", 0.0).factors) == {"warm": pytest.approx(3.0, rel=1e-3)}
+    assert check.correction("other", 0.0) == TtftCorrection()
 
 
 def test_the_factor_stays_within_its_bounds_and_decays_back_to_one_without_samples():
     check = TtftCheck(weight=1.0, half_life_s=60.0, min_factor=0.5, max_factor=4.0)
-    check.observe("cold", 100.0, 1.0, now=0.0)  # one stalled start: at most 4x, however slow
-    assert check.factor("cold", now=0.0) == pytest.approx(4.0)
-    assert check.factor("cold", now=60.0) == pytest.approx(2.0)  # half of the log factor a minute on
-    assert check.factor("cold", now=600.0) == pytest.approx(1.0, abs=0.01)
-    check.observe("join", 0.01, 1.0, now=0.0)
-    assert check.factor("join", now=0.0) == pytest.approx(0.5)
-    check.observe("join", 0.0, 1.0, now=0.0)  # nothing measured: ignored
-    assert check.factor("join", now=0.0) == pytest.approx(0.5)
+    check.observe("m", "cold", 100.0, 1.0, now=0.0)  # one stalled start: at most 4x, however slow
+    assert check.factor("m", "cold", now=0.0) == pytest.approx(4.0)
+    assert check.factor("m", "cold", now=60.0) == pytest.approx(2.0)  # half of the log factor a minute on
+    assert check.factor("m", "cold", now=600.0) == pytest.approx(1.0, abs=0.01)
+    check.observe("m", "join", 0.01, 1.0, now=0.0)
+    assert check.factor("m", "join", now=0.0) == pytest.approx(0.5)
+    check.observe("m", "join", 0.0, 1.0, now=0.0)  # nothing measured: ignored
+    assert check.factor("m", "join", now=0.0) == pytest.approx(0.5)
 
 
 def test_the_corrected_scorer_scales_each_kinds_ttft_and_total_and_leaves_tpot():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from serve_app.decisions import Bind, Spawn
 from serve_app.policy import PolicyConfig, decide
 from serve_app.registry import RegistryState, RowReservation, SlotSpec
-from serve_app.snapshot import ActorView, ClusterSnapshot, SlotView
+from serve_app.snapshot import ActorView, ClusterSnapshot, RowView, SlotView
 from serve_app.warm_pool import WarmFill, WarmSpec, plan_fills
 from tests.helpers import features as _features
 from tests.helpers import policy
@@ -105,6 +105,18 @@ def test_no_refill_while_every_core_of_the_node_computes_and_one_once_a_core_is_
     reg.finish(w1, "r1", "complete", now=2.0)  # w1 served and goes: a core is free again
     assert [n for n, _ in reg.fill_warm([two_cores], short_only, {"m": ["w3"]}, now=2.5)] == ["w3"]
     reg.check_invariants()
+
+
+def test_a_hot_actor_holding_only_free_leased_rows_computes_nothing_and_one_plan_fills_no_core_twice():
+    two_cores = WarmSpec("m", 1000, node_cpus=2)
+    pool_of_two = policy(num_warm_short_actors=2, num_warm_long_actors=0)
+    free_rows = ActorView("hot", "m", "a", "busy", "short", True, 1000, (RowView(20, 0, None, 0.0),))
+    running = ActorView("hot", "m", "a", "busy", "short", True, 1000, (RowView(20, 30, None, 0.0),))
+    slots = [_slot("a", reserved=1020, num_actors=1), _slot("b"), _slot("c")]
+    # Leased rows, none in use: both cores are free, and the plan takes both (not a third start).
+    assert [f.slot_id for f in plan_fills(_snap(slots, [free_rows]), [two_cores], pool_of_two, {"m"})] == ["b", "c"]
+    # A request runs there: one core is left, and one fill takes it.
+    assert [f.slot_id for f in plan_fills(_snap(slots, [running]), [two_cores], pool_of_two, {"m"})] == ["b"]
 
 
 def test_a_models_warm_actors_retire_once_it_is_idle_and_are_not_refilled_until_it_is_asked_for():
