@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import yaml
 
 from actors.actor_config import ActorConfig
 from benchmarks.common import cores, cpu_model, load_average, make_serve_env, stop_session, version_of
@@ -171,7 +172,7 @@ def _tokenizer_dir(zqs: Path, into: Path) -> Path:
 
 def measure(args: argparse.Namespace) -> dict:
     tokenizer = _tokenizer_dir(args.zqs, PEER_DIR / "tokenizer")
-    data: dict = {"rates": args.rates, "servers": {}}
+    data: dict = {"rates": args.rates, "servers": {}, "targets": serve_targets()}
     for server in servers(args):
         proc = _start(server, PEER_DIR / f"{server.name}.log")
         try:
@@ -190,6 +191,12 @@ def measure(args: argparse.Namespace) -> dict:
             stop_session(proc)
         time.sleep(5)  # the last server's processes gone before the next one starts
     return data
+
+
+def serve_targets(path: Path = Path("configs/serve.yaml")) -> dict[str, float]:
+    """The served model's default latency targets, as `make serve`'s config states them."""
+    model = yaml.safe_load(path.read_text())["applications"][0]["args"]["models"][0]
+    return {k: model.get(k) for k in ("ttft_target_s", "tpot_target_s")}
 
 
 def _predictions(base: str) -> dict:
@@ -213,6 +220,7 @@ def resummarise(data: dict) -> dict:
 def report(data: dict) -> str:
     zq, peer = data["servers"]["zeroqueue"], data["servers"]["llama.cpp"]
     command, elapsed_s = data["command"], data["elapsed_s"]
+    targets = data.get("targets") or serve_targets()  # (a run from before they were kept: the config's now)
     lines = [
         "# zeroqueue against llama.cpp's server: the same model, machine and GuideLLM profile, in one run",
         "",
@@ -224,7 +232,8 @@ def report(data: dict) -> str:
         "",
         "Model: SmolLM2-135M-Instruct. zeroqueue: `serve run configs/serve.yaml` as `make serve` runs it (direct "
         "ingress, HAProxy; its .zqs packed bf16, computed as `actor.compute_dtype: auto` decides; the default "
-        "targets TTFT 1 s, TPOT 0.2 s: a request predicted past them is refused). llama.cpp: `llama-server` on "
+        f"targets TTFT {targets['ttft_target_s']:g} s, TPOT {targets['tpot_target_s']:g} s: a request predicted past "
+        "them is refused). llama.cpp: `llama-server` on "
         "the wheel's GGUF converted to BF16, "
         "8 parallel slots, 2 threads, its queue unbounded.",
         "",
