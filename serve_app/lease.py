@@ -64,10 +64,12 @@ class LeaseConfig:
 class SlowPathLease:
     """What a replica with leases adds to a slow-path admission: the ttl of the row it may be leased, and
     its free rows of the request's model, given back first — they could not take the request, but their
-    bytes and places may let the registry place it."""
+    bytes and places may let the registry place it — and its rows in use as they are now (the registry's
+    books lag up to a heartbeat: a join decided there must see the prompts just placed on its leases)."""
 
     ttl_s: float
     returned: tuple[str, ...] = ()
+    in_use: dict[str, RowUse] = field(default_factory=dict)  # row id -> its request, as in LeaseReport
 
 
 StartKind = Literal["", "warm", "spawn"]

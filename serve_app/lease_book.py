@@ -350,6 +350,11 @@ class LeaseBook:
         row = self._rows.get(row_id)
         return row is not None and bool(row.start) and row_id not in self._started
 
+    def in_use(self, model: str) -> dict[str, RowUse]:
+        """The rows of `model` this replica runs requests in now, and their requests (SlowPathLease)."""
+        return {row_id: use for row_id, use in self._used.items()
+                if (row := self._rows.get(row_id)) is not None and row.model == model}
+
     def note_step_correction(self, actor_name: str, correction: float, now: float | None = None) -> None:
         """What the actor's engine said of its steps when a request of ours started there (Started)."""
         if correction > 0 and any(r.actor_name == actor_name for r in self._rows.values()):

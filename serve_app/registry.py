@@ -233,6 +233,8 @@ class RegistryState:
             return Reject("no_capacity", None, f"request {request_id} was given up before it was admitted")
         for row_id in lease.returned if lease is not None else ():
             self.leases.give_back(replica_id, row_id, now)
+        if lease is not None and lease.in_use:
+            self.leases.record_uses(replica_id, lease.in_use, now)
         self.books.last_request_at[features.model] = now
         snapshot = self.snapshot()
         decision = decide(features, snapshot, policy, scorer)

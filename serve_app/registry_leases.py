@@ -134,6 +134,15 @@ class LeaseBooks:
         node = self.books.slots[slot_id].node_id
         return bool(want.node_cpus) and self.books.snapshot().num_busy_on_node(node) + 1 > want.node_cpus
 
+    def record_uses(self, replica: str, in_use: dict[str, RowUse], now: float) -> None:
+        """`replica`'s rows in use as it sees them now, ahead of a slow-path decision (SlowPathLease)."""
+        held = self.books.leased_to(replica)
+        for row_id, use in in_use.items():
+            if row_id in held:
+                actor, row = held[row_id]
+                _record_use(row, use, now)
+                self.books.touch_actor(actor)
+
     def refused(self, model: str, now: float) -> None:
         """The registry refused a request of `model` for want of capacity: its holders hear it's contended."""
         self._refused_at[model] = now

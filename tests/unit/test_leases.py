@@ -456,3 +456,21 @@ def test_an_actor_left_idle_is_priced_by_the_rule_again_not_by_its_last_batchs_s
     [actor] = reg.snapshot().actors
     assert actor.state == "idle" and actor.step_correction == 1.0
     reg.check_invariants()
+
+
+def test_a_slow_path_decision_sees_the_prompts_the_replica_placed_on_its_leases_since_its_last_report():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(headroom_rows=1), "A", POLICY.max_batch, heartbeat_s=1.0)
+    _slow_path(reg, book, "req-0", 0.0)
+    book.prompt_done("req-0")
+    _exchanged(reg, book, now=0.5)  # req-0 decoding; one more row leased, free
+    assert book.num_free == 1
+    row = book.take(_place(book, now=0.6), _features(), predicted_end=3.0, now=0.6)  # no registry call
+    [actor] = reg.snapshot().actors
+    assert actor.pending_prompt_tokens == 0  # the registry has not heard of it yet
+    # The next request takes the slow path: its admission carries the replica's rows in use.
+    reg.admit(_features(), POLICY, "unused", "req-2", 0.7, replica_id="A",
+              lease=SlowPathLease(book.ttl_s, (), book.in_use("m")))
+    held = reg.books.leased_to("A")
+    assert held[row.row_id][1].pending_prompt_tokens == 10 and held[row.row_id][1].num_tokens == 20
+    reg.check_invariants()
