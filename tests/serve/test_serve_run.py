@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from benchmarks.common import make_serve_env
+from serve_app.latency_targets import TPOT_HEADER, TTFT_HEADER
 
 ROOT = Path(__file__).parents[2]
 
@@ -124,9 +125,14 @@ def _a_newcomers_first_requests_meet_no_registry_deadline() -> None:
     messages = [{"role": "user", "content": "Say hi."}]
     system = "Be brief."
     endings = []
+    # Loose latency targets of their own: on a CPU the rest of the suite shares, the actors' measured steps
+    # (which admission prices) can put a join past serve.yaml's 1 s TTFT, and that honest refusal is not the
+    # registry's deadline this checks.
+    loose = {TTFT_HEADER: "60", TPOT_HEADER: "60"}
     # The JSON half on the replica's own port (direct ingress, as `make serve` offers it): one process hop and
     # its CPU fewer on a machine the rest of the suite shares; the registry is asked the same either way.
-    with httpx.Client(base_url=BASE, timeout=120) as client, httpx.Client(base_url=DIRECT, timeout=120) as direct:
+    with (httpx.Client(base_url=BASE, timeout=120, headers=loose) as client,
+          httpx.Client(base_url=DIRECT, timeout=120, headers=loose) as direct):
         for i in range(191):
             if i % 2:
                 r = direct.post("/v1/chat/completions", json={
@@ -137,15 +143,15 @@ def _a_newcomers_first_requests_meet_no_registry_deadline() -> None:
                                                                  "system": system, "messages": messages}) as s:
                     endings.append((s.status_code, s.read().decode()))
     with ThreadPoolExecutor(8) as pool:
-        endings += pool.map(lambda _: _post_one(system, messages), range(8))
+        endings += pool.map(lambda _: _post_one(system, messages, loose), range(8))
     assert len(endings) == 199
     assert not [text for status, text in endings if "registry" in text], [e for e in endings if e[0] != 200][:3]
     assert all(status == 200 for status, _ in endings), [e for e in endings if e[0] != 200][:3]
 
 
-def _post_one(system: str, messages: list[dict]) -> tuple[int, str]:
-    r = httpx.post(f"{BASE}/v1/messages", timeout=120, json={"model": MODEL, "max_tokens": 1, "system": system,
-                                                            "messages": messages})
+def _post_one(system: str, messages: list[dict], headers: dict[str, str] | None = None) -> tuple[int, str]:
+    r = httpx.post(f"{BASE}/v1/messages", timeout=120, headers=headers,
+                   json={"model": MODEL, "max_tokens": 1, "system": system, "messages": messages})
     return r.status_code, r.text
 
 
