@@ -31,6 +31,7 @@ from serve_app.policy import PolicyConfig, decide
 from serve_app.registry_records import AdoptedRow
 from serve_app.scorer import Scorer
 from serve_app.snapshot import ActorView, ClusterSnapshot, Lane, RequestFeatures, RowView, SlotView
+from serve_app.ttft_check import faded
 
 Key = tuple[str, Lane]  # (model, lane)
 
@@ -368,7 +369,7 @@ class LeaseBook:
         next prediction is the rule's, a request is admitted, and its Started says how fast it runs now.
         """
         correction, at = self._step_corrections.get(actor_name, (1.0, now))
-        return 1.0 + (correction - 1.0) * 0.5 ** (max(0.0, now - at) / STEP_CORRECTION_HALF_LIFE_S)
+        return 1.0 + faded(correction - 1.0, now - at, STEP_CORRECTION_HALF_LIFE_S)
 
     def prompt_done(self, row_id: str) -> None:
         """The request in leased row `row_id` has its first token: its prompt no longer delays a joiner's."""

@@ -7,7 +7,7 @@ first token's path as it runs now: a warm actor's first forward (its remaining l
 loading, its kernels and pages touched for the first time) beside busy neighbours, a
 process start on a host that is also running the load generator, the ingress's own CPU.
 On the peer benchmark, warm binds took 1.8-2x their predicted TTFT at the median (4.6x at
-P90) while the steps were predicted within 6% (benchmarks/results/peer.md, before this).
+P90) while the steps were predicted within 6% (benchmarks/results/peer.md as of commit 2d2a959).
 
 `TtftCheck` keeps, per model and candidate kind ("hot", "join", "warm", "cold"), a factor
 that the ingress multiplies that kind's predicted TTFT by (`CorrectedScorer`), learned from
@@ -64,6 +64,12 @@ class CorrectedScorer:
         return out
 
 
+def faded(deviation: float, age_s: float, half_life_s: float) -> float:
+    """A correction's deviation from none, halved every `half_life_s` unheard: a figure no longer confirmed
+    fades back to the rule's own (here a log factor; lease_book.py an actor's step correction less 1)."""
+    return deviation * 0.5 ** (max(0.0, age_s) / half_life_s)
+
+
 def corrected(scorer: Scorer, correction: TtftCorrection | None) -> Scorer:
     """`scorer` with `correction` applied, or as it is where there is none."""
     return CorrectedScorer(scorer, correction) if correction is not None and correction.factors else scorer
@@ -97,4 +103,4 @@ class TtftCheck:
 
     def _decayed(self, key: tuple[str, str], now: float) -> float:
         log_f, at = self._log_factor.get(key, (0.0, now))
-        return log_f * 0.5 ** (max(0.0, now - at) / self.half_life_s)
+        return faded(log_f, now - at, self.half_life_s)

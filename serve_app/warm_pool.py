@@ -72,6 +72,7 @@ def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: Pol
     added_bytes: dict[str, int] = {}
     added_actors: dict[str, int] = {}  # by slot
     added_on_node: dict[str, int] = {}  # the fills this plan starts, by node: they compute too
+    computing: dict[str, int] = {}  # node -> actors computing there, counted once per plan
     fills: list[WarmFill] = []
     for spec in specs:
         if spec.model not in active_models:
@@ -79,7 +80,8 @@ def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: Pol
         for lane in LANES:
             missing = policy.num_warm(spec.model, lane) - snapshot.warm_count(spec.model, lane)
             for _ in range(max(0, missing)):
-                slot = _first_fit(snapshot, spec, policy.max_actors_per_slot, added_bytes, added_actors, added_on_node)
+                slot = _first_fit(snapshot, spec, policy.max_actors_per_slot, added_bytes, added_actors, added_on_node,
+                                  computing)
                 if slot is None:
                     break
                 added_bytes[slot.slot_id] = added_bytes.get(slot.slot_id, 0) + spec.resident_bytes
@@ -90,12 +92,14 @@ def plan_fills(snapshot: ClusterSnapshot, specs: Sequence[WarmSpec], policy: Pol
 
 
 def _first_fit(snapshot: ClusterSnapshot, spec: WarmSpec, max_actors: int, added_bytes: dict[str, int],
-               added_actors: dict[str, int], added_on_node: dict[str, int]) -> SlotView | None:
+               added_actors: dict[str, int], added_on_node: dict[str, int],
+               computing: dict[str, int]) -> SlotView | None:
     for slot in snapshot.slots:
         if snapshot.num_starting_on_node(slot.node_id):
             continue
-        computing = snapshot.num_computing_on_node(slot.node_id) + added_on_node.get(slot.node_id, 0)
-        if spec.node_cpus and computing >= spec.node_cpus:
+        if slot.node_id not in computing:
+            computing[slot.node_id] = snapshot.num_computing_on_node(slot.node_id)
+        if spec.node_cpus and computing[slot.node_id] + added_on_node.get(slot.node_id, 0) >= spec.node_cpus:
             continue  # every core computes: a start now would slow them all (module docstring)
         free = slot.free_bytes - added_bytes.get(slot.slot_id, 0)
         if free >= spec.resident_bytes and slot.num_actors + added_actors.get(slot.slot_id, 0) < max_actors:
