@@ -60,7 +60,9 @@ class CorrectedScorer:
         out = []
         for c, p in zip(candidates, self.base.predict(features, candidates), strict=True):
             ttft = p.ttft_s * self.correction.factor(c.kind)
-            out.append(replace(p, ttft_s=ttft, total_s=p.total_s + ttft - p.ttft_s))
+            # max(): where the base predicts total == ttft (a one-token answer, or XGBScorer's clamp), the
+            # sum below can round an ulp under ttft, and a malformed prediction sends policy to the rule.
+            out.append(replace(p, ttft_s=ttft, total_s=max(ttft, p.total_s + ttft - p.ttft_s)))
         return out
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from serve_app.decisions import Join, Reject, Spawn
 from serve_app.registry import SlotSpec
-from serve_app.scorer import Candidate, RuleScorer
+from serve_app.scorer import Candidate, Prediction, RuleScorer
 from serve_app.shared_registry import SharedRegistry
 from serve_app.ttft_check import CorrectedScorer, TtftCheck, TtftCorrection, corrected
 from tests.helpers import features as _features
@@ -53,6 +53,23 @@ def test_the_corrected_scorer_scales_each_kinds_ttft_and_total_and_leaves_tpot()
     assert p_warm.total_s - p_warm.ttft_s == pytest.approx(base[1].total_s - base[1].ttft_s)
     assert p_warm.tpot_s == base[1].tpot_s
     assert corrected(RULE, None) is RULE and corrected(RULE, TtftCorrection()) is RULE
+
+
+class _Flat:
+    """A scorer whose total equals its TTFT, as XGBScorer's clamp makes it where its total predicts under."""
+
+    def predict(self, features, candidates):
+        return [Prediction(0.1, 0.1, 0.01) for _ in candidates]
+
+
+def test_a_corrected_total_never_rounds_under_its_ttft():
+    # 0.1 * 0.7 + 0.1 - 0.1 rounds below 0.1 * 0.7: before the fix policy found the prediction malformed
+    # and decided by the rule instead of the trained scorer (CI saw it in test_scorer_app).
+    f = _features(input_tokens=11, max_tokens=10, kv_bytes_per_token=0)
+    hot = Candidate("hot", "a", "x", 1, 1, 0, 0)
+    for factor in (0.5, 0.7, 0.9, 1.3, 3.7):
+        (p,) = CorrectedScorer(_Flat(), TtftCorrection((("hot", factor),))).predict(f, [hot])
+        assert p.ttft_s <= p.total_s and p.ttft_s == pytest.approx(0.1 * factor)
 
 
 def test_the_registry_decides_the_slow_path_with_the_replicas_correction():
