@@ -10,7 +10,8 @@
    end-to-end SLO; nothing else).
 2. One local Ray cluster and Serve on loopback. The systems run one at a time, each
    deployed, warmed, measured and removed (with every actor it left): the unbounded queue
-   first, then zeroqueue, then the bounded queue (load_apps).
+   first, then zeroqueue, then the bounded queue, then the unbounded queue at each other
+   batch of `--queue-ongoing` (load_apps).
 3. Per system: its saturation throughput, closed loop (slots x max_batch clients, each
    sending its next request when its last one ends, after a warm-up); then the sweep's
    open-loop Poisson points and any `--extras`, each after the system has settled. The
@@ -73,6 +74,7 @@ class Plan:
     config_path: str
     slo: Slo
     impairment: Impairment
+    queue_ongoing: tuple[int, ...] = load_apps.QUEUE_ONGOING  # the unbounded queue's other batches tried
     reject_bound_s: float = REJECT_BOUND_S
     max_retry_wait_s: float = MAX_RETRY_WAIT_S
 
@@ -80,16 +82,19 @@ class Plan:
 def make_plan(args: argparse.Namespace) -> Plan:
     extras = tuple(x for x in (args.extras or "").split(",") if x)
     extra_scenarios(extras, args.quick)  # unknown names fail here, before anything starts
+    ongoing = tuple(int(n) for n in (args.queue_ongoing or "").split(",") if n)
+    if any(n < 1 for n in ongoing):
+        raise SystemExit(f"--queue-ongoing takes positive batch sizes, got {args.queue_ongoing}")
     if args.quick:
         # Every load point, a few seconds each: the harness end to end, not figures to quote.
         budget = Budget(total_s=60 * (args.budget_min or 4), target_n=40, min_s=4, max_s=6, floor_s=3)
         return Plan(True, LOADS, extras, budget, timeout_s=8.0, capacity_warmup_s=3, capacity_window_s=6,
                     per_point_s=4, calibration_repeats=1, max_in_flight=1000, seed=args.seed, port=args.port,
-                    config_path=args.config, slo=Slo(), impairment=Impairment())
+                    config_path=args.config, slo=Slo(), impairment=Impairment(), queue_ongoing=ongoing)
     budget = Budget(total_s=60 * (args.budget_min or 25))
     return Plan(False, LOADS, extras, budget, timeout_s=30.0, capacity_warmup_s=15, capacity_window_s=45,
                 per_point_s=6, calibration_repeats=3, max_in_flight=1000, seed=args.seed, port=args.port,
-                config_path=args.config, slo=Slo(), impairment=Impairment())
+                config_path=args.config, slo=Slo(), impairment=Impairment(), queue_ongoing=ongoing)
 
 
 def measure(plan: Plan, command: str) -> dict[str, Any]:
@@ -186,7 +191,7 @@ class Harness:
 def _plan_sweep(plan: Plan, data: dict[str, Any], harness: Harness, capacity_rps: float, left_s: float,
                 per_system_s: float, extras: tuple[Scenario, ...]) -> list[Scenario]:
     """The sweep's points (and the extras) at multiples of the unbounded queue's capacity; schedules written."""
-    n = len(load_apps.RUN_ORDER)
+    n = len(load_apps.run_order(plan.queue_ongoing))
     overheads = Overheads(per_system_s, plan.per_point_s, plan.timeout_s + 5)
     durations, scale = plan_durations(plan.loads, capacity_rps, plan.budget, left_s, n, n - 1, overheads)
     expected = (n - 1) * per_system_s + sweep_cost_s(durations, plan.loads, n, overheads)
@@ -216,7 +221,7 @@ def _run_systems(plan: Plan, args: dict[str, Any], work: Path, model_id: str, pr
 
     harness = Harness(plan, work, model_id, prompts)
     probe_req = Probe(model_id, prompts, harness.common["max_tokens"])
-    slots, places = data["slots"], data["places"]
+    slots = data["slots"]
     fast_s = max(1.0, 4 * data["calibration"]["short"]["service_s"])
     data["capacity"], scenarios = {}, []
     # Logical CPUs: the 2 slots (zeroqueue actors or baseline replicas, num_cpus=1 each) and
@@ -226,13 +231,14 @@ def _run_systems(plan: Plan, args: dict[str, Any], work: Path, model_id: str, pr
     _exit_on_sigterm()  # again: ray.init installs its own handler, which aborts before any `finally` runs
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": plan.port})
-        for system in load_apps.RUN_ORDER:
+        for system in load_apps.run_order(plan.queue_ongoing):
             t_system = time.monotonic()
             load_apps.deploy(system, args)
             try:
                 load_apps.wait_ready(harness.base)
                 load_apps.warm_up(harness.base, probe_req, slots)
-                cap = data["capacity"][system] = harness.capacity(system, places)
+                clients = load_apps.places(args, system)  # enough to fill every replica's batch
+                cap = data["capacity"][system] = harness.capacity(system, clients)
                 if system == load_apps.UNBOUNDED:
                     if not cap["rps"] > 0:
                         raise RuntimeError(f"{system} completed nothing in its capacity window: nothing to plan from")
@@ -295,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                                          "burst, lossy, slo")
     parser.add_argument("--config", default="benchmarks/load.yaml", help="the zeroqueue serve config every "
                                                                          "system is built from")
+    parser.add_argument("--queue-ongoing", default=",".join(map(str, load_apps.QUEUE_ONGOING)),
+                        help="the unbounded queue's other max_ongoing_requests (batches) to run, comma-separated "
+                             "(default %(default)s; empty: none); the report names the best queue by its goodput")
     parser.add_argument("--budget-min", type=float, help="minutes the run should take (default 25; 4 with --quick)")
     parser.add_argument("--port", type=int, default=8790, help="Serve's HTTP port, on 127.0.0.1")
     parser.add_argument("--seed", type=int, default=7, help="draws the arrival schedules and closed-loop classes")

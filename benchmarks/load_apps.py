@@ -13,6 +13,10 @@ alone while it is measured.
   service time (a full batch turns over once in c / X seconds, X the saturation throughput,
   ~1-2 s on this machine), within a 2 s TTFT SLO, while a longer queue only adds requests
   that will miss it.
+- `queue-ongoing-N` (`--queue-ongoing`): the unbounded queue with each replica taking N requests at once
+  (its engine's `max_batch` = `max_ongoing_requests` = N) instead of zeroqueue's max_batch. With
+  `queue-unbounded` these are the queue's configurations; the report compares zeroqueue against the best
+  of them by its own goodput (issue 23), not only against the queue at zeroqueue's settings.
 """
 
 from __future__ import annotations
@@ -33,8 +37,32 @@ ZEROQUEUE, UNBOUNDED, BOUNDED = "zeroqueue", "queue-unbounded", "queue-bounded"
 # The order they run in: the unbounded baseline first, since its measured capacity sets
 # every offered load.
 RUN_ORDER = (UNBOUNDED, ZEROQUEUE, BOUNDED)
+# The unbounded queue's other `max_ongoing_requests` the benchmark tries by default (with max_batch's 8:
+# issue 23's {8, 12, 16}).
+QUEUE_ONGOING = (12, 16)
+ONGOING_PREFIX = "queue-ongoing-"
+
+
+def ongoing_system(n: int) -> str:
+    return f"{ONGOING_PREFIX}{n}"
+
+
 # The order reports list them in.
-SYSTEMS = (ZEROQUEUE, UNBOUNDED, BOUNDED)
+SYSTEMS = (ZEROQUEUE, UNBOUNDED, BOUNDED, *map(ongoing_system, QUEUE_ONGOING))
+
+
+def run_order(queue_ongoing: tuple[int, ...]) -> tuple[str, ...]:
+    """RUN_ORDER, then the unbounded queue at each of `queue_ongoing`."""
+    return (*RUN_ORDER, *map(ongoing_system, queue_ongoing))
+
+
+def max_ongoing(system: str, args: dict[str, Any]) -> int:
+    """What one replica (or zeroqueue actor) of `system` runs at once: its batch."""
+    from serve_app.policy import PolicyConfig
+
+    if system.startswith(ONGOING_PREFIX):
+        return int(system.removeprefix(ONGOING_PREFIX))
+    return PolicyConfig(**args.get("policy", {})).max_batch
 
 
 @dataclass(frozen=True)
@@ -55,11 +83,10 @@ def bounded_queue(args: dict[str, Any]) -> int:
     return places(args)
 
 
-def places(args: dict[str, Any]) -> int:
-    """c: requests the slots run at once, slots x max_batch (CPU slots: this benchmark runs on CPUs)."""
-    from serve_app.policy import PolicyConfig
-
-    return int(args.get("slots", {}).get("num_cpu_slots", 2)) * PolicyConfig(**args.get("policy", {})).max_batch
+def places(args: dict[str, Any], system: str = ZEROQUEUE) -> int:
+    """c: requests the slots run at once, slots x max_batch (CPU slots: this benchmark runs on CPUs); for a
+    `queue-ongoing-N`, slots x N."""
+    return int(args.get("slots", {}).get("num_cpu_slots", 2)) * max_ongoing(system, args)
 
 
 def deploy(app: str, args: dict[str, Any]) -> None:
@@ -74,8 +101,10 @@ def deploy(app: str, args: dict[str, Any]) -> None:
         from benchmarks.baseline.app import UNBOUNDED as SERVE_UNBOUNDED
         from benchmarks.baseline.app import build_app
 
-        bound = SERVE_UNBOUNDED if app == UNBOUNDED else bounded_queue(args)
-        built = build_app({**args, "baseline": {"max_queued_requests": bound}})
+        queue = {"max_queued_requests": bounded_queue(args) if app == BOUNDED else SERVE_UNBOUNDED}
+        if app.startswith(ONGOING_PREFIX):
+            queue["max_ongoing_requests"] = max_ongoing(app, args)
+        built = build_app({**args, "baseline": queue})
     t0 = time.monotonic()
     serve.run(built, name=app, route_prefix="/")
     log.info("%s deployed in %.1f s", app, time.monotonic() - t0)

@@ -13,11 +13,14 @@ matplotlib.use("Agg")  # files only; no display on a benchmark machine
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
-from benchmarks.load_apps import SYSTEMS  # noqa: E402
+from benchmarks.load_apps import QUEUE_ONGOING, SYSTEMS, ongoing_system  # noqa: E402
 from benchmarks.load_stats import Record, Summary, timeline  # noqa: E402
 
-COLORS = {"zeroqueue": "tab:blue", "queue-unbounded": "tab:red", "queue-bounded": "tab:orange"}
-MARKERS = {"zeroqueue": "o", "queue-unbounded": "s", "queue-bounded": "^"}
+# The queue at other batches (queue-ongoing-N) in lighter reds, dashed in the sweep.
+COLORS = {"zeroqueue": "tab:blue", "queue-unbounded": "tab:red", "queue-bounded": "tab:orange",
+          **{ongoing_system(n): c for n, c in zip(QUEUE_ONGOING, ("lightcoral", "brown"), strict=False)}}
+MARKERS = {"zeroqueue": "o", "queue-unbounded": "s", "queue-bounded": "^",
+           **{ongoing_system(n): m for n, m in zip(QUEUE_ONGOING, ("v", "D"), strict=False)}}
 
 
 def _records(run: dict[str, Any], app: str) -> list[Record]:
@@ -35,7 +38,8 @@ def plot_sweep(points: Mapping[float, Mapping[str, Mapping[str, Summary]]],
         xs = [f for f in loads if s in points[f]]
         if not xs:
             continue
-        style = {"color": COLORS[s], "marker": MARKERS[s], "label": s}
+        style = {"color": COLORS.get(s, "gray"), "marker": MARKERS.get(s, "x"), "label": s,
+                 "linestyle": "--" if s.startswith("queue-ongoing-") else "-"}
         good.plot(xs, [points[f][s]["all"].goodput_rps for f in xs], **style)
         refused.plot(xs, [100 * points[f][s]["all"].rejection_rate for f in xs], **style)
         for ax, cls in ((short, "short"), (every, "all")):
@@ -77,17 +81,17 @@ def plot_burst(data: dict[str, Any], path: Path) -> None:
         if not recs:
             continue
         done = [r for r in recs if r.ok and r.ttft is not None]
-        top.scatter([r.t_sched for r in done], [r.ttft for r in done], s=8, alpha=0.6, color=COLORS[app],
+        top.scatter([r.t_sched for r in done], [r.ttft for r in done], s=8, alpha=0.6, color=COLORS.get(app, "gray"),
                     label=f"{app}: TTFT, completed")
-        mid.scatter([r.t_sched for r in done], [r.e2e for r in done], s=8, alpha=0.6, color=COLORS[app],
+        mid.scatter([r.t_sched for r in done], [r.e2e for r in done], s=8, alpha=0.6, color=COLORS.get(app, "gray"),
                     label=f"{app}: end to end, completed")
         refused = [r for r in recs if r.rejected]
-        mid.scatter([r.t_sched for r in refused], [r.e2e for r in refused], s=12, marker="x", color=COLORS[app],
+        mid.scatter([r.t_sched for r in refused], [r.e2e for r in refused], s=12, marker="x", color=COLORS.get(app, "gray"),
                     label=f"{app}: 503 answered in")
         bins = timeline(recs, duration)
         xs = [b.start for b in bins]
-        low.step(xs, [b.rejected for b in bins], where="post", color=COLORS[app], label=f"{app}: 503 refused")
-        low.step(xs, [b.failed for b in bins], where="post", color=COLORS[app], linestyle=":",
+        low.step(xs, [b.rejected for b in bins], where="post", color=COLORS.get(app, "gray"), label=f"{app}: 503 refused")
+        low.step(xs, [b.failed for b in bins], where="post", color=COLORS.get(app, "gray"), linestyle=":",
                  label=f"{app}: failed / abandoned")
         if app == SYSTEMS[0]:
             low.step(xs, [b.offered for b in bins], where="post", color="gray", alpha=0.5, label="offered")

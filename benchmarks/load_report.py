@@ -108,6 +108,7 @@ def _document(data, points: Summaries, extras: Summaries, floor_rows, gs: list[G
               for g in gs]
     notes = [f"- {g.name.split('.')[0]}: {g.note}" for g in gs if g.note]
     lines += ["", "Why, where a goal was missed (from this run's figures):", "", *notes] if notes else []
+    lines += _best_queue(data, points)
     lines += warm_section(data, points, extras)
     x = data["sweep"]["capacity_rps"]
     lines += ["", "## Refusals against the Erlang-B floor", "",
@@ -189,6 +190,10 @@ def _setup(data: dict[str, Any]) -> list[str]:
         "answers 503 at once beyond it. A careful operator's bound: one more full batch per replica may wait, and "
         "the last of a full queue waits about one batch's service time (c / X, below), within the TTFT SLO; a "
         "longer queue only holds requests that will miss it",
+        *([f"- **queue-ongoing-N** ({', '.join(str(n) for n in data['plan'].get('queue_ongoing', ()))}): "
+           f"{UNBOUNDED} with each replica taking N requests at once (its engine's `max_batch` = "
+           "`max_ongoing_requests` = N): the queue's other configurations, so that zeroqueue is compared with the "
+           "best of them too (its closed loop: slots × N clients)"] if data["plan"].get("queue_ongoing") else []),
         ("- one lane: every class of the mix is in zeroqueue's short lane (`short_max_input_tokens` covers the "
          "long class's prompt), so every row of every system can take every request. The baselines have no "
          "lanes; splitting zeroqueue's 2 slots by lane would halve the rows any one class can use"
@@ -208,6 +213,24 @@ def _setup(data: dict[str, Any]) -> list[str]:
           f"{v['input_tokens']} | {v['output_tokens']} | {v['service_s']:.3f} | {slo.e2e_s(v['service_s']):.2f} | "
           f"{data['lanes'][c]} |" for c, v in data["calibration"].items()], "",
     ]
+
+
+def _best_queue(data: dict[str, Any], points: Summaries) -> list[str]:
+    """Issue 23's goals, against the best-configured queue as well as the queue at zeroqueue's settings."""
+    from benchmarks import load_best_queue
+    from serve_app.policy import PolicyConfig
+
+    max_batch = PolicyConfig(**data["app_args"].get("policy", {})).max_batch
+    goals, table = load_best_queue.judge(points, data.get("capacity", {}), max_batch)
+    if not goals:
+        return []
+    return ["", "## Issue 23's goals: against the best-configured queue", "",
+            "The queue's configurations that ran, each on the same schedules; the best is the one with the most "
+            "goodput over the sweep (its own measure). zeroqueue's saturation is compared with it as well as "
+            "with the queue at zeroqueue's own batch.", "", *table, "",
+            "| goal | target | this run | verdict |", "|---|---|---|---|",
+            *[f"| {g.name} | {g.target} | {g.figures} | {_verdict(g).replace('MISSED', '**missed**')} |"
+              for g in goals]]
 
 
 def _capacity(data: dict[str, Any]) -> list[str]:

@@ -201,14 +201,19 @@ def resolve_args(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any], int, int]:
-    """zeroqueue's builder args (plus an optional `baseline: {max_queued_requests}`) ->
-    (replica config, ray_actor_options, number of replicas = slots, Serve's queue bound)."""
+    """zeroqueue's builder args (plus an optional `baseline: {max_queued_requests, max_ongoing_requests}`) ->
+    (replica config, ray_actor_options, number of replicas = slots, Serve's queue bound).
+
+    `max_ongoing_requests`: what each replica takes at once, and so its engine's `max_batch` (default:
+    zeroqueue's `actor.max_batch`); the benchmark tries several to compare against the best-configured queue."""
     args = dict(args)
     queue = dict(args.pop("baseline", None) or {})
     args = resolve_args(args)
     max_queued = int(queue.pop("max_queued_requests", UNBOUNDED))
-    if queue or not (max_queued == UNBOUNDED or max_queued >= 1):
-        raise ValueError(f"baseline args: only max_queued_requests (-1 or >= 1) is known, got {queue or max_queued}")
+    max_ongoing = queue.pop("max_ongoing_requests", None)
+    if queue or not (max_queued == UNBOUNDED or max_queued >= 1) or not (max_ongoing is None or int(max_ongoing) >= 1):
+        raise ValueError(f"baseline args: only max_queued_requests (-1 or >= 1) and max_ongoing_requests (>= 1) are "
+                         f"known, got {queue or (max_queued, max_ongoing)}")
     parsed = AppArgs.model_validate(args)
     if len(parsed.models) != 1:
         raise ValueError(f"the baseline serves one model per deployment, got {len(parsed.models)}")
@@ -232,7 +237,7 @@ def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any
         is_freed_memory_retained=actor.is_freed_memory_retained,
         max_body_bytes=ingress.max_body_bytes,
         ping_interval_s=ingress.ping_interval_s,
-        max_batch=actor.max_batch,
+        max_batch=actor.max_batch if max_ongoing is None else int(max_ongoing),
         prefill_chunk_tokens=actor.prefill_chunk_tokens,
     )
     options = {"num_cpus": actor.num_cpus, "num_gpus": actor.num_gpus if on_gpu else 0,
