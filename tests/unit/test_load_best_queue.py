@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import load_apps
 from benchmarks.load_apps import BOUNDED, UNBOUNDED, ZEROQUEUE, ongoing_system
 from benchmarks.load_best_queue import best_queue, judge
@@ -59,3 +61,11 @@ def test_the_unbounded_queue_at_other_batches_runs_after_the_three_systems_with_
     assert load_apps.run_order(()) == load_apps.RUN_ORDER
     assert load_apps.places(args) == 16 and load_apps.places(args, Q16) == 32
     assert load_apps.max_ongoing(UNBOUNDED, args) == 8
+
+
+def test_the_baseline_refuses_a_batch_it_cannot_run_before_anything_starts():
+    from benchmarks.baseline.app import baseline_config  # imports Ray and Serve, starts neither
+
+    for bad in ({"max_ongoing_requests": 0}, {"max_ongoing": 12}):
+        with pytest.raises(ValueError, match="max_ongoing_requests"):
+            baseline_config({"models": [], "baseline": bad})
