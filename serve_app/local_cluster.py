@@ -49,7 +49,7 @@ from serve_app.scorer import Scorer
 from serve_app.shared_registry import SharedRegistry
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
 from serve_app.ttft_check import TtftCorrection
-from serve_app.warm_pool import LANES, WarmSpec
+from serve_app.warm_pool import WarmSpec, pool_size, warm_specs
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +168,8 @@ class LocalCluster:
         node.num_clusters += 1
         self._slots = [SlotSpec(f"{NODE_ID}/cpu{i}", NODE_ID, config.slots.cpu_slot_bytes)
                        for i in range(config.slots.num_cpu_slots)]
-        self._warm_specs = [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes,
-                                     config.rule_scorer.node_cpus) for m in models.values()]
-        self._pool_sizes = {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in models}
+        self._warm_specs = warm_specs(models.values(), policy, config.rule_scorer.node_cpus)
+        self._pool_sizes = {m: pool_size(policy, m) for m in models}
         self._tasks: set[asyncio.Task] = set()
         self._warm_wake: asyncio.Event | None = None
 

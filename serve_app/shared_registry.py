@@ -26,7 +26,7 @@ from serve_app.registry_capacity import CapacityStatus
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
 from serve_app.ttft_check import TtftCorrection, corrected
-from serve_app.warm_pool import LANES, WarmFill, WarmSpec
+from serve_app.warm_pool import WarmFill, WarmSpec, pool_size
 
 
 class SharedRegistry:
@@ -139,7 +139,7 @@ class SharedRegistry:
             if not capacity.is_enabled:
                 return None
             models = {a.model for a in self._state.books.actors.values()} | set(self._state.books.last_request_at)
-            warm = {m: sum(self._policy.num_warm(m, lane) for lane in LANES) for m in models}
+            warm = {m: pool_size(self._policy, m) for m in models}
             return capacity.step(time.time(), warm)
 
     def capacity_status(self) -> CapacityStatus:

@@ -26,11 +26,15 @@ is first asked for, so a fresh deployment fills its pools at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from serve_app.policy import PolicyConfig
 from serve_app.snapshot import ClusterSnapshot, Lane, SlotView
+
+if TYPE_CHECKING:
+    from serve_app.loaded_model import LoadedModel
 
 LANES: tuple[Lane, ...] = ("short", "long")
 
@@ -60,6 +64,16 @@ class WarmFill:
     slot_id: str
     resident_bytes: int
     node_id: str = field(default="", compare=False)  # where the actor is pinned
+
+
+def warm_specs(models: Iterable[LoadedModel], policy: PolicyConfig, node_cpus: int) -> list[WarmSpec]:
+    """Each served model's warm actor: its weights and the process's overhead, on nodes of `node_cpus` cores."""
+    return [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes, node_cpus) for m in models]
+
+
+def pool_size(policy: PolicyConfig, model: str) -> int:
+    """The warm actors the policy keeps for `model`, over every lane."""
+    return sum(policy.num_warm(model, lane) for lane in LANES)
 
 
 def is_model_active(last_request_at: float, now: float, policy: PolicyConfig) -> bool:

@@ -37,7 +37,7 @@ from serve_app.registry import Outcome
 from serve_app.scorer import Scorer
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
 from serve_app.ttft_check import TtftCorrection
-from serve_app.warm_pool import LANES, WarmFill, WarmSpec
+from serve_app.warm_pool import WarmFill, pool_size, warm_specs
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,8 @@ class RayCluster:
         policy = config.policy
         self._warm = WarmFiller(
             self._link,
-            [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes, config.rule_scorer.node_cpus)
-             for m in models.values()],
-            {m: sum(policy.num_warm(m, lane) for lane in LANES) for m in models},
+            warm_specs(models.values(), policy, config.rule_scorer.node_cpus),
+            {m: pool_size(policy, m) for m in models},
             self._create_warm, new_actor_name, refresh_s=config.warm_refresh_s,
             ready_timeout_s=config.actor.load_timeout_s)
         self._handed_over: HandOver = lambda: ([], [])
