@@ -28,13 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from serve_app.policy import PolicyConfig
 from serve_app.snapshot import ClusterSnapshot, Lane, SlotView
-
-if TYPE_CHECKING:
-    from serve_app.loaded_model import LoadedModel
 
 LANES: tuple[Lane, ...] = ("short", "long")
 
@@ -66,8 +63,10 @@ class WarmFill:
     node_id: str = field(default="", compare=False)  # where the actor is pinned
 
 
-def warm_specs(models: Iterable[LoadedModel], policy: PolicyConfig, node_cpus: int) -> list[WarmSpec]:
-    """Each served model's warm actor: its weights and the process's overhead, on nodes of `node_cpus` cores."""
+def warm_specs(models: Iterable[Any], policy: PolicyConfig, node_cpus: int) -> list[WarmSpec]:
+    """Each served model's warm actor (`models`: LoadedModels, not imported here: loaded_model.py imports the
+    config, which imports the registry and so this module): its weights and the process's overhead, on nodes of
+    `node_cpus` cores."""
     return [WarmSpec(m.id, m.numbers.weight_bytes + policy.actor_overhead_bytes, node_cpus) for m in models]
 
 
