@@ -75,6 +75,7 @@ class BatchRunner:
         self.engine = engine
         self._wait_layer = wait_layer
         self._wake = threading.Event()
+        self._between_steps: list[Callable[[], object]] = []  # run by the stepping thread, then dropped
         self._is_closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -86,6 +87,11 @@ class BatchRunner:
         self._wake.set()
         return stream
 
+    def call_between_steps(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the stepping thread before its next step (at once if idle): where it may change the model."""
+        self._between_steps.append(fn)
+        self._wake.set()
+
     def close(self) -> None:
         """Stop stepping once the current step ends; rows still running get no further events."""
         self._is_closed = True
@@ -93,6 +99,12 @@ class BatchRunner:
 
     def _loop(self) -> None:
         while not self._is_closed:
+            while self._between_steps:
+                fn = self._between_steps.pop(0)
+                try:
+                    fn()
+                except Exception:  # the model is as it was: the batch goes on
+                    log.exception("a call between steps failed")
             if not self.engine.has_work:
                 self._wake.wait()
                 self._wake.clear()

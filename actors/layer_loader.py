@@ -35,6 +35,7 @@ import torch
 
 from actors.compute_dtype import compute_dtype_for, widen_in_place
 from actors.model import Transformer
+from actors.packed_weights import pack
 from actors.shard_header import open_header, read_tokenizer
 from actors.tokenizer import Tokenizer
 from weights_tool.architecture import ModelConfig
@@ -140,9 +141,10 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
 
 
 def load_zqs(
-    path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2, compute_dtype: str = "model"
+    path: str | Path, *, device: str | torch.device = "cpu", num_threads: int = 2, compute_dtype: str = "model",
+    is_weight_packed: bool = False,
 ) -> tuple[Transformer, Tokenizer]:
-    """Load every layer, then return the model and its tokenizer."""
+    """Load every layer, then return the model and its tokenizer (its linear weights packed if asked: packed_weights.py)."""
     streamed = stream_zqs(path, device=device, num_threads=num_threads, compute_dtype=compute_dtype)
     try:
         streamed.wait_all()
@@ -150,6 +152,8 @@ def load_zqs(
             torch.cuda.synchronize(streamed.model.device)
     finally:
         streamed.close()
+    if is_weight_packed:
+        pack(streamed.model).install()
     return streamed.model, streamed.tokenizer
 
 

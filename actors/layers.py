@@ -57,12 +57,19 @@ def warm_up_kernels(params: dict[str, torch.Tensor]) -> None:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameter names) through `linear`, created uninitialised."""
+    """nn.Linear (same parameter names) through `linear`, created uninitialised.
+
+    Once `actors/packed_weights.py` installs a packed copy of the weight, it computes with that.
+    """
+
+    packed_weight: torch.Tensor | None = None  # oneDNN's layout; the plain `weight` is then empty
 
     def reset_parameters(self) -> None:
         """Leave the weights as allocated: a loader or `init_weights` writes them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
 
 

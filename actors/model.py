@@ -286,8 +286,9 @@ class Transformer(nn.Module):
         if last is not None:
             x = x[:, last] if last != [x.shape[1] - 1] else x[:, -1:]
         x = self.model.norm(x)
-        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return linear(x, head).float()
+        if self.lm_head is not None:  # its module: a packed weight (packed_weights.py) is used there
+            return self.lm_head(x).float()
+        return linear(x, self.model.embed_tokens.weight).float()
 
     def _cached_segment(self, start_pos: int, length: int, caches: Sequence[KVCache] | None = None,
                         offset: int = 0) -> Segment:

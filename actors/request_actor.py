@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -153,6 +154,8 @@ class RequestActor:
         self._is_closed = False
         self._state.enter(Phase.LOADING)
         log.info("%s: streaming %s onto %s", self.name, Path(zqs_path).name, device)
+        if config.is_weight_packed and str(device) == "cpu":
+            threading.Thread(target=self._pack_when_loaded, name=f"pack-{self.name}", daemon=True).start()
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -304,6 +307,21 @@ class RequestActor:
             from actors.layers import warm_up_kernels
 
             warm_up_kernels(self._model.group_parameters(0))
+
+    def _pack_when_loaded(self) -> None:
+        """Once every weight is resident, pack the linear weights; the stepping thread swaps them in between steps.
+
+        A thread of its own: a warm actor's stream holds until its request arrives, and a cold
+        one's first request computes while the rest loads (packing reads, never writes, the weights).
+        """
+        from actors.packed_weights import pack
+
+        try:
+            self._streamed.wait_all()
+        except Exception:  # closed or failed: nothing left to pack for
+            return
+        if not self._is_closed:
+            self._runner.call_between_steps(pack(self._model).install)
 
     def _weight_gate(self) -> WaitLayer | None:
         """Asked by the stepping thread before each step: the cold gate until every weight is resident."""

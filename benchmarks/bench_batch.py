@@ -1,6 +1,6 @@
 """Batched decoding against one request at a time, side by side in one run: what a hot actor's batch buys.
 
-    .venv/bin/python -m benchmarks.bench_batch            # ~1.5 min; writes benchmarks/results/batch.md
+    .venv/bin/python -m benchmarks.bench_batch            # ~3 min; writes benchmarks/results/batch.md
     .venv/bin/python -m benchmarks.bench_batch --quick    # seconds; writes .cache/bench/batch/batch.md
 
 The demo model (`small`: ~100M parameters, bf16, the serving default), the actors' engine
@@ -17,6 +17,8 @@ neighbour slows every size alike, and each figure is the median over repeats.
   context's steps read over the shortest's, per extra second they took.
 - A joiner's stall: the longest step the running rows see while a long prompt joins
   them, with the prompt chunked (`prefill_chunk_tokens`) and whole.
+- Packed linear weights (`actors/packed_weights.py`, the actors' default) against the plain
+  kernels: every step size timed with both, in the same rotation.
 - The two CPU kernel choices the runtime makes (actors/layers.py, actors/attention.py):
   one bf16 row through `torch.mv` against `F.linear` on the model's MLP weight, and one
   decode query's attention over 1,024 cached positions with SDPA's `enable_gqa` against
@@ -36,8 +38,10 @@ from pathlib import Path
 
 import torch
 
+from actors.actor_config import ActorConfig
 from actors.engine import Engine
 from actors.layer_loader import load_zqs
+from actors.packed_weights import pack
 from actors.sampling import SamplingParams
 from benchmarks.common import cores, cpu_model, load_average, python_version, version_of, was_busy
 from weights_tool.demo import demo_model
@@ -128,7 +132,10 @@ def kernels(model) -> dict[str, float]:
     q = torch.randn(1, h, 1, d).to(weight.dtype)
     k, v = (torch.randn(1, h_kv, positions, d).to(weight.dtype) for _ in range(2))
     folded = q.view(1, h_kv, h // h_kv, d)
-    return {
+    packed = pack(model.model.layers[0].mlp.gate_proj).layers
+    out = {} if not packed else {"packed_us": _call_us(
+        lambda: torch.ops.mkldnn._linear_pointwise(row.view(1, -1), packed[0][1], None, "none", [], ""))}
+    return out | {
         "mv_us": _call_us(lambda: torch.mv(weight, row)),
         "linear_us": _call_us(lambda: F.linear(row.view(1, -1), weight)),
         "sdpa_gqa_us": _call_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
@@ -138,18 +145,27 @@ def kernels(model) -> dict[str, float]:
 
 def measure(plan: Plan, zqs: Path) -> dict:
     torch.set_num_threads(1)  # the actors' compute_threads
-    model, tokenizer = load_zqs(zqs)
-    out: dict = {"steps": {}, "stall": {}, "kv_bytes_per_token": model.config.kv_bytes_per_token(model.config.dtype)}
+    is_packed = ActorConfig().is_weight_packed  # what the actors run: the main table
+    plain, tokenizer = load_zqs(zqs)
+    model = load_zqs(zqs, is_weight_packed=True)[0] if is_packed else plain
+    out: dict = {"steps": {}, "plain_steps": {}, "stall": {}, "is_packed": is_packed,
+                 "kv_bytes_per_token": model.config.kv_bytes_per_token(model.config.dtype)}
     engines = {chunk: Engine(model, tokenizer, max_batch=max(plan.batch_sizes), prefill_chunk_tokens=chunk)
                for chunk in (plan.chunk, 1_000_000)}
     engine = engines[plan.chunk]
-    out["kernels"] = kernels(model)
-    step_time(engine, 1, 32, 4)  # warm-up
+    # The plain kernels beside the packed ones, in the same rotation (nothing to compare when they are the same).
+    plain_engine = Engine(plain, tokenizer, max_batch=max(plan.batch_sizes), prefill_chunk_tokens=plan.chunk)
+    out["kernels"] = kernels(plain)
+    for e in (engine, plain_engine):
+        step_time(e, 1, 32, 4)  # warm-up
     for repeat in range(plan.repeats):
         for context in plan.contexts:
             for batch in plan.batch_sizes:
                 t = step_time(engine, batch, context, plan.steps)
                 out["steps"].setdefault(f"{context}/{batch}", []).append(t)
+                if is_packed:
+                    out["plain_steps"].setdefault(f"{context}/{batch}", []).append(
+                        step_time(plain_engine, batch, context, plan.steps))
                 log.info("repeat %d: context %d, batch %d: %.1f ms a step", repeat, context, batch, t * 1e3)
         for chunk, e in engines.items():
             stall = join_stall(e, plan.join_prompt, running=max(plan.batch_sizes) - 1)
@@ -229,16 +245,37 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
         "| kernel | µs a call | the runtime uses |",
         "|---|--:|---|",
         f"| one bf16 row × the MLP's gate weight, `torch.mv` | {kern['mv_us']:.0f} | "
-        f"{'this' if kern['mv_us'] < kern['linear_us'] else ''} |",
-        f"| the same, `F.linear` | {kern['linear_us']:.0f} | {'this' if kern['linear_us'] <= kern['mv_us'] else ''} |",
+        f"{'this' if kern['mv_us'] < kern['linear_us'] and not data['is_packed'] else ''} |",
+        f"| the same, `F.linear` | {kern['linear_us']:.0f} | "
+        f"{'this' if kern['linear_us'] <= kern['mv_us'] and not data['is_packed'] else ''} |",
+        *([f"| the same, oneDNN's linear on the weight packed (`actors/packed_weights.py`) | {kern['packed_us']:.0f} | "
+           f"{'this' if data['is_packed'] else ''} |"] if "packed_us" in kern else []),
         f"| one decode query over 1,024 positions, SDPA `enable_gqa` | {kern['sdpa_gqa_us']:.0f} | |",
         f"| the same, query heads folded onto their KV head | {kern['sdpa_folded_us']:.0f} | this |",
         "",
-        "`actors/layers.py` times `mv` against `F.linear` once per process and keeps the faster (which one "
-        "wins depends on the CPU); decode attention always folds.",
+        "With packing off (`actor.is_weight_packed: false`), `actors/layers.py` times `mv` against `F.linear` "
+        "once per process and keeps the faster (which one wins depends on the CPU); decode attention always folds.",
         "",
+        *_packed_table(plan, data),
     ]
     return "\n".join(lines)
+
+
+def _packed_table(plan: Plan, data: dict) -> list[str]:
+    """The actors' packed linear weights against the plain kernels, step for step in the same rotation."""
+    if not data["plain_steps"]:
+        return []
+    lines = ["## Packed linear weights against the plain kernels", "",
+             "The same steps with the model's weights as loaded (`mv` or `F.linear`, chosen as above) and packed "
+             "into oneDNN's layout, as the actors run them (`actors/packed_weights.py`); tokens are bit for bit "
+             "the same (tests/runtime/test_packed_weights.py).", "",
+             "| context | batch | plain step (ms) | packed step (ms) | plain ÷ packed |", "|--:|--:|--:|--:|--:|"]
+    for context in plan.contexts:
+        for batch in plan.batch_sizes:
+            key = f"{context}/{batch}"
+            plain, packed = statistics.median(data["plain_steps"][key]), statistics.median(data["steps"][key])
+            lines.append(f"| {context} | {batch} | {plain * 1e3:.1f} | {packed * 1e3:.1f} | {plain / packed:.2f} |")
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

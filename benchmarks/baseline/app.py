@@ -68,6 +68,7 @@ class BaselineConfig:
     compute_dtype: str
     cpu_nice: int
     is_freed_memory_retained: bool
+    is_weight_packed: bool
     max_body_bytes: int
     ping_interval_s: float
     max_batch: int
@@ -96,7 +97,8 @@ class QueuedModel:
         if device == "cpu" and config.cpu_nice:
             lower_threads(config.cpu_nice)  # the priority zeroqueue's CPU actors compute at
         model, tokenizer = load_zqs(config.zqs_path, device=device, num_threads=config.load_threads,
-                                    compute_dtype=config.compute_dtype)
+                                    compute_dtype=config.compute_dtype,
+                                    is_weight_packed=config.is_weight_packed and device == "cpu")
         engine = Engine(model, tokenizer, max_context=config.max_context, max_batch=config.max_batch,
                         prefill_chunk_tokens=config.prefill_chunk_tokens)
         self.runner = BatchRunner(engine, name="baseline-batch")
@@ -235,6 +237,7 @@ def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any
         compute_dtype=actor.compute_dtype,
         cpu_nice=actor.cpu_nice,
         is_freed_memory_retained=actor.is_freed_memory_retained,
+        is_weight_packed=actor.is_weight_packed,
         max_body_bytes=ingress.max_body_bytes,
         ping_interval_s=ingress.ping_interval_s,
         max_batch=actor.max_batch if max_ongoing is None else int(max_ongoing),

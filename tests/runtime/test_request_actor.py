@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from actors.actor_config import ActorConfig
 from actors.chat import GenerationRequest, build_prompt
@@ -308,3 +309,38 @@ def test_a_low_latency_request_gets_every_token_alone_and_a_default_one_gets_the
         await asyncio.wait_for(actor.exited.wait(), 10)  # the second asked not to stay hot
 
     asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def bf16_zqs(tmp_path_factory):
+    """The `tiny` model in bf16: the dtype whose linear weights an actor packs on a CPU."""
+    from weights_tool.pack import pack
+    from weights_tool.synth import synthesize
+
+    hf = synthesize("tiny", tmp_path_factory.mktemp("tiny-bf16-hf"), dtype="bfloat16", seed=3)
+    return pack(hf, tmp_path_factory.mktemp("tiny-bf16-zqs") / "tiny-bf16.zqs")
+
+
+def test_a_loaded_actor_packs_its_weights_and_serves_the_plain_runtimes_tokens(bf16_zqs):
+    from actors.layers import Linear
+    from actors.packed_weights import is_packable
+
+    if not is_packable(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        pytest.skip("this torch has no oneDNN linear on this CPU")
+    requests = [_request(bf16_zqs, max_tokens=24, seed=s, temperature=0.0, keep_hot=True) for s in (1, 2)]
+    expected = [_in_process_tokens(bf16_zqs, r) for r in requests]  # load_zqs: plain weights
+
+    async def scenario():
+        actor = Actor(bf16_zqs, CONFIG)
+        first, _ = await actor.consume(requests[0])  # computed while the weights were loading, plain
+        linears = [m for m in actor.actor._model.modules() if isinstance(m, Linear)]
+        for _ in range(600):  # packing follows the load on a thread of its own; the swap needs a step boundary
+            if all(m.packed_weight is not None for m in linears):
+                break
+            await asyncio.sleep(0.05)
+        assert all(m.packed_weight is not None for m in linears)
+        second, _ = await actor.consume(requests[1])
+        actor.close()
+        return [_token_ids(first), _token_ids(second)]
+
+    assert asyncio.run(scenario()) == expected
