@@ -67,7 +67,7 @@ class ActorConfig:
     # requests do not page-fault their working set in again.
     is_freed_memory_retained: bool = True
     # Once every weight is resident, bf16 linear weights are repacked into oneDNN's layout on a
-    # CPU (actors/packed_weights.py): the same products, bitwise, 1.2-1.7x faster; false keeps
+    # CPU (actors/packed_weights.py): the same products, bitwise, up to 1.2x faster steps; false keeps
     # the plain eager kernels (the parity reference).
     is_weight_packed: bool = True
     idle_trim_after_s: float = 2.0

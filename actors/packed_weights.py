@@ -1,11 +1,13 @@
-"""Linear weights repacked into oneDNN's blocked layout: the same products, 1.2-1.7x faster on a CPU.
+"""Linear weights repacked into oneDNN's blocked layout: the same products, faster on a CPU.
 
 A decode step is mostly linear layers (74% of a one-row step, 60% at 8 rows:
 benchmarks/results/linear.md), and eager `F.linear` / `torch.mv` on a plain row-major bf16
 weight stream it at ~3.6 GB/s here. oneDNN's linear on a weight reordered once into its
 blocked layout (`torch.ops.mkldnn`, what inductor's frozen CPU graphs call) runs the same
-products without any compile: bitwise equal in bf16, several times faster to set up than
-`torch.compile` (a fraction of a second against 2+ minutes), for any number of rows.
+products without any compile: bitwise equal in bf16, set up in a fraction of a second
+(max-autotune's `torch.compile` takes 2 minutes), for any number of rows. On SmolLM2 here
+the linear layers ran 1.13x (one row) and 1.26x (8 rows) faster, the whole step 1.03x and
+1.22x (benchmarks/results/linear.md; bench_batch's `small` model: batch.md's last table).
 
 Only bf16 is packed: its packed products are bitwise equal to `F.linear`'s, so eager plain
 (`actor.is_weight_packed: false`) stays an exact parity reference (one exception: a single

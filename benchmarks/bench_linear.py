@@ -5,13 +5,14 @@
 `make serve`'s model (SmolLM2-135M-Instruct, bf16, `.cache/models/`; `make serve` or
 `zq-weights fetch` packs it) on one torch thread, as an actor computes:
 
-1. The engine's decode step at batch 1 and 8 (128-token contexts), as `bench_batch` times it.
+1. The engine's decode step at batch 1 and 8 (128-token contexts), as `bench_batch` times it,
+   with the weights plain (as loaded) and packed (actors/packed_weights.py, the actors' default).
 2. Only its weight reads: every linear layer of the step (7 a layer, then the LM head) in the
    model's order on the real weights, [rows, in] inputs, no attention, norm or Python between
    them. 270 MB of bf16 weights against a 105 MB L3: every pass streams them from memory,
    as a step does.
-3. The same reads four ways: the runtime's `linear` (eager, gemv or oneDNN by its own timing),
-   the weights in fp32, and the whole chain through `torch.compile` with frozen weights —
+3. The same reads five ways: the runtime's `linear` (eager, gemv or oneDNN by its own timing),
+   the weights in fp32, eager on weights packed into oneDNN's layout (the actors'), and the whole chain through `torch.compile` with frozen weights —
    inductor's default (oneDNN's packed linear) and `max-autotune`, whose C++ GEMM template has
    AMX / AVX-512 micro-kernels.
 
@@ -63,6 +64,27 @@ def _chain(model):
     return Chain, sum(w.numel() for w in weights)
 
 
+def _packed(chain):
+    """The chain on its weights packed as the actors pack theirs (actors/packed_weights.py)."""
+    from torch import nn
+
+    from actors.layers import Linear
+    from actors.packed_weights import pack
+
+    layers = nn.ModuleList()
+    for w in chain.weights:
+        layer = Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+        layer.weight = nn.Parameter(w.detach().clone(), requires_grad=False)
+        layers.append(layer)
+    pack(layers).install()
+
+    def run(x_hidden, x_inter):
+        return [layer(x_inter if layer.in_features == x_inter.shape[1] else x_hidden) for layer in layers]
+
+    run.weights = chain.weights  # measure() reads the dtype from here
+    return run
+
+
 def _time(run, passes: int = PASSES) -> float:
     for _ in range(2):
         run()
@@ -86,11 +108,15 @@ def measure() -> dict:
 
     torch.set_num_threads(1)
     model, tokenizer = load_zqs(ZQS, num_threads=1, compute_dtype="auto")
-    out: dict = {"dtype": str(model.dtype).removeprefix("torch."), "step_s": {}, "chain_s": {}, "compile_s": {}}
-    engine = Engine(model, tokenizer, max_batch=max(ROWS), prefill_chunk_tokens=1_000_000)
+    out: dict = {"dtype": str(model.dtype).removeprefix("torch."), "step_s": {}, "packed_step_s": {},
+                 "chain_s": {}, "compile_s": {}}
+    packed_model = load_zqs(ZQS, num_threads=1, compute_dtype="auto", is_weight_packed=True)[0]
+    engines = {key: Engine(m, tokenizer, max_batch=max(ROWS), prefill_chunk_tokens=1_000_000)
+               for key, m in (("step_s", model), ("packed_step_s", packed_model))}
     for rows in ROWS:
-        out["step_s"][rows] = step_time(engine, rows, CONTEXT, PASSES)
-    del engine
+        for key, engine in engines.items():
+            out[key][rows] = step_time(engine, rows, CONTEXT, PASSES)
+    del engines, packed_model
 
     chain_cls, num_params = _chain(model)
     out["weight_bytes"] = num_params * model.dtype.itemsize
@@ -100,6 +126,7 @@ def measure() -> dict:
              "eager, fp32 weights": chain_cls(torch.float32, linear)}
     to_compile = chain_cls(model.dtype, F.linear)  # the GEMM template replaces linear and mm, not gemv
     compiled = {"compiled, inductor default": "default", "compiled, max-autotune": "max-autotune"}
+    eager["eager, packed (oneDNN's layout: the actors')"] = _packed(eager["eager (the runtime's linear)"])
     with torch.inference_mode():
         for rows in ROWS:
             x_h, x_i = torch.randn(rows, hidden, dtype=model.dtype), torch.randn(rows, inter, dtype=model.dtype)
@@ -142,6 +169,10 @@ def report(data: dict, command: str, elapsed_s: float, load: tuple[float, float]
         base = data["chain_s"]["eager (the runtime's linear)"][rows]
         step = data["step_s"][rows]
         lines.append(f"| the engine's whole step | {rows} | {step * 1e3:.1f} | | {step / base:.2f} | |")
+        if rows in data.get("packed_step_s", {}):
+            packed = data["packed_step_s"][rows]
+            lines.append(f"| the engine's whole step, packed weights (the actors') | {rows} | {packed * 1e3:.1f} | | "
+                         f"{packed / base:.2f} | |")
         for name, by_rows in data["chain_s"].items():
             s = by_rows[rows]
             nbytes = data["weight_bytes"] * (2 if "fp32" in name else 1)

@@ -18,9 +18,9 @@ from benchmarks.load_stats import Record, Summary, timeline  # noqa: E402
 
 # The queue at other batches (queue-ongoing-N) in lighter reds, dashed in the sweep.
 COLORS = {"zeroqueue": "tab:blue", "queue-unbounded": "tab:red", "queue-bounded": "tab:orange",
-          **{ongoing_system(n): c for n, c in zip(QUEUE_ONGOING, ("lightcoral", "brown"), strict=False)}}
+          **{ongoing_system(n): c for n, c in zip(QUEUE_ONGOING, ("gold", "lightcoral", "brown"), strict=False)}}
 MARKERS = {"zeroqueue": "o", "queue-unbounded": "s", "queue-bounded": "^",
-           **{ongoing_system(n): m for n, m in zip(QUEUE_ONGOING, ("v", "D"), strict=False)}}
+           **{ongoing_system(n): m for n, m in zip(QUEUE_ONGOING, ("<", "v", "D"), strict=False)}}
 
 
 def _records(run: dict[str, Any], app: str) -> list[Record]:
