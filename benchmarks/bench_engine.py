@@ -51,6 +51,7 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     """In a fresh process: prefill seconds of one prompt, and the median decode step per batch size."""
     import torch
 
+    from actors.actor_config import ActorConfig
     from actors.engine import Engine
     from actors.layer_loader import load_zqs
     from actors.sampling import SamplingParams
@@ -58,7 +59,9 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     from weights_tool.dtypes import model_dtype
 
     torch.set_num_threads(threads)
-    model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=dtype)
+    # As an actor computes: its weights packed where it packs them (actors/packed_weights.py).
+    model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=dtype,
+                                is_weight_packed=ActorConfig().is_weight_packed)
     engine = Engine(model, tokenizer, max_batch=max(batches), prefill_chunk_tokens=1_000_000)
     dtype_name = model_dtype(model.dtype)
     out: dict = {"dtype": dtype_name, "prefill_s": [], "step_s": {},
