@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 
 _PAGE = 4096
 _MADV_DONTNEED = 4
-# The row count oneDNN lays the weight out for; every count runs, this one best. A batch's
-# usual size: within noise of 1 and 32 for one row and for 32 (the module's benchmark).
+# The row count oneDNN lays the weight out for; every count runs with any. 8, a batch's usual
+# size: in a sweep by hand of hints 1, 4, 8, 16 and 32 over SmolLM2's linear layers at 1 to 32
+# rows, no hint was best everywhere and 8 was within this machine's noise of the best.
 BATCH_HINT = 8
 
 
@@ -58,10 +59,6 @@ class PackedWeights:
 
     layers: list[tuple[Linear, torch.Tensor]]
     is_installed: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.weight.nbytes for layer, _ in self.layers)
 
     def install(self) -> int:
         """Make every layer compute with its packed weight and free the plain one; returns bytes released.

@@ -200,7 +200,7 @@ def decide(
 
     best, predictions = None, []
     if candidates:
-        predictions = _predict(scorer, features, candidates)
+        predictions = predict(scorer, features, candidates)
         limits = [None] * len(hot) + running_tpot + [None] * (len(warm) + len(cold))
         best = _fastest(features, predictions, limits)
     if best is None or candidates[best].kind == "cold":
@@ -211,7 +211,7 @@ def decide(
                          warm_candidates(features, ("short", "long"), snapshot, policy.max_candidates, "warming")):
             if not fallback:
                 continue
-            fallback_predictions = _predict(scorer, features, fallback)
+            fallback_predictions = predict(scorer, features, fallback)
             i = _fastest(features, fallback_predictions, [None] * len(fallback))
             if i is not None:
                 return Bind(fallback[i].actor_name, fallback[i].slot_id, lane, keep_new_hot, features.dispatch_bytes,
@@ -242,7 +242,8 @@ def _hot_lanes(lane: Lane) -> tuple[Lane, ...]:
     return ("short", "long") if lane == "short" else ("long",)
 
 
-def _candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | None) -> Candidate:
+def candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | None) -> Candidate:
+    """The scorer's view of placing a request on `actor` (None: a fresh one) on `slot`."""
     return Candidate(kind, slot.slot_id, actor.name if actor else None, slot.free_bytes, slot.num_actors,
                      slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
                      actor.num_rows if actor else 0, actor.batch_tokens if actor else 0,
@@ -264,7 +265,7 @@ def _hot_candidates(
             slot = snapshot.slot(actor.slot_id)
             if slot is None or slot.free_bytes < need:
                 continue
-            candidates.append(_candidate("hot", snapshot, slot, actor))
+            candidates.append(candidate("hot", snapshot, slot, actor))
             lanes.append(actor_lane)
             if len(candidates) == limit:
                 return candidates, lanes
@@ -285,7 +286,7 @@ def _join_candidates(features: RequestFeatures, lane: Lane, snapshot: ClusterSna
     # The least loaded batches, not the first ones: taking the first `max_candidates` in
     # spawn order would fill the oldest actors' batches while later ones ran a row each.
     chosen = heapq.nsmallest(policy.max_candidates, feasible, key=lambda t: t[:3])
-    return ([_candidate("join", snapshot, slot, actor) for *_, actor, slot in chosen],
+    return ([candidate("join", snapshot, slot, actor) for *_, actor, slot in chosen],
             [actor.min_tpot_target_s for *_, actor, _ in chosen])
 
 
@@ -305,7 +306,7 @@ def warm_candidates(features: RequestFeatures, lanes: Sequence[Lane], snapshot: 
         for actor in snapshot.warm_actors(features.model, lane, state):
             slot = snapshot.slot(actor.slot_id)
             if slot is not None and slot.free_bytes >= need:
-                out.append(_candidate(kind, snapshot, slot, actor))
+                out.append(candidate(kind, snapshot, slot, actor))
                 if len(out) == limit:
                     return out
     return out
@@ -317,7 +318,7 @@ def _cold_candidates(features: RequestFeatures, snapshot: ClusterSnapshot, polic
     out: list[Candidate] = []
     for slot in snapshot.slots:
         if slot.total_bytes - slot.reserved_bytes >= need and slot.num_actors < max_actors:
-            out.append(_candidate("cold", snapshot, slot, None))
+            out.append(candidate("cold", snapshot, slot, None))
             if len(out) == limit:
                 break
     return out
@@ -342,10 +343,10 @@ def _evict_or_reject(features: RequestFeatures, snapshot: ClusterSnapshot, polic
     if best is None:
         return _no_candidate(features, snapshot, policy)
     slot, actors = best
-    candidate = _candidate("cold", snapshot, slot, None)
-    prediction = _predict(scorer, features, [candidate])[0]
+    fresh = candidate("cold", snapshot, slot, None)
+    prediction = predict(scorer, features, [fresh])[0]
     return Spawn(slot.slot_id, policy.lane(features.input_tokens, features.max_tokens), keep_hot,
-                 features.spawn_bytes, features.resident_bytes, candidate, prediction,
+                 features.spawn_bytes, features.resident_bytes, fresh, prediction,
                  evict=tuple(a.name for a in actors), node_id=slot.node_id)
 
 
@@ -360,7 +361,7 @@ def _no_candidate(features: RequestFeatures, snapshot: ClusterSnapshot, policy: 
                   f"{features.model}: no idle actor, batch row or free slot can take {need} bytes now")
 
 
-def _predict(scorer: Scorer, features: RequestFeatures, candidates: list[Candidate]) -> Sequence[Prediction]:
+def predict(scorer: Scorer, features: RequestFeatures, candidates: list[Candidate]) -> Sequence[Prediction]:
     """The scorer's predictions if every one is well-formed, else the rule's."""
     if scorer is RULE_SCORER:
         return RULE_SCORER.predict(features, candidates)

@@ -138,6 +138,9 @@ class RegistryState:
         # an admission that arrives after its abandonment must not commit.
         self._abandoned: dict[str, float] = {}
         self._summary: tuple[float, ClusterSummary] | None = None  # (when, the counts) for exchange_leases
+        # The retry instants refusals were told, per (model, lane), while still ahead: the next refusal
+        # is told the next place after them, so that refused clients do not all come back at once.
+        self._promised: dict[tuple[str, str], list[float]] = {}
 
     @property
     def max_actors_per_slot(self) -> int:
@@ -254,7 +257,10 @@ class RegistryState:
                 self.capacity.num_refused_for_capacity += ready_in is not None
             if decision.retry_after_s is None:
                 return decision
-            wait = retry_after_s(features, snapshot, policy, now, ready_in)
+            key = (features.model, policy.lane(features.input_tokens, features.max_tokens))
+            promised = [t for t in self._promised.get(key, ()) if t > now]
+            wait = retry_after_s(features, snapshot, policy, now, ready_in, scorer, num_promised=len(promised))
+            self._promised[key] = [*promised, now + wait]
             return Reject(decision.reason, wait, decision.message)
         is_cold = isinstance(decision, (Spawn, Bind))  # its weights may still be streaming in
         predicted_total = decision.prediction.total_s if decision.prediction is not None else 0.0

@@ -7,12 +7,17 @@ frees — the row's bytes; for an actor that does not stay hot, after its last r
 actor itself (its resident bytes and its place on the slot) — and stops at the first
 instant the request would fit:
 
-- as a new row of a hot actor of its model and lane (fewer than `max_batch` rows left,
-  and the slot has its `dispatch_bytes` free), or
+- as a new row of a hot actor of its model and lane (the slot has its `dispatch_bytes` free,
+  fewer than `max_batch` rows are left, and few enough that the scorer predicts the join
+  within every TPOT target, the batch's and the request's own, and the request's TTFT
+  target: the places admission counts by prediction, not the cap), or
 - on a fresh actor (the slot has `spawn_bytes` free and room for one more actor).
 
-The answer is the earliest such instant over all slots, minus now, kept within
-[min_retry_after_s, max_retry_after_s]; a row already past its predicted end counts as
+Each row that ends after that instant frees one more place. The answer is the earliest
+such place over all slots that no earlier refusal was told (`num_promised` of them are
+still ahead: refused clients told the same instant would all come back at once, one would
+be admitted and the rest refused again, and on a CPU node a closed loop of such refusals
+takes the cores from the batches), minus now, kept within [min_retry_after_s, max_retry_after_s]; a row already past its predicted end counts as
 ending now. Where nothing running would ever make room (every slot held by idle actors of
 other models, say, or no slot at all), it is `policy.retry_after_s`. While the capacity planner
 has a slot on its way for the demand, the answer is that slot's predicted readiness instead. Pure and stdlib-only, like `decide`.
@@ -20,14 +25,16 @@ has a slot on its way for the demand, the answer is that slot's predicted readin
 
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 
-from serve_app.policy import PolicyConfig
+from serve_app.policy import PolicyConfig, candidate, predict
+from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, SlotView
 
 
 def retry_after_s(features: RequestFeatures, snapshot: ClusterSnapshot, policy: PolicyConfig, now: float,
-                  capacity: tuple[float, bool] | None = None) -> float:
+                  capacity: tuple[float, bool] | None = None, scorer: Scorer = RULE_SCORER,
+                  num_promised: int = 0) -> float:
     """Seconds from `now` until a place that fits the request is predicted to free up (see the module doc).
 
     `capacity`: (seconds, whether it is on its way) until a slot the capacity planner asks for serves
@@ -38,32 +45,56 @@ def retry_after_s(features: RequestFeatures, snapshot: ClusterSnapshot, policy: 
     if capacity is not None and capacity[1]:
         return max(policy.min_retry_after_s, capacity[0])
     lane = policy.lane(features.input_tokens, features.max_tokens)
-    earliest = math.inf
-    for slot in snapshot.slots:
-        t = _slot_frees_at(features, lane, slot, snapshot.actors_on_slot(slot.slot_id), policy, now)
-        earliest = min(earliest, t)
-    if math.isinf(earliest):
+    places = sorted(t for slot in snapshot.slots for t in _slot_frees_at(features, lane, slot, snapshot, policy,
+                                                                         now, scorer))
+    if not places:
         return policy.retry_after_s if capacity is None else max(policy.min_retry_after_s, capacity[0])
-    return min(policy.max_retry_after_s, max(policy.min_retry_after_s, earliest - now))
+    t = places[min(num_promised, len(places) - 1)]  # past the last known place: its instant again
+    return min(policy.max_retry_after_s, max(policy.min_retry_after_s, t - now))
 
 
-def _slot_frees_at(features: RequestFeatures, lane: str, slot: SlotView, actors: list[ActorView],
-                   policy: PolicyConfig, now: float) -> float:
+def _slot_frees_at(features: RequestFeatures, lane: str, slot: SlotView, snapshot: ClusterSnapshot,
+                   policy: PolicyConfig, now: float, scorer: Scorer) -> list[float]:
+    """The instants places for the request free on `slot`: the first that fits, then each later row end."""
+    actors = snapshot.actors_on_slot(slot.slot_id)
     ends = sorted((max(now, row.predicted_end), row.request_bytes, i)
                   for i, actor in enumerate(actors) for row in actor.rows)
     free, num_actors = slot.free_bytes, slot.num_actors
     rows_left = [a.num_rows for a in actors]
-    for t, freed, i in ends:
+    max_rows = [_rows_a_join_fits(features, snapshot, slot, a, policy, scorer)
+                if a.model == features.model and a.is_hot and a.lane == lane else -1 for a in actors]
+    for k, (t, freed, i) in enumerate(ends):
         free += freed
         rows_left[i] -= 1
         actor = actors[i]
         if rows_left[i] == 0 and not actor.is_hot:
             free += actor.resident_bytes  # it exits after its last row
             num_actors -= 1
-        joinable = any(a.model == features.model and a.is_hot and a.lane == lane and rows_left[j] < policy.max_batch
-                       for j, a in enumerate(actors))
-        if joinable and free >= features.dispatch_bytes:
-            return t
-        if free >= features.spawn_bytes and num_actors < policy.max_actors_per_slot:
-            return t
-    return math.inf
+        joinable = any(rows_left[j] <= max_rows[j] for j in range(len(actors)))
+        if ((joinable and free >= features.dispatch_bytes)
+                or (free >= features.spawn_bytes and num_actors < policy.max_actors_per_slot)):
+            return [t, *(end for end, _, _ in ends[k + 1:])]
+    return []
+
+
+def _rows_a_join_fits(features: RequestFeatures, snapshot: ClusterSnapshot, slot: SlotView, actor: ActorView,
+                      policy: PolicyConfig, scorer: Scorer) -> int:
+    """The most rows `actor` may be running for the request to be admitted as one more: under `max_batch`,
+    and predicted within the targets (-1: not even onto an empty batch).
+
+    The running rows' KV is scaled with their count (the rows that end first are not known to be the
+    shortest); prompts still to prefill are taken as done by then.
+    """
+    limits = [t for t in (features.tpot_target_s, actor.min_tpot_target_s) if t is not None]
+    most = min(actor.num_rows, policy.max_batch - 1)
+    if not limits and features.ttft_target_s is None:
+        return policy.max_batch - 1
+    join = candidate("join", snapshot, slot, actor)
+    for rows in range(most, -1, -1):
+        tokens = actor.batch_tokens * rows // max(1, actor.num_rows)
+        p = predict(scorer, features, [replace(join, batch_rows=rows, batch_tokens=tokens,
+                                               batch_pending_prompt_tokens=0)])[0]
+        if ((not limits or p.tpot_s <= min(limits))
+                and (features.ttft_target_s is None or p.ttft_s <= features.ttft_target_s)):
+            return rows
+    return -1

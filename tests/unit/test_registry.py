@@ -193,6 +193,60 @@ def test_a_refusal_says_when_the_running_row_that_makes_room_is_predicted_to_end
     assert isinstance(reg.admit(f, policy, "b", "q3", now=100.0 + t, scorer=scorer), Dispatch)
 
 
+def test_a_refusal_for_a_tpot_target_says_when_enough_rows_end_for_a_join_to_fit():
+    # A step of n rows takes 0.1 * (1 + 0.5 (n - 1)) s. Three rows run within their 0.21 s TPOT target; a
+    # request of 0.16 s fits only a batch of at most one row before it (a 2-row step, 0.15 s), so it is
+    # refused by prediction although max_batch (32) leaves room for 29 more, and it can come back only once
+    # two of the three rows have ended. A retry-after counted by max_batch would say "after the first",
+    # and the client would only be refused again.
+    scorer = RuleScorer(decode_s_per_token=0.1, batch_row_cost=0.5, prefill_tokens_per_s=1e6, kv_read_bytes_per_s=1e15)
+    policy = PolicyConfig(actor_overhead_bytes=0, max_batch=32, max_hot_short_actors=1)
+    f = RequestFeatures("m", 10, 100, 1000, 1, 0, tpot_target_s=0.21)
+    tight = RequestFeatures("m", 10, 100, 1000, 1, 0, tpot_target_s=0.16)
+    reg = _registry(100_000, max_batch=32)
+    ends = {}
+    # The joins come once the first row's actor has started and computed its first token (3.1 s predicted).
+    for i, (kind, now) in enumerate(((Spawn, 0.0), (Join, 10.0), (Join, 11.0))):
+        d = reg.admit(f, policy, "a", f"q{i}", now=now, scorer=scorer)
+        assert isinstance(d, kind), d
+        ends[f"q{i}"] = now + d.prediction.total_s
+        if i == 0:
+            reg.actor_started("a")
+    first, second, _ = sorted(ends, key=ends.get)
+    refused = reg.admit(tight, policy, "b", "t1", now=12.0, scorer=scorer)
+    assert isinstance(refused, Reject) and refused.reason == "latency_target"
+    assert refused.retry_after_s == pytest.approx(ends[second] - 12.0)
+    reg.finish("a", first, "complete", now=ends[first])
+    assert isinstance(reg.admit(tight, policy, "b", "t2", now=ends[first], scorer=scorer), Reject)
+    reg.finish("a", second, "complete", now=ends[second])
+    assert isinstance(reg.admit(tight, policy, "b", "t3", now=ends[second], scorer=scorer), Join)
+    reg.check_invariants()
+
+
+def test_refused_clients_are_told_successive_places_not_all_the_same_one():
+    # One actor, a batch of one row (max_batch 1), three rows' worth of clients refused in turn: the first is
+    # told when the running row ends, the next when the row after that is predicted to end (the place after
+    # the one already promised), and so on; once a promised instant has passed it no longer counts.
+    scorer = RuleScorer(decode_s_per_token=0.1, prefill_tokens_per_s=1000.0, kv_read_bytes_per_s=1e12)
+    policy = PolicyConfig(actor_overhead_bytes=0, max_batch=2, max_hot_short_actors=1)
+    reg = _registry(100_000, max_batch=2)
+    ends = []
+    for i, (kind, max_tokens) in enumerate(((Spawn, 100), (Join, 60))):
+        now = 0.0 if i == 0 else 10.0
+        d = reg.admit(RequestFeatures("m", 10, max_tokens, 1000, 1, 0), policy, "a", f"q{i}", now=now, scorer=scorer)
+        assert isinstance(d, kind), d
+        ends.append(now + d.prediction.total_s)
+        if i == 0:
+            reg.actor_started("a")
+    f = RequestFeatures("m", 10, 30, 1000, 1, 0)
+    told = [reg.admit(f, policy, "b", f"r{i}", now=11.0, scorer=scorer).retry_after_s for i in range(3)]
+    assert told[:2] == pytest.approx([min(ends) - 11.0, max(ends) - 11.0])
+    assert told[2] == pytest.approx(max(ends) - 11.0)  # past the last known place: that place again
+    # Once the promises have passed, the next refusal is told the earliest place again.
+    later = reg.admit(f, policy, "b", "r3", now=max(ends) + 1.0, scorer=scorer)
+    assert later.retry_after_s == policy.min_retry_after_s  # both rows are past their predicted ends
+
+
 def test_register_slots_orders_by_id_and_never_shrinks_below_reservations():
     reg = _registry(1000, 1000)
     reg.register_slots([SlotSpec("a-first", "node", 500), SlotSpec("s0", "node2", 2000)])
