@@ -385,6 +385,15 @@ def _is_well_formed(p: Any) -> bool:
     return all(math.isfinite(x) for x in (ttft, total, tpot)) and 0.0 <= ttft <= total and tpot >= 0.0
 
 
+def meets_targets(features: RequestFeatures, p: Prediction, running_tpot_limit: float | None) -> bool:
+    """The prediction keeps the request within its own targets, and a batch it joins within its tightest TPOT."""
+    return ((features.ttft_target_s is None or p.ttft_s <= features.ttft_target_s)
+            and (features.total_target_s is None or p.total_s <= features.total_target_s)
+            and (features.tpot_target_s is None or p.tpot_s <= features.tpot_target_s)
+            # joining would slow a running row past its own target
+            and (running_tpot_limit is None or p.tpot_s <= running_tpot_limit))
+
+
 def _fastest(features: RequestFeatures, predictions: Sequence[Prediction],
              running_tpot_limits: Sequence[float | None]) -> int | None:
     """Index of the lowest (ttft, total) that meets the targets, its own and its batch's; on ties the one with
@@ -392,14 +401,8 @@ def _fastest(features: RequestFeatures, predictions: Sequence[Prediction],
     the first."""
     best, best_key = None, None
     for i, (p, limit) in enumerate(zip(predictions, running_tpot_limits, strict=True)):
-        if features.ttft_target_s is not None and p.ttft_s > features.ttft_target_s:
+        if not meets_targets(features, p, limit):
             continue
-        if features.total_target_s is not None and p.total_s > features.total_target_s:
-            continue
-        if features.tpot_target_s is not None and p.tpot_s > features.tpot_target_s:
-            continue
-        if limit is not None and p.tpot_s > limit:
-            continue  # joining would slow a running row past its own target
         targets = [t for t in (features.tpot_target_s, limit) if t is not None]
         slack = min(targets) - p.tpot_s if targets else math.inf
         key = (p.ttft_s, p.total_s, -slack)

@@ -9,8 +9,8 @@ instant the request would fit:
 
 - as a new row of a hot actor of its model and lane (the slot has its `dispatch_bytes` free,
   fewer than `max_batch` rows are left, and few enough that the scorer predicts the join
-  within every TPOT target, the batch's and the request's own, and the request's TTFT
-  target: the places admission counts by prediction, not the cap), or
+  within the request's targets and the batch's tightest TPOT, as `decide` checks them: the
+  places admission counts by prediction, not the cap), or
 - on a fresh actor (the slot has `spawn_bytes` free and room for one more actor).
 
 Each row that ends after that instant frees one more place. The answer is the earliest
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from serve_app.policy import PolicyConfig, candidate, predict
+from serve_app.policy import PolicyConfig, candidate, meets_targets, predict
 from serve_app.scorer import RULE_SCORER, Scorer
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, SlotView
 
@@ -80,21 +80,21 @@ def _slot_frees_at(features: RequestFeatures, lane: str, slot: SlotView, snapsho
 def _rows_a_join_fits(features: RequestFeatures, snapshot: ClusterSnapshot, slot: SlotView, actor: ActorView,
                       policy: PolicyConfig, scorer: Scorer) -> int:
     """The most rows `actor` may be running for the request to be admitted as one more: under `max_batch`,
-    and predicted within the targets (-1: not even onto an empty batch).
+    and predicted within the targets as `decide` checks them (-1: not even onto an empty batch).
 
     The running rows' KV is scaled with their count (the rows that end first are not known to be the
-    shortest); prompts still to prefill are taken as done by then.
+    shortest); prompts still to prefill are taken as done by then. Every row count is priced in one
+    `predict` call: a refusal's path is where a storm of them spends its CPU.
     """
-    limits = [t for t in (features.tpot_target_s, actor.min_tpot_target_s) if t is not None]
-    most = min(actor.num_rows, policy.max_batch - 1)
-    if not limits and features.ttft_target_s is None:
+    limit = actor.min_tpot_target_s
+    if limit is None and all(t is None for t in (features.ttft_target_s, features.total_target_s,
+                                                 features.tpot_target_s)):
         return policy.max_batch - 1
     join = candidate("join", snapshot, slot, actor)
-    for rows in range(most, -1, -1):
-        tokens = actor.batch_tokens * rows // max(1, actor.num_rows)
-        p = predict(scorer, features, [replace(join, batch_rows=rows, batch_tokens=tokens,
-                                               batch_pending_prompt_tokens=0)])[0]
-        if ((not limits or p.tpot_s <= min(limits))
-                and (features.ttft_target_s is None or p.ttft_s <= features.ttft_target_s)):
+    counts = range(min(actor.num_rows, policy.max_batch - 1), -1, -1)
+    shrunk = [replace(join, batch_rows=rows, batch_tokens=actor.batch_tokens * rows // max(1, actor.num_rows),
+                      batch_pending_prompt_tokens=0) for rows in counts]
+    for rows, p in zip(counts, predict(scorer, features, shrunk), strict=True):
+        if meets_targets(features, p, limit):
             return rows
     return -1
