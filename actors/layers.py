@@ -56,6 +56,11 @@ def warm_up_kernels(params: dict[str, torch.Tensor]) -> None:
             return
 
 
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias with W packed in oneDNN's layout (actors/packed_weights.py); x: [..., in] -> [..., out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameter names) through `linear`, created uninitialised.
 
@@ -69,7 +74,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return packed_linear(x, self.packed_weight, self.bias)
         return linear(x, self.weight, self.bias)
 
 

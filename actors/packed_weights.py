@@ -1,8 +1,8 @@
 """Linear weights repacked into oneDNN's blocked layout: the same products, faster on a CPU.
 
-A decode step is mostly linear layers (74% of a one-row step, 60% at 8 rows:
+A decode step is mostly linear layers (70% of a one-row step, 51% at 8 rows:
 benchmarks/results/linear.md), and eager `F.linear` / `torch.mv` on a plain row-major bf16
-weight stream it at ~3.6 GB/s here. oneDNN's linear on a weight reordered once into its
+weight stream it at 3.4-3.9 GB/s here. oneDNN's linear on a weight reordered once into its
 blocked layout (`torch.ops.mkldnn`, what inductor's frozen CPU graphs call) runs the same
 products without any compile: bitwise equal in bf16, set up in a fraction of a second
 (max-autotune's `torch.compile` takes 2 minutes), for any number of rows. On SmolLM2 here
@@ -29,6 +29,7 @@ LM head is the embedding table, which lookups read plain: it stays unpacked.
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +40,10 @@ from actors.layers import Linear
 
 log = logging.getLogger(__name__)
 
-_PAGE = 4096
-_MADV_DONTNEED = 4
 # The row count oneDNN lays the weight out for; every count runs with any. 8, a batch's usual
-# size: in a sweep by hand of hints 1, 4, 8, 16 and 32 over SmolLM2's linear layers at 1 to 32
-# rows, no hint was best everywhere and 8 was within this machine's noise of the best.
+# size: in a sweep by hand (not a committed benchmark) of hints 1, 4, 8, 16 and 32 over
+# SmolLM2's linear layers at 1 to 32 rows, no hint was best everywhere and 8 was within this
+# machine's noise of the best.
 BATCH_HINT = 8
 
 
@@ -103,10 +103,10 @@ def _release_pages(plain: torch.Tensor) -> int:
         return 0  # its own allocation, not an arena view: freed with its last reference
     lib = glibc()
     start = plain.data_ptr()
-    first = -(-start // _PAGE) * _PAGE
-    end = (start + plain.nbytes) // _PAGE * _PAGE
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + plain.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
     if lib is None or end <= first:
         return 0
-    if lib.madvise(first, end - first, _MADV_DONTNEED) != 0:
+    if lib.madvise(first, end - first, mmap.MADV_DONTNEED) != 0:
         return 0
     return end - first

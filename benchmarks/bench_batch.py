@@ -41,6 +41,7 @@ import torch
 from actors.actor_config import ActorConfig
 from actors.engine import Engine
 from actors.layer_loader import load_zqs
+from actors.layers import packed_linear
 from actors.packed_weights import pack
 from actors.sampling import SamplingParams
 from benchmarks.common import cores, cpu_model, load_average, python_version, version_of, was_busy
@@ -134,7 +135,7 @@ def kernels(model) -> dict[str, float]:
     folded = q.view(1, h_kv, h // h_kv, d)
     packed = pack(model.model.layers[0].mlp.gate_proj).layers
     out = {} if not packed else {"packed_us": _call_us(
-        lambda: torch.ops.mkldnn._linear_pointwise(row.view(1, -1), packed[0][1], None, "none", [], ""))}
+        lambda: packed_linear(row.view(1, -1), packed[0][1]))}
     return out | {
         "mv_us": _call_us(lambda: torch.mv(weight, row)),
         "linear_us": _call_us(lambda: F.linear(row.view(1, -1), weight)),

@@ -98,7 +98,7 @@ class QueuedModel:
             lower_threads(config.cpu_nice)  # the priority zeroqueue's CPU actors compute at
         model, tokenizer = load_zqs(config.zqs_path, device=device, num_threads=config.load_threads,
                                     compute_dtype=config.compute_dtype,
-                                    is_weight_packed=config.is_weight_packed and device == "cpu")
+                                    is_weight_packed=config.is_weight_packed)  # packs CPU bf16 weights only
         engine = Engine(model, tokenizer, max_context=config.max_context, max_batch=config.max_batch,
                         prefill_chunk_tokens=config.prefill_chunk_tokens)
         self.runner = BatchRunner(engine, name="baseline-batch")
