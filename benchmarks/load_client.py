@@ -14,8 +14,8 @@ greenlets. Two modes, chosen by the schedule file:
 - closed loop (`closed_loop`: clients, duration, mix, seed): that many clients, each
   sending its next request as soon as its last one ended, for the duration; the class of
   each is drawn from the mix. A 503 is retried (the same request) after its
-  `retry-after-ms`, capped at `max_retry_wait_s` so the loop stays closed: this measures
-  the most a system completes with every place busy (bench_load's capacity).
+  `retry-after-ms`, as the SDKs do, capped at `max_retry_wait_s` (50 ms without the header):
+  this measures the most a system completes with every place busy (bench_load's capacity).
 
 Both are bounded in time (the schedule plus one request deadline). Every request streams
 (SSE) so that the time to first token is measured at the first `content_block_delta`. One
@@ -43,6 +43,8 @@ from requests.adapters import HTTPAdapter
 from benchmarks.load_stats import Record
 
 log = logging.getLogger("load_client")
+
+NO_RETRY_AFTER_WAIT_S = 0.05  # a closed-loop client's wait after a 503 that names no retry-after
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class LoadClient(User):
                     record, retry_after_s = self._send(next(counter), cls, seed, time.time() - t0, t0)
                     if not record.rejected:
                         break
-                    wait = loop["max_retry_wait_s"] if retry_after_s is None else retry_after_s
+                    wait = NO_RETRY_AFTER_WAIT_S if retry_after_s is None else retry_after_s
                     gevent.sleep(min(wait, loop["max_retry_wait_s"]))
 
         group = Group()

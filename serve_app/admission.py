@@ -43,6 +43,7 @@ from serve_app.lease import LeasedRow, SlowPathLease
 from serve_app.lease_book import LeaseBook
 from serve_app.loaded_model import LoadedModel
 from serve_app.metrics import IngressMetrics
+from serve_app.policy import PolicyConfig
 from serve_app.registry import is_leased_row
 from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Relay
 from serve_app.rows import Admitted, Rows
@@ -158,7 +159,8 @@ class Admission:
             return
         self.metrics.rejections.inc(tags={"reason": "no_capacity_early"})
         self.demand.refused(model_id, window.lane, window.hold_s)
-        raise errors.overloaded(f"{model_id}: no idle actor, batch row or free slot now", window.retry_after_s)
+        raise errors.overloaded(f"{model_id}: no idle actor, batch row or free slot now",
+                                window.next_retry_after_s(now, self.config.policy))
 
     async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
                    is_collected: bool, prepared_at: float = 0.0) -> tuple[Admitted, tuple[str, Completion] | None]:
@@ -221,8 +223,10 @@ class Admission:
                 hold_s = refused_hold_s(features, self.config.rule_scorer)
                 self.demand.refused(model.id, lane, hold_s)
                 if decision.retry_after_s is not None:
+                    now = time.monotonic()
                     self._refused[model.id] = _EarlyRefusal(
-                        time.monotonic() + self.config.early_refusal_s, decision.retry_after_s,
+                        now + self.config.early_refusal_s, now + decision.retry_after_s,
+                        hold_s / max(1, self.rows.num_running_of(model.id)),
                         self.rows.num_freed(model.id), lane, hold_s)
             self.metrics.observe_dispatch(model.id, time.time() - arrival)
             self.rows.trace(request_id, model.id, arrival, features, decision, None)
@@ -301,11 +305,26 @@ class _EarlyRefusal:
     """A model's early-refusal window (Admission.refuse_early)."""
 
     until: float  # monotonic: refused early until then
-    retry_after_s: float  # what the slow path's refusal quoted
+    retry_at: float  # monotonic: the place the slow path's refusal was told
+    # The expected gap between two places of the model freeing here: its rows each end about once
+    # per hold, so a place frees every hold / rows.
+    place_gap_s: float
     num_freed: int  # Rows.num_freed(model) at the refusal: a row ended since sends a probe
     lane: str  # the refused request's: early refusals count as its lane's demand,
     hold_s: float  # each as long a hold as its own (demand.refused_hold_s)
     probe_until: float | None = None  # a probe is in flight until its decision, or this deadline
+    num_early: int = 0  # refused early so far in this window
+
+    def next_retry_after_s(self, now: float, policy: PolicyConfig) -> float:
+        """The next early refusal's delay: one place after the last one told, not the same place for all.
+
+        Told one instant, every early refusal of a burst would come back together, one would take the
+        place and the rest be refused again, in step, every round: a closed loop of clients that honour
+        retry-after would spend the cores on refusals (the registry spreads its own refusals the same way,
+        registry.py's promises)."""
+        self.num_early += 1
+        retry_at = self.retry_at + self.num_early * self.place_gap_s
+        return min(policy.max_retry_after_s, max(policy.min_retry_after_s, retry_at - now))
 
 
 def _predicted_end(decision: Decision) -> float:

@@ -101,6 +101,9 @@ class Rows:
     def num_running(self) -> int:
         return len(self._running)
 
+    def num_running_of(self, model_id: str) -> int:
+        return sum(1 for a in self._running.values() if a.model_id == model_id)
+
     def num_freed(self, model_id: str) -> int:
         """How many rows of the model this replica has released: a place freed since a count was read."""
         return self._num_freed.get(model_id, 0)
