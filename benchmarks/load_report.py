@@ -243,7 +243,7 @@ def _capacity(data: dict[str, Any]) -> list[str]:
         "## Capacity, measured live", "",
         f"Closed loop: {first['clients']} clients (= slots × max_batch), each sending its next request (class drawn "
         f"from the mix) as soon as its last one ended; a 503 is retried after its `retry-after-ms`, as the SDKs "
-        f"do, at most {plan['max_retry_wait_s'] * 1000:g} ms later. Saturation throughput = requests "
+        f"do, at most {plan['max_retry_wait_s']:g} s later. Saturation throughput = requests "
         f"completed in the window after the warm-up / the window.", "",
         *tables.capacity_table(capacity, slo, service, sweep["capacity_rps"]), "",
         *(["CPU per completed request (ms), by process, over each system's capacity window (every process's "

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from serve_app.capacity import LaneDemand
-from serve_app.scorer import Candidate, RuleScorer
+from serve_app.scorer import Candidate, Scorer
 from serve_app.snapshot import ClusterSnapshot, RequestFeatures
 
 
@@ -32,11 +32,11 @@ class LaneCount:
     hold_s_sum: float = 0.0  # how long each would have held its row, summed (refused_hold_s)
 
 
-def refused_hold_s(features: RequestFeatures, rule: RuleScorer) -> float:
-    """How long a refused request would have held its row: the rule's prediction on a hot actor of its own.
-    The refusal has no prediction of its own (nothing could place it), and the rule needs no candidate."""
+def refused_hold_s(features: RequestFeatures, scorer: Scorer) -> float:
+    """How long a refused request would have held its row: the scorer's prediction on a hot actor of its own.
+    The refusal has no prediction of its own (nothing could place it)."""
     hot = Candidate("hot", "", None, 0, 0, 0.0, 0.0, resident_fraction=1.0)
-    return rule.predict(features, [hot])[0].total_s
+    return scorer.predict(features, [hot])[0].total_s
 
 
 class DemandCounter:

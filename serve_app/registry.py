@@ -67,7 +67,7 @@ from serve_app.registry_records import (
 from serve_app.registry_recovery import Recovery
 from serve_app.registry_warm import WarmBooks
 from serve_app.retry_after import retry_after_s
-from serve_app.scorer import RULE_SCORER, RuleScorer, Scorer
+from serve_app.scorer import RULE_SCORER, Scorer, rule_of
 from serve_app.snapshot import ClusterSnapshot, ClusterSummary, RequestFeatures, summarize
 from serve_app.warm_pool import LANES, WarmFill, WarmSpec
 
@@ -107,8 +107,7 @@ class RegistryConfig:
 def _cold_start_s(features: RequestFeatures, scorer: Scorer) -> float:
     """A fresh actor's start to its first layers' worth of weights, as the rule predicts it: what a slot on a
     new node adds to that node's start before it serves (the trained scorer has no such constant)."""
-    base = getattr(scorer, "base", scorer)  # a CorrectedScorer's rule (ttft_check.py)
-    return (base if isinstance(base, RuleScorer) else RULE_SCORER).start_s(features.weight_bytes)
+    return rule_of(scorer).start_s(features.weight_bytes)
 
 
 def is_leased_row(decision: Decision) -> bool:

@@ -18,7 +18,12 @@ such place over all slots that no earlier refusal was told (`num_promised` of th
 still ahead: refused clients told the same instant would all come back at once, one would
 be admitted and the rest refused again, and on a CPU node a closed loop of such refusals
 takes the cores from the batches), minus now, kept within [min_retry_after_s, max_retry_after_s]; a row already past its predicted end counts as
-ending now. Where nothing running would ever make room (every slot held by idle actors of
+ending now. Places are told at least a `place gap` apart — the refused request's own
+predicted hold over the rows that could make room, the rate at which a batch in steady state
+frees places — and the places past the last known row end follow it at that gap: rows that
+overran their predictions (a slowed CPU) would all "end now", and the rows' count is not the
+number of clients waiting, so without the gap a crowd of refusals would be told one instant
+and come back together. Where nothing running would ever make room (every slot held by idle actors of
 other models, say, or no slot at all), it is `policy.retry_after_s`. While the capacity planner
 has a slot on its way for the demand, the answer is that slot's predicted readiness instead. Pure and stdlib-only, like `decide`.
 """
@@ -27,8 +32,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from serve_app.demand import refused_hold_s
 from serve_app.policy import PolicyConfig, candidate, meets_targets, predict
-from serve_app.scorer import RULE_SCORER, Scorer
+from serve_app.scorer import RULE_SCORER, Scorer, rule_of
 from serve_app.snapshot import ActorView, ClusterSnapshot, RequestFeatures, SlotView
 
 
@@ -49,8 +55,25 @@ def retry_after_s(features: RequestFeatures, snapshot: ClusterSnapshot, policy: 
                                                                          now, scorer))
     if not places:
         return policy.retry_after_s if capacity is None else max(policy.min_retry_after_s, capacity[0])
-    t = places[min(num_promised, len(places) - 1)]  # past the last known place: its instant again
+    t = promised_place(places, num_promised, place_gap_s(features, snapshot, lane, scorer))
     return min(policy.max_retry_after_s, max(policy.min_retry_after_s, t - now))
+
+
+def place_gap_s(features: RequestFeatures, snapshot: ClusterSnapshot, lane: str, scorer: Scorer) -> float:
+    """How far apart places for the request free in steady state: each of the rows that could make room
+    for it (its model's and lane's) ends about once per hold, taken as the request's own as the rule
+    predicts it (as the edge's early refusals take it, admission.py)."""
+    num_rows = sum(a.num_rows for a in snapshot.actors if a.model == features.model and a.lane == lane)
+    return refused_hold_s(features, rule_of(scorer)) / max(1, num_rows)
+
+
+def promised_place(places: list[float], num_promised: int, gap_s: float) -> float:
+    """The place after the `num_promised` already told: the known places (sorted) kept `gap_s` apart, then
+    one every `gap_s` after the last of them."""
+    t = places[0]
+    for k in range(1, min(num_promised, len(places) - 1) + 1):
+        t = max(places[k], t + gap_s)
+    return t + max(0, num_promised - (len(places) - 1)) * gap_s
 
 
 def _slot_frees_at(features: RequestFeatures, lane: str, slot: SlotView, snapshot: ClusterSnapshot,

@@ -197,3 +197,11 @@ class RuleScorer:
 
 
 RULE_SCORER = RuleScorer()
+
+
+def rule_of(scorer: Scorer) -> RuleScorer:
+    """The rule behind a scorer, for the constants only the rule has: itself, a CorrectedScorer's rule
+    (ttft_check.py), or the default rule beside a trained scorer. Asking it never calls the scorer's own
+    `predict` (whose calls the simulator's tests compare between backends)."""
+    base = getattr(scorer, "base", scorer)
+    return base if isinstance(base, RuleScorer) else RULE_SCORER

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from serve_app.decisions import Bind, Dispatch, Join, Reject, Spawn
+from serve_app.demand import refused_hold_s
 from serve_app.policy import PolicyConfig
 from serve_app.registry import RegistryState, RowReservation, SlotSpec, is_request_actor_name
 from serve_app.scorer import RuleScorer
@@ -239,12 +240,31 @@ def test_refused_clients_are_told_successive_places_not_all_the_same_one():
         if i == 0:
             reg.actor_started("a")
     f = RequestFeatures("m", 10, 30, 1000, 1, 0)
-    told = [reg.admit(f, policy, "b", f"r{i}", now=11.0, scorer=scorer).retry_after_s for i in range(3)]
+    gap = refused_hold_s(f, scorer) / 2  # two rows make room: a place every half of the request's hold
+    assert max(ends) - min(ends) > gap  # the two known places are further apart than the gap
+    told = [reg.admit(f, policy, "b", f"r{i}", now=11.0, scorer=scorer).retry_after_s for i in range(4)]
     assert told[:2] == pytest.approx([min(ends) - 11.0, max(ends) - 11.0])
-    assert told[2] == pytest.approx(max(ends) - 11.0)  # past the last known place: that place again
+    # Past the last known place: one more place each gap after it, not that place again.
+    assert told[2:] == pytest.approx([max(ends) - 11.0 + gap, max(ends) - 11.0 + 2 * gap])
     # Once the promises have passed, the next refusal is told the earliest place again.
-    later = reg.admit(f, policy, "b", "r3", now=max(ends) + 1.0, scorer=scorer)
+    later = reg.admit(f, policy, "b", "r4", now=max(ends) + 3 * gap, scorer=scorer)
     assert later.retry_after_s == policy.min_retry_after_s  # both rows are past their predicted ends
+
+
+def test_rows_past_their_predicted_ends_free_places_a_gap_apart_not_all_now():
+    # A slowed CPU: both rows have overrun their predictions, so both "end now". Refused clients are still
+    # told successive places, each the request's hold over the two rows after the last.
+    scorer = RuleScorer(decode_s_per_token=0.1, prefill_tokens_per_s=1000.0, kv_read_bytes_per_s=1e12)
+    policy = PolicyConfig(actor_overhead_bytes=0, max_batch=2, max_hot_short_actors=1)
+    reg = _registry(100_000, max_batch=2)
+    for i, kind in enumerate((Spawn, Join)):
+        assert isinstance(reg.admit(RequestFeatures("m", 10, 30, 1000, 1, 0), policy, "a", f"q{i}", now=0.0,
+                                    scorer=scorer), kind)
+        reg.actor_started("a")
+    f = RequestFeatures("m", 10, 30, 1000, 1, 0)
+    gap = refused_hold_s(f, scorer) / 2
+    told = [reg.admit(f, policy, "b", f"r{i}", now=1000.0, scorer=scorer).retry_after_s for i in range(3)]
+    assert told == pytest.approx([policy.min_retry_after_s, gap, 2 * gap])
 
 
 def test_register_slots_orders_by_id_and_never_shrinks_below_reservations():
