@@ -43,9 +43,9 @@ from serve_app.lease import LeasedRow, SlowPathLease
 from serve_app.lease_book import LeaseBook
 from serve_app.loaded_model import LoadedModel
 from serve_app.metrics import IngressMetrics
-from serve_app.policy import PolicyConfig
 from serve_app.registry import is_leased_row
 from serve_app.relay import LOST_RETRY_AFTER_S, ActorLost, Relay
+from serve_app.retry_line import RetryLines
 from serve_app.rows import Admitted, Rows
 from serve_app.scorer import Scorer
 from serve_app.snapshot import ClusterSnapshot, ClusterSummary, summarize
@@ -68,8 +68,10 @@ class Admission:
         self.ttft_check = TtftCheck()
         self.leases = LeaseBook(config.leases, replica_id, config.policy.max_batch, config.registry_heartbeat_s,
                                 config.rule_scorer.node_cpus)
+        # Per model: the places this replica's refusals were told, and how fast its rows end (retry_line.py).
+        self.retry_lines = RetryLines(config.policy)
         self.rows = Rows(cluster, self.leases, metrics, config.policy, replica_id,
-                         self.ttft_check if config.is_prediction_corrected else None,
+                         self.ttft_check if config.is_prediction_corrected else None, self.retry_lines,
                          drain_timeout_s=config.token_timeout_s,
                          traces_writer=traces.TraceWriter(config.traces) if config.traces is not None else None)
         self.relay = Relay(config.start_timeout_s, config.token_timeout_s, self.rows)
@@ -160,7 +162,12 @@ class Admission:
         self.metrics.rejections.inc(tags={"reason": "no_capacity_early"})
         self.demand.refused(model_id, window.lane, window.hold_s)
         raise errors.overloaded(f"{model_id}: no idle actor, batch row or free slot now",
-                                window.next_retry_after_s(now, self.config.policy))
+                                self._retry_after_s(model_id, window.retry_at - now, window.hold_s, now))
+
+    def _retry_after_s(self, model_id: str, earliest_s: float, hold_s: float, now: float) -> float:
+        """A refusal's retry-after: the place after the last one this replica told (retry_line.py)."""
+        gap_s = hold_s / max(1, self.rows.num_running_of(model_id))
+        return self.retry_lines.tell(model_id, earliest_s, gap_s, now)
 
     async def run(self, model: LoadedModel, features, actor_request: ActorRequest, arrival: float, *,
                    is_collected: bool, prepared_at: float = 0.0) -> tuple[Admitted, tuple[str, Completion] | None]:
@@ -218,21 +225,22 @@ class Admission:
         self.metrics.decisions.inc(tags={"model": model.id, "kind": type(decision).__name__.lower()})
         if isinstance(decision, Reject):
             self.metrics.rejections.inc(tags={"reason": decision.reason})
+            hold_s = refused_hold_s(features, self.config.rule_scorer)
             if decision.reason == "no_capacity":
                 lane = self.config.policy.lane(features.input_tokens, features.max_tokens)
-                hold_s = refused_hold_s(features, self.config.rule_scorer)
                 self.demand.refused(model.id, lane, hold_s)
                 if decision.retry_after_s is not None:
                     now = time.monotonic()
                     self._refused[model.id] = _EarlyRefusal(
                         now + self.config.early_refusal_s, now + decision.retry_after_s,
-                        hold_s / max(1, self.rows.num_running_of(model.id)),
                         self.rows.num_freed(model.id), lane, hold_s)
             self.metrics.observe_dispatch(model.id, time.time() - arrival)
             self.rows.trace(request_id, model.id, arrival, features, decision, None)
             if decision.http_status == 400:
                 raise errors.invalid_request(decision.message)
-            raise errors.overloaded(decision.message, decision.retry_after_s or self.config.policy.retry_after_s)
+            retry_after_s = decision.retry_after_s or self.config.policy.retry_after_s
+            raise errors.overloaded(decision.message,
+                                    self._retry_after_s(model.id, retry_after_s, hold_s, time.monotonic()))
         rows = decision.candidate.batch_rows + 1 if decision.candidate is not None else 1
         self.metrics.batch_rows.observe(rows, tags={"model": model.id})
         self.metrics.admissions.inc(tags={"model": model.id, "tier": _tier(decision)})
@@ -306,25 +314,10 @@ class _EarlyRefusal:
 
     until: float  # monotonic: refused early until then
     retry_at: float  # monotonic: the place the slow path's refusal was told
-    # The expected gap between two places of the model freeing here: its rows each end about once
-    # per hold, so a place frees every hold / rows.
-    place_gap_s: float
     num_freed: int  # Rows.num_freed(model) at the refusal: a row ended since sends a probe
     lane: str  # the refused request's: early refusals count as its lane's demand,
     hold_s: float  # each as long a hold as its own (demand.refused_hold_s)
     probe_until: float | None = None  # a probe is in flight until its decision, or this deadline
-    num_early: int = 0  # refused early so far in this window
-
-    def next_retry_after_s(self, now: float, policy: PolicyConfig) -> float:
-        """The next early refusal's delay: one place after the last one told, not the same place for all.
-
-        Told one instant, every early refusal of a burst would come back together, one would take the
-        place and the rest be refused again, in step, every round: a closed loop of clients that honour
-        retry-after would spend the cores on refusals (the registry spreads its own refusals the same way,
-        registry.py's promises)."""
-        self.num_early += 1
-        retry_at = self.retry_at + self.num_early * self.place_gap_s
-        return min(policy.max_retry_after_s, max(policy.min_retry_after_s, retry_at - now))
 
 
 def _predicted_end(decision: Decision) -> float:

@@ -39,6 +39,7 @@ from serve_app.metrics import IngressMetrics
 from serve_app.offload import within
 from serve_app.policy import PolicyConfig
 from serve_app.registry import AdoptedActor, AdoptedRow, Outcome
+from serve_app.retry_line import RetryLines
 from serve_app.snapshot import RequestFeatures
 from serve_app.ttft_check import TtftCheck
 
@@ -85,10 +86,11 @@ class Admitted:
 
 class Rows:
     def __init__(self, cluster: Cluster, leases: LeaseBook, metrics: IngressMetrics, policy: PolicyConfig,
-                 replica_id: str, ttft_check: TtftCheck | None, *, drain_timeout_s: float,
-                 traces_writer: traces.TraceWriter | None) -> None:
+                 replica_id: str, ttft_check: TtftCheck | None, retry_lines: RetryLines, *,
+                 drain_timeout_s: float, traces_writer: traces.TraceWriter | None) -> None:
         self._cluster, self._leases, self._metrics, self._policy = cluster, leases, metrics, policy
         self._ttft_check = ttft_check  # None: predictions are not corrected, nor their corrections learned
+        self._retry_lines = retry_lines  # told each row's end: how fast places free here
         self._replica_id = replica_id
         self._drain_timeout_s = drain_timeout_s
         self._traces = traces_writer
@@ -215,6 +217,7 @@ class Rows:
 
     def _finish(self, admitted: Admitted, outcome: Outcome) -> None:
         self._num_freed[admitted.model_id] = self.num_freed(admitted.model_id) + 1
+        self._retry_lines.row_ended(admitted.model_id, time.monotonic())
         if admitted.lease_row is not None:
             if outcome == "failed":  # the registry forgets the actor, every lease on it included, and kills it
                 self._cluster.finish(admitted.actor_name, admitted.lease_row, outcome)
