@@ -93,12 +93,19 @@ def _the_row_held_and_a_refusal(server: LocalServer, tmp_path, num_threads: int)
 def test_within_the_window_a_model_is_refused_with_no_registry_call(server, tmp_path):
     with _the_row_held_and_a_refusal(server, tmp_path, 2):
         before, started = _admits(server), time.monotonic()
-        answers = [httpx.post(f"{server.base}/v1/messages", json=body(f"again {i}"), timeout=60) for i in range(5)]
+        answers, answered_at = [], []
+        for i in range(5):
+            answers.append(httpx.post(f"{server.base}/v1/messages", json=body(f"again {i}"), timeout=60))
+            answered_at.append(time.monotonic())
         if time.monotonic() - started < EARLY_REFUSAL_S:  # all within the window (else the check says nothing)
             assert _admits(server) == before
         for r in answers:
             assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
             assert int(r.headers["retry-after"]) >= 1
+        # Each is told a later place than the one before (retry_line.py): told one instant, clients that
+        # honour it would all come back together and be refused again.
+        told_at = [t + int(r.headers["retry-after-ms"]) / 1000 for t, r in zip(answered_at, answers, strict=True)]
+        assert all(later > earlier for earlier, later in zip(told_at, told_at[1:])), told_at
     assert call(server.base, body()).is_complete  # the row freed: no early refusal stands in its way
 
 
