@@ -35,8 +35,12 @@ and the simulator all call the same code.
 3. The scorer predicts TTFT, total time and TPOT per candidate; the fastest (TTFT, then
    total, then the most TPOT slack, then candidate order) that meets the request's latency
    targets wins — and a join must also keep every row already running within its own TPOT
-   target, since the new row slows every step of that batch. The decision carries the chosen candidate and
-   its prediction. Predictions that are malformed (wrong count, NaN, negative, ttft >
+   target, since the new row slows every step of that batch. Where the model's hot actors are
+   at `max_hot` (a bound or fresh actor would exit after its request), an idle hot actor or a
+   join that meets the targets is taken before any warm bind or spawn, however much faster:
+   such a bind costs a process start to refill the pool, and a spawn one now, on the cores or
+   the device the running batches share, for every request that could have joined. The
+   decision carries the chosen candidate and its prediction. Predictions that are malformed (wrong count, NaN, negative, ttft >
    total) or a scorer that raises fall back to the rule scorer for this decision: a
    scorer only ranks what is feasible.
 4. No candidate: eviction, if a slot held only by idle hot or warm actors would fit a
@@ -202,7 +206,10 @@ def decide(
     if candidates:
         predictions = predict(scorer, features, candidates)
         limits = [None] * len(hot) + running_tpot + [None] * (len(warm) + len(cold))
-        best = _fastest(features, predictions, limits)
+        num_resident = len(hot) + len(joins)  # candidates that start no process, now or to refill a pool
+        best = None if keep_new_hot else _fastest(features, predictions[:num_resident], limits[:num_resident])
+        if best is None:
+            best = _fastest(features, predictions, limits)
     if best is None or candidates[best].kind == "cold":
         # Better than a process start or a refusal: the other lane's warm actors, then a warming one
         # (its process is starting already: further along than a fresh actor, if not yet warm).

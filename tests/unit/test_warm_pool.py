@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from serve_app.decisions import Bind, Spawn
+from serve_app.decisions import Bind, Join, Spawn
 from serve_app.policy import PolicyConfig, decide
 from serve_app.registry import RegistryState, RowReservation, SlotSpec
 from serve_app.snapshot import ActorView, ClusterSnapshot, RowView, SlotView
 from serve_app.warm_pool import WarmFill, WarmSpec, plan_fills
+from tests.helpers import actor, policy
 from tests.helpers import features as _features
-from tests.helpers import policy
 from tests.helpers import slot as _slot
 from tests.helpers import snapshot as _snap
 
@@ -32,6 +32,25 @@ def test_a_warm_actor_of_the_lane_is_bound_rather_than_a_process_started():
     d = decide(_features(), snap, POLICY)
     assert d == Bind("w", "a", "short", True, _features().dispatch_bytes)
     assert d.prediction.ttft_s < decide(_features(), _snap([_slot("b")]), POLICY).prediction.ttft_s
+
+
+def test_at_max_hot_a_join_within_the_targets_is_taken_before_a_faster_warm_bind():
+    # A busy hot actor (the lane's one hot actor) and a warm one. Binding the warm actor is predicted
+    # faster (no batch to share), but the bound actor would exit after its request and its slot refill
+    # with a process start: the join, within the targets, is taken. Below max_hot the bound actor stays
+    # hot (a second batch, not a process per request), so the faster bind is taken.
+    snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1)],
+                 [_warm("w", "a", fraction=1.0), actor("hot", "b", state="busy", rows=3)])
+    f = _features(ttft_target_s=10.0)
+    one_hot = policy(num_warm_short_actors=1, max_hot_short_actors=1)
+    d = decide(f, snap, one_hot)
+    assert isinstance(d, Join) and d.actor_name == "hot"
+    bind = decide(f, snap, policy(num_warm_short_actors=1, max_hot_short_actors=2))
+    assert isinstance(bind, Bind) and bind.actor_name == "w" and bind.prediction.ttft_s < d.prediction.ttft_s
+    # A join that would miss the target is not taken for it: the warm actor is bound.
+    tight = _features(ttft_target_s=bind.prediction.ttft_s * 1.01)
+    assert d.prediction.ttft_s > tight.ttft_target_s
+    assert isinstance(decide(tight, snap, one_hot), Bind)
 
 
 def test_the_other_lanes_warm_actor_is_bound_only_in_place_of_a_process_start_or_a_refusal():
@@ -87,10 +106,11 @@ def test_a_bound_warm_actor_serves_then_goes_like_a_spawned_one_and_the_pool_ref
 
 
 def test_no_refill_while_every_core_of_the_node_computes_and_one_once_a_core_is_free():
-    reg = RegistryState(max_idle_s=60.0)
+    reg = RegistryState(max_idle_s=60.0, max_batch=1)
     reg.register_slots([SlotSpec("a", "n", 10_000), SlotSpec("b", "n", 10_000), SlotSpec("c", "n", 10_000)])
+    # Batches of one row: the second request cannot join the hot actor, and binds the warm one.
     short_only = PolicyConfig(short_max_input_tokens=100, short_max_output_tokens=50, max_hot_short_actors=1,
-                              actor_overhead_bytes=0, num_warm_short_actors=1)
+                              actor_overhead_bytes=0, num_warm_short_actors=1, max_batch=1)
     two_cores = WarmSpec("m", 1000, node_cpus=2)
     reg.admit(_features(), short_only, "hot", "r0", now=0.0)  # a hot actor computes on a
     reg.actor_started("hot")
