@@ -14,8 +14,9 @@ greenlets. Two modes, chosen by the schedule file:
 - closed loop (`closed_loop`: clients, duration, mix, seed): that many clients, each
   sending its next request as soon as its last one ended, for the duration; the class of
   each is drawn from the mix. A 503 is retried (the same request) after its
-  `retry-after-ms`, as the SDKs do, capped at `max_retry_wait_s` (50 ms without the header):
-  this measures the most a system completes with every place busy (bench_load's capacity).
+  `retry-after-ms`, as the SDKs do, capped at `max_retry_wait_s` (a 503 without the header
+  is retried after 50 ms): this measures the most a system completes with every place busy
+  (bench_load's capacity).
 
 Both are bounded in time (the schedule plus one request deadline). Every request streams
 (SSE) so that the time to first token is measured at the first `content_block_delta`. One

@@ -13,19 +13,24 @@ instant the request would fit:
   places admission counts by prediction, not the cap), or
 - on a fresh actor (the slot has `spawn_bytes` free and room for one more actor).
 
-Each row that ends after that instant frees one more place. The answer is the earliest
-such place over all slots that no earlier refusal was told (`num_promised` of them are
-still ahead: refused clients told the same instant would all come back at once, one would
-be admitted and the rest refused again, and on a CPU node a closed loop of such refusals
-takes the cores from the batches), minus now, kept within [min_retry_after_s, max_retry_after_s]; a row already past its predicted end counts as
-ending now. Places are told at least a `place gap` apart — the refused request's own
-predicted hold over the rows that could make room, the rate at which a batch in steady state
-frees places — and the places past the last known row end follow it at that gap: rows that
-overran their predictions (a slowed CPU) would all "end now", and the rows' count is not the
-number of clients waiting, so without the gap a crowd of refusals would be told one instant
-and come back together. Where nothing running would ever make room (every slot held by idle actors of
-other models, say, or no slot at all), it is `policy.retry_after_s`. While the capacity planner
-has a slot on its way for the demand, the answer is that slot's predicted readiness instead. Pure and stdlib-only, like `decide`.
+Each row that ends after that instant frees one more place; a row already past its
+predicted end counts as ending now. The answer is the earliest such place over all slots
+that no earlier refusal was told (`num_promised` of them are still ahead: refused clients
+told the same instant would all come back at once, one would be admitted and the rest
+refused again, and on a CPU node a closed loop of such refusals takes the cores from the
+batches), minus now, kept within [min_retry_after_s, max_retry_after_s].
+
+Places are told at least a *place gap* apart — the refused request's own predicted hold over
+the rows that could make room, the rate at which a batch in steady state frees places — and
+the places past the last known row end follow it at that gap: rows that overran their
+predictions (a slowed CPU) would all "end now", and the rows' count is not the number of
+clients waiting, so without the gap a crowd of refusals would be told one instant and come
+back together.
+
+Where nothing running would ever make room (every slot held by idle actors of other models,
+say, or no slot at all), it is `policy.retry_after_s`. While the capacity planner has a slot
+on its way for the demand, the answer is that slot's predicted readiness instead. Pure and
+stdlib-only, like `decide`.
 """
 
 from __future__ import annotations
