@@ -348,6 +348,7 @@ class LocalCluster:
         try:
             if entry.actor is None:
                 raise RuntimeError("not constructed")
+            self._call("warm_created", lambda: self.registry.warm_created(name))
             status = await entry.actor.ready(self._config.actor.load_timeout_s)
         except Exception as e:  # dropped, and replaced by the next round
             log.warning("warm actor %s failed before it was ready (%s); replacing it", name, type(e).__name__)

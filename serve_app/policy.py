@@ -311,6 +311,8 @@ def warm_candidates(features: RequestFeatures, lanes: Sequence[Lane], snapshot: 
     out: list[Candidate] = []
     for lane in lanes:
         for actor in snapshot.warm_actors(features.model, lane, state):
+            if not actor.is_created:  # its filler has not made the process yet: nothing to send a request to
+                continue
             slot = snapshot.slot(actor.slot_id)
             if slot is not None and slot.free_bytes >= need:
                 out.append(candidate(kind, snapshot, slot, actor))

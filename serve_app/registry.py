@@ -369,6 +369,9 @@ class RegistryState:
                   now: float) -> list[tuple[str, WarmFill]]:
         return self.warm.fill_warm(specs, policy, names, now)
 
+    def warm_created(self, actor_name: str) -> bool:
+        return self.warm.warm_created(actor_name)
+
     def warm_ready(self, actor_name: str, resident_fraction: float) -> bool:
         return self.warm.warm_ready(actor_name, resident_fraction)
 

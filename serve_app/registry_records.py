@@ -138,6 +138,9 @@ class ActorRecord:
     # Its engine's measured ÷ rule-predicted step time, as a replica relaying its rows last reported it (1: the
     # rule's own): joins and dispatches on it are priced by it (scorer.py).
     step_correction: float = 1.0
+    # False from a warm fill's commit until its filler has created the process (`warm_created`): before that, a
+    # request bound to it would find no actor of that name and count it as lost.
+    is_created: bool = True
 
     @property
     def reserved_bytes(self) -> int:
@@ -146,4 +149,4 @@ class ActorRecord:
     def view(self) -> ActorView:
         return ActorView(self.name, self.model, self.slot_id, self.state, self.lane, self.is_hot,
                          self.resident_bytes, tuple(r.view() for r in self.rows.values()), self.resident_fraction,
-                         bool(self.start_lease), self.step_correction)
+                         bool(self.start_lease), self.step_correction, self.is_created)

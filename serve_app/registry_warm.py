@@ -4,6 +4,7 @@ once their first layers are in. A collaborator of `RegistryState` (registry.py) 
 (ray_cluster/warm_filler.py, or local_cluster.py) creates the actors the commits name.
 
     fill_warm      a pool's missing actors, planned and committed ("warming", resident bytes reserved)
+    warm_created   its process exists: a request may be bound to it while it warms
     warm_ready     "warming" -> "warm": it may be bound from now on
     drop_warming   a warm actor that failed before it was ready is forgotten
 """
@@ -29,7 +30,7 @@ class WarmBooks:
         if slot is None or slot.free_bytes < fill.resident_bytes or slot.num_actors >= books.max_actors_per_slot:
             return False
         books.register(ActorRecord(actor_name, fill.model, slot.slot_id, fill.lane, "warming", False,
-                              fill.resident_bytes, now, resident_fraction=0.0), slot)
+                              fill.resident_bytes, now, resident_fraction=0.0, is_created=False), slot)
         return True
 
     def fill_warm(self, specs: list[WarmSpec], policy: PolicyConfig, names: dict[str, list[str]],
@@ -53,6 +54,16 @@ class WarmBooks:
                 committed.append((name, fill))
         return committed
 
+    def warm_created(self, actor_name: str) -> bool:
+        """The filler created the warming actor's process: it may be bound from now on (its start under way).
+        Until then its name resolves to nothing, and a request sent there would count the actor as lost."""
+        actor = self.books.actors.get(actor_name)
+        if actor is None or actor.is_created:
+            return False
+        actor.is_created = True
+        self.books.touch_actor(actor)
+        return True
+
     def drop_warming(self, actor_name: str) -> bool:
         """A warm actor failed before it was ready: forgotten, unless a request was bound to it meanwhile
         (then that request's own end releases it)."""
@@ -68,5 +79,6 @@ class WarmBooks:
         if actor is None or actor.state != "warming":
             return False
         actor.state, actor.resident_fraction = "warm", min(1.0, max(0.0, resident_fraction))
+        actor.is_created = True  # ready, so created (its filler's own word may still be on its way)
         self.books.touch_actor(actor)
         return True

@@ -88,6 +88,10 @@ class SharedRegistry:
         with self._lock:
             return self._state.fill_warm(specs, self._policy, names, time.time())
 
+    def warm_created(self, actor_name: str) -> bool:
+        with self._lock:
+            return self._state.warm_created(actor_name)
+
     def warm_ready(self, actor_name: str, resident_fraction: float) -> bool:
         with self._lock:
             return self._state.warm_ready(actor_name, resident_fraction)

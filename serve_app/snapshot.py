@@ -109,6 +109,9 @@ class ActorView:
     is_start_lease: bool = False
     # Its engine's measured ÷ rule-predicted step time, where its holder heard it (Started); 1: the rule's own.
     step_correction: float = 1.0
+    # A warming actor whose process its filler has not created yet: counted in its pool and on its slot, but not
+    # bound (registry_warm.py).
+    is_created: bool = True
 
     @property
     def reserved_bytes(self) -> int:

@@ -261,7 +261,7 @@ class RegistryActor(SharedRegistry):
 
 # The methods callers reach through Ray; each call is counted in `_calls`.
 CALLED = ("admit", "exchange_leases", "give_back", "adopt", "attach", "detach", "reconcile_now", "register_slots",
-          "snapshot", "counters", "fill_warm", "warm_ready", "drop_warming", "actor_started", "finish", "abandon",
+          "snapshot", "counters", "fill_warm", "warm_created", "warm_ready", "drop_warming", "actor_started", "finish", "abandon",
           "remove", "configure", "check_invariants", "capacity_status")
 
 

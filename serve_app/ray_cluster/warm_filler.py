@@ -3,8 +3,9 @@
 Every `refresh_s` (or at once after `wake()`: a row ended, a warm actor was bound) the
 filler asks the registry which warm actors the pools miss (`RegistryActor.fill_warm`: the
 pure plan in warm_pool.py, committed with the same reservation as any actor), creates
-each one on its slot's node, and, once its `ready()` answers, tells the registry it may
-be bound (`warm_ready`). A warm actor that dies or fails before it is ready is removed
+each one on its slot's node and says so (`warm_created`: a request may be bound to it while
+it warms; before, its name resolves to nothing), and, once its `ready()` answers, tells the
+registry it is warm (`warm_ready`). A warm actor that dies or fails before it is ready is removed
 from the registry and replaced on a later round; one that dies once ready is dropped by
 the registry's reconcile (a ghost) and replaced the same way.
 
@@ -82,6 +83,7 @@ class WarmFiller:
                 log.exception("warm actor %s for %s not created; its slot is given back", name, fill.model)
                 self._link.handle.remove.remote(name)
                 continue
+            self._link.handle.warm_created.remote(name)  # its name resolves now: it may be bound
             self._pending[name] = handle.ready.remote(self._ready_timeout_s)
             created.append(name)
         return created

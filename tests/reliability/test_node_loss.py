@@ -110,7 +110,10 @@ def test_a_node_added_is_used_and_a_lost_nodes_rows_end_and_its_slots_leave_and_
     assert result["second_slot_seen"] and result["collected_on_second"], summary
     assert result["head_stream"]["events"][-1] == "message_stop", result["head_stream"]
     # Served by the head's hot actor, not by the cold actor its first decision spawned on the node that went.
-    assert result["collected"]["status"] == 200 and result["collected"]["tier"] == "hot", result["collected"]
+    collected = result["collected"]
+    assert collected["status"] == 200 and collected["tier"] == "hot", (
+        f"{collected['status']} {collected['tier'] or collected['error_type']}: {collected['error_message']} "
+        f"({collected['took_s']} s)\n{summary}")
     assert result["second_slot_gone"], summary
 
     # Requests are served again, on the remaining node: 200s sent after the slot was gone, when

@@ -73,6 +73,23 @@ def test_a_warming_actor_is_bound_in_place_of_a_fresh_one_and_never_evicted_for_
     assert decide(_features(model="m2"), snap, POLICY).evict == ("w",)  # another model's: retired
 
 
+def test_a_warming_actor_is_bound_only_once_its_filler_created_its_process():
+    # Committed by fill_warm, its process not yet made: a request sent there would find no actor of that name
+    # and count it as lost (CI saw the retry then refused). It holds its pool place and its slot meanwhile.
+    reg = RegistryState()
+    reg.register_slots([SlotSpec("a", "n", 10_000), SlotSpec("b", "n", 10_000)])
+    warm_only = PolicyConfig(actor_overhead_bytes=0, num_warm_short_actors=1, max_hot_short_actors=0)
+    [(name, fill)] = reg.fill_warm([WarmSpec("m", 1000)], warm_only, {"m": ["w1"]}, now=0.0)
+    assert name == "w1" and not _view(reg, "w1").is_created
+    d = reg.admit(_features(), warm_only, "fresh", "r1", now=0.1)
+    assert isinstance(d, Spawn) and d.slot_id == "b"  # not bound to w1
+    assert reg.fill_warm([WarmSpec("m", 1000)], warm_only, {"m": ["w2"]}, now=0.2) == []  # w1 fills the pool
+    assert reg.warm_created("w1") and not reg.warm_created("w1")  # said once
+    assert reg.admit(_features(), warm_only, "fresh2", "r2", now=0.3) == Bind(
+        "w1", "a", "short", False, _features().dispatch_bytes)
+    reg.check_invariants()
+
+
 def test_eviction_retires_warm_actors_before_idle_hot_ones_and_never_a_running_one():
     other_model = _features(model="m2")
     snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1),
