@@ -70,10 +70,16 @@ class ActorConfig:
     # CPU (actors/packed_weights.py): the same products, bitwise, up to 1.2x faster steps; false keeps
     # the plain eager kernels (the parity reference).
     is_weight_packed: bool = True
+    # The kernel they are packed for (actors/packed_weights.py KERNELS): "auto" is actors/bf16_linear.py's
+    # where the CPU has AVX512-BF16 (about 2x oneDNN's speed for one or two rows; products equal up to
+    # rounding), else oneDNN's; "onednn" always oneDNN's (bitwise F.linear's products).
+    packed_kernel: str = "auto"
     idle_trim_after_s: float = 2.0
 
     def __post_init__(self) -> None:
         check_setting(self.compute_dtype)
+        if self.packed_kernel not in ("auto", "onednn"):  # packed_weights.KERNELS (that module imports torch)
+            raise ValueError(f"ActorConfig.packed_kernel must be auto or onednn, got {self.packed_kernel!r}")
         if self.warm_layers is not None and self.warm_layers < 0:
             raise ValueError(f"ActorConfig.warm_layers must be >= 0, got {self.warm_layers}")
         if self.max_batch < 1 or self.prefill_chunk_tokens < 1 or self.warm_prompt_tokens < 1:

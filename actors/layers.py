@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors import bf16_linear
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except for a single bf16 row on the CPU (decode at batch 1) where gemv is faster.
@@ -67,13 +69,16 @@ class Linear(nn.Linear):
     Once `actors/packed_weights.py` installs a packed copy of the weight, it computes with that.
     """
 
-    packed_weight: torch.Tensor | None = None  # oneDNN's layout; the plain `weight` is then empty
+    packed_weight: torch.Tensor | None = None  # the plain `weight` is then empty
+    packed_kernel: str = "onednn"  # the layout of `packed_weight`: "onednn", or "bf16_linear" (bf16_linear.py)
 
     def reset_parameters(self) -> None:
         """Leave the weights as allocated: a loader or `init_weights` writes them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
+            if self.packed_kernel == "bf16_linear":
+                return bf16_linear.linear(x, self.packed_weight, self.out_features, self.bias)
             return packed_linear(x, self.packed_weight, self.bias)
         return linear(x, self.weight, self.bias)
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors import bf16_linear
 from actors.arena import move_parameters_to_huge_pages
 from actors.attention import Attention, AttentionSpan, Segment
 from actors.kv_cache import KVCache
@@ -128,6 +129,9 @@ class Transformer(nn.Module):
         self._inv_freq = rope_inv_freq(config).to(self.device)
         self.kv_caches: list[KVCache] = []
         self._position_table: torch.Tensor | None = None
+        # A tied head packed for bf16_linear.py (packed_weights.py), [V/16, D/2, 16] int32: the LM head's
+        # weight and, read back by pairs, the embedding table, whose plain copy is then released.
+        self.packed_head: torch.Tensor | None = None
         if initialise:
             self.init_weights()
 
@@ -148,6 +152,14 @@ class Transformer(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `tokens` [...]: [..., D], from the pair-packed table where the head is packed."""
+        if self.packed_head is None:
+            return self.model.embed_tokens(tokens)
+        # Token t's row is column t % 16 of block t // 16, two features per int32: the same bf16 values.
+        pairs = self.packed_head[tokens // bf16_linear.COLUMNS, :, tokens % bf16_linear.COLUMNS]  # [..., D/2]
+        return pairs.view(self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -276,7 +288,7 @@ class Transformer(nn.Module):
 
         if wait_layer is not None:
             wait_layer(EMBEDDINGS_GROUP)
-        x = self.model.embed_tokens(tokens)
+        x = self.embed(tokens)
         for i, layer in enumerate(self.model.layers):
             if wait_layer is not None:
                 wait_layer(i)
@@ -288,6 +300,8 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         if self.lm_head is not None:  # its module: a packed weight (packed_weights.py) is used there
             return self.lm_head(x).float()
+        if self.packed_head is not None:
+            return bf16_linear.linear(x, self.packed_head, self.config.vocab_size).float()
         return linear(x, self.model.embed_tokens.weight).float()
 
     def _cached_segment(self, start_pos: int, length: int, caches: Sequence[KVCache] | None = None,

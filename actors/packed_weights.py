@@ -1,4 +1,4 @@
-"""Linear weights repacked into oneDNN's blocked layout: the same products, faster on a CPU.
+"""Linear weights repacked for a faster CPU kernel: oneDNN's blocked layout, or bf16_linear.py's pairs.
 
 A decode step is mostly linear layers (70% of a one-row step, 51% at 8 rows:
 benchmarks/results/linear.md), and eager `F.linear` / `torch.mv` on a plain row-major bf16
@@ -9,11 +9,14 @@ products without any compile: bitwise equal in bf16, set up in a fraction of a s
 the linear layers ran 1.13x (one row) and 1.26x (8 rows) faster, the whole step 1.03x and
 1.22x (benchmarks/results/linear.md; bench_batch's `small` model: batch.md's last table).
 
-Only bf16 is packed: its packed products are bitwise equal to `F.linear`'s, so eager plain
-(`actor.is_weight_packed: false`) stays an exact parity reference (one exception: a single
-row through a layer with a bias, where the plain path's gemv rounds before it adds the bias
-and the packed one rounds once). fp32 packs too and is faster, but accumulates in another
-order (differences of ~1e-4).
+Only bf16 is packed. Where the CPU has AVX512-BF16, `kernel="auto"` (`actor.packed_kernel`) packs
+for actors/bf16_linear.py instead: it streams the weights about 2x faster than oneDNN for one or
+two rows and no slower for any count (benchmarks/results/bf16_linear.md), its products equal to
+`F.linear`'s up to rounding. oneDNN's packed products are bitwise equal to `F.linear`'s (one
+exception: a single row through a layer with a bias, where the plain path's gemv rounds before it
+adds the bias and the packed one rounds once). Either way eager plain (`actor.is_weight_packed:
+false`) is the parity reference. fp32 packs too and is faster, but accumulates in another order
+(differences of ~1e-4).
 
 How an actor uses it, without touching a weight a step may be reading:
 
@@ -23,7 +26,9 @@ How an actor uses it, without touching a weight a step may be reading:
 `install` releases each plain weight's pages (they live in the model's huge-page arena,
 actors/arena.py), so a packed model holds about the memory of an unpacked one, and swaps in
 an empty plain weight so that a stale reader fails loudly instead of reading zeros. A tied
-LM head is the embedding table, which lookups read plain: it stays unpacked.
+LM head is the embedding table: for oneDNN it stays plain (lookups read the table, and oneDNN's
+layout is opaque); for bf16_linear it is packed too, and lookups read their rows back from the
+pairs (`Transformer.embed`), so the plain table is released as well.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from actors import bf16_linear
 from actors.heap import glibc
 from actors.layers import Linear
+from actors.model import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ log = logging.getLogger(__name__)
 # SmolLM2's linear layers at 1 to 32 rows, no hint was best everywhere and 8 was within this
 # machine's noise of the best.
 BATCH_HINT = 8
+KERNELS = ("auto", "onednn")  # auto: bf16_linear.py's where this CPU runs it, else oneDNN's
 
 
 def is_packable(weight: torch.Tensor) -> bool:
@@ -58,6 +66,8 @@ class PackedWeights:
     """Packed copies of a model's linear weights, made but not yet in use."""
 
     layers: list[tuple[Linear, torch.Tensor]]
+    kernel: str = "onednn"  # which kernel the packed weights are laid out for: "onednn" or "bf16_linear"
+    head: tuple[Transformer, torch.Tensor] | None = None  # a tied head and embedding table, for bf16_linear
     is_installed: bool = False
 
     def install(self) -> int:
@@ -70,27 +80,54 @@ class PackedWeights:
         released = 0
         for layer, packed in self.layers:
             plain = layer.weight
-            layer.packed_weight = packed
+            layer.packed_weight, layer.packed_kernel = packed, self.kernel
             layer.weight = nn.Parameter(torch.empty(0, dtype=plain.dtype), requires_grad=False)
             released += _release_pages(plain)
+        if self.head is not None:
+            model, packed = self.head
+            table = model.model.embed_tokens
+            plain = table.weight
+            model.packed_head = packed  # lookups and the head read it from here on
+            table.weight = nn.Parameter(torch.empty(0, dtype=plain.dtype, device=plain.device), requires_grad=False)
+            released += _release_pages(plain)
         self.is_installed = True
-        log.info("packed %d linear weights (%.0f MB); %.0f MB of plain weights released",
-                 len(self.layers), self.nbytes_packed() / 1e6, released / 1e6)
+        log.info("packed %d linear weights for %s (%.0f MB); %.0f MB of plain weights released",
+                 len(self.layers), self.kernel, self.nbytes_packed() / 1e6, released / 1e6)
         return released
 
     def nbytes_packed(self) -> int:
-        # Packed tensors are opaque; their logical size is the plain one's.
-        return sum(p.numel() * p.element_size() for _, p in self.layers)
+        # oneDNN's packed tensors are opaque; their logical size is the plain one's (a pair-packed one pads N to 16).
+        head = [] if self.head is None else [self.head[1]]
+        return sum(p.numel() * p.element_size() for p in [p for _, p in self.layers] + head)
 
 
-def pack(model: nn.Module, batch_hint: int = BATCH_HINT) -> PackedWeights:
-    """Packed copies of every packable `Linear` of `model` (nothing is changed until `install`)."""
+def pack(model: nn.Module, batch_hint: int = BATCH_HINT, kernel: str = "auto") -> PackedWeights:
+    """Packed copies of every packable `Linear` of `model` (nothing is changed until `install`), for `kernel`
+    (KERNELS). "auto" builds or loads bf16_linear.py's kernel where the CPU has AVX512-BF16: call it off the
+    stepping thread."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    modules = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None
+               and is_packable(m.weight)]
+    is_pairs = (kernel == "auto" and bool(modules) and all(bf16_linear.is_packable(m.weight) for m in modules)
+                and bf16_linear.is_available())
     layers = []
     with torch.inference_mode():
-        for module in model.modules():
-            if isinstance(module, Linear) and module.packed_weight is None and is_packable(module.weight):
-                layers.append((module, torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_hint)))
-    return PackedWeights(layers)
+        for module in modules:
+            weight = module.weight.detach()
+            layers.append((module, bf16_linear.pack(weight) if is_pairs
+                           else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)))
+        head = None
+        if (is_pairs and isinstance(model, Transformer) and model.lm_head is None and model.packed_head is None
+                and bf16_linear.is_packable(model.model.embed_tokens.weight)):
+            head = (model, bf16_linear.pack(model.model.embed_tokens.weight.detach()))
+    return PackedWeights(layers, "bf16_linear" if is_pairs else "onednn", head)
+
+
+def packed_kernel_of(model: nn.Module) -> str | None:
+    """The kernel `model`'s packed weights run on ("onednn" or "bf16_linear"); None while none is packed."""
+    kinds = {m.packed_kernel for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None}
+    return kinds.pop() if len(kinds) == 1 else None if not kinds else "mixed"
 
 
 def _release_pages(plain: torch.Tensor) -> int:

@@ -321,7 +321,7 @@ class RequestActor:
         except Exception:  # closed or failed: nothing left to pack for
             return
         if not self._is_closed:
-            self._runner.call_between_steps(pack(self._model).install)
+            self._runner.call_between_steps(pack(self._model, kernel=self.config.packed_kernel).install)
 
     def _weight_gate(self) -> WaitLayer | None:
         """Asked by the stepping thread before each step: the cold gate until every weight is resident."""

@@ -38,11 +38,12 @@ from pathlib import Path
 
 import torch
 
+from actors import bf16_linear
 from actors.actor_config import ActorConfig
 from actors.engine import Engine
 from actors.layer_loader import load_zqs
 from actors.layers import packed_linear
-from actors.packed_weights import pack
+from actors.packed_weights import pack, packed_kernel_of
 from actors.sampling import SamplingParams
 from benchmarks.common import cores, cpu_model, load_average, python_version, version_of, was_busy
 from weights_tool.demo import demo_model
@@ -133,9 +134,12 @@ def kernels(model) -> dict[str, float]:
     q = torch.randn(1, h, 1, d).to(weight.dtype)
     k, v = (torch.randn(1, h_kv, positions, d).to(weight.dtype) for _ in range(2))
     folded = q.view(1, h_kv, h // h_kv, d)
-    packed = pack(model.model.layers[0].mlp.gate_proj).layers
+    packed = pack(model.model.layers[0].mlp.gate_proj, kernel="onednn").layers
     out = {} if not packed else {"packed_us": _call_us(
         lambda: packed_linear(row.view(1, -1), packed[0][1]))}
+    if bf16_linear.is_available():
+        pairs = bf16_linear.pack(weight)
+        out["pairs_us"] = _call_us(lambda: bf16_linear.linear(row.view(1, -1), pairs, weight.shape[0]))
     return out | {
         "mv_us": _call_us(lambda: torch.mv(weight, row)),
         "linear_us": _call_us(lambda: F.linear(row.view(1, -1), weight)),
@@ -150,6 +154,7 @@ def measure(plan: Plan, zqs: Path) -> dict:
     plain, tokenizer = load_zqs(zqs)
     model = load_zqs(zqs, is_weight_packed=True)[0] if is_packed else plain
     out: dict = {"steps": {}, "plain_steps": {}, "stall": {}, "is_packed": is_packed,
+                 "packed_kernel": packed_kernel_of(model) if is_packed else None,
                  "kv_bytes_per_token": model.config.kv_bytes_per_token(model.config.dtype)}
     engines = {chunk: Engine(model, tokenizer, max_batch=max(plan.batch_sizes), prefill_chunk_tokens=chunk)
                for chunk in (plan.chunk, 1_000_000)}
@@ -250,7 +255,9 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
         f"| the same, `F.linear` | {kern['linear_us']:.0f} | "
         f"{'this' if kern['linear_us'] <= kern['mv_us'] and not data['is_packed'] else ''} |",
         *([f"| the same, oneDNN's linear on the weight packed (`actors/packed_weights.py`) | {kern['packed_us']:.0f} | "
-           f"{'this' if data['is_packed'] else ''} |"] if "packed_us" in kern else []),
+           f"{'this' if data.get('packed_kernel') == 'onednn' else ''} |"] if "packed_us" in kern else []),
+        *([f"| the same, the weight in pairs for `actors/bf16_linear.py`'s kernel | {kern['pairs_us']:.0f} | "
+           f"{'this' if data.get('packed_kernel') == 'bf16_linear' else ''} |"] if "pairs_us" in kern else []),
         f"| one decode query over 1,024 positions, SDPA `enable_gqa` | {kern['sdpa_gqa_us']:.0f} | |",
         f"| the same, query heads folded onto their KV head | {kern['sdpa_folded_us']:.0f} | this |",
         "",
@@ -266,10 +273,14 @@ def _packed_table(plan: Plan, data: dict) -> list[str]:
     """The actors' packed linear weights against the plain kernels, step for step in the same rotation."""
     if not data["plain_steps"]:
         return []
+    how = ({"onednn": "into oneDNN's layout; tokens are bit for bit the same",
+            "bf16_linear": "in pairs for `actors/bf16_linear.py`'s AVX512-BF16 kernel (the LM head too, when tied); "
+                           "products equal up to bf16 rounding, greedy tokens the same"}
+           .get(data.get("packed_kernel") or "onednn", str(data.get("packed_kernel"))))
     lines = ["## Packed linear weights against the plain kernels", "",
              "The same steps with the model's weights as loaded (`mv` or `F.linear`, chosen as above) and packed "
-             "into oneDNN's layout, as the actors run them (`actors/packed_weights.py`); tokens are bit for bit "
-             "the same (tests/runtime/test_packed_weights.py).", "",
+             f"as the actors pack them on this CPU (`actors/packed_weights.py`): {how} "
+             "(tests/runtime/test_packed_weights.py).", "",
              "| context | batch | plain step (ms) | packed step (ms) | plain ÷ packed |", "|--:|--:|--:|--:|--:|"]
     for context in plan.contexts:
         for batch in plan.batch_sizes:

@@ -76,7 +76,7 @@ def _packed(chain):
         layer = Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
         layer.weight = nn.Parameter(w.detach().clone(), requires_grad=False)
         layers.append(layer)
-    pack(layers).install()
+    pack(layers, kernel="onednn").install()
 
     def run(x_hidden, x_inter):
         return [layer(x_inter if layer.in_features == x_inter.shape[1] else x_hidden) for layer in layers]

@@ -1,5 +1,7 @@
-"""Packed linear weights (actors/packed_weights.py): the plain products bit for bit, in single rows and in
-batches whose rows join and leave; the plain weights' memory given back; installed only between steps."""
+"""Packed linear weights (actors/packed_weights.py): oneDNN's the plain products bit for bit, in single rows;
+either kernel's model the plain model's tokens in batches whose rows join and leave; the plain weights'
+memory given back; installed only between steps. The bf16_linear kernel's own products:
+test_bf16_linear.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from actors import bf16_linear
 from actors.batch_runner import BatchRunner
 from actors.checkpoint import load_hf_checkpoint
 from actors.engine import Engine
@@ -50,13 +53,16 @@ def test_a_packed_linear_gives_the_plain_products_bit_for_bit(rows, has_bias):
     x = torch.randn(1, rows, 96).to(torch.bfloat16)  # [1, T, hidden], as forward_rows feeds it
     # F.linear's products, rounded once: the plain path's gemv for one row rounds before it adds a bias.
     want = F.linear(x, layer.weight, layer.bias)
-    pack(layer).install()
+    pack(layer, kernel="onednn").install()
     assert layer.packed_weight is not None
     assert torch.equal(layer(x), want)
 
 
+@pytest.mark.parametrize("kernel", ["onednn", "bf16_linear"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_a_packed_models_batch_decodes_the_plain_models_tokens(tmp_path, tied):
+def test_a_packed_models_batch_decodes_the_plain_models_tokens(tmp_path, tied, kernel):
+    if kernel == "bf16_linear" and not bf16_linear.is_available():
+        pytest.skip("no AVX512-BF16 on this CPU, or the kernel could not be built")
     model, tokenizer = _bf16_model(tmp_path, tied=tied)
 
     def tokens() -> list[list[int]]:
@@ -68,8 +74,11 @@ def test_a_packed_models_batch_decodes_the_plain_models_tokens(tmp_path, tied):
         return [r.tokens for r in run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})]
 
     plain = tokens()
-    packed = pack(model)
-    assert len(packed.layers) == 7 * model.config.num_layers + (0 if tied else 1)  # a tied head stays plain
+    packed = pack(model, kernel="auto" if kernel == "bf16_linear" else "onednn")
+    assert packed.kernel == kernel
+    assert len(packed.layers) == 7 * model.config.num_layers + (0 if tied else 1)
+    # A tied head: oneDNN's stays plain (the table's lookups read it); bf16_linear's is packed, lookups read the pairs.
+    assert (packed.head is not None) == (tied and kernel == "bf16_linear")
     packed.install()
     assert tokens() == plain
     assert min(len(t) for t in plain) >= 32 and len({t for row in plain for t in row}) > 4

@@ -18,6 +18,7 @@ BASE = {"models": [{"id": "m", "zqs_path": "m.zqs"}], "namespace": "ns"}
     ("actor", {"max_batch": 4}, "actor.max_batch is set from policy.max_batch"),
     ("actor", {"namespace": "x"}, "actor.namespace is set from the top-level namespace"),
     ("actor", {"compute_dtype": "fp8"}, "compute_dtype must be one of auto, model, float32"),
+    ("actor", {"packed_kernel": "amx"}, "packed_kernel must be auto or onednn"),
     ("registry", {"reconcile_interval_s": 0}, "reconcile_interval_s"),
     ("registry", {"namespace": "x"}, "registry.namespace is derived"),
     ("registry", {"spawn_grace": 1}, "registry.spawn_grace"),

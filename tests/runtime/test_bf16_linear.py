@@ -1,0 +1,74 @@
+"""The bf16 linear kernel (actors/bf16_linear.py): F.linear's products up to one rounding, for any row
+count and any output count (a partial last block of 16 columns), with and without a bias; the pair layout
+exactly as documented; a tied table's rows read back from its pairs bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors import bf16_linear
+from actors.checkpoint import load_hf_checkpoint
+from actors.packed_weights import pack
+from weights_tool.synth import preset_config, synthesize
+
+pytestmark = pytest.mark.skipif(not bf16_linear.is_available(),
+                                reason="no AVX512-BF16 on this CPU, or the kernel could not be built")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 33])
+@pytest.mark.parametrize("out_features,in_features", [(160, 96), (17, 34), (576, 1536)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_the_products_are_f_linears_up_to_one_rounding(rows, out_features, in_features, has_bias):
+    torch.manual_seed(rows * out_features)
+    w = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16) if has_bias else None
+    x = torch.randn(1, rows, in_features).to(torch.bfloat16)  # [1, T, hidden], as forward_rows feeds it
+    got = bf16_linear.linear(x, bf16_linear.pack(w), out_features, bias)
+    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
+    # Summed in fp32 and rounded to bf16 once: within one bf16 step (2^-7 relative) of the exact sum, plus
+    # fp32's own summation error on unit-scale data; F.linear's bf16 output is held to the same bound.
+    for y in (got, F.linear(x, w, bias)):
+        torch.testing.assert_close(y.double(), exact, rtol=2**-7, atol=1e-3)
+
+
+def test_a_non_contiguous_input_gives_the_same_products():
+    w = torch.randn(48, 64).to(torch.bfloat16)
+    x = torch.randn(5, 128).to(torch.bfloat16)[:, ::2]  # [5, 64], stride 2
+    packed = bf16_linear.pack(w)
+    assert torch.equal(bf16_linear.linear(x, packed, 48), bf16_linear.linear(x.contiguous(), packed, 48))
+
+
+def test_the_layout_holds_pairs_of_input_features_for_16_columns():
+    w = torch.arange(20 * 6, dtype=torch.float32).view(20, 6).to(torch.bfloat16)  # exact in bf16
+    packed = bf16_linear.pack(w)
+    assert packed.shape == (2, 3, 16) and packed.dtype == torch.int32  # 20 columns padded to 32
+    pairs = packed.view(torch.bfloat16).view(2, 3, 16, 2)  # [N/16, K/2, 16, 2]
+    for n in range(32):
+        for p in range(3):
+            want = w[n, 2 * p: 2 * p + 2] if n < 20 else torch.zeros(2, dtype=torch.bfloat16)
+            assert torch.equal(pairs[n // 16, p, n % 16], want)
+
+
+def test_bad_weights_are_refused_by_name():
+    with pytest.raises(ValueError, match="K even"):
+        bf16_linear.pack(torch.zeros(4, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16"):
+        bf16_linear.pack(torch.zeros(4, 4))
+
+
+def test_a_tied_tables_rows_come_back_from_its_pairs_and_the_plain_table_is_released(tmp_path):
+    cfg = preset_config("tiny") | {"tie_word_embeddings": True}
+    model, _ = load_hf_checkpoint(synthesize(cfg, tmp_path, dtype="bfloat16", seed=3))
+    table = model.model.embed_tokens.weight.detach().clone()  # [V, D]
+    tokens = torch.arange(model.config.vocab_size).view(4, -1)
+    want = model.embed(tokens)
+    x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    head = F.linear(x, table)
+    pack(model).install()
+    assert model.packed_head is not None and model.model.embed_tokens.weight.numel() == 0
+    assert torch.equal(model.embed(tokens), want) and torch.equal(want.view(-1, table.shape[1]), table)
+    torch.testing.assert_close(bf16_linear.linear(x, model.packed_head, model.config.vocab_size).double(),
+                               head.double(), rtol=2**-7, atol=1e-3)
