@@ -66,13 +66,14 @@ class ActorConfig:
     # (actors/heap.py); a hot actor gives it back once idle this long, so back-to-back
     # requests do not page-fault their working set in again.
     is_freed_memory_retained: bool = True
-    # Once every weight is resident, bf16 linear weights are repacked into oneDNN's layout on a
-    # CPU (actors/packed_weights.py): the same products, bitwise, up to 1.2x faster steps; false keeps
-    # the plain eager kernels (the parity reference).
+    # Once every weight is resident, bf16 linear weights are repacked on a CPU for a faster kernel
+    # (actors/packed_weights.py, `packed_kernel` below); false keeps the plain eager kernels (the parity
+    # reference).
     is_weight_packed: bool = True
     # The kernel they are packed for (actors/packed_weights.py KERNELS): "auto" is actors/bf16_linear.py's
-    # where the CPU has AVX512-BF16 (about 2x oneDNN's speed for one or two rows; products equal up to
-    # rounding), else oneDNN's; "onednn" always oneDNN's (bitwise F.linear's products).
+    # where the CPU has AVX512-BF16 (decode steps 1.3-1.8x oneDNN's speed: benchmarks/results/bf16_linear.md;
+    # products equal up to rounding), else oneDNN's; "onednn" always oneDNN's (F.linear's products bitwise,
+    # steps up to 1.2x the plain kernels').
     packed_kernel: str = "auto"
     idle_trim_after_s: float = 2.0
 
