@@ -20,8 +20,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[test,bench]'
-	# The actors' bf16 linear kernel (actors/bf16_linear.py), compiled once here rather than by the first actor.
-	$(PY) -m actors.bf16_linear
+	# The actors' CPU kernels (actors/cpu_kernels.py), compiled once here rather than by the first actor.
+	$(PY) -m actors.cpu_kernels
 	touch $@
 
 # The default model first, fetched and packed once as `make serve` does (test_serve_run serves it,

@@ -70,10 +70,10 @@ class ActorConfig:
     # (actors/packed_weights.py, `packed_kernel` below); false keeps the plain eager kernels (the parity
     # reference).
     is_weight_packed: bool = True
-    # The kernel they are packed for (actors/packed_weights.py KERNELS): "auto" is actors/bf16_linear.py's
-    # where the CPU has AVX512-BF16 (decode steps 1.3-1.8x oneDNN's speed: benchmarks/results/bf16_linear.md;
-    # products equal up to rounding), else oneDNN's; "onednn" always oneDNN's (F.linear's products bitwise,
-    # steps up to 1.2x the plain kernels').
+    # The kernel they are packed for (actors/packed_weights.py KERNELS): "auto" is the actors' own where the
+    # CPU has AVX512-BF16 (actors/cpu_kernels.py: bf16_linear.py's, and decoding rows' attention in one call a
+    # layer; benchmarks/results/bf16_linear.md; products equal up to rounding), else oneDNN's; "onednn" always
+    # oneDNN's and SDPA row by row (F.linear's products bitwise, steps up to 1.2x the plain kernels').
     packed_kernel: str = "auto"
     idle_trim_after_s: float = 2.0
 

@@ -2,7 +2,11 @@
 
 A forward's tokens may belong to several independent sequences (the rows of a batch,
 `Transformer.forward_rows`): the projections run once over all of them, and attention
-runs per `Segment`, against that segment's cache and span.
+runs per `Segment`, against that segment's cache and span. Where the actors' CPU kernels pack the
+weights (packed_weights.py, AVX512-BF16), they also switch this on (`batch_decode_attention`): the bf16
+rows that decode (one token each) attend in one call per layer (csrc/decode_attention.cpp: each row's
+new key and value written to its own cache, its query over its span, all in C++), and only the prompt
+chunks go through SDPA one by one.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors import cpu_kernels
 from actors.kv_cache import KVCache
 from actors.layers import Linear, RMSNorm
 from actors.rope import apply_rope
@@ -44,7 +49,16 @@ class Segment:
     caches: Sequence[KVCache] | None
 
 
+def batch_decode_attention(model: nn.Module, enabled: bool = True) -> None:
+    """Let (or stop) every attention layer of `model` attend its decoding rows in one kernel call a step."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.is_decode_batched = enabled
+
+
 class Attention(nn.Module):
+    is_decode_batched = False  # batch_decode_attention: the kernel for rows that decode, where it is loaded
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
@@ -71,12 +85,51 @@ class Attention(nn.Module):
         # q: [B, H, S, D]; k, v: [B, H_kv, S, D]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if len(segments) == 1:
+        decoding = self._decoding(q, segments, layer)
+        if decoding:
+            y = self._attend_decoding(q, k, v, segments, decoding, layer)
+        elif len(segments) == 1:
             y = self._attend(q, k, v, segments[0], layer)
         else:  # rows of a batch: each attends to its own cache only
             y = torch.cat([self._attend(*(t[:, :, s.offset : s.offset + s.length] for t in (q, k, v)), s, layer)
                            for s in segments], dim=2)
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seq_len, self.num_heads * self.head_dim))
+
+    def _decoding(self, q: torch.Tensor, segments: Sequence[Segment], layer: int) -> list[int]:
+        """The segments that decode one token against a one-row bf16 cache, where the kernel runs here."""
+        if (not self.is_decode_batched or q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.shape[0] != 1
+                or self.head_dim % 16):
+            return []
+        if cpu_kernels.loaded() is None:  # loaded by packing: a step never loads (or builds) them
+            return []
+        return [i for i, s in enumerate(segments)
+                if s.length == 1 and s.caches is not None and s.span.mask is None
+                and s.caches[layer].batch_size == 1]
+
+    def _attend_decoding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment],
+                         decoding: list[int], layer: int) -> torch.Tensor:
+        """Every decoding segment in one kernel call, the others through `_attend`; y: [1, H, T, D]."""
+        # q: [1, H, T, D]; k, v: [1, H_kv, T, D]. The decoding rows' tokens: [R] of T.
+        rows = [segments[i] for i in decoding]
+        if len(rows) == q.shape[2]:  # every token decodes: no gather
+            q_dec, k_dec, v_dec = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [R, H(_kv), D]
+        else:
+            index = torch.tensor([s.offset for s in rows], device=q.device)
+            q_dec, k_dec, v_dec = (t[0].index_select(1, index).transpose(0, 1).contiguous() for t in (q, k, v))
+        caches = [s.caches[layer] for s in rows]
+        out = cpu_kernels.loaded().decode_attention(
+            q_dec, k_dec, v_dec, [c.k_cache for c in caches], [c.v_cache for c in caches],
+            [s.span.end - 1 for s in rows], [s.span.start for s in rows])  # [R, H, D]
+        if len(rows) == len(segments):
+            return out.transpose(0, 1).unsqueeze(0)  # [1, H, R, D]: the tokens in order
+        parts, j = [], 0
+        for i, s in enumerate(segments):
+            if j < len(decoding) and decoding[j] == i:
+                parts.append(out[j].unsqueeze(1).unsqueeze(0))  # [1, H, 1, D]
+                j += 1
+            else:
+                parts.append(self._attend(*(t[:, :, s.offset: s.offset + s.length] for t in (q, k, v)), s, layer))
+        return torch.cat(parts, dim=2)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment, layer: int) -> torch.Tensor:
         # q: [B, H, n, D]; k, v: [B, H_kv, n, D], this segment's tokens

@@ -12,54 +12,22 @@ Sums are fp32 (the bias added to them) and each output is rounded to bf16 once, 
 another order: outputs differ from `F.linear`'s by rounding only (tests/runtime/test_bf16_linear.py).
 eager plain (`actor.is_weight_packed: false`) stays the parity reference.
 
-The extension is compiled on first use with torch's C++ extension builder and kept in its
-cache (~30 s on 2 cores); `make setup` builds it ahead (`python -m actors.bf16_linear`), so an
-actor only loads it. Where the CPU lacks AVX512-BF16, or the build fails, `is_available()` is
-False and packing falls back to oneDNN's layout.
+The kernel is built with the others of actors/cpu_kernels.py; where it is not available (no
+AVX512-BF16, or no build), packing falls back to oneDNN's layout.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import shutil
-import sys
-from pathlib import Path
-
 import torch
 
-log = logging.getLogger(__name__)
+from actors import cpu_kernels
 
-SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.cpp"
 COLUMNS = 16  # output columns per block: one AVX-512 register of fp32 sums
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
-
-
-def is_cpu_supported() -> bool:
-    """This CPU has AVX512-BF16 (VDPBF16PS), the one instruction the kernel is built on."""
-    return torch.cpu._is_avx512_bf16_supported()
-
-
-@functools.cache
-def _extension():
-    """The compiled kernel, built once per machine (torch's extension cache), or None where it cannot be."""
-    if not is_cpu_supported():
-        return None
-    from torch.utils.cpp_extension import load
-
-    if shutil.which("ninja") is None:  # the `ninja` wheel's binary beside this interpreter, not on PATH
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    try:
-        return load("zq_bf16_linear", [str(SOURCE)], extra_cflags=list(FLAGS), verbose=False)
-    except Exception as e:  # no compiler, or no ninja: oneDNN's packing serves instead
-        log.warning("the bf16 linear kernel could not be built (%s); packing with oneDNN's layout", e)
-        return None
 
 
 def is_available() -> bool:
-    """The kernel runs here: the CPU has AVX512-BF16 and the extension is built (building it if needed)."""
-    return _extension() is not None
+    """The kernel runs here (cpu_kernels.py: AVX512-BF16, and the extension built, building it if needed)."""
+    return cpu_kernels.is_available()
 
 
 def is_packable(weight: torch.Tensor) -> bool:
@@ -83,23 +51,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] bf16 @ W.T (+ bias) with W packed by `pack`: [..., out_features]."""
-    ext = _extension()
+    ext = cpu_kernels.extension()
     if ext is None:
         raise RuntimeError("the bf16 linear kernel is not available on this machine (is_available())")
     rows = x.reshape(-1, x.shape[-1])
-    y = ext.linear(rows if rows.is_contiguous() else rows.contiguous(), packed, out_features, bias)
+    y = ext.bf16_linear(rows if rows.is_contiguous() else rows.contiguous(), packed, out_features, bias)
     return y.view(*x.shape[:-1], out_features)
-
-
-def main() -> int:
-    """`python -m actors.bf16_linear`: build (or find) the kernel, and say whether this machine runs it."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not is_cpu_supported():
-        print("bf16 linear kernel: this CPU has no AVX512-BF16; oneDNN's packing is used")
-        return 0
-    print(f"bf16 linear kernel: {'built' if is_available() else 'NOT built (see the warning above)'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,7 +10,8 @@ the linear layers ran 1.13x (one row) and 1.26x (8 rows) faster, the whole step 
 1.22x (benchmarks/results/linear.md; bench_batch's `small` model: batch.md's last table).
 
 Only bf16 is packed. Where the CPU has AVX512-BF16, `kernel="auto"` (`actor.packed_kernel`) packs
-for actors/bf16_linear.py instead: it streams the weights about 2x faster than oneDNN for one or
+for actors/bf16_linear.py instead (and, installing, lets decoding rows attend in one call a layer:
+attention.py's `batch_decode_attention`, the same extension of actors/cpu_kernels.py): it streams the weights about 2x faster than oneDNN for one or
 two rows and no slower for any count (benchmarks/results/bf16_linear.md), its products equal to
 `F.linear`'s up to rounding. oneDNN's packed products are bitwise equal to `F.linear`'s (one
 exception: a single row through a layer with a bias, where the plain path's gemv rounds before it
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from actors import bf16_linear
+from actors.attention import batch_decode_attention
 from actors.heap import glibc
 from actors.layers import Linear
 from actors.model import Transformer
@@ -68,6 +70,7 @@ class PackedWeights:
     layers: list[tuple[Linear, torch.Tensor]]
     kernel: str = "onednn"  # which kernel the packed weights are laid out for: "onednn" or "bf16_linear"
     head: tuple[Transformer, torch.Tensor] | None = None  # a tied head and embedding table, for bf16_linear
+    model: nn.Module | None = None  # what was packed
     is_installed: bool = False
 
     def install(self) -> int:
@@ -83,6 +86,8 @@ class PackedWeights:
             layer.packed_weight, layer.packed_kernel = packed, self.kernel
             layer.weight = nn.Parameter(torch.empty(0, dtype=plain.dtype), requires_grad=False)
             released += _release_pages(plain)
+        if self.kernel == "bf16_linear" and self.model is not None:  # the same extension: decoding rows attend in one call a layer too
+            batch_decode_attention(self.model)
         if self.head is not None:
             model, packed = self.head
             table = model.model.embed_tokens
@@ -121,7 +126,7 @@ def pack(model: nn.Module, batch_hint: int = BATCH_HINT, kernel: str = "auto") -
         if (is_pairs and isinstance(model, Transformer) and model.lm_head is None and model.packed_head is None
                 and bf16_linear.is_packable(model.model.embed_tokens.weight)):
             head = (model, bf16_linear.pack(model.model.embed_tokens.weight.detach()))
-    return PackedWeights(layers, "bf16_linear" if is_pairs else "onednn", head)
+    return PackedWeights(layers, "bf16_linear" if is_pairs else "onednn", head, model)
 
 
 def packed_kernel_of(model: nn.Module) -> str | None:

@@ -1,6 +1,7 @@
-"""The actors' bf16 linear kernel against oneDNN's packed linear, side by side in one run (issue 25).
+"""The actors' CPU kernels against torch's, side by side in one run (issue 25): the bf16 linear kernel against
+oneDNN's packed linear, and decoding rows' attention in one call a layer against SDPA row by row.
 
-    .venv/bin/python -m benchmarks.bench_bf16_linear     # ~3 min; writes benchmarks/results/bf16_linear.md + .json
+    .venv/bin/python -m benchmarks.bench_bf16_linear     # ~7 min; writes benchmarks/results/bf16_linear.md + .json
 
 `make serve`'s model (SmolLM2-135M-Instruct, bf16, `.cache/models/`) on one torch thread, as an
 actor computes, its weights packed both ways (`actors/packed_weights.py`: kernel "onednn", and
@@ -9,8 +10,10 @@ actor computes, its weights packed both ways (`actors/packed_weights.py`: kernel
 1. The weight reads alone: every linear layer of a decode step in order (7 a layer × 30, then the
    tied LM head), on [rows, in] inputs, at 1 to 128 rows; GB/s of weights, beside the core's read
    bandwidth over the same tensors (a sum of each: what streaming them can reach).
-2. What a request sees: the engine's decode step at batch 1, 2, 4 and 8 (128-token contexts), and a
-   128-token prompt's prefill (its first token).
+2. What a request sees: the engine's decode step at batch 1, 2, 4 and 8 (128- and 1,024-token
+   contexts) three ways: oneDNN's linear and SDPA row by row (the actors before), bf16_linear and
+   SDPA row by row, and bf16_linear with the batched decode attention (the actors now:
+   `actor.packed_kernel: auto`); and a 128-token prompt's prefill (its first token).
 3. Accuracy: each model's logits against the same model computed in fp32, on the fp32 model's greedy
    tokens (teacher-forced, `TOKENS` steps from each of 4 chat prompts): the largest logit error a step,
    and how often the top token is the fp32 model's.
@@ -34,7 +37,10 @@ ROOT = Path(__file__).parents[1]
 ZQS = ROOT / ".cache/models/smollm2-135m-instruct.zqs"
 CHAIN_ROWS = (1, 2, 4, 8, 16, 64, 128)
 STEP_BATCHES = (1, 2, 4, 8)
-CONTEXT = 128
+CONTEXTS = (128, 1024)
+# The step's three ways: (name, model packed for, decoding rows batched in attention).
+STEPS = (("oneDNN, SDPA row by row", "onednn", False), ("bf16_linear, SDPA row by row", "bf16_linear", False),
+         ("bf16_linear, batched attention", "bf16_linear", True))
 PROMPT = 128
 REPEATS = 3
 PASSES = 9
@@ -147,6 +153,7 @@ def accuracy(models: dict, tokenizer) -> dict[str, dict[str, float]]:
 def measure(repeats: int) -> dict:
     import torch
 
+    from actors.attention import batch_decode_attention
     from actors.engine import Engine
     from benchmarks.bench_batch import step_time
 
@@ -155,6 +162,7 @@ def measure(repeats: int) -> dict:
     chains = {k: _chain(m) for k, m in models.items()}
     engines = {k: Engine(m, tokenizer, max_batch=max(STEP_BATCHES), prefill_chunk_tokens=1_000_000)
                for k, m in models.items()}
+    batch_decode_attention(models["onednn"], False)  # the actors before: SDPA row by row
     hidden, inter = models["onednn"].config.hidden_size, models["onednn"].config.intermediate_size
     out: dict = {"weight_bytes": chains["onednn"][1], "chain_s": {}, "read_s": {}, "step_s": {}, "prefill_s": {}}
     with torch.inference_mode():
@@ -166,10 +174,13 @@ def measure(repeats: int) -> dict:
                     out["chain_s"].setdefault(kernel, {}).setdefault(rows, []).append(
                         _median_s(lambda run=run, x=x: run(x), PASSES if rows <= 16 else 3))
             out["read_s"].setdefault("bf16_linear", []).append(_median_s(chains["bf16_linear"][2]))
-            for batch in STEP_BATCHES:
-                for kernel, engine in engines.items():
-                    out["step_s"].setdefault(kernel, {}).setdefault(batch, []).append(
-                        step_time(engine, batch, CONTEXT, PASSES * 2))
+            for context in CONTEXTS:
+                for batch in STEP_BATCHES:
+                    for name, kernel, is_batched in STEPS:
+                        batch_decode_attention(models[kernel], is_batched)
+                        out["step_s"].setdefault(name, {}).setdefault(f"{context}/{batch}", []).append(
+                            step_time(engines[kernel], batch, context, PASSES * 2))
+            batch_decode_attention(models["bf16_linear"])  # as the actors run it
             for kernel, engine in engines.items():
                 out["prefill_s"].setdefault(kernel, []).append(prefill_s(engine, PROMPT))
             print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr)
@@ -187,7 +198,7 @@ def report(data: dict, command: str, elapsed_s: float, load: tuple[float, float]
     chain, steps = data["chain_s"], data["step_s"]
     read_gbs = gb / _med(data["read_s"]["bf16_linear"])
     lines = [
-        "# The actors' bf16 linear kernel against oneDNN's packed linear",
+        "# The actors' CPU kernels against torch's: bf16 linear layers, and decoding rows' attention",
         "",
         f"Command: `{command}`",
         "",
@@ -196,7 +207,7 @@ def report(data: dict, command: str, elapsed_s: float, load: tuple[float, float]
         "Nothing else of mine ran.",
         "",
         f"Model: SmolLM2-135M-Instruct as `make serve` packs it, bf16; a decode step's linear layers (7 a layer × 30, "
-        f"and the tied LM head) hold {gb * 1e3:.0f} MB. Both kernels in rotation, {data['repeats']} repeats, "
+        f"and the tied LM head) hold {gb * 1e3:.0f} MB. Every way in rotation, {data['repeats']} repeats, "
         "each figure the median (module docstring).",
         "",
         "## The weight reads alone: every linear layer of a step, in order",
@@ -210,28 +221,41 @@ def report(data: dict, command: str, elapsed_s: float, load: tuple[float, float]
     for rows in CHAIN_ROWS:
         a, b = _med(chain["onednn"][rows]), _med(chain["bf16_linear"][rows])
         lines.append(f"| {rows} | {a * 1e3:.1f} | {gb / a:.1f} | {b * 1e3:.1f} | {gb / b:.1f} | {a / b:.2f} |")
-    lines += ["", f"## What a request sees: the engine's decode step ({CONTEXT}-token contexts) and a prefill", "",
-              "| what | oneDNN packed (ms) | bf16_linear (ms) | oneDNN ÷ bf16_linear |", "|---|--:|--:|--:|"]
-    for batch in STEP_BATCHES:
-        a, b = _med(steps["onednn"][batch]), _med(steps["bf16_linear"][batch])
-        lines.append(f"| decode step, batch {batch} (= per-row TPOT) | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f} |")
+    names = [name for name, _, _ in STEPS]
+    lines += ["", "## What a request sees: the engine's decode step, three ways", "",
+              "The step's time is each row's TPOT. *Before*: oneDNN's packed linear and SDPA row by row (the actors "
+              "before this kernel); *now*: bf16_linear with the decoding rows' attention in one call a layer "
+              "(`actor.packed_kernel: auto` on this CPU).", "",
+              f"| context | batch | {' (ms) | '.join(names)} (ms) | before ÷ now | now: tokens/s ÷ batch 1 | "
+              "now: TPOT ÷ batch 1 |", "|--:|--:|" + "--:|" * (len(names) + 3)]
+    for context in CONTEXTS:
+        one = _med(steps[names[-1]][f"{context}/1"])
+        for batch in STEP_BATCHES:
+            key = f"{context}/{batch}"
+            t = [_med(steps[n][key]) for n in names]
+            lines.append(f"| {context} | {batch} | {' | '.join(f'{x * 1e3:.1f}' for x in t)} | {t[0] / t[-1]:.2f} | "
+                         f"{batch * one / t[-1]:.2f} | {t[-1] / one:.2f} |")
     a, b = _med(data["prefill_s"]["onednn"]), _med(data["prefill_s"]["bf16_linear"])
-    lines.append(f"| a {PROMPT}-token prompt to its first token | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f} |")
-    one, eight = (_med(steps["bf16_linear"][n]) for n in (1, 8))
+    lines += ["", f"A lone {PROMPT}-token prompt to its first token: {a * 1e3:.0f} ms (oneDNN) against "
+              f"{b * 1e3:.0f} ms (bf16_linear), {a / b:.2f}× (prefill is the same products at 128 rows: compute, not "
+              "weight reads)."]
+    one, eight = (_med(steps[names[-1]][f"1024/{n}"]) for n in (1, 8))
     acc = data["accuracy"]
     lines += [
         "",
         "## What it says",
         "",
-        f"- Batch 8 with bf16_linear: {8 * one / eight:.2f}× batch 1's decode tokens/s, per-row TPOT "
-        f"{eight / one:.2f}× (issue 25's goals at 1,024-token contexts: ≥ 4× and ≤ 1.5×; bench_batch measures those).",
+        f"- Batch 8 at 1,024-token contexts, now: {8 * one / eight:.2f}× batch 1's decode tokens/s at per-row TPOT "
+        f"{eight / one:.2f}× (issue 25's goals: ≥ 4× and ≤ 1.5×).",
         f"- Accuracy against the model in fp32 ({len(PROMPTS)} prompts × {TOKENS} teacher-forced steps): largest "
-        f"logit error a step {acc['onednn']['mean_max_logit_error']:.3f} (oneDNN) and "
-        f"{acc['bf16_linear']['mean_max_logit_error']:.3f} (bf16_linear) on average; the fp32 model's top token "
+        f"logit error a step {acc['onednn']['mean_max_logit_error']:.3f} before (oneDNN, SDPA) and "
+        f"{acc['bf16_linear']['mean_max_logit_error']:.3f} now on average; the fp32 model's top token "
         f"{acc['onednn']['top1_agreement']:.1%} and {acc['bf16_linear']['top1_agreement']:.1%} of the steps. "
         "oneDNN's products are F.linear's bit for bit; bf16_linear's differ from them by bf16 rounding "
-        "(tests/runtime/test_bf16_linear.py): as far from fp32, but a free-running greedy decode can part where "
-        "two tokens are near-tied, and then goes on differently.",
+        "(tests/runtime/test_bf16_linear.py), and the batched attention is within one rounding of exact where "
+        "SDPA's bf16 path rounds its probabilities (tests/runtime/test_decode_attention.py): as close to fp32 "
+        "or closer, but a free-running greedy decode can part where two tokens are near-tied, and then goes on "
+        "differently.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -67,7 +67,7 @@ void blocks(const at::BFloat16* x, int64_t M, int64_t K, const int32_t* w, const
 
 }  // namespace
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                      const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kCols,
@@ -91,9 +91,4 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
     }
   });
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x [M, K] bf16 @ W.T (+ bias) with W packed as [N/16, K/2, 16] int32 pairs",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none());
 }

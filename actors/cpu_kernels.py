@@ -1,0 +1,74 @@
+"""The actors' own CPU kernels (csrc/), built as one torch C++ extension for CPUs with AVX512-BF16.
+
+    bf16_linear        a bf16 linear layer reading its weight once, in pairs (bf16_linear.py)
+    decode_attention   every decoding row of a batch attends in one call (attention.py)
+
+Compiled on first use with torch's C++ extension builder and kept in its cache (~40 s on 2
+cores); `make setup` builds it ahead (`python -m actors.cpu_kernels`), so an actor only loads
+it. Packing loads them (packed_weights.py, off the stepping thread); attention uses them only once
+loaded (`loaded()`). Where the CPU lacks AVX512-BF16, or the build fails, `extension()` is None and
+the runtime uses torch's kernels (oneDNN's packed linear, SDPA row by row).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("bindings.cpp", "bf16_linear.cpp",
+                                                                 "decode_attention.cpp"))
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+
+
+def is_cpu_supported() -> bool:
+    """This CPU has AVX512-BF16 (VDPBF16PS), the instruction both kernels are built on."""
+    return torch.cpu._is_avx512_bf16_supported()
+
+
+@functools.cache
+def extension():
+    """The compiled kernels, built once per machine (torch's extension cache), or None where they cannot be."""
+    if not is_cpu_supported():
+        return None
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:  # the `ninja` wheel's binary beside this interpreter, not on PATH
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    try:
+        return load("zq_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=list(FLAGS), verbose=False)
+    except Exception as e:  # no compiler, or no ninja: torch's own kernels serve instead
+        log.warning("the actors' CPU kernels could not be built (%s); torch's kernels serve", e)
+        return None
+
+
+def loaded():
+    """The kernels if this process has loaded them already (packing does, off the stepping thread), else None:
+    a step never pays for a load or a build."""
+    return extension() if extension.cache_info().currsize else None
+
+
+def is_available() -> bool:
+    """The kernels run here: the CPU has AVX512-BF16 and the extension is built (building it if needed)."""
+    return extension() is not None
+
+
+def main() -> int:
+    """`python -m actors.cpu_kernels`: build (or find) the kernels, and say whether this machine runs them."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not is_cpu_supported():
+        print("the actors' CPU kernels: this CPU has no AVX512-BF16; torch's kernels serve")
+        return 0
+    print(f"the actors' CPU kernels: {'built' if is_available() else 'NOT built (see the warning above)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

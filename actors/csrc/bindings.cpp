@@ -1,0 +1,18 @@
+// The actors' CPU kernels as one Python extension (actors/cpu_kernels.py builds and loads it).
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                               const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                               const std::vector<int64_t>& pos, const std::vector<int64_t>& start);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_linear", &bf16_linear, "x [M, K] bf16 @ W.T (+ bias) with W packed as [N/16, K/2, 16] int32 pairs",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none());
+  m.def("decode_attention", &decode_attention, "every decoding row's new key and value cached, and its query attended",
+        pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("k_caches"),
+        pybind11::arg("v_caches"), pybind11::arg("pos"), pybind11::arg("start"));
+}

@@ -1,0 +1,107 @@
+"""Batched decode attention (csrc/decode_attention.cpp through actors/attention.py): every decoding row of a
+bf16 batch attends in one call per layer; the same logits as the rows one by one through SDPA, to bf16
+rounding, for GQA, sliding-window and QK-norm models, with prompt chunks in the same step; the kernel within
+one rounding of the exact attention (SDPA's bf16 path is about 10x further: it rounds the probabilities); a
+bf16 batch whose rows join and leave decodes each request's tokens alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors import cpu_kernels
+from actors.attention import batch_decode_attention
+from actors.checkpoint import load_hf_checkpoint
+from actors.engine import Engine
+from actors.model import RowInput
+from actors.packed_weights import pack
+from actors.sampling import SamplingParams
+from actors.tokenizer import Message, Tokenizer
+from tests.runtime.test_batch_engine import PROMPTS, run_schedule
+from weights_tool.synth import preset_config, synthesize
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.is_available(),
+                                reason="no AVX512-BF16 on this CPU, or the kernels could not be built")
+
+
+def _model(tmp_path, preset: str, **overrides):
+    cfg = preset_config(preset) | overrides
+    path = synthesize(cfg, tmp_path / preset, dtype="bfloat16", seed=3)
+    model, config = load_hf_checkpoint(path)
+    torch.manual_seed(0)
+    model.init_weights(std=0.15)  # wide enough that greedy tokens vary
+    return model, Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids)
+
+
+def _rows_step(model, lengths: list[int], chunk_rows: dict[int, int]):
+    """One forward_rows step over rows with `lengths` tokens cached (and `chunk_rows[i]` prompt tokens fed for
+    row i instead of one), after filling each cache the same way; logits [R, V]."""
+    torch.manual_seed(1)
+    rows, tokens = [], []
+    for i, n in enumerate(lengths):
+        caches = model.new_row_cache(n + 16)
+        prompt = torch.randint(0, model.config.vocab_size, (n,))
+        model.forward_rows(prompt, [RowInput(caches, 0, n, needs_logits=False)])  # fill the cache
+        fed = chunk_rows.get(i, 1)
+        rows.append(RowInput(caches, n, fed))
+        tokens.append(torch.randint(0, model.config.vocab_size, (fed,)))
+    return model.forward_rows(torch.cat(tokens), rows)
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("tiny", {}),  # GQA: 4 query heads on 2 KV heads, head_dim 16
+    ("tiny-mistral", {"sliding_window": 8}),  # rows past the window read only its last 8 keys
+    ("tiny-qwen3", {}),  # QK-norm, head_dim 32
+])
+def test_batched_decode_attention_gives_the_row_by_row_logits(tmp_path, preset, overrides):
+    model, _ = _model(tmp_path, preset, **overrides)
+    assert cpu_kernels.extension() is not None and cpu_kernels.loaded() is not None
+    lengths = [1, 5, 17, 40, 9]
+    for chunks in ({}, {2: 6}):  # every row decodes; or row 2 feeds a 6-token prompt chunk in the same step
+        batch_decode_attention(model)
+        batched = _rows_step(model, lengths, chunks)
+        batch_decode_attention(model, False)
+        row_by_row = _rows_step(model, lengths, chunks)
+        # bf16 activations: each path rounds its attention output once, in another summation order.
+        torch.testing.assert_close(batched, row_by_row, rtol=0.05, atol=0.05)
+        assert (batched.argmax(-1) == row_by_row.argmax(-1)).float().mean() >= 0.8
+
+
+def test_the_kernel_caches_each_rows_new_key_and_attends_within_one_rounding_of_the_exact_sum():
+    torch.manual_seed(0)
+    ext = cpu_kernels.extension()
+    for d, h, h_kv in ((16, 4, 2), (64, 9, 3), (128, 8, 8)):
+        lengths = [1, 5, 17, 40, 300]
+        q = torch.randn(len(lengths), h, d).to(torch.bfloat16)
+        k_new, v_new = (torch.randn(len(lengths), h_kv, d).to(torch.bfloat16) for _ in range(2))
+        k_caches = [torch.randn(1, h_kv, n + 3, d).to(torch.bfloat16) for n in lengths]
+        v_caches = [torch.randn(1, h_kv, n + 3, d).to(torch.bfloat16) for n in lengths]
+        before = [(k.clone(), v.clone()) for k, v in zip(k_caches, v_caches, strict=True)]
+        pos = [n - 1 for n in lengths]
+        start = [0, 0, pos[2] - 7, 0, 0]  # row 2: a window of its last 8 positions
+        out = ext.decode_attention(q, k_new, v_new, k_caches, v_caches, pos, start)  # [R, H, D]
+        for r, (k0, v0) in enumerate(before):
+            k0[0, :, pos[r]], v0[0, :, pos[r]] = k_new[r], v_new[r]
+            assert torch.equal(k_caches[r], k0) and torch.equal(v_caches[r], v0)  # only position pos[r] written
+            keys, values = (c[0, :, start[r]: pos[r] + 1].double() for c in (k0, v0))  # [H_kv, T, D]
+            queries = q[r].double().view(h_kv, h // h_kv, d)
+            exact = torch.softmax(queries @ keys.transpose(1, 2) / d ** 0.5, -1) @ values
+            # fp32 sums rounded to bf16 once: within half a bf16 step (2^-8) of the exact value, and a hair.
+            torch.testing.assert_close(out[r].double(), exact.reshape(h, d), rtol=2**-8, atol=2e-3)
+
+
+def test_a_bf16_batch_whose_rows_join_and_leave_decodes_each_requests_tokens_alone(tmp_path):
+    # With the kernels, a row's products do not depend on the other rows (the linear kernel sums each output in
+    # the same order for any row count; attention is per row): bf16 batching changes no token.
+    model, tokenizer = _model(tmp_path, "tiny")
+    pack(model).install()
+    assert cpu_kernels.loaded() is not None  # packing loaded the kernels and switched the batched path on
+    assert all(layer.self_attn.is_decode_batched for layer in model.model.layers)
+    engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7)
+    engine.eos_token_ids = frozenset()
+    requests = [(tokenizer.encode_chat([Message("user", p)]), SamplingParams(max_tokens=n, temperature=0.0))
+                for p, n in zip(PROMPTS, (32, 40, 33, 36), strict=True)]
+    alone = [run_schedule(engine, {0: [r]})[0].tokens for r in requests]
+    batched = [r.tokens for r in run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})]
+    assert batched == alone
+    assert min(len(t) for t in alone) >= 32 and len({t for row in alone for t in row}) > 4
