@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from actors.compute_dtype import check_setting
 from actors.step_cost import StepCost
 
+# actor.packed_kernel's settings (actors/packed_weights.py): "auto" is the actors' own kernels where the CPU runs them.
+PACKED_KERNELS = ("auto", "onednn")
+
 
 @dataclass(frozen=True)
 class ActorConfig:
@@ -70,7 +73,7 @@ class ActorConfig:
     # (actors/packed_weights.py, `packed_kernel` below); false keeps the plain eager kernels (the parity
     # reference).
     is_weight_packed: bool = True
-    # The kernel they are packed for (actors/packed_weights.py KERNELS): "auto" is the actors' own where the
+    # The kernel they are packed for (PACKED_KERNELS): "auto" is the actors' own where the
     # CPU has AVX512-BF16 (actors/cpu_kernels.py: bf16_linear.py's, and decoding rows' attention in one call a
     # layer; benchmarks/results/bf16_linear.md; products equal up to rounding), else oneDNN's; "onednn" always
     # oneDNN's and SDPA row by row (F.linear's products bitwise, steps up to 1.2x the plain kernels').
@@ -79,8 +82,9 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         check_setting(self.compute_dtype)
-        if self.packed_kernel not in ("auto", "onednn"):  # packed_weights.KERNELS (that module imports torch)
-            raise ValueError(f"ActorConfig.packed_kernel must be auto or onednn, got {self.packed_kernel!r}")
+        if self.packed_kernel not in PACKED_KERNELS:
+            raise ValueError(f"ActorConfig.packed_kernel must be {' or '.join(PACKED_KERNELS)}, "
+                             f"got {self.packed_kernel!r}")
         if self.warm_layers is not None and self.warm_layers < 0:
             raise ValueError(f"ActorConfig.warm_layers must be >= 0, got {self.warm_layers}")
         if self.max_batch < 1 or self.prefill_chunk_tokens < 1 or self.warm_prompt_tokens < 1:

@@ -25,11 +25,6 @@ from actors import cpu_kernels
 COLUMNS = 16  # output columns per block: one AVX-512 register of fp32 sums
 
 
-def is_available() -> bool:
-    """The kernel runs here (cpu_kernels.py: AVX512-BF16, and the extension built, building it if needed)."""
-    return cpu_kernels.is_available()
-
-
 def is_packable(weight: torch.Tensor) -> bool:
     """A 2-D bf16 CPU weight with an even number of input features."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
@@ -53,7 +48,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     """x [..., K] bf16 @ W.T (+ bias) with W packed by `pack`: [..., out_features]."""
     ext = cpu_kernels.extension()
     if ext is None:
-        raise RuntimeError("the bf16 linear kernel is not available on this machine (is_available())")
+        raise RuntimeError("the bf16 linear kernel is not available on this machine (cpu_kernels.is_available())")
     rows = x.reshape(-1, x.shape[-1])
     y = ext.bf16_linear(rows if rows.is_contiguous() else rows.contiguous(), packed, out_features, bias)
     return y.view(*x.shape[:-1], out_features)

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from actors import bf16_linear
+from actors import bf16_linear, cpu_kernels
+from actors.actor_config import PACKED_KERNELS
 from actors.attention import batch_decode_attention
 from actors.heap import glibc
 from actors.layers import Linear
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 # SmolLM2's linear layers at 1 to 32 rows, no hint was best everywhere and 8 was within this
 # machine's noise of the best.
 BATCH_HINT = 8
-KERNELS = ("auto", "onednn")  # auto: bf16_linear.py's where this CPU runs it, else oneDNN's
 
 
 def is_packable(weight: torch.Tensor) -> bool:
@@ -69,8 +69,8 @@ class PackedWeights:
 
     layers: list[tuple[Linear, torch.Tensor]]
     kernel: str = "onednn"  # which kernel the packed weights are laid out for: "onednn" or "bf16_linear"
-    head: tuple[Transformer, torch.Tensor] | None = None  # a tied head and embedding table, for bf16_linear
     model: nn.Module | None = None  # what was packed
+    head: torch.Tensor | None = None  # a Transformer `model`'s tied head and embedding table, for bf16_linear
     is_installed: bool = False
 
     def install(self) -> int:
@@ -89,10 +89,9 @@ class PackedWeights:
         if self.kernel == "bf16_linear" and self.model is not None:  # the same extension: decoding rows attend in one call a layer too
             batch_decode_attention(self.model)
         if self.head is not None:
-            model, packed = self.head
-            table = model.model.embed_tokens
+            table = self.model.model.embed_tokens
             plain = table.weight
-            model.packed_head = packed  # lookups and the head read it from here on
+            self.model.packed_head = self.head  # lookups and the head read it from here on
             table.weight = nn.Parameter(torch.empty(0, dtype=plain.dtype, device=plain.device), requires_grad=False)
             released += _release_pages(plain)
         self.is_installed = True
@@ -102,20 +101,20 @@ class PackedWeights:
 
     def nbytes_packed(self) -> int:
         # oneDNN's packed tensors are opaque; their logical size is the plain one's (a pair-packed one pads N to 16).
-        head = [] if self.head is None else [self.head[1]]
+        head = [] if self.head is None else [self.head]
         return sum(p.numel() * p.element_size() for p in [p for _, p in self.layers] + head)
 
 
 def pack(model: nn.Module, batch_hint: int = BATCH_HINT, kernel: str = "auto") -> PackedWeights:
     """Packed copies of every packable `Linear` of `model` (nothing is changed until `install`), for `kernel`
-    (KERNELS). "auto" builds or loads bf16_linear.py's kernel where the CPU has AVX512-BF16: call it off the
+    (PACKED_KERNELS). "auto" builds or loads bf16_linear.py's kernel where the CPU has AVX512-BF16: call it off the
     stepping thread."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel not in PACKED_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(PACKED_KERNELS)}, got {kernel!r}")
     modules = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None
                and is_packable(m.weight)]
     is_pairs = (kernel == "auto" and bool(modules) and all(bf16_linear.is_packable(m.weight) for m in modules)
-                and bf16_linear.is_available())
+                and cpu_kernels.is_available())
     layers = []
     with torch.inference_mode():
         for module in modules:
@@ -125,14 +124,14 @@ def pack(model: nn.Module, batch_hint: int = BATCH_HINT, kernel: str = "auto") -
         head = None
         if (is_pairs and isinstance(model, Transformer) and model.lm_head is None and model.packed_head is None
                 and bf16_linear.is_packable(model.model.embed_tokens.weight)):
-            head = (model, bf16_linear.pack(model.model.embed_tokens.weight.detach()))
-    return PackedWeights(layers, "bf16_linear" if is_pairs else "onednn", head, model)
+            head = bf16_linear.pack(model.model.embed_tokens.weight.detach())
+    return PackedWeights(layers, "bf16_linear" if is_pairs else "onednn", model, head)
 
 
 def packed_kernel_of(model: nn.Module) -> str | None:
     """The kernel `model`'s packed weights run on ("onednn" or "bf16_linear"); None while none is packed."""
-    kinds = {m.packed_kernel for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None}
-    return kinds.pop() if len(kinds) == 1 else None if not kinds else "mixed"
+    return next((m.packed_kernel for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None),
+                None)
 
 
 def _release_pages(plain: torch.Tensor) -> int:

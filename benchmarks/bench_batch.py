@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from actors import bf16_linear
+from actors import bf16_linear, cpu_kernels
 from actors.actor_config import ActorConfig
 from actors.engine import Engine
 from actors.layer_loader import load_zqs
@@ -137,7 +137,7 @@ def kernels(model) -> dict[str, float]:
     packed = pack(model.model.layers[0].mlp.gate_proj, kernel="onednn").layers
     out = {} if not packed else {"packed_us": _call_us(
         lambda: packed_linear(row.view(1, -1), packed[0][1]))}
-    if bf16_linear.is_available():
+    if cpu_kernels.is_available():
         pairs = bf16_linear.pack(weight)
         out["pairs_us"] = _call_us(lambda: bf16_linear.linear(row.view(1, -1), pairs, weight.shape[0]))
     return out | {

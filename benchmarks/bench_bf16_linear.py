@@ -70,9 +70,9 @@ def _chain(model):
 
     from actors import bf16_linear
 
-    layers = [getattr(layer.self_attn if n.endswith("proj") and n[0] in "qkvo" else layer.mlp, n)
-              for layer in model.model.layers
-              for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+    layers = [linear for layer in model.model.layers
+              for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                             layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     weights = [layer.packed_weight for layer in layers]
     nbytes = sum(layer.in_features * layer.out_features * 2 for layer in layers) + vocab * hidden * 2
@@ -267,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not ZQS.exists():
         raise SystemExit(f"{ZQS.relative_to(ROOT)} is missing: `make serve` or `zq-weights fetch` packs it")
-    from actors import bf16_linear
+    from actors import cpu_kernels
 
-    if not bf16_linear.is_available():
+    if not cpu_kernels.is_available():
         raise SystemExit("this CPU has no AVX512-BF16 (or the kernel did not build): the actors pack for oneDNN")
     command = "python -m benchmarks.bench_bf16_linear" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
     load0, t0 = load_average()[0], time.monotonic()

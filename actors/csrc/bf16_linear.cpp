@@ -1,8 +1,8 @@
 // y = x @ W.T for bf16 x [M, K] and W packed by `pack` into pairs of K for 16 output columns:
 // Wp[nb, kp, j, t] = W[16 nb + j, 2 kp + t], int32-viewed as [N/16, K/2, 16]. One VDPBF16PS then adds
 // x[m, 2kp] W[., 2kp] + x[m, 2kp+1] W[., 2kp+1] into 16 columns' fp32 sums at once: the weight is read
-// once, in order, whatever M is, and no horizontal sum is needed (oneDNN's brgemm layout, for AVX512-BF16).
-// Built by actors/bf16_kernel.py with -mavx512bf16; called only where the CPU has it.
+// once, in order, whatever M is, and no horizontal sum is needed.
+// Built by actors/cpu_kernels.py with -mavx512bf16; called only where the CPU has it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors import bf16_linear
+from actors import bf16_linear, cpu_kernels
 from actors.checkpoint import load_hf_checkpoint
 from actors.packed_weights import pack
 from weights_tool.synth import preset_config, synthesize
 
-pytestmark = pytest.mark.skipif(not bf16_linear.is_available(),
+pytestmark = pytest.mark.skipif(not cpu_kernels.is_available(),
                                 reason="no AVX512-BF16 on this CPU, or the kernel could not be built")
 
 

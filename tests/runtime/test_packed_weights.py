@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors import bf16_linear
+from actors import cpu_kernels
 from actors.batch_runner import BatchRunner
 from actors.checkpoint import load_hf_checkpoint
 from actors.engine import Engine
@@ -81,7 +81,7 @@ def test_a_onednn_packed_models_batch_decodes_the_plain_models_tokens(tmp_path, 
     assert min(len(t) for t in plain) >= 32 and len({t for row in plain for t in row}) > 4
 
 
-@pytest.mark.skipif(not bf16_linear.is_available(), reason="no AVX512-BF16 on this CPU, or the kernels could not be built")
+@pytest.mark.skipif(not cpu_kernels.is_available(), reason="no AVX512-BF16 on this CPU, or the kernels could not be built")
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_actors_kernels_give_the_plain_models_logits_to_bf16_rounding(tmp_path, tied):
     # Not its free-running greedy tokens: the kernels round differently (the attention less: SDPA's bf16 path rounds
