@@ -1,8 +1,8 @@
 """A bf16 linear layer for CPUs with AVX512-BF16: the weight read once, at the memory's speed, for any row count.
 
 A decode step is mostly linear layers over a few rows, so its speed is how fast the weights
-stream from memory. oneDNN's packed linear (packed_weights.py) streams them at about half the
-single core's read bandwidth for one to two rows (benchmarks/results/bf16_linear.md). This
+stream from memory. oneDNN's packed linear (packed_weights.py) streams them at 38-40% of the
+single core's read bandwidth for one or two rows (benchmarks/results/bf16_linear.md). This
 kernel (csrc/bf16_linear.cpp) lays each weight out as pairs of input features for 16 output
 columns, `[N/16, K/2, 16]` int32, so that one VDPBF16PS adds two features' products into 16
 columns' fp32 sums: the weight is read once and in order, each row of `x` is a broadcast, and

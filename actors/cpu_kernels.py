@@ -3,8 +3,8 @@
     bf16_linear        a bf16 linear layer reading its weight once, in pairs (bf16_linear.py)
     decode_attention   every decoding row of a batch attends in one call (attention.py)
 
-Compiled on first use with torch's C++ extension builder and kept in its cache (~40 s on 2
-cores); `make setup` builds it ahead (`python -m actors.cpu_kernels`), so an actor only loads
+Compiled on first use with torch's C++ extension builder and kept in its cache (a minute or so
+on 2 cores, timed by hand); `make setup` builds it ahead (`python -m actors.cpu_kernels`), so an actor only loads
 it. Packing loads them (packed_weights.py, off the stepping thread); attention uses them only once
 loaded (`loaded()`). Where the CPU lacks AVX512-BF16, or the build fails, `extension()` is None and
 the runtime uses torch's kernels (oneDNN's packed linear, SDPA row by row).

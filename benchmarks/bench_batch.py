@@ -275,7 +275,7 @@ def _packed_table(plan: Plan, data: dict) -> list[str]:
         return []
     how = ({"onednn": "into oneDNN's layout; tokens are bit for bit the same",
             "bf16_linear": "in pairs for `actors/bf16_linear.py`'s AVX512-BF16 kernel (the LM head too, when tied); "
-                           "products equal up to bf16 rounding, greedy tokens the same"}
+                           "products, and each step's logits, equal up to bf16 rounding"}
            .get(data.get("packed_kernel") or "onednn", str(data.get("packed_kernel"))))
     lines = ["## Packed linear weights against the plain kernels", "",
              "The same steps with the model's weights as loaded (`mv` or `F.linear`, chosen as above) and packed "

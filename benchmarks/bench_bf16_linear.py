@@ -253,7 +253,7 @@ def report(data: dict, command: str, elapsed_s: float, load: tuple[float, float]
         f"{acc['onednn']['top1_agreement']:.1%} and {acc['bf16_linear']['top1_agreement']:.1%} of the steps. "
         "oneDNN's products are F.linear's bit for bit; bf16_linear's differ from them by bf16 rounding "
         "(tests/runtime/test_bf16_linear.py), and the batched attention is within one rounding of exact where "
-        "SDPA's bf16 path rounds its probabilities (tests/runtime/test_decode_attention.py): as close to fp32 "
+        "SDPA's bf16 path is further from it (tests/runtime/test_decode_attention.py): as close to fp32 "
         "or closer, but a free-running greedy decode can part where two tokens are near-tied, and then goes on "
         "differently.",
     ]

@@ -84,8 +84,8 @@ def test_a_onednn_packed_models_batch_decodes_the_plain_models_tokens(tmp_path, 
 @pytest.mark.skipif(not cpu_kernels.is_available(), reason="no AVX512-BF16 on this CPU, or the kernels could not be built")
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_actors_kernels_give_the_plain_models_logits_to_bf16_rounding(tmp_path, tied):
-    # Not its free-running greedy tokens: the kernels round differently (the attention less: SDPA's bf16 path rounds
-    # its probabilities), and where two tokens are near-tied a decode parts and goes on differently. Each step's
+    # Not its free-running greedy tokens: the kernels round differently (the attention less than SDPA's bf16 path:
+    # test_decode_attention.py), and where two tokens are near-tied a decode parts and goes on differently. Each step's
     # logits on the same inputs are what must agree (batch invariance: test_decode_attention.py).
     model, _ = _bf16_model(tmp_path, tied=tied)
     torch.manual_seed(2)
