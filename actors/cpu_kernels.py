@@ -25,7 +25,10 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("bindings.cpp", "bf16_linear.cpp",
                                                                  "decode_attention.cpp"))
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+# -fopenmp: at::parallel_for is an OpenMP pragma inlined from torch's headers; compiled without it, the
+# kernels run on one thread whatever torch.set_num_threads says. Linked by soname, libgomp.so.1 resolves to
+# the copy torch has already loaded: one thread pool, not two.
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
 
 
 def is_cpu_supported() -> bool:
@@ -43,7 +46,8 @@ def extension():
     if shutil.which("ninja") is None:  # the `ninja` wheel's binary beside this interpreter, not on PATH
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
-        return load("zq_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=list(FLAGS), verbose=False)
+        return load("zq_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                    verbose=False)
     except Exception as e:  # no compiler, or no ninja: torch's own kernels serve instead
         log.warning("the actors' CPU kernels could not be built (%s); torch's kernels serve", e)
         return None

@@ -9,7 +9,17 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ne
                                const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                                const std::vector<int64_t>& pos, const std::vector<int64_t>& start);
 
+// Built with OpenMP: at::parallel_for then splits a kernel over torch's intra-op threads (else it runs on one).
+bool is_parallel() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("is_parallel", &is_parallel, "the kernels split their work over torch's intra-op threads");
   m.def("bf16_linear", &bf16_linear, "x [M, K] bf16 @ W.T (+ bias) with W packed as [N/16, K/2, 16] int32 pairs",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none());
   m.def("decode_attention", &decode_attention, "every decoding row's new key and value cached, and its query attended",

@@ -72,3 +72,20 @@ def test_a_tied_tables_rows_come_back_from_its_pairs_and_the_plain_table_is_rele
     assert torch.equal(model.embed(tokens), want) and torch.equal(want.view(-1, table.shape[1]), table)
     torch.testing.assert_close(bf16_linear.linear(x, model.packed_head, model.config.vocab_size).double(),
                                head.double(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+def test_the_kernel_splits_over_torchs_threads_and_gives_the_same_bits(rows):
+    # Built with OpenMP, or at::parallel_for runs one thread whatever torch.set_num_threads says; each
+    # output block is summed in the same order on whichever thread takes it.
+    assert cpu_kernels.extension().is_parallel()
+    w = torch.randn(1536, 576).to(torch.bfloat16)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    packed, threads = bf16_linear.pack(w), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = bf16_linear.linear(x, packed, 1536)
+        torch.set_num_threads(2)
+        assert torch.equal(bf16_linear.linear(x, packed, 1536), alone)
+    finally:
+        torch.set_num_threads(threads)

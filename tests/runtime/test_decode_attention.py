@@ -95,6 +95,24 @@ def test_the_kernel_caches_each_rows_new_key_and_attends_within_one_rounding_of_
             assert error <= (sdpa.double().reshape(h, d) - exact.reshape(h, d)).abs().max()
 
 
+def test_the_kernel_gives_the_same_bits_on_one_thread_or_two():
+    torch.manual_seed(1)
+    lengths, h, h_kv, d = [3, 70, 300], 9, 3, 64
+    q = torch.randn(len(lengths), h, d).to(torch.bfloat16)
+    k_new, v_new = (torch.randn(len(lengths), h_kv, d).to(torch.bfloat16) for _ in range(2))
+    caches = [torch.randn(1, h_kv, n, d).to(torch.bfloat16) for n in lengths for _ in range(2)]
+    pos, start = [n - 1 for n in lengths], [0, 0, 0]
+    outs, threads = [], torch.get_num_threads()
+    try:
+        for n in (1, 2):  # each (row, KV head) is one piece of work, summed alike on whichever thread takes it
+            torch.set_num_threads(n)
+            k_caches, v_caches = [c.clone() for c in caches[::2]], [c.clone() for c in caches[1::2]]
+            outs.append(cpu_kernels.extension().decode_attention(q, k_new, v_new, k_caches, v_caches, pos, start))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_a_bf16_batch_whose_rows_join_and_leave_decodes_each_requests_tokens_alone(tmp_path):
     # With the kernels, a row's products do not depend on the other rows (the linear kernel sums each output in
     # the same order for any row count; attention is per row): bf16 batching changes no token.
