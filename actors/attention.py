@@ -6,7 +6,9 @@ runs per `Segment`, against that segment's cache and span. Where the actors' CPU
 weights (packed_weights.py, AVX512-BF16), they also switch this on (`batch_decode_attention`): the bf16
 rows that decode (one token each) attend in one call per layer (csrc/decode_attention.cpp: each row's
 new key and value written to its own cache, its query over its span, all in C++), and only the prompt
-chunks go through SDPA one by one.
+chunks go through SDPA one by one. Where every token of a step decodes and q, k, v are packed as one
+(bf16_linear.Fused), a layer's attention is two kernel calls: the joined projection, then RoPE, the
+cache writes and attention together, with none of the views, copies and RoPE ops between them.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def batch_decode_attention(model: nn.Module, enabled: bool = True) -> None:
 
 class Attention(nn.Module):
     is_decode_batched = False  # batch_decode_attention: the kernel for rows that decode, where it is loaded
+    fused_in = None  # bf16_linear.Fused of q, k, v, once packed_weights installs it: one kernel call
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -77,15 +80,22 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [B, S, hidden]
         bsz, seq_len, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq_len, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(bsz, seq_len, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(bsz, seq_len, self.num_kv_heads, self.head_dim)
+        decoding = self._decoding(x, segments, layer)
+        if len(decoding) == seq_len and self.fused_in is not None and self.q_norm is None:
+            # Every token is a row's one decoding token: the projections in one kernel call, then RoPE, the
+            # cache writes and attention in another; y: [R, H, D].
+            y = cpu_kernels.loaded().decode_attention(self.fused_in.joined(x[0]), self.num_heads, self.num_kv_heads,
+                                                       *self._rows(segments, layer), *rope)
+            return self.o_proj(y.view(bsz, seq_len, self.num_heads * self.head_dim))
+        q, k, v = self.fused_in(x) if self.fused_in is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(bsz, seq_len, self.num_heads, self.head_dim)
+        k = k.view(bsz, seq_len, self.num_kv_heads, self.head_dim)
+        v = v.view(bsz, seq_len, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # q: [B, H, S, D]; k, v: [B, H_kv, S, D]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        decoding = self._decoding(q, segments, layer)
         if decoding:
             y = self._attend_decoding(q, k, v, segments, decoding, layer)
         elif len(segments) == 1:
@@ -95,9 +105,9 @@ class Attention(nn.Module):
                            for s in segments], dim=2)
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seq_len, self.num_heads * self.head_dim))
 
-    def _decoding(self, q: torch.Tensor, segments: Sequence[Segment], layer: int) -> list[int]:
+    def _decoding(self, x: torch.Tensor, segments: Sequence[Segment], layer: int) -> list[int]:
         """The segments that decode one token against a one-row bf16 cache, where the kernel runs here."""
-        if (not self.is_decode_batched or q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.shape[0] != 1
+        if (not self.is_decode_batched or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] != 1
                 or self.head_dim % 16):
             return []
         if cpu_kernels.loaded() is None:  # loaded by packing: a step never loads (or builds) them
@@ -112,14 +122,13 @@ class Attention(nn.Module):
         # q: [1, H, T, D]; k, v: [1, H_kv, T, D]. The decoding rows' tokens: [R] of T.
         rows = [segments[i] for i in decoding]
         if len(rows) == q.shape[2]:  # every token decodes: no gather
-            q_dec, k_dec, v_dec = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [R, H(_kv), D]
+            heads = (t[0].transpose(0, 1) for t in (q, k, v))  # [R, H(_kv), D]
         else:
             index = torch.tensor([s.offset for s in rows], device=q.device)
-            q_dec, k_dec, v_dec = (t[0].index_select(1, index).transpose(0, 1).contiguous() for t in (q, k, v))
-        caches = [s.caches[layer] for s in rows]
-        out = cpu_kernels.loaded().decode_attention(
-            q_dec, k_dec, v_dec, [c.k_cache for c in caches], [c.v_cache for c in caches],
-            [s.span.end - 1 for s in rows], [s.span.start for s in rows])  # [R, H, D]
+            heads = (t[0].index_select(1, index).transpose(0, 1) for t in (q, k, v))
+        qkv = torch.cat([t.reshape(len(rows), -1) for t in heads], dim=1)  # [R, (H + 2 H_kv) D], roped
+        out = cpu_kernels.loaded().decode_attention(qkv, self.num_heads, self.num_kv_heads,
+                                                    *self._rows(rows, layer))  # [R, H, D]
         if len(rows) == len(segments):
             return out.transpose(0, 1).unsqueeze(0)  # [1, H, R, D]: the tokens in order
         parts, j = [], 0
@@ -130,6 +139,13 @@ class Attention(nn.Module):
             else:
                 parts.append(self._attend(*(t[:, :, s.offset: s.offset + s.length] for t in (q, k, v)), s, layer))
         return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def _rows(rows: Sequence[Segment], layer: int) -> tuple[list, list, list[int], list[int]]:
+        """The decode kernel's per-row arguments: K caches, V caches, each new key's position, each span's start."""
+        caches = [s.caches[layer] for s in rows]
+        return ([c.k_cache for c in caches], [c.v_cache for c in caches], [s.span.end - 1 for s in rows],
+                [s.span.start for s in rows])
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment, layer: int) -> torch.Tensor:
         # q: [B, H, n, D]; k, v: [B, H_kv, n, D], this segment's tokens

@@ -2,6 +2,7 @@
 
     bf16_linear        a bf16 linear layer reading its weight once, in pairs (bf16_linear.py)
     decode_attention   every decoding row of a batch attends in one call (attention.py)
+    rms_norm           RMSNorm of bf16 rows in one pass (layers.py)
 
 Compiled on first use with torch's C++ extension builder and kept in its cache (a minute or so
 on 2 cores, timed by hand); `make setup` builds it ahead (`python -m actors.cpu_kernels`), so an actor only loads
@@ -24,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("bindings.cpp", "bf16_linear.cpp",
-                                                                 "decode_attention.cpp"))
+                                                                 "decode_attention.cpp", "rms_norm.cpp"))
 # -fopenmp: at::parallel_for is an OpenMP pragma inlined from torch's headers; compiled without it, the
 # kernels run on one thread whatever torch.set_num_threads says. Linked by soname, libgomp.so.1 resolves to
 # the copy torch has already loaded: one thread pool, not two.

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors import bf16_linear
+from actors import bf16_linear, cpu_kernels
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +83,16 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def fuse_rms_norms(model: nn.Module, enabled: bool = True) -> None:
+    """Let (or stop) every RMSNorm of `model` normalise bf16 rows in one kernel call (csrc/rms_norm.cpp)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.is_fused = enabled
+
+
 class RMSNorm(nn.Module):
+    is_fused = False  # fuse_rms_norms: bf16 rows through the actors' kernel, where it is loaded
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
@@ -92,5 +101,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # As HF: normalise in fp32, cast back, then scale in the model dtype.
+        # As HF: normalise in fp32, cast back, then scale in the model dtype (the kernel too, in one pass).
+        if self.is_fused and x.is_contiguous() and x.device.type == "cpu" and (ext := cpu_kernels.loaded()):
+            return ext.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight

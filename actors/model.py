@@ -60,6 +60,8 @@ class RowInput:
 
 
 class MLP(nn.Module):
+    fused_in = None  # bf16_linear.Fused of gate and up, once packed_weights installs it: one kernel call
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         h, inter, bias = config.hidden_size, config.intermediate_size, config.has_mlp_bias
@@ -68,7 +70,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, h, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_in is not None:  # views of one new [..., 2I] tensor: overwritten in place, no more memory
+            gate, up = self.fused_in(x)
+            return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # gate freed before up is made
 
 
 class DecoderLayer(nn.Module):

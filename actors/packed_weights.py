@@ -36,17 +36,17 @@ from __future__ import annotations
 
 import logging
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from actors import bf16_linear, cpu_kernels
 from actors.actor_config import PACKED_KERNELS
-from actors.attention import batch_decode_attention
+from actors.attention import Attention, batch_decode_attention
 from actors.heap import glibc
-from actors.layers import Linear
-from actors.model import Transformer
+from actors.layers import Linear, fuse_rms_norms
+from actors.model import MLP, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class PackedWeights:
     kernel: str = "onednn"  # which kernel the packed weights are laid out for: "onednn" or "bf16_linear"
     model: nn.Module | None = None  # what was packed
     head: torch.Tensor | None = None  # a Transformer `model`'s tied head and embedding table, for bf16_linear
+    fused: list[tuple[nn.Module, bf16_linear.Fused]] = field(default_factory=list)  # Attention / MLP: q,k,v; gate,up
     is_installed: bool = False
 
     def install(self) -> int:
@@ -86,8 +87,11 @@ class PackedWeights:
             layer.packed_weight, layer.packed_kernel = packed, self.kernel
             layer.weight = nn.Parameter(torch.empty(0, dtype=plain.dtype), requires_grad=False)
             released += _release_pages(plain)
-        if self.kernel == "bf16_linear" and self.model is not None:  # the same extension: decoding rows attend in one call a layer too
-            batch_decode_attention(self.model)
+        for owner, fused in self.fused:  # its members' packed weights are views of it: no more memory
+            owner.fused_in = fused
+        if self.kernel == "bf16_linear" and self.model is not None:  # the same extension: decoding rows attend
+            batch_decode_attention(self.model)  # in one call a layer, and RMSNorms normalise in one pass
+            fuse_rms_norms(self.model)
         if self.head is not None:
             table = self.model.model.embed_tokens
             plain = table.weight
@@ -121,11 +125,39 @@ def pack(model: nn.Module, batch_hint: int = BATCH_HINT, kernel: str = "auto") -
             weight = module.weight.detach()
             layers.append((module, bf16_linear.pack(weight) if is_pairs
                            else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)))
+        fused = _fuse(model, layers) if is_pairs else []
         head = None
         if (is_pairs and isinstance(model, Transformer) and model.lm_head is None and model.packed_head is None
                 and bf16_linear.is_packable(model.model.embed_tokens.weight)):
             head = bf16_linear.pack(model.model.embed_tokens.weight.detach())
-    return PackedWeights(layers, "bf16_linear" if is_pairs else "onednn", model, head)
+    return PackedWeights(layers, "bf16_linear" if is_pairs else "onednn", model, head, fused)
+
+
+def _fuse(model: nn.Module, layers: list[tuple[Linear, torch.Tensor]]) -> list[tuple[nn.Module, bf16_linear.Fused]]:
+    """Join each Attention's q, k, v and each MLP's gate, up packs (bf16_linear.fuse); every member's entry in
+    `layers` becomes a view of its group's tensor, so a member computing alone reads the same memory."""
+    index = {id(module): i for i, (module, _) in enumerate(layers)}
+    groups = []
+    for owner in model.modules():
+        if isinstance(owner, Attention):
+            members = (owner.q_proj, owner.k_proj, owner.v_proj)
+        elif isinstance(owner, MLP):
+            members = (owner.gate_proj, owner.up_proj)
+        else:
+            continue
+        if not all(id(m) in index for m in members):
+            continue
+        fused = bf16_linear.fuse([layers[index[id(m)]][1] for m in members], [m.out_features for m in members],
+                                 [m.bias for m in members])
+        if fused is None:
+            continue
+        begin = 0
+        for m in members:  # [N/16, K/2, 16] blocks: a member's are rows [begin, begin + N/16) of the join
+            blocks = m.out_features // bf16_linear.COLUMNS
+            layers[index[id(m)]] = (m, fused.packed[begin: begin + blocks])
+            begin += blocks
+        groups.append((owner, fused))
+    return groups
 
 
 def packed_kernel_of(model: nn.Module) -> str | None:

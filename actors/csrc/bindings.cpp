@@ -5,9 +5,11 @@
 
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                           const c10::optional<torch::Tensor>& bias);
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
                                const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                               const std::vector<int64_t>& pos, const std::vector<int64_t>& start);
+                               const std::vector<int64_t>& pos, const std::vector<int64_t>& start,
+                               const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 
 // Built with OpenMP: at::parallel_for then splits a kernel over torch's intra-op threads (else it runs on one).
 bool is_parallel() {
@@ -23,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x [M, K] bf16 @ W.T (+ bias) with W packed as [N/16, K/2, 16] int32 pairs",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none());
   m.def("decode_attention", &decode_attention, "every decoding row's new key and value cached, and its query attended",
-        pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("k_caches"),
-        pybind11::arg("v_caches"), pybind11::arg("pos"), pybind11::arg("start"));
+        pybind11::arg("qkv"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("k_caches"),
+        pybind11::arg("v_caches"), pybind11::arg("pos"), pybind11::arg("start"), pybind11::arg("cos") = pybind11::none(),
+        pybind11::arg("sin") = pybind11::none());
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows over their last dimension, as HF computes it in bf16",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
 }

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from actors import bf16_linear, cpu_kernels
 from actors.checkpoint import load_hf_checkpoint
+from actors.layers import RMSNorm, fuse_rms_norms
 from actors.packed_weights import pack
 from weights_tool.synth import preset_config, synthesize
 
@@ -89,3 +90,33 @@ def test_the_kernel_splits_over_torchs_threads_and_gives_the_same_bits(rows):
         assert torch.equal(bf16_linear.linear(x, packed, 1536), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (1, 7, 576), (1, 3, 9, 64), (130, 40), (2, 17)])
+def test_the_rms_norm_kernel_rounds_as_hf_does_in_bf16(shape):
+    # HF: normalised in fp32, rounded to bf16, scaled by the bf16 weight and rounded again. The kernel sums the
+    # squares in another order, so a normalised value may round to the neighbouring bf16 where it sits on a tie.
+    torch.manual_seed(len(shape))
+    norm = RMSNorm(shape[-1], 1e-5, torch.bfloat16)
+    norm.weight.copy_(torch.randn(shape[-1]))
+    x = (torch.randn(shape) * 3).to(torch.bfloat16)
+    hf = norm(x)
+    fuse_rms_norms(norm)
+    fused = norm(x)
+    assert fused.dtype == torch.bfloat16 and fused.shape == x.shape
+    torch.testing.assert_close(fused.float(), hf.float(), rtol=2**-7, atol=0)
+    assert (fused == hf).float().mean() > 0.99
+    fused_rows = norm(x.transpose(-1, -2).contiguous().transpose(-1, -2))  # not contiguous: torch's ops, the same
+    assert torch.equal(fused_rows, hf)
+
+
+def test_joined_projections_give_each_members_bits_and_are_refused_where_a_block_would_be_padded():
+    torch.manual_seed(5)
+    ws = [torch.randn(n, 96).to(torch.bfloat16) for n in (64, 32, 32)]
+    biases = [torch.randn(n).to(torch.bfloat16) for n in (64, 32, 32)]
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    fused = bf16_linear.fuse([bf16_linear.pack(w) for w in ws], [64, 32, 32], biases)
+    for got, w, b in zip(fused(x), ws, biases, strict=True):
+        assert torch.equal(got, bf16_linear.linear(x, bf16_linear.pack(w), w.shape[0], b))
+    assert bf16_linear.fuse([bf16_linear.pack(w) for w in ws[:2]], [64, 32], [biases[0], None]) is None
+    assert bf16_linear.fuse([bf16_linear.pack(torch.randn(20, 96).to(torch.bfloat16))] * 2, [20, 20], [None, None]) is None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors import cpu_kernels
-from actors.attention import batch_decode_attention
+from actors.attention import Attention, batch_decode_attention
 from actors.checkpoint import load_hf_checkpoint
 from actors.engine import Engine
 from actors.model import RowInput
@@ -31,6 +31,11 @@ def _model(tmp_path, preset: str, **overrides):
     torch.manual_seed(0)
     model.init_weights(std=0.15)  # wide enough that greedy tokens vary
     return model, Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids)
+
+
+def _joined(q, k_new, v_new):
+    """q [R, H, D], k_new and v_new [R, H_kv, D] -> the kernel's qkv [R, (H + 2 H_kv) D]."""
+    return torch.cat([t.reshape(t.shape[0], -1) for t in (q, k_new, v_new)], dim=1)
 
 
 def _rows_step(model, lengths: list[int], chunk_rows: dict[int, int]):
@@ -67,6 +72,24 @@ def test_batched_decode_attention_gives_the_row_by_row_logits(tmp_path, preset, 
         assert (batched.argmax(-1) == row_by_row.argmax(-1)).float().mean() >= 0.8
 
 
+@pytest.mark.parametrize("preset, overrides", [("tiny", {}), ("tiny-mistral", {"sliding_window": 8})])
+def test_a_step_of_decoding_rows_through_the_joined_projection_and_the_kernels_rope_gives_the_same_logits(
+        tmp_path, preset, overrides):
+    # Packed for the actors' kernels, q, k and v are one joined projection, and where every token of a step decodes
+    # the kernel applies RoPE itself (rope.py's bf16 roundings, in C++): the same bits as the separate projections
+    # with RoPE in torch, which the step takes where q, k and v are not joined.
+    model, _ = _model(tmp_path, preset, **overrides)
+    pack(model).install()
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    assert all(a.fused_in is not None for a in attentions)
+    lengths = [1, 5, 17, 40, 9]
+    joined = _rows_step(model, lengths, {})
+    for a in attentions:
+        a.fused_in = None  # the members' packed weights are views of the joined ones: they still compute alone
+    separate = _rows_step(model, lengths, {})
+    assert torch.equal(joined, separate)
+
+
 def test_the_kernel_caches_each_rows_new_key_and_attends_within_one_rounding_of_the_exact_sum():
     torch.manual_seed(0)
     ext = cpu_kernels.extension()
@@ -79,7 +102,7 @@ def test_the_kernel_caches_each_rows_new_key_and_attends_within_one_rounding_of_
         before = [(k.clone(), v.clone()) for k, v in zip(k_caches, v_caches, strict=True)]
         pos = [n - 1 for n in lengths]
         start = [0, 0, pos[2] - 7, 0, 0]  # row 2: a window of its last 8 positions
-        out = ext.decode_attention(q, k_new, v_new, k_caches, v_caches, pos, start)  # [R, H, D]
+        out = ext.decode_attention(_joined(q, k_new, v_new), h, h_kv, k_caches, v_caches, pos, start)  # [R, H, D]
         for r, (k0, v0) in enumerate(before):
             k0[0, :, pos[r]], v0[0, :, pos[r]] = k_new[r], v_new[r]
             assert torch.equal(k_caches[r], k0) and torch.equal(v_caches[r], v0)  # only position pos[r] written
@@ -107,7 +130,8 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_or_two():
         for n in (1, 2):  # each (row, KV head) is one piece of work, summed alike on whichever thread takes it
             torch.set_num_threads(n)
             k_caches, v_caches = [c.clone() for c in caches[::2]], [c.clone() for c in caches[1::2]]
-            outs.append(cpu_kernels.extension().decode_attention(q, k_new, v_new, k_caches, v_caches, pos, start))
+            outs.append(cpu_kernels.extension().decode_attention(_joined(q, k_new, v_new), h, h_kv, k_caches, v_caches,
+                                                                 pos, start))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
