@@ -12,9 +12,12 @@ profile's shapes: 128-token prompts, decode steps at that context.
    tokens/s = rows / step).
 2. The CPU slot's trade-off at equal rows, with the compute dtype `auto` picks here: two
    slots of one thread each (two processes stepping at once, B rows each) against one slot of
-   two threads (one process, 2B rows). Aggregate decode tokens/s and per-row TPOT.
+   two threads (one process, 2B rows), and two slots of two threads each (four threads on the
+   two cores: what a slot's second thread costs when the other slot computes too). Aggregate
+   decode tokens/s and per-row TPOT.
 3. The rule's constants (actors/step_cost.py, the app config's `rule_scorer`) fitted for the
-   served model as an actor computes it (`auto`'s dtype, one thread): the step at batch 1,
+   served model as an actor computes it (`auto`'s dtype, configs/serve.yaml's
+   `actor.compute_threads`): the step at batch 1,
    a step's growth per extra row (the median over the batch sizes), prompt tokens a second
    beyond a one-row step,
    and the KV bytes a second the extra reads of a batch at a long context cost.
@@ -36,6 +39,8 @@ import shlex
 import statistics
 import sys
 import time
+
+import yaml
 from pathlib import Path
 
 from benchmarks.common import cores, cpu_model, load_average, python_version, version_of, was_busy
@@ -44,6 +49,12 @@ log = logging.getLogger("bench_engine")
 PROMPT_TOKENS = 128
 LONG_CONTEXT, LONG_BATCH = 1024, 8  # the KV term's step: 8 rows of 1,024 tokens against 8 of 128
 DTYPES = ("bfloat16", "float32")
+
+
+def served_threads() -> int:
+    """The threads `make serve`'s actors compute with (configs/serve.yaml): the rule is fitted at that count."""
+    app = yaml.safe_load(Path("configs/serve.yaml").read_text())["applications"][0]
+    return int(app["args"].get("actor", {}).get("compute_threads", 1))
 
 
 def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, is_long_context: bool = False,
@@ -135,23 +146,27 @@ def measure(zqs: str, batches: list[int], steps: int, repeats: int) -> dict:
     from actors.compute_dtype import compute_dtype_for
 
     auto = compute_dtype_for("auto", "bfloat16", "cpu")
+    fit_threads = served_threads()
     cells: dict[str, list] = {}
     slots: dict[str, list] = {}
     for repeat in range(repeats):
         for dtype in DTYPES:
             for threads in (1, 2):
-                [r] = _run([(zqs, dtype, threads, batches, steps, dtype == auto and threads == 1)])
+                [r] = _run([(zqs, dtype, threads, batches, steps, dtype == auto and threads == fit_threads)])
                 cells.setdefault(f"{dtype}/{threads}", []).append(r)
                 log.info("repeat %d %s x %d thread(s): prefill %.0f ms, steps %s", repeat, dtype, threads,
                          statistics.median(r["prefill_s"]) * 1e3,
                          {b: round(s * 1e3, 1) for b, s in r["step_s"].items()})
         two = _run([(zqs, auto, 1, batches, steps, False)] * 2)
         one = _run([(zqs, auto, 2, [2 * b for b in batches], steps, False)])
+        crowded = _run([(zqs, auto, 2, batches, steps, False)] * 2)
         slots.setdefault("2x1", []).append(two)
         slots.setdefault("1x2", []).append(one)
-        log.info("repeat %d slots: 2x1 %s | 1x2 %s", repeat, [t["step_s"] for t in two], one[0]["step_s"])
+        slots.setdefault("2x2", []).append(crowded)
+        log.info("repeat %d slots: 2x1 %s | 1x2 %s | 2x2 %s", repeat, [t["step_s"] for t in two], one[0]["step_s"],
+                 [t["step_s"] for t in crowded])
     kernels = {str(threads): _run_kernels(threads) for threads in (1, 2)}
-    return {"auto": auto, "cells": cells, "slots": slots, "kernels": kernels}
+    return {"auto": auto, "cells": cells, "slots": slots, "kernels": kernels, "fit_threads": fit_threads}
 
 
 def _run_kernels(threads: int) -> dict:
@@ -174,12 +189,13 @@ def fit_rule(runs: list[dict], batches: list[int]) -> dict[str, float]:
 
 
 def rule_constants(data: dict) -> list[str]:
-    auto = data["auto"]
-    runs = data["cells"][f"{auto}/1"]
+    auto, threads = data["auto"], data.get("fit_threads", 1)
+    runs = data["cells"][f"{auto}/{threads}"]
     batches = sorted(int(b) for b in runs[0]["step_s"])
     rule = fit_rule(runs, batches)
     return [
-        f"## 3. The rule's constants for this model and machine ({auto}, one thread: as an actor computes)",
+        f"## 3. The rule's constants for this model and machine ({auto}, {threads} thread{'s' if threads > 1 else ''}: "
+        "as configs/serve.yaml's actors compute)",
         "",
         "For the app config's `rule_scorer` (the router's predictions and the engine's step planner, "
         "actors/step_cost.py):",
@@ -243,14 +259,25 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
         "",
         f"## 2. Two slots × one thread against one slot × two threads ({auto}, equal rows)",
         "",
-        "| rows in all | 2 slots × 1 thread: step (ms) = TPOT | tokens/s | 1 slot × 2 threads: step (ms) = TPOT "
-        "| tokens/s | 1×2 tokens/s ÷ 2×1 |",
-        "|--:|--:|--:|--:|--:|--:|",
+        "Each cell: its step (ms, = per-row TPOT) and the decode tokens/s of all its rows. 2 × 2: two slots of two "
+        "threads each, four threads on the two cores.",
+        "",
+        "| rows in all | 2 slots × 1 thread | 1 slot × 2 threads | 2 slots × 2 threads | 1×2 tokens/s ÷ 2×1 |",
+        "|--:|--:|--:|--:|--:|",
     ]
+
+    def pair_step(key: str, b: int) -> float | None:
+        pairs = data["slots"].get(key)
+        return None if not pairs else statistics.median(statistics.median(t["step_s"][str(b)] for t in pair)
+                                                        for pair in pairs)
+
+    def cell(step: float | None, rows: int) -> str:
+        return "not measured" if step is None else f"{step * 1e3:.1f} ms, {rows / step:.0f} tokens/s"
+
     for b in batches:
-        two = statistics.median(statistics.median(t["step_s"][str(b)] for t in pair) for pair in data["slots"]["2x1"])
+        two, crowded = pair_step("2x1", b), pair_step("2x2", b)
         one = statistics.median(r[0]["step_s"][str(2 * b)] for r in data["slots"]["1x2"])
-        lines.append(f"| {2 * b} | {two * 1e3:.1f} | {2 * b / two:.0f} | {one * 1e3:.1f} | {2 * b / one:.0f} | "
+        lines.append(f"| {2 * b} | {cell(two, 2 * b)} | {cell(one, 2 * b)} | {cell(crowded, 2 * b)} | "
                      f"{two / one:.2f} |")
     lines += ["", *rule_constants(data)]
     kernels = data["kernels"]
