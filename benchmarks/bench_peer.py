@@ -3,6 +3,7 @@
     bash benchmarks/peer/setup.sh                 # once: GuideLLM's venv and a CMake build of llama.cpp's server
     .venv/bin/python -m benchmarks.bench_peer     # 11 min; writes benchmarks/results/peer.md, .json, .png
     .venv/bin/python -m benchmarks.bench_peer --report-only   # the report again, from the kept JSON
+    .venv/bin/python -m benchmarks.bench_peer --slot-variant  # zeroqueue a second time on two slots of one thread
 
 Each server runs alone on the machine, one after the other: zeroqueue as `make serve` runs it
 (`serve run configs/serve.yaml`), then `llama-server` with its usual setup (8 parallel slots, 2
@@ -16,6 +17,10 @@ Reported per rate: served, refused or failed, TTFT P50 / P99 and ITL P50 of the 
 tokens/s, and goodput: served requests with TTFT <= `--slo-ttft-s`, per second of the run. And
 zeroqueue's own check of its predictions, read from its /health after each rate: engine steps
 and TTFT per tier, measured over predicted, over its recent requests.
+
+With `--slot-variant`, zeroqueue also runs on the CPU slot layout `configs/serve.yaml` does not
+choose, in the same run: two slots of one thread each (`zeroqueue-2x1`) where it chooses one of
+two; the same app otherwise, its rule constants included (each actor corrects them by its steps).
 """
 
 from __future__ import annotations
@@ -59,13 +64,27 @@ class Server:
 
 def servers(args: argparse.Namespace) -> list[Server]:
     serve = Path(sys.executable).with_name("serve")
-    return [
-        Server("zeroqueue", "http://127.0.0.1:8000", [str(serve), "run", "configs/serve.yaml"],
-               client_nice=ActorConfig().cpu_nice, env=make_serve_env()),  # as `make serve` runs it
-        Server("llama.cpp", "http://127.0.0.1:8090",
-               [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", "8090",
-                "--alias", MODEL, "-np", "8", "-t", "2", "-c", "8192"], client_nice=0),
-    ]
+    zeroqueue = [Server("zeroqueue", "http://127.0.0.1:8000", [str(serve), "run", "configs/serve.yaml"],
+                        client_nice=ActorConfig().cpu_nice, env=make_serve_env())]  # as `make serve` runs it
+    if args.slot_variant:
+        variant = PEER_DIR / "serve-2x1.yaml"
+        variant.write_text(yaml.safe_dump(two_slots_of_one_thread(yaml.safe_load(Path("configs/serve.yaml")
+                                                                                 .read_text())), sort_keys=False))
+        zeroqueue.append(Server("zeroqueue-2x1", "http://127.0.0.1:8000", [str(serve), "run", str(variant)],
+                                client_nice=ActorConfig().cpu_nice, env=make_serve_env()))
+    return [*zeroqueue,
+            Server("llama.cpp", "http://127.0.0.1:8090",
+                   [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", "8090",
+                    "--alias", MODEL, "-np", "8", "-t", "2", "-c", "8192"], client_nice=0)]
+
+
+def two_slots_of_one_thread(config: dict) -> dict:
+    """`make serve`'s config on two CPU slots of one thread each, a hot actor on each."""
+    args = config["applications"][0]["args"]
+    args["slots"]["num_cpu_slots"] = 2
+    args["actor"] |= {"num_cpus": 1, "compute_threads": 1, "load_threads": 1}
+    args["policy"]["max_hot_short_actors"] = 2
+    return config
 
 
 def _start(server: Server, log_path: Path) -> subprocess.Popen:
@@ -183,7 +202,7 @@ def measure(args: argparse.Namespace) -> dict:
                 load = load_average()[0]
                 _guidellm(server, rate, args.seconds, tokenizer, out, args.guidellm)
                 row = summarise(_keep(out), args.slo_ttft_s) | {"load_before": load}
-                if server.name == "zeroqueue":
+                if server.name.startswith("zeroqueue"):
                     row["health"] = _predictions(server.base)
                 data["servers"].setdefault(server.name, {})[f"{rate:g}"] = row
                 log.info("%s at %g req/s: %s", server.name, rate, row)
@@ -250,7 +269,7 @@ def report(data: dict) -> str:
         "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for rate in data["rates"]:
-        for name, rows in (("zeroqueue", zq), ("llama.cpp", peer)):
+        for name, rows in data["servers"].items():
             r = rows[f"{rate:g}"]
             lines.append(f"| {rate:g} | {name} | {r['sent']} | {r['served']} | {r['failed']} | {r['unfinished']} | "
                          f"{_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | {_ms(r['itl_p50_s'])} | "
@@ -264,29 +283,49 @@ def report(data: dict) -> str:
             if a[key] and b[key]:
                 parts.append(f"{label} {a[key] / b[key]:.2f}×")
         lines.append(f"- {rate:g} req/s: " + ", ".join(parts))
-    lines += ["", *_prediction_lines(data)]
+    lines += ["", *_variant_lines(data), *_prediction_lines(data)]
     return "\n".join(lines)
+
+
+def _variant_lines(data: dict) -> list[str]:
+    """configs/serve.yaml's slot layout against two slots of one thread, where the run measured both."""
+    variant = data["servers"].get("zeroqueue-2x1")
+    if not variant:
+        return []
+    zq = data["servers"]["zeroqueue"]
+    lines = ["## The CPU slot's layout in serving: configs/serve.yaml's against two slots of one thread", "",
+             "The same app and load; `zeroqueue-2x1` differs only in `slots.num_cpu_slots: 2`, `actor.num_cpus`, "
+             "`compute_threads` and `load_threads: 1`, and `policy.max_hot_short_actors: 2`.", "",
+             "| rate (req/s) | served | TTFT P50 | ITL P50 | output tok/s | goodput |", "|--:|--:|--:|--:|--:|--:|"]
+    for rate in data["rates"]:
+        a, b = zq[f"{rate:g}"], variant[f"{rate:g}"]
+        cells = [f"{a['served']} / {b['served']}"]
+        for key in ("ttft_p50_s", "itl_p50_s", "output_tokens_per_s", "goodput_per_s"):
+            cells.append(f"{a[key] / b[key]:.2f}×" if a[key] and b[key] else "—")
+        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    return lines + ["", "Served: configs/serve.yaml's / 2x1's; the other columns: configs/serve.yaml's ÷ 2x1's.", ""]
 
 
 def _prediction_lines(data: dict) -> list[str]:
     """zeroqueue's predictions against its measurements, per rate (the rows that recorded them)."""
-    rows = [(rate, data["servers"]["zeroqueue"][f"{rate:g}"].get("health")) for rate in data["rates"]]
-    rows = [(rate, h) for rate, h in rows if h]
+    rows = [(name, rate, rows[f"{rate:g}"].get("health")) for name, rows in data["servers"].items()
+            if name.startswith("zeroqueue") for rate in data["rates"]]
+    rows = [(name, rate, h) for name, rate, h in rows if h]
     if not rows:
         return []
     lines = ["## zeroqueue's predictions against its measurements", "",
              "Its /health after each rate, over its recent requests (up to 1,024, so earlier rates' too): engine "
              "steps measured ÷ predicted (actors/step_cost.py: the rule's constants, corrected by each actor's "
              "own steps), and TTFT measured ÷ the router's prediction, per tier.", "",
-             "| rate (req/s) | step ratio P50 / P90 | step median error | TTFT ratio P50 / P90 by tier |",
-             "|--:|--:|--:|---|"]
-    for rate, h in rows:
+             "| server | rate (req/s) | step ratio P50 / P90 | step median error | TTFT ratio P50 / P90 by tier |",
+             "|---|--:|--:|--:|---|"]
+    for name, rate, h in rows:
         step = h.get("step_time_ratio") or {}
         tiers = "; ".join(f"{tier} {r['p50']:.2f} / {r['p90']:.2f} (n={r['count']})"
                           for tier, r in (h.get("ttft_ratio") or {}).items())
         if step.get("count"):
-            lines.append(f"| {rate:g} | {step['p50']:.2f} / {step['p90']:.2f} | {100 * step['median_error']:.0f}% | "
-                         f"{tiers or '—'} |")
+            lines.append(f"| {name} | {rate:g} | {step['p50']:.2f} / {step['p90']:.2f} | "
+                         f"{100 * step['median_error']:.0f}% | {tiers or '—'} |")
     return lines + [""]
 
 
@@ -326,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidellm", type=Path, default=PEER_DIR / "guidellm/bin/guidellm")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite peer.md/.png from peer.json and the GuideLLM JSON kept, measuring nothing")
+    parser.add_argument("--slot-variant", action="store_true",
+                        help="also run zeroqueue on two CPU slots of one thread (zeroqueue-2x1), in the same run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.report_only:
