@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.bench_batch --quick    # seconds; writes .cache/bench/batch/batch.md
 
 The demo model (`small`: ~100M parameters, bf16, the serving default), the actors' engine
-(`actors/engine.py`) on one torch thread, as an actor runs it. For each batch size B and
+(`actors/engine.py`) on the torch threads make serve's actors compute with (configs/serve.yaml). For each batch size B and
 context length, B rows are added, stepped until every row decodes, then `--steps` decode
 steps are timed; the sizes are visited in rotation, `--repeats` times, so a noisy
 neighbour slows every size alike, and each figure is the median over repeats.
@@ -45,7 +45,15 @@ from actors.layer_loader import load_zqs
 from actors.layers import packed_linear
 from actors.packed_weights import pack, packed_kernel_of
 from actors.sampling import SamplingParams
-from benchmarks.common import cores, cpu_model, load_average, python_version, version_of, was_busy
+from benchmarks.common import (
+    cores,
+    cpu_model,
+    load_average,
+    python_version,
+    served_threads,
+    version_of,
+    was_busy,
+)
 from weights_tool.demo import demo_model
 
 log = logging.getLogger("bench_batch")
@@ -149,11 +157,11 @@ def kernels(model) -> dict[str, float]:
 
 
 def measure(plan: Plan, zqs: Path) -> dict:
-    torch.set_num_threads(1)  # the actors' compute_threads
+    torch.set_num_threads(served_threads())  # as make serve's actors compute
     is_packed = ActorConfig().is_weight_packed  # what the actors run: the main table
     plain, tokenizer = load_zqs(zqs)
     model = load_zqs(zqs, is_weight_packed=True)[0] if is_packed else plain
-    out: dict = {"steps": {}, "plain_steps": {}, "stall": {}, "is_packed": is_packed,
+    out: dict = {"steps": {}, "plain_steps": {}, "stall": {}, "is_packed": is_packed, "threads": torch.get_num_threads(),
                  "packed_kernel": packed_kernel_of(model) if is_packed else None,
                  "kv_bytes_per_token": model.config.kv_bytes_per_token(model.config.dtype)}
     engines = {chunk: Engine(model, tokenizer, max_batch=max(plan.batch_sizes), prefill_chunk_tokens=chunk)
@@ -189,7 +197,8 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
         f"Command: `{command}`",
         "",
         f"Machine: {cores()} cores, {cpu_model()}, Python "
-        f"{python_version()}, torch {version_of('torch')}; 1 torch thread (the actors' setting). "
+        f"{python_version()}, torch {version_of('torch')}; {data.get('threads', 1)} torch thread(s) (make serve's "
+        "actors' setting). "
         f"Load average {load[0]:.2f} at the start{' (busy: other work shared the machine)' if was_busy(load[0]) else ''}"
         f", {load[1]:.2f} at the end; {elapsed_s / 60:.1f} min.",
         "",

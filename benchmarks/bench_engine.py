@@ -39,22 +39,22 @@ import shlex
 import statistics
 import sys
 import time
-
-import yaml
 from pathlib import Path
 
-from benchmarks.common import cores, cpu_model, load_average, python_version, version_of, was_busy
+from benchmarks.common import (
+    cores,
+    cpu_model,
+    load_average,
+    python_version,
+    served_threads,
+    version_of,
+    was_busy,
+)
 
 log = logging.getLogger("bench_engine")
 PROMPT_TOKENS = 128
 LONG_CONTEXT, LONG_BATCH = 1024, 8  # the KV term's step: 8 rows of 1,024 tokens against 8 of 128
 DTYPES = ("bfloat16", "float32")
-
-
-def served_threads() -> int:
-    """The threads `make serve`'s actors compute with (configs/serve.yaml): the rule is fitted at that count."""
-    app = yaml.safe_load(Path("configs/serve.yaml").read_text())["applications"][0]
-    return int(app["args"].get("actor", {}).get("compute_threads", 1))
 
 
 def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, is_long_context: bool = False,

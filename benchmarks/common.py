@@ -150,3 +150,11 @@ def direct_ingress_bases(num_replicas: int = 1, timeout_s: float = 120.0) -> lis
         if time.monotonic() > deadline:
             raise RuntimeError(f"{len(bases)} of {num_replicas} ingress replicas answer on a direct port: {bases}")
         time.sleep(1)
+
+
+def served_threads() -> int:
+    """The threads `make serve`'s actors compute with (configs/serve.yaml's actor.compute_threads)."""
+    import yaml
+
+    app = yaml.safe_load(Path("configs/serve.yaml").read_text())["applications"][0]
+    return int(app["args"].get("actor", {}).get("compute_threads", 1))
