@@ -19,6 +19,7 @@ from actors.engine import Engine
 from actors.events import Event, FinishEvent
 from actors.model import WaitLayer
 from actors.sampling import SamplingParams
+from actors.threads import use_threads_here
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,11 @@ class RowStream:
 
 class BatchRunner:
     def __init__(self, engine: Engine, *, wait_layer: Callable[[], WaitLayer | None] | None = None,
-                 name: str = "zq-batch") -> None:
-        """`wait_layer()` is asked before each step for the weight gate to pass to it (None: all resident)."""
+                 name: str = "zq-batch", compute_threads: int | None = None) -> None:
+        """`wait_layer()` is asked before each step for the weight gate to pass to it (None: all resident).
+        `compute_threads`: the stepping thread's own count of torch threads (actors/threads.py); None: torch's."""
         self.engine = engine
+        self._compute_threads = compute_threads
         self._wait_layer = wait_layer
         self._wake = threading.Event()
         self._between_steps: list[Callable[[], object]] = []  # run by the stepping thread, then dropped
@@ -98,6 +101,8 @@ class BatchRunner:
         self._wake.set()
 
     def _loop(self) -> None:
+        if self._compute_threads is not None:
+            use_threads_here(self._compute_threads)
         while not self._is_closed:
             while self._between_steps:
                 fn = self._between_steps.pop(0)

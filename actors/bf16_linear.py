@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from actors import cpu_kernels
@@ -41,10 +42,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
                          f"on {weight.device}")
     n, k = weight.shape
     n_padded = -(-n // COLUMNS) * COLUMNS
-    padded = weight if n == n_padded else torch.cat([weight, weight.new_zeros(n_padded - n, k)])
+    # numpy's copies, not torch's: packing runs beside the stepping thread, and torch would split a copy this
+    # large over an OpenMP team of the packing thread's own, which slows every later step (actors/threads.py).
+    w = weight.detach().contiguous().view(torch.int16).numpy()  # the bf16 bits: [N, K]
+    if n != n_padded:
+        w = np.concatenate([w, np.zeros((n_padded - n, k), dtype=np.int16)])
     # [N/16, 16, K/2, 2] -> [N/16, K/2, 16, 2]: each input pair of 16 columns side by side.
-    pairs = padded.view(n_padded // COLUMNS, COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return pairs.view(torch.int32).view(n_padded // COLUMNS, k // 2, COLUMNS)
+    pairs = np.ascontiguousarray(w.reshape(n_padded // COLUMNS, COLUMNS, k // 2, 2).transpose(0, 2, 1, 3))
+    return torch.from_numpy(pairs).view(torch.int32).view(n_padded // COLUMNS, k // 2, COLUMNS)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,4 +88,5 @@ def fuse(packs: Sequence[torch.Tensor], sizes: Sequence[int], biases: Sequence[t
     if any(n % COLUMNS for n in sizes) or len({b is None for b in biases}) > 1:
         return None
     bias = None if biases[0] is None else torch.cat(list(biases))
-    return Fused(torch.cat(list(packs)), tuple(sizes), bias)
+    joined = torch.from_numpy(np.concatenate([p.numpy() for p in packs]))  # numpy's copy, as in `pack`
+    return Fused(joined, tuple(sizes), bias)

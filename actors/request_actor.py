@@ -68,6 +68,7 @@ from actors.messages import (
 from actors.peak_memory import PeakMemory
 from actors.priority import lower_threads
 from actors.telemetry_agent import NO_REPORTER, AgentReporter
+from actors.threads import compute_on_one_thread
 from weights_tool.groups import EMBEDDINGS_GROUP
 
 if TYPE_CHECKING:
@@ -123,8 +124,8 @@ class RequestActor:
         self._state = _State()
         self._state.enter(Phase.STARTING)
         self._actor_start = self._state.transitions[0][1]
-        if on_exit is None:
-            torch.set_num_threads(config.compute_threads)
+        if on_exit is None:  # the stepping thread alone computes on compute_threads (actors/threads.py)
+            compute_on_one_thread()
         if config.is_freed_memory_retained:
             retain_freed_memory()
         self._idle_trimmer = IdleTrimmer(config.idle_trim_after_s)
@@ -139,7 +140,8 @@ class RequestActor:
         self._model = self._streamed.model
         self._engine = Engine(self._model, self._streamed.tokenizer, max_batch=config.max_batch,
                               prefill_chunk_tokens=config.prefill_chunk_tokens, step_cost=config.step_cost)
-        self._runner = BatchRunner(self._engine, wait_layer=self._weight_gate, name=f"batch-{self.name}")
+        self._runner = BatchRunner(self._engine, wait_layer=self._weight_gate, name=f"batch-{self.name}",
+                                   compute_threads=config.compute_threads if on_exit is None else None)
         self._num_layers = self._streamed.config.num_layers
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self._model.parameters())
         is_cuda = str(device).startswith("cuda")

@@ -20,14 +20,20 @@ bool is_parallel() {
 #endif
 }
 
+// The kernels let go of the GIL while they compute (their arguments are converted before, their results
+// after): an actor's event loop, which streams the tokens of the step before, runs meanwhile instead of
+// stalling the stepping thread at its next bytecode.
+using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("is_parallel", &is_parallel, "the kernels split their work over torch's intra-op threads");
-  m.def("bf16_linear", &bf16_linear, "x [M, K] bf16 @ W.T (+ bias) with W packed as [N/16, K/2, 16] int32 pairs",
+  m.def("bf16_linear", &bf16_linear, "x [M, K] bf16 @ W.T (+ bias) with W packed as [N/16, K/2, 16] int32 pairs", NoGil(),
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none());
   m.def("decode_attention", &decode_attention, "every decoding row's new key and value cached, and its query attended",
+        NoGil(),
         pybind11::arg("qkv"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("k_caches"),
         pybind11::arg("v_caches"), pybind11::arg("pos"), pybind11::arg("start"), pybind11::arg("cos") = pybind11::none(),
         pybind11::arg("sin") = pybind11::none());
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows over their last dimension, as HF computes it in bf16",
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows over their last dimension, as HF computes it in bf16", NoGil(),
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
 }

@@ -88,9 +88,10 @@ class QueuedModel:
         from actors.engine import Engine
         from actors.heap import retain_freed_memory
         from actors.layer_loader import load_zqs
+        from actors.threads import compute_on_one_thread
 
         self.config = config
-        torch.set_num_threads(config.compute_threads)
+        compute_on_one_thread()  # as zeroqueue's actors: the batch's stepping thread alone on compute_threads
         if config.is_freed_memory_retained:
             retain_freed_memory()  # as zeroqueue's actors do; the replica never trims (favours it)
         device = config.device if config.device != "cuda" or torch.cuda.is_available() else "cpu"
@@ -101,7 +102,7 @@ class QueuedModel:
                                     is_weight_packed=config.is_weight_packed)  # packs CPU bf16 weights only
         engine = Engine(model, tokenizer, max_context=config.max_context, max_batch=config.max_batch,
                         prefill_chunk_tokens=config.prefill_chunk_tokens)
-        self.runner = BatchRunner(engine, name="baseline-batch")
+        self.runner = BatchRunner(engine, name="baseline-batch", compute_threads=config.compute_threads)
         log.info("baseline replica: %s resident on %s, batches of %d", config.model_id, device, config.max_batch)
 
     async def __call__(self, request: Request) -> Response:
