@@ -68,7 +68,6 @@ from actors.messages import (
 from actors.peak_memory import PeakMemory
 from actors.priority import lower_threads
 from actors.telemetry_agent import NO_REPORTER, AgentReporter
-from actors.threads import compute_on_one_thread
 from weights_tool.groups import EMBEDDINGS_GROUP
 
 if TYPE_CHECKING:
@@ -117,6 +116,7 @@ class RequestActor:
         from actors.batch_runner import BatchRunner
         from actors.engine import Engine
         from actors.layer_loader import stream_zqs
+        from actors.threads import compute_on_one_thread
 
         self.name = name or _own_name()
         self._on_exit = on_exit
