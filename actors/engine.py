@@ -269,7 +269,7 @@ class Engine:
         row.stops = StopSequenceFilter(p.stop_sequences)
         row.compute_start = now
         self._rows.append(row)
-        row.emit(StartEvent(now, self.step_check.correction))
+        row.emit(StartEvent(now, self.step_check.correction, self.step_check.baseline))
 
     def _allowed(self, logits: torch.Tensor, row: Row) -> torch.Tensor:
         """The row's logits [1, V], without the end-of-turn tokens while it is short of its `min_tokens`."""

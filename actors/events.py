@@ -18,6 +18,7 @@ class StartEvent:
     # The engine's measured ÷ rule-predicted step time (actors/step_cost.py, StepCheck) at the join: how much
     # slower than the rule's constants this actor's steps run now (a busy host, another machine).
     step_correction: float = 1.0
+    step_baseline: float = 1.0  # the same ratio over many steps (StepCheck.baseline): what the router falls back to
 
 
 @dataclass(frozen=True)

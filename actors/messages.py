@@ -65,6 +65,7 @@ class Started:
     time: float
     is_cold: bool
     step_correction: float = 1.0  # the engine's, as its StartEvent says: the router prices this actor's steps by it
+    step_baseline: float = 1.0  # its slow average: what the router expects of the actor once it stops hearing
 
 
 @dataclass(frozen=True)

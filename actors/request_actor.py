@@ -259,7 +259,7 @@ class RequestActor:
         if isinstance(event, StartEvent):
             self._state.enter(Phase.PREFILL if is_cold else Phase.DECODE)
             self._reporter.report(self._accounted_bytes())  # the row's KV cache is in place now
-            return Started(request.request_id, event.time, is_cold, event.step_correction)
+            return Started(request.request_id, event.time, is_cold, event.step_correction, event.step_baseline)
         if isinstance(event, TokenEvent):
             if event.num_output_tokens == 1 and is_cold:
                 self._state.enter(Phase.DECODE)

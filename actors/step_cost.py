@@ -18,7 +18,12 @@ The constants are measured per model and machine (benchmarks/bench_engine.py fit
 the served model) and set in the app config (`rule_scorer`). A machine unlike the one they
 were measured on makes every step faster or slower alike, so `StepCheck` keeps a running
 ratio of measured to predicted step time that the planner multiplies in, and the error of
-what it predicted, which the engine logs and the ingress exports per request.
+what it predicted, which the engine logs and the ingress exports per request. It also keeps a
+slow average of that ratio, the actor's `baseline`: how far off the constants are on this
+machine as it usually runs, not in the last few steps. A router that has not heard from an
+actor for a while expects its baseline, not the constants' own speed (serve_app/lease_book.py):
+on a CPU unlike the constants' (fp32 on one without native bf16: 3-4x the bf16 fit's steps) the
+constants alone would price every burst after a pause at a fraction of what it takes.
 """
 
 from __future__ import annotations
@@ -67,17 +72,23 @@ class StepCheck:
 
     `correction` is an exponentially weighted mean of measured ÷ rule-predicted (`weight` per
     step), within [min_correction, max_correction] so that one step stalled by the machine
-    cannot make the planner believe every step takes seconds. `recent_errors` keeps
+    cannot make the planner believe every step takes seconds. `baseline` is the same ratio's
+    mean over many more steps (`baseline_weight`), from the first step measured (1 before any):
+    the level the router falls back to (module docstring). `recent_errors` keeps
     |measured ÷ corrected prediction - 1| of the last `window` steps: the planner's own error.
     """
 
     def __init__(self, weight: float = 0.1, window: int = 256, min_correction: float = 0.25,
-                 max_correction: float = 4.0) -> None:
-        if not 0 < weight <= 1 or window < 1 or not 0 < min_correction <= 1 <= max_correction:
-            raise ValueError(f"StepCheck needs 0 < weight <= 1, window >= 1 and min <= 1 <= max correction, got "
-                             f"{weight}, {window}, {min_correction}, {max_correction}")
+                 max_correction: float = 4.0, baseline_weight: float = 0.01) -> None:
+        if (not 0 < weight <= 1 or not 0 < baseline_weight <= 1 or window < 1
+                or not 0 < min_correction <= 1 <= max_correction):
+            raise ValueError(f"StepCheck needs 0 < weight, baseline_weight <= 1, window >= 1 and min <= 1 <= max "
+                             f"correction, got {weight}, {baseline_weight}, {window}, {min_correction}, "
+                             f"{max_correction}")
         self.weight, self.min_correction, self.max_correction = weight, min_correction, max_correction
+        self.baseline_weight = baseline_weight
         self.correction = 1.0
+        self.baseline = 1.0
         self.num_steps = 0
         self.recent_errors: deque[float] = deque(maxlen=window)
 
@@ -88,6 +99,10 @@ class StepCheck:
         self.recent_errors.append(abs(measured_s / (rule_s * self.correction) - 1.0))
         ratio = min(self.max_correction, max(self.min_correction, measured_s / rule_s))
         self.correction = (1 - self.weight) * self.correction + self.weight * ratio
+        # A plain mean of the steps so far until there are 1 / baseline_weight of them: from the first step the
+        # baseline is the measured level (the constants may be far off), and no single first step dominates it.
+        w = max(self.baseline_weight, 1.0 / (self.num_steps + 1))
+        self.baseline = (1 - w) * self.baseline + w * ratio
         self.num_steps += 1
 
     def median_error(self) -> float | None:

@@ -40,6 +40,7 @@ import httpx
 import yaml
 
 from actors.actor_config import ActorConfig
+from benchmarks import peer_traces
 from benchmarks.common import cores, cpu_model, load_average, make_serve_env, stop_session, version_of
 from benchmarks.load_stats import percentile
 
@@ -62,20 +63,38 @@ class Server:
     env: dict[str, str] | None = None  # beside the environment's own
 
 
+SERVER_NAMES = ("zeroqueue", "zeroqueue-2x1", "llama.cpp")
+
+
 def servers(args: argparse.Namespace) -> list[Server]:
     serve = Path(sys.executable).with_name("serve")
-    zeroqueue = [Server("zeroqueue", "http://127.0.0.1:8000", [str(serve), "run", "configs/serve.yaml"],
-                        client_nice=ActorConfig().cpu_nice, env=make_serve_env())]  # as `make serve` runs it
+    config = yaml.safe_load(Path("configs/serve.yaml").read_text())
+    layouts = {"zeroqueue": config}  # as `make serve` runs it
     if args.slot_variant:
-        variant = PEER_DIR / "serve-2x1.yaml"
-        variant.write_text(yaml.safe_dump(two_slots_of_one_thread(yaml.safe_load(Path("configs/serve.yaml")
-                                                                                 .read_text())), sort_keys=False))
-        zeroqueue.append(Server("zeroqueue-2x1", "http://127.0.0.1:8000", [str(serve), "run", str(variant)],
-                                client_nice=ActorConfig().cpu_nice, env=make_serve_env()))
-    return [*zeroqueue,
-            Server("llama.cpp", "http://127.0.0.1:8090",
-                   [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", "8090",
-                    "--alias", MODEL, "-np", "8", "-t", "2", "-c", "8192"], client_nice=0)]
+        layouts["zeroqueue-2x1"] = two_slots_of_one_thread(yaml.safe_load(Path("configs/serve.yaml").read_text()))
+    out = []
+    for name, layout in layouts.items():
+        path = PEER_DIR / f"serve-{name}.yaml"
+        path.write_text(yaml.safe_dump(traced(layout, trace_path(name)), sort_keys=False))
+        out.append(Server(name, "http://127.0.0.1:8000", [str(serve), "run", str(path)],
+                          client_nice=ActorConfig().cpu_nice, env=make_serve_env()))
+    out.append(Server("llama.cpp", "http://127.0.0.1:8090",
+                      [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", "8090",
+                       "--alias", MODEL, "-np", "8", "-t", "2", "-c", "8192"], client_nice=0))
+    return [s for s in out if s.name in args.servers]
+
+
+def trace_path(name: str) -> Path:
+    return PEER_DIR / "traces" / f"{name}.jsonl"
+
+
+def traced(config: dict, path: Path) -> dict:
+    """The app's config with its request traces on (serve_app/traces.py), at `path`, emptied first: each
+    request's tier, predicted and measured TTFT, and each refusal's reason, for the report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    config["applications"][0]["args"]["traces"] = {"enabled": True, "path": str(path)}
+    return config
 
 
 def two_slots_of_one_thread(config: dict) -> dict:
@@ -197,6 +216,7 @@ def measure(args: argparse.Namespace) -> dict:
         try:
             # One short run first: what a first request pays (actor start, page faults) is not a rate's.
             _guidellm(server, 1, 10, tokenizer, PEER_DIR / f"warmup-{server.name}.json", args.guidellm)
+            _, trace_offset = peer_traces.read_new(trace_path(server.name), 0)  # the warm-up's lines aside
             for rate in args.rates:
                 out = RESULTS / "peer" / f"{server.name}-{rate:g}.json"
                 load = load_average()[0]
@@ -204,6 +224,9 @@ def measure(args: argparse.Namespace) -> dict:
                 row = summarise(_keep(out), args.slo_ttft_s) | {"load_before": load}
                 if server.name.startswith("zeroqueue"):
                     row["health"] = _predictions(server.base)
+                    time.sleep(2)  # the trace writer's thread appends the last requests' lines
+                    records, trace_offset = peer_traces.read_new(trace_path(server.name), trace_offset)
+                    row["traces"] = peer_traces.summarise(records, data["targets"]["ttft_target_s"])
                 data["servers"].setdefault(server.name, {})[f"{rate:g}"] = row
                 log.info("%s at %g req/s: %s", server.name, rate, row)
         finally:
@@ -237,7 +260,7 @@ def resummarise(data: dict) -> dict:
 
 
 def report(data: dict) -> str:
-    zq, peer = data["servers"]["zeroqueue"], data["servers"]["llama.cpp"]
+    zq, peer = data["servers"].get("zeroqueue"), data["servers"].get("llama.cpp")
     command, elapsed_s = data["command"], data["elapsed_s"]
     targets = data.get("targets") or serve_targets()  # (a run from before they were kept: the config's now)
     lines = [
@@ -274,8 +297,8 @@ def report(data: dict) -> str:
             lines.append(f"| {rate:g} | {name} | {r['sent']} | {r['served']} | {r['failed']} | {r['unfinished']} | "
                          f"{_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | {_ms(r['itl_p50_s'])} | "
                          f"{r['output_tokens_per_s']:.0f} | {r['goodput_per_s']:.2f} |")
-    lines += ["", "## Ratios (zeroqueue ÷ llama.cpp)", ""]
-    for rate in data["rates"]:
+    lines += ["", "## Ratios (zeroqueue ÷ llama.cpp)", ""] if zq and peer else [""]
+    for rate in data["rates"] if zq and peer else []:
         a, b = zq[f"{rate:g}"], peer[f"{rate:g}"]
         parts = []
         for key, label in (("ttft_p50_s", "TTFT P50"), ("itl_p50_s", "ITL P50"),
@@ -283,14 +306,14 @@ def report(data: dict) -> str:
             if a[key] and b[key]:
                 parts.append(f"{label} {a[key] / b[key]:.2f}×")
         lines.append(f"- {rate:g} req/s: " + ", ".join(parts))
-    lines += ["", *_variant_lines(data), *_prediction_lines(data)]
+    lines += ["", *_variant_lines(data), *_prediction_lines(data), *peer_traces.report_lines(data)]
     return "\n".join(lines)
 
 
 def _variant_lines(data: dict) -> list[str]:
     """configs/serve.yaml's slot layout against two slots of one thread, where the run measured both."""
     variant = data["servers"].get("zeroqueue-2x1")
-    if not variant:
+    if not variant or "zeroqueue" not in data["servers"]:
         return []
     zq = data["servers"]["zeroqueue"]
     lines = ["## The CPU slot's layout in serving: configs/serve.yaml's against two slots of one thread", "",
@@ -368,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="rewrite peer.md/.png from peer.json and the GuideLLM JSON kept, measuring nothing")
     parser.add_argument("--slot-variant", action="store_true",
                         help="also run zeroqueue on two CPU slots of one thread (zeroqueue-2x1), in the same run")
+    parser.add_argument("--servers", type=lambda s: s.split(","), default=list(SERVER_NAMES),
+                        help=f"which of {', '.join(SERVER_NAMES)} to run (zeroqueue-2x1 with --slot-variant)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.report_only:

@@ -137,6 +137,8 @@ class LeaseReport:
     start_uses: dict[str, bool] = field(default_factory=dict)
     # Actors it holds rows on -> their engine's step correction, as their last Started said (scorer.py).
     step_corrections: dict[str, float] = field(default_factory=dict)
+    # The same actors -> their engine's long-run step correction (StepCheck.baseline): theirs once idle.
+    step_baselines: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,9 @@ class LeaseBook:
         self._start_uses: dict[str, bool] = {}  # start leases used -> first token seen; reported until answered
         self._started: set[str] = set()  # start leases whose actor sent its first token
         self._recalled: frozenset[str] = frozenset()  # start leases the registry wants back: unused, not used
-        # actor -> its engine's step correction as its last Started said, and when (monotonic): a join on it is
-        # priced by it, fading back to the rule's own (`_step_correction`)
-        self._step_corrections: dict[str, tuple[float, float]] = {}
+        # actor -> its engine's step correction and baseline as its last Started said, and when (monotonic): a
+        # join on it is priced by the correction, fading back to the baseline (`_step_correction`)
+        self._step_corrections: dict[str, tuple[float, float, float]] = {}
 
     @property
     def num_rows(self) -> int:
@@ -284,7 +284,8 @@ class LeaseBook:
         returned, self._returned = tuple(self._returned), []
         return LeaseReport(self.replica_id, self.ttl_s, returned, dict(self._used), tuple(wanted),
                            frozenset(self._rows), start_uses=dict(self._start_uses),
-                           step_corrections={name: self._step_correction(name, now) for name in self._step_corrections})
+                           step_corrections={name: self._step_correction(name, now) for name in self._step_corrections},
+                           step_baselines={name: c[1] for name, c in self._step_corrections.items()})
 
     def apply(self, report: LeaseReport, grant: LeaseGrant, sent_at: float) -> None:
         """The answer to `report`, sent at `sent_at` (monotonic): rows it knew of that the registry no
@@ -356,20 +357,25 @@ class LeaseBook:
         return {row_id: use for row_id, use in self._used.items()
                 if (row := self._rows.get(row_id)) is not None and row.model == model}
 
-    def note_step_correction(self, actor_name: str, correction: float, now: float | None = None) -> None:
-        """What the actor's engine said of its steps when a request of ours started there (Started)."""
-        if correction > 0 and any(r.actor_name == actor_name for r in self._rows.values()):
-            self._step_corrections[actor_name] = (correction, time.monotonic() if now is None else now)
+    def note_step_correction(self, actor_name: str, correction: float, baseline: float = 1.0,
+                             now: float | None = None) -> None:
+        """What the actor's engine said of its steps when a request of ours started there (Started): their
+        measured ÷ rule-predicted time now, and its long-run average (actors/step_cost.py, StepCheck)."""
+        if correction > 0 and baseline > 0 and any(r.actor_name == actor_name for r in self._rows.values()):
+            self._step_corrections[actor_name] = (correction, baseline, time.monotonic() if now is None else now)
 
     def _step_correction(self, actor_name: str, now: float) -> float:
-        """The actor's correction as last heard, fading back to 1 (the rule's own) with STEP_CORRECTION_HALF_LIFE_S.
+        """The actor's correction as last heard, fading back to its baseline with STEP_CORRECTION_HALF_LIFE_S.
 
         It is heard only when a request starts there. An actor slowed by a burst and then left alone (every
         request refused on the strength of that figure) would otherwise never be tried again: fading, its
-        next prediction is the rule's, a request is admitted, and its Started says how fast it runs now.
+        next prediction is its usual speed's, a request is admitted, and its Started says how fast it runs
+        now. Its usual speed, not the rule's constants': on a machine unlike theirs (fp32 where they were
+        fitted in bf16) the constants' speed is one the actor never runs at, and a burst after a pause was
+        priced at a third of what it took (by hand: 6 joins predicted within 1 s took 2 s).
         """
-        correction, at = self._step_corrections.get(actor_name, (1.0, now))
-        return 1.0 + faded(correction - 1.0, now - at, STEP_CORRECTION_HALF_LIFE_S)
+        correction, baseline, at = self._step_corrections.get(actor_name, (1.0, 1.0, now))
+        return baseline + faded(correction - baseline, now - at, STEP_CORRECTION_HALF_LIFE_S)
 
     def prompt_done(self, row_id: str) -> None:
         """The request in leased row `row_id` has its first token: its prompt no longer delays a joiner's."""

@@ -337,8 +337,9 @@ class RegistryState:
                 return False
             actor.state, actor.idle_since = "idle", now
             # Nobody runs a request there to report it again: a stale figure (a busy host's, a burst's) would
-            # price, and refuse, every dispatch to it from now on. The rule's own until a request starts there.
-            actor.step_correction = 1.0
+            # price, and refuse, every dispatch to it from now on. Its long-run figure until a request starts
+            # there: how this machine runs the rule's steps as a rule, where the constants alone may be far off.
+            actor.step_correction = actor.step_baseline
         books.touch_actor(actor)
         return False
 

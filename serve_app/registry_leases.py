@@ -71,6 +71,8 @@ class LeaseBooks:
             actor = renewed.get(name)
             if actor is not None and correction > 0:
                 actor.step_correction = correction
+                baseline = report.step_baselines.get(name, 1.0)
+                actor.step_baseline = baseline if baseline > 0 else 1.0
         for actor in renewed.values():  # its view rebuilt once, not once per row
             self.books.touch_actor(actor)
         # Told now (`held` lacks them); remembered until a report no longer knows them (this grant may be lost).

@@ -138,6 +138,7 @@ class ActorRecord:
     # Its engine's measured ÷ rule-predicted step time, as a replica relaying its rows last reported it (1: the
     # rule's own): joins and dispatches on it are priced by it (scorer.py).
     step_correction: float = 1.0
+    step_baseline: float = 1.0  # its long-run figure (actors/step_cost.py, StepCheck.baseline): its own once idle
     # False from a warm fill's commit until its filler has created the process (`warm_created`): before that, a
     # request bound to it would find no actor of that name and count it as lost.
     is_created: bool = True

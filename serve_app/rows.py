@@ -120,7 +120,7 @@ class Rows:
     def started(self, admitted: Admitted, started: Started) -> None:
         """The actor began computing the request: its engine's step correction prices its next joins."""
         if self._ttft_check is not None:
-            self._leases.note_step_correction(admitted.actor_name, started.step_correction)
+            self._leases.note_step_correction(admitted.actor_name, started.step_correction, started.step_baseline)
 
     def first_token(self, admitted: Admitted) -> None:
         if admitted.lease_row is not None:  # its prompt is computed: a joiner's no longer waits behind it

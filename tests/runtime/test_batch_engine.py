@@ -241,10 +241,14 @@ def test_a_decoding_rows_tpot_target_chunks_a_joiners_prompt_finer_and_tokens_st
     engine.add(prompt_ids(engine, PROMPTS[0]), SamplingParams(max_tokens=60, temperature=0.0), running,
                tpot_target_s=0.04)
     engine.step()
+    check_at_join = (engine.step_check.correction, engine.step_check.baseline)
     joiner = engine.add(long_prompt, params, joined)
     while engine.has_work:
         engine.step()
     assert joined.tokens == expected  # chunking changes when tokens are computed, not which
+    # The joiner's StartEvent tells the router how this actor's steps compare with the rule, now and as a rule.
+    start = next(e for e in joined.events if isinstance(e, StartEvent))
+    assert (start.step_correction, start.step_baseline) == check_at_join
     # At most 30 prompt tokens a step, give or take the one that a step's rounding below its 40 ms leaves as
     # slack for the next (actors/scheduler.py: the target bounds the row's mean time per token).
     assert max(chunks) <= 31 and sum(chunks) == len(long_prompt) and len(chunks) >= len(long_prompt) // 31

@@ -448,14 +448,36 @@ def test_the_registry_counts_a_rows_prompt_until_its_holder_reports_its_first_to
     reg.check_invariants()
 
 
-def test_an_actor_left_idle_is_priced_by_the_rule_again_not_by_its_last_batchs_steps():
+def test_an_actor_left_idle_is_priced_by_its_long_run_steps_again_not_by_its_last_batchs():
     reg = _registry()
     d = reg.admit(_features(), POLICY, "unused", "req-0", 0.0)  # no lease: it ends through the registry
     reg.books.actors[d.actor_name].step_correction = 2.5  # as a replica last reported its batch's steps
     assert not reg.finish(d.actor_name, "req-0", "complete", 1.0)
     [actor] = reg.snapshot().actors
-    assert actor.state == "idle" and actor.step_correction == 1.0
+    assert actor.state == "idle" and actor.step_correction == 1.0  # no long-run figure heard: the rule's own
+    d = reg.admit(_features(), POLICY, "unused", "req-1", 2.0)
+    record = reg.books.actors[d.actor_name]
+    record.step_correction, record.step_baseline = 5.0, 3.6  # a burst's steps, on a machine 3.6x the constants'
+    assert not reg.finish(d.actor_name, "req-1", "complete", 3.0)
+    [actor] = reg.snapshot().actors
+    assert actor.state == "idle" and actor.step_correction == 3.6
     reg.check_invariants()
+
+
+def test_a_correction_unheard_fades_to_the_actors_long_run_figure_which_the_registry_hears_too():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    _slow_path(reg, book, "req-0", 0.0)
+    _exchanged(reg, book, now=0.0)
+    [actor] = book.view(_features(), now=0.5).actors
+    # fp32 steps where the rule's constants are bf16's: 3.6x as a rule, 5x in the burst that just ran
+    book.note_step_correction(actor.name, 5.0, 3.6, now=0.5)
+    _exchanged(reg, book, now=0.5)
+    record = reg.books.actors[actor.name]
+    assert (record.step_correction, record.step_baseline) == (5.0, 3.6)
+    _exchanged(reg, book, now=100.0)  # unheard for 10 half-lives: back to its long-run figure, not the rule's 1
+    [actor] = book.view(_features(), now=100.5).actors
+    assert actor.step_correction == pytest.approx(3.6, abs=0.01)
 
 
 def test_a_slow_path_decision_sees_the_prompts_the_replica_placed_on_its_leases_since_its_last_report():

@@ -51,3 +51,26 @@ def test_a_step_without_a_prediction_or_a_time_is_not_counted():
     check.observe(0.0, 0.5)
     check.observe(0.5, 0.0)
     assert (check.num_steps, check.correction, check.median_error()) == (0, 1.0, None)
+
+
+def test_the_baseline_is_the_measured_level_from_the_first_steps_and_moves_slowly_after():
+    check = StepCheck(weight=0.1, baseline_weight=0.01)
+    assert check.baseline == 1.0  # nothing measured: the constants' own
+    check.observe(0.01, 0.036)  # fp32 steps where the constants were fitted in bf16: 3.6x
+    assert check.baseline == pytest.approx(3.6)  # the first step sets it; the correction has moved a tenth
+    assert check.correction == pytest.approx(0.9 + 0.36)
+    for _ in range(99):
+        check.observe(0.01, 0.036)
+    assert check.baseline == pytest.approx(3.6)
+    for _ in range(20):  # a burst on a busy host, twice as slow: the correction follows, the baseline barely does
+        check.observe(0.01, 0.072)
+    assert check.correction > 3.9  # at its bound, max_correction = 4
+    assert 3.6 < check.baseline < 3.6 * 1.1
+
+
+def test_the_baseline_is_a_mean_of_the_first_steps_not_the_first_one_alone():
+    check = StepCheck(baseline_weight=0.01)
+    check.observe(0.01, 0.04)  # a first forward's page faults: 4x
+    for _ in range(9):
+        check.observe(0.01, 0.01)  # then the constants' own speed
+    assert check.baseline == pytest.approx((4.0 + 9 * 1.0) / 10)

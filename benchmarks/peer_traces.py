@@ -1,0 +1,97 @@
+"""What zeroqueue's own request traces say about one rate of the peer benchmark (benchmarks/bench_peer.py).
+
+GuideLLM sees a request's TTFT from outside; the app's traces (serve_app/traces.py) say where
+the request went and what admission predicted for it: its tier (hot, join, warm, cold) and
+predicted TTFT, its measured TTFT (the ingress's arrival to the actor's first token), and each
+refusal's reason. Per rate, `summarise` counts them, and names the admitted requests whose
+measured TTFT passed the served model's TTFT target: admission let each in on a prediction
+within the target (issue 23: no admission into seconds of waiting), so each is a prediction
+that missed, and the report says by how much and where.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.load_stats import percentile
+
+MAX_LISTED = 6  # the worst misses named per rate
+
+
+def read_new(path: Path, offset: int) -> tuple[list[dict], int]:
+    """The whole trace lines written to `path` since byte `offset`, and the offset after them."""
+    if not path.exists():
+        return [], offset
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
+    records = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+    return records, offset + end
+
+
+def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
+    """Admitted requests per tier (count, measured ÷ predicted TTFT P50 / P90, measured TTFT P99), refusals
+    per reason, and the admitted requests past the TTFT target, worst first."""
+    tiers: dict[str, list[tuple[float, float]]] = {}
+    refused: Counter = Counter()
+    late = []
+    for r in records:
+        decision, outcome = r.get("decision") or {}, r.get("outcome") or {}
+        if decision.get("kind") == "reject":
+            refused[decision.get("reason") or "?"] += 1
+            continue
+        measured, predicted = outcome.get("ttft_s"), (decision.get("predicted") or {}).get("ttft_s")
+        if not outcome.get("ok") or measured is None or not predicted:
+            continue
+        tier = decision.get("tier") or "?"
+        tiers.setdefault(tier, []).append((measured, predicted))
+        if ttft_target_s is not None and measured > ttft_target_s:
+            candidate = decision.get("candidate") or {}
+            late.append({"tier": tier, "measured_s": measured, "predicted_s": predicted,
+                         "batch_rows": candidate.get("batch_rows", 0),
+                         "pending_tokens": candidate.get("batch_pending_prompt_tokens", 0),
+                         "step_correction": candidate.get("step_correction", 1.0),
+                         "dispatch_s": outcome.get("dispatch_s")})
+    late.sort(key=lambda x: -x["measured_s"])
+    by_tier = {}
+    for tier, pairs in sorted(tiers.items()):
+        ratios = [m / p for m, p in pairs]
+        by_tier[tier] = {"count": len(pairs), "ratio_p50": percentile(ratios, 50), "ratio_p90": percentile(ratios, 90),
+                         "ttft_p99_s": percentile([m for m, _ in pairs], 99)}
+    return {"tiers": by_tier, "refused": dict(refused), "num_late": len(late), "late": late[:MAX_LISTED]}
+
+
+def report_lines(data: dict) -> list[str]:
+    """The report's section: per zeroqueue server and rate, from the traces each rate recorded."""
+    rows = [(name, rate, rows[f"{rate:g}"].get("traces")) for name, rows in data["servers"].items()
+            if name.startswith("zeroqueue") for rate in data["rates"]]
+    rows = [(name, rate, t) for name, rate, t in rows if t]
+    if not rows:
+        return []
+    target = (data.get("targets") or {}).get("ttft_target_s")
+    lines = ["## Where zeroqueue placed each request, and the admitted ones past the TTFT target", "",
+             "From the app's request traces (serve_app/traces.py), per rate: admitted requests per tier with "
+             "their TTFT measured ÷ predicted (P50 / P90) and measured TTFT P99 (the ingress's arrival to the "
+             f"actor's first token, which GuideLLM's adds its own side to), refusals per reason, and the admitted "
+             f"requests whose measured TTFT passed the {target:g} s target: each was admitted on a prediction "
+             "within it.", "",
+             "| server | rate (req/s) | admitted per tier: n, ratio P50 / P90, TTFT P99 | refused | past the target |",
+             "|---|--:|---|---|--:|"]
+    for name, rate, t in rows:
+        tiers = "; ".join(f"{tier} {s['count']}, {s['ratio_p50']:.2f} / {s['ratio_p90']:.2f}, "
+                          f"{s['ttft_p99_s'] * 1e3:.0f} ms" for tier, s in t["tiers"].items())
+        refused = ", ".join(f"{reason} {n}" for reason, n in sorted(t["refused"].items())) or "0"
+        lines.append(f"| {name} | {rate:g} | {tiers or '—'} | {refused} | {t['num_late']} |")
+    late = [(name, rate, x) for name, rate, t in rows for x in t["late"]]
+    if late:
+        lines += ["", f"The admitted requests past the target (at most {MAX_LISTED} a rate, worst first):", "",
+                  "| server | rate | tier | measured TTFT (ms) | predicted (ms) | batch rows | prompt tokens ahead "
+                  "| step correction |", "|---|--:|---|--:|--:|--:|--:|--:|"]
+        for name, rate, x in late:
+            lines.append(f"| {name} | {rate:g} | {x['tier']} | {x['measured_s'] * 1e3:.0f} | "
+                         f"{x['predicted_s'] * 1e3:.0f} | {x['batch_rows']} | {x['pending_tokens']} | "
+                         f"{x['step_correction']:.2f} |")
+    return lines + [""]
