@@ -102,6 +102,9 @@ class RegistryCluster:
             return decision, name
         return decision, None if isinstance(decision, Reject) else decision.actor_name
 
+    def first_token(self, request: int) -> None:
+        """Its prompt is done: nothing here waits on it (the registry hears of prompts from lease holders)."""
+
     def started(self, name: str) -> None:
         self.state.actor_started(name)
 
@@ -265,6 +268,9 @@ class IncrementalCluster:
             self.hot[a.lane] += 1
         self.busy_on_node[self.node[slot]] += 1
         return a
+
+    def first_token(self, request: int) -> None:
+        """Its prompt is done: nothing here waits on it (the registry hears of prompts from lease holders)."""
 
     def started(self, name: str) -> None:
         a = self.actors.get(name)

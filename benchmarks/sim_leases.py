@@ -90,6 +90,12 @@ class LeasedCluster:
     def started(self, name: str) -> None:
         self.state.actor_started(name)
 
+    def first_token(self, request: int) -> None:
+        """Its prompt is done, as the relay tells the book (serve_app/rows.py): a joiner no longer waits on it."""
+        i, row_id = self._rows.get(request, (0, None))
+        if row_id is not None:
+            self.books[i].prompt_done(row_id)
+
     def finish(self, name: str, request: int, now: float) -> None:
         self._heartbeats(now)
         i, row_id = self._rows.pop(request)

@@ -90,6 +90,8 @@ class Cluster(Protocol):
 
     def started(self, name: str) -> None: ...
 
+    def first_token(self, request: int) -> None: ...
+
     def finish(self, name: str, request: int, now: float) -> None: ...
 
 
@@ -196,6 +198,7 @@ def run_zero_queue(workload: Workload, service: ServiceTimes, cluster: Cluster, 
     def on_first(name: object, i: int, now: float) -> None:
         if is_cold[i]:  # every weight is resident now: the actor may batch
             cluster.started(name)  # type: ignore[arg-type]
+        cluster.first_token(i)
 
     def on_end(name: object, i: int, now: float) -> None:
         cluster.finish(name, i, now)  # type: ignore[arg-type]

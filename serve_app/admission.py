@@ -211,7 +211,7 @@ class Admission:
             if self.config.leases.is_enabled and is_leased_row(decision):
                 lease = LeasedRow(request_id, decision.actor_name, model.id, decision.slot_id, decision.lane,
                                   decision.reserve_bytes, hot_resident)
-                self.leases.add(lease, features, _predicted_end(decision))
+                self.leases.add(lease, features, _predicted_end(decision), decision=decision)
         if isinstance(decision, (Bind, Spawn)):  # rows ran out: this replica wants a start lease for the next
             policy = self.config.policy
             self.leases.note_start(model.id, decision.lane, features.dispatch_bytes, hot_resident,

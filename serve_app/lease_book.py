@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from serve_app.decisions import Bind, Dispatch, Join, Spawn
+from serve_app.decisions import Bind, Decision, Dispatch, Join, Spawn
 from serve_app.lease import BatchInfo, LeaseConfig, LeasedRow, LeaseGrant, LeaseReport, LeaseWant, RowUse
 from serve_app.policy import PolicyConfig, decide
 from serve_app.registry_records import AdoptedRow
@@ -79,6 +79,9 @@ class LeaseBook:
         # actor -> its engine's step correction and baseline as its last Started said, and when (monotonic): a
         # join on it is priced by the correction, fading back to the baseline (`_step_correction`)
         self._step_corrections: dict[str, tuple[float, float, float]] = {}
+        # row id -> (placed at, first token due, the actor's step correction it was priced with), monotonic,
+        # until its first token: a prompt overdue says its actor runs slower now than any Started has said
+        self._first_token_due: dict[str, tuple[float, float, float]] = {}
 
     @property
     def num_rows(self) -> int:
@@ -131,7 +134,7 @@ class LeaseBook:
             rows = used + others
             actors.append(ActorView(name, some_row.model, some_row.slot_id, "busy" if rows else "idle",
                                     some_row.lane, True, some_row.resident_bytes, rows,
-                                    step_correction=self._step_correction(name, now)))
+                                    step_correction=self._live_correction(name, now)))
             # The slot as the registry last showed it, but with only what this replica may use of it free.
             base = batch.slot if batch is not None else SlotView(some_row.slot_id, "", row_bytes, 0, 1)
             seen = slots.get(base.slot_id)
@@ -165,7 +168,7 @@ class LeaseBook:
             if start is None:  # a spawn beside a hot row's actor, or another lane's lease: the registry decides
                 return None
             decision = replace(decision, keep_hot=start.keep_hot)  # the registry counted its actor so
-            self._use(start, features, at + _total_s(decision), now)
+            self._use(start, features, at + _total_s(decision), now, decision)
             return decision, start
         if not isinstance(decision, (Join, Dispatch)):
             return None  # no leased row meets the targets: the registry knows every other option
@@ -182,13 +185,14 @@ class LeaseBook:
         if not fitting:
             raise ValueError(f"no free leased row on {decision.actor_name} fits {need} bytes")
         row = min(fitting, key=lambda r: r.row_bytes)
-        self._use(row, features, predicted_end, now)
+        self._use(row, features, predicted_end, now, decision)
         return row
 
-    def add(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None = None) -> None:
+    def add(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None = None,
+            decision: Decision | None = None) -> None:
         """A row the slow path placed the request in, leased to this replica from the start."""
         self._rows[row.row_id] = row
-        self._use(row, features, predicted_end, now)
+        self._use(row, features, predicted_end, now, decision)
 
     def note_start(self, model: str, lane: str, row_bytes: int, resident_bytes: int, max_hot: int, num_warm: int,
                    now: float | None = None) -> None:
@@ -284,7 +288,7 @@ class LeaseBook:
         returned, self._returned = tuple(self._returned), []
         return LeaseReport(self.replica_id, self.ttl_s, returned, dict(self._used), tuple(wanted),
                            frozenset(self._rows), start_uses=dict(self._start_uses),
-                           step_corrections={name: self._step_correction(name, now) for name in self._step_corrections},
+                           step_corrections={name: self._live_correction(name, now) for name in self._step_corrections},
                            step_baselines={name: c[1] for name, c in self._step_corrections.items()})
 
     def apply(self, report: LeaseReport, grant: LeaseGrant, sent_at: float) -> None:
@@ -303,6 +307,8 @@ class LeaseBook:
         held_actors = {r.actor_name for r in self._rows.values()}
         for name in [n for n in self._step_corrections if n not in held_actors]:
             del self._step_corrections[name]
+        for row_id in [r for r in self._first_token_due if r not in self._used]:  # ended before its first token
+            del self._first_token_due[row_id]
 
     def handed_over(self) -> list[AdoptedRow]:
         """Every row held, for a registry that restarted empty: re-adopted as rows are."""
@@ -377,13 +383,33 @@ class LeaseBook:
         correction, baseline, at = self._step_corrections.get(actor_name, (1.0, 1.0, now))
         return baseline + faded(correction - baseline, now - at, STEP_CORRECTION_HALF_LIFE_S)
 
+    def _live_correction(self, actor_name: str, now: float) -> float:
+        """The actor's step correction, or more where a prompt of ours there is overdue.
+
+        A row whose first token was due by now, priced with correction k, `elapsed` after it was placed
+        and `predicted` before it was due, shows the actor running at least k * elapsed / predicted times
+        the rule right now: a joiner's prompt waits behind that one (actors/scheduler.py, first come first
+        served). No Started says so (the actor's steps report when a row starts, and a stalled host delays
+        every step): on the peer benchmark a load generator starting up stalled a hot request 4 s past its
+        0.5 s prediction, and the join placed 1 s later on the old figure took 6.8 s."""
+        correction = self._step_correction(actor_name, now)
+        for row_id, (placed_at, due, priced_with) in self._first_token_due.items():
+            row, use = self._rows.get(row_id), self._used.get(row_id)
+            if (row is None or use is None or row.actor_name != actor_name or not use.pending_prompt_tokens
+                    or now <= due or due <= placed_at):
+                continue
+            correction = max(correction, priced_with * (now - placed_at) / (due - placed_at))
+        return correction
+
     def prompt_done(self, row_id: str) -> None:
         """The request in leased row `row_id` has its first token: its prompt no longer delays a joiner's."""
+        self._first_token_due.pop(row_id, None)
         use = self._used.get(row_id)
         if use is not None and use.pending_prompt_tokens:
             self._used[row_id] = replace(use, pending_prompt_tokens=0)
 
-    def _use(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None) -> None:
+    def _use(self, row: LeasedRow, features: RequestFeatures, predicted_end: float, now: float | None,
+             decision: Decision | None = None) -> None:
         if row.start:
             self._start_uses[row.row_id] = False
         self._used[row.row_id] = RowUse(features.num_tokens, features.tpot_target_s, predicted_end,
@@ -391,6 +417,10 @@ class LeaseBook:
         key = (row.model, row.lane)
         in_use = sum(1 for r in self._rows.values() if (r.model, r.lane) == key and r.row_id in self._used)
         at = time.monotonic() if now is None else now
+        predicted = getattr(decision, "prediction", None)
+        if predicted is not None and predicted.ttft_s > 0 and not row.start:  # a start's first token waits on a load
+            priced_with = getattr(getattr(decision, "candidate", None), "step_correction", 1.0)
+            self._first_token_due[row.row_id] = (at, at + predicted.ttft_s, priced_with)
         self._samples.setdefault(key, deque()).append(_Sample(at, in_use, features.dispatch_bytes))
 
 

@@ -4,6 +4,8 @@ leases among them; their own cases are tests/unit/test_start_leases.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -429,6 +431,27 @@ def test_a_leased_actors_view_carries_the_step_correction_its_engine_last_report
     _exchanged(reg, book, now=10.0)
     [actor] = book.view(_features(), now=10.5).actors
     assert actor.step_correction == pytest.approx(1.0 + 0.8 * 0.5)
+
+
+def test_a_prompt_overdue_on_an_actor_prices_the_next_join_there_by_how_late_it_is():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    d = reg.admit(_features(), POLICY, "unused", "req-0", 0.0, replica_id="A", lease=SlowPathLease(book.ttl_s))
+    d = dataclasses.replace(d, candidate=dataclasses.replace(d.candidate, step_correction=2.0),
+                            prediction=dataclasses.replace(d.prediction, ttft_s=0.5))  # priced at 2x the rule
+    book.add(LeasedRow("req-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT), _features(),
+             predicted_end=2.0, now=0.0, decision=d)
+    book.note_step_correction(d.actor_name, 2.0, 2.0, now=0.0)
+    _exchanged(reg, book, now=0.0)
+    [actor] = book.view(_features(), now=0.4).actors
+    assert actor.step_correction == 2.0  # its first token is not due yet
+    [actor] = book.view(_features(), now=2.0).actors
+    assert actor.step_correction == pytest.approx(2.0 * 2.0 / 0.5)  # 2 s for what was priced at 0.5 s: 4x as slow
+    report = book.report(now=2.0)
+    assert report.step_corrections[d.actor_name] == pytest.approx(8.0)  # the registry's slow path hears it too
+    book.prompt_done("req-0")  # its first token came: the actor's own figure again
+    [actor] = book.view(_features(), now=2.0).actors
+    assert actor.step_correction == 2.0
 
 
 def test_the_registry_counts_a_rows_prompt_until_its_holder_reports_its_first_token_and_hears_its_correction():
