@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.bench_peer     # 13 min; writes benchmarks/results/peer.md, .json, .png
     .venv/bin/python -m benchmarks.bench_peer --report-only   # the report again, from the kept JSON
     .venv/bin/python -m benchmarks.bench_peer --slot-variant  # zeroqueue a second time on two slots of one thread
+    .venv/bin/python -m benchmarks.bench_peer --out peer_avx2 --rates 1,2,4,6,8,10  # on a CPU without AVX512-BF16
 
 Each server runs alone on the machine, one after the other: zeroqueue as `make serve` runs it
 (`serve run configs/serve.yaml`), then `llama-server` with its usual setup (8 parallel slots, 2
@@ -218,7 +219,7 @@ def measure(args: argparse.Namespace) -> dict:
             _guidellm(server, 1, 10, tokenizer, PEER_DIR / f"warmup-{server.name}.json", args.guidellm)
             _, trace_offset = peer_traces.read_new(trace_path(server.name), 0)  # the warm-up's lines aside
             for rate in args.rates:
-                out = RESULTS / "peer" / f"{server.name}-{rate:g}.json"
+                out = RESULTS / args.out / f"{server.name}-{rate:g}.json"
                 load = load_average()[0]
                 _guidellm(server, rate, args.seconds, tokenizer, out, args.guidellm)
                 row = summarise(_keep(out), args.slo_ttft_s) | {"load_before": load}
@@ -251,9 +252,9 @@ def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.0f}"
 
 
-def resummarise(data: dict) -> dict:
-    """`data` (peer.json) with every row summarised again from the GuideLLM JSON kept beside it."""
-    servers = {name: {rate: summarise(RESULTS / "peer" / f"{name}-{rate}.json.zst", data["slo_ttft_s"])
+def resummarise(data: dict, out: str) -> dict:
+    """`data` (<out>.json) with every row summarised again from the GuideLLM JSON kept beside it."""
+    servers = {name: {rate: summarise(RESULTS / out / f"{name}-{rate}.json.zst", data["slo_ttft_s"])
                       | {k: row[k] for k in ("load_before", "health") if k in row} for rate, row in rows.items()}
                for name, rows in data["servers"].items()}
     return data | {"servers": servers}
@@ -393,10 +394,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run zeroqueue on two CPU slots of one thread (zeroqueue-2x1), in the same run")
     parser.add_argument("--servers", type=lambda s: s.split(","), default=list(SERVER_NAMES),
                         help=f"which of {', '.join(SERVER_NAMES)} to run (zeroqueue-2x1 with --slot-variant)")
+    parser.add_argument("--out", default="peer",
+                        help="the results' name under benchmarks/results: <out>.md, .json, .png and <out>/ (GuideLLM's "
+                             "JSON), so that a run on another kind of CPU keeps its own (peer_avx2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.report_only:
-        return _write(resummarise(json.loads((RESULTS / "peer.json").read_text())))
+        return _write(resummarise(json.loads((RESULTS / f"{args.out}.json").read_text()), args.out), args.out)
     missing = [p for p in (args.zqs, args.gguf, args.llama_server, args.guidellm) if not p.exists()]
     if missing:
         print(f"missing: {', '.join(map(str, missing))}; `make serve` packs the model and "
@@ -409,14 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     data = measure(args)
     return _write({"command": command, "elapsed_s": time.monotonic() - t0, "guidellm_version": version,
-                   "seconds": args.seconds, "slo_ttft_s": args.slo_ttft_s, **data})
+                   "seconds": args.seconds, "slo_ttft_s": args.slo_ttft_s, **data}, args.out)
 
 
-def _write(data: dict) -> int:
+def _write(data: dict, out: str) -> int:
     text = report(data)
-    (RESULTS / "peer.md").write_text(text)
-    (RESULTS / "peer.json").write_text(json.dumps(data, indent=1))
-    plot(data, RESULTS / "peer.png")
+    (RESULTS / f"{out}.md").write_text(text)
+    (RESULTS / f"{out}.json").write_text(json.dumps(data, indent=1))
+    plot(data, RESULTS / f"{out}.png")
     print(text)
     return 0
 

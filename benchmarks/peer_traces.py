@@ -51,6 +51,7 @@ def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
         if ttft_target_s is not None and measured > ttft_target_s:
             candidate = decision.get("candidate") or {}
             late.append({"tier": tier, "measured_s": measured, "predicted_s": predicted,
+                         "bound_s": (decision.get("predicted") or {}).get("ttft_high_s"),
                          "batch_rows": candidate.get("batch_rows", 0),
                          "pending_tokens": candidate.get("batch_pending_prompt_tokens", 0),
                          "step_correction": candidate.get("step_correction", 1.0),
@@ -88,10 +89,11 @@ def report_lines(data: dict) -> list[str]:
     late = [(name, rate, x) for name, rate, t in rows for x in t["late"]]
     if late:
         lines += ["", f"The admitted requests past the target (at most {MAX_LISTED} a rate, worst first):", "",
-                  "| server | rate | tier | measured TTFT (ms) | predicted (ms) | batch rows | prompt tokens ahead "
-                  "| step correction |", "|---|--:|---|--:|--:|--:|--:|--:|"]
+                  "| server | rate | tier | measured TTFT (ms) | predicted (ms) | bound checked (ms) | batch rows "
+                  "| prompt tokens ahead | step correction |", "|---|--:|---|--:|--:|--:|--:|--:|--:|"]
         for name, rate, x in late:
+            bound = "—" if x.get("bound_s") is None else f"{x['bound_s'] * 1e3:.0f}"
             lines.append(f"| {name} | {rate:g} | {x['tier']} | {x['measured_s'] * 1e3:.0f} | "
-                         f"{x['predicted_s'] * 1e3:.0f} | {x['batch_rows']} | {x['pending_tokens']} | "
+                         f"{x['predicted_s'] * 1e3:.0f} | {bound} | {x['batch_rows']} | {x['pending_tokens']} | "
                          f"{x['step_correction']:.2f} |")
     return lines + [""]

@@ -291,7 +291,7 @@ class Admission:
             lease = None
             if self.config.leases.is_enabled:  # its free rows of the model could not take it: they go back
                 lease = SlowPathLease(self.leases.ttl_s, self.leases.give_back_free(features.model),
-                                      self.leases.in_use(features.model))
+                                      self.leases.in_use(features.model), self.leases.step_corrections())
             return await self.cluster.admit(features, spawn_name, request_id, lease, correction)
         except asyncio.CancelledError:  # the client left: whatever the admission commits is undone
             self.cluster.abandon(request_id)

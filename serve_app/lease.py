@@ -70,6 +70,10 @@ class SlowPathLease:
     ttl_s: float
     returned: tuple[str, ...] = ()
     in_use: dict[str, RowUse] = field(default_factory=dict)  # row id -> its request, as in LeaseReport
+    # Actors it holds rows on -> their step correction as it stands now (a prompt of its own overdue there
+    # included: lease_book._live_correction), as in LeaseReport: a join the leases refused on that figure must
+    # not be taken by the registry on the one a heartbeat ago.
+    step_corrections: dict[str, float] = field(default_factory=dict)
 
 
 StartKind = Literal["", "warm", "spawn"]

@@ -401,6 +401,11 @@ class LeaseBook:
             correction = max(correction, priced_with * (now - placed_at) / (due - placed_at))
         return correction
 
+    def step_corrections(self, now: float | None = None) -> dict[str, float]:
+        """Every actor this replica holds rows on -> its step correction as it stands now (SlowPathLease)."""
+        now = time.monotonic() if now is None else now
+        return {name: self._live_correction(name, now) for name in {r.actor_name for r in self._rows.values()}}
+
     def prompt_done(self, row_id: str) -> None:
         """The request in leased row `row_id` has its first token: its prompt no longer delays a joiner's."""
         self._first_token_due.pop(row_id, None)

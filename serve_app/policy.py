@@ -395,8 +395,9 @@ def _is_well_formed(p: Any) -> bool:
 
 
 def meets_targets(features: RequestFeatures, p: Prediction, running_tpot_limit: float | None) -> bool:
-    """The prediction keeps the request within its own targets, and a batch it joins within its tightest TPOT."""
-    return ((features.ttft_target_s is None or p.ttft_s <= features.ttft_target_s)
+    """The prediction keeps the request within its own targets, and a batch it joins within its tightest TPOT.
+    TTFT: its upper bound (`Prediction.ttft_bound_s`), where measurements gave one: a target is a tail's."""
+    return ((features.ttft_target_s is None or p.ttft_bound_s <= features.ttft_target_s)
             and (features.total_target_s is None or p.total_s <= features.total_target_s)
             and (features.tpot_target_s is None or p.tpot_s <= features.tpot_target_s)
             # joining would slow a running row past its own target

@@ -237,6 +237,8 @@ class RegistryState:
             self.leases.give_back(replica_id, row_id, now)
         if lease is not None and lease.in_use:
             self.leases.record_uses(replica_id, lease.in_use, now)
+        if lease is not None and lease.step_corrections:
+            self.leases.record_corrections(replica_id, lease.step_corrections)
         self.books.last_request_at[features.model] = now
         snapshot = self.snapshot()
         decision = decide(features, snapshot, policy, scorer)

@@ -145,6 +145,14 @@ class LeaseBooks:
                 _record_use(row, use, now)
                 self.books.touch_actor(actor)
 
+    def record_corrections(self, replica: str, corrections: dict[str, float]) -> None:
+        """`replica`'s step corrections as they stand now, for the actors it holds rows on (SlowPathLease)."""
+        actors = {actor.name: actor for actor, _ in self.books.leased_to(replica).values()}
+        for name, correction in corrections.items():
+            if name in actors and correction > 0:
+                actors[name].step_correction = correction
+                self.books.touch_actor(actors[name])
+
     def refused(self, model: str, now: float) -> None:
         """The registry refused a request of `model` for want of capacity: its holders hear it's contended."""
         self._refused_at[model] = now

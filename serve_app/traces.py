@@ -16,7 +16,8 @@ the ingress; `null` where a value does not apply):
                   own words: what it found, the fastest predicted TTFT for a latency target), "slot_id", "lane",
                   "keep_hot", "reserve_bytes", "tier": "hot" | "join" | "warm" | "cold", "evict": [actor names],
                   "candidate": {Candidate's fields, batch_rows, batch_tokens and resident_fraction included},
-                  "predicted": {"ttft_s", "total_s", "tpot_s"}},
+                  "predicted": {"ttft_s", "total_s", "tpot_s", "ttft_high_s" (the TTFT bound a target was
+                  checked against, ttft_check.py; null: ttft_s)}},
      "outcome": null for refusals, else {"ok", "error", "dispatch_s", "load_s", "ttft_s", "total_s", "tpot_s",
                 "output_tokens", "stop_reason", "is_cold", "first_layers", "reserved_bytes", "peak_bytes"}}
 
@@ -199,7 +200,7 @@ def decision_record(decision: Any) -> dict[str, Any]:
         "tier": None if candidate is None else candidate.kind, "evict": list(getattr(decision, "evict", ())),
         "candidate": None if candidate is None else asdict(candidate),
         "predicted": None if predicted is None else {"ttft_s": predicted.ttft_s, "total_s": predicted.total_s,
-                                                     "tpot_s": predicted.tpot_s},
+                                                     "tpot_s": predicted.tpot_s, "ttft_high_s": predicted.ttft_high_s},
     }
 
 

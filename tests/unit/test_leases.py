@@ -454,6 +454,20 @@ def test_a_prompt_overdue_on_an_actor_prices_the_next_join_there_by_how_late_it_
     assert actor.step_correction == 2.0
 
 
+def test_a_slow_path_admission_carries_the_replicas_corrections_as_they_stand_now():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    d = _slow_path(reg, book, "req-0", 0.0)
+    assert reg.books.actors[d.actor_name].step_correction == 1.0
+    # Between two exchanges the replica's leases refused a join there on a figure of 8 (an overdue prompt): the
+    # registry decides the fallback on that figure, not on the one of the last heartbeat.
+    lease = SlowPathLease(book.ttl_s, step_corrections={d.actor_name: 8.0, "an-actor-not-ours": 5.0})
+    reg.admit(_features(), POLICY, "unused", "req-1", 0.2, replica_id="A", lease=lease)
+    assert reg.books.actors[d.actor_name].step_correction == 8.0
+    assert book.step_corrections(now=0.2) == {d.actor_name: 1.0}  # what a replica sends: its actors' figures
+    reg.check_invariants()
+
+
 def test_the_registry_counts_a_rows_prompt_until_its_holder_reports_its_first_token_and_hears_its_correction():
     reg = _registry()
     book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)

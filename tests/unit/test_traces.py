@@ -59,7 +59,7 @@ def test_a_finished_request_leaves_its_features_decision_and_outcome(tmp_path):
                                  "tpot_target_s": 0.2}
     d = first["decision"]
     assert d["kind"] == "spawn" and d["reserve_bytes"] == 1200
-    assert d["predicted"] == {"ttft_s": 1.5, "total_s": 2.5, "tpot_s": 0.125}
+    assert d["predicted"] == {"ttft_s": 1.5, "total_s": 2.5, "tpot_s": 0.125, "ttft_high_s": None}
     assert Candidate(**d["candidate"]) == CANDIDATE
     assert first["outcome"] == pytest.approx({
         "ok": True, "error": None, "dispatch_s": 0.25, "reserved_bytes": 1200, "load_s": 2.0, "ttft_s": 3.5,
@@ -80,7 +80,7 @@ def test_a_joined_request_records_the_batch_it_joined_and_its_measured_step_time
     assert d["kind"] == "join" and d["keep_hot"] is True and d["slot_id"] == "s1" and d["reserve_bytes"] == 96
     assert d["candidate"]["batch_rows"] == 3 and d["candidate"]["batch_tokens"] == 900
     assert Candidate(**d["candidate"]) == JOIN_CANDIDATE
-    assert d["predicted"] == {"ttft_s": 0.05, "total_s": 0.4, "tpot_s": 0.05}
+    assert d["predicted"] == {"ttft_s": 0.05, "total_s": 0.4, "tpot_s": 0.05, "ttft_high_s": None}
     assert record["outcome"]["ok"] and record["outcome"]["load_s"] is None
     assert record["outcome"]["tpot_s"] == pytest.approx(0.75 / 7)
     w.close()

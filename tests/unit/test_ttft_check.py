@@ -88,3 +88,36 @@ def test_the_registry_decides_the_slow_path_with_the_replicas_correction():
     assert isinstance(d, Reject) and d.reason == "latency_target", d
     assert isinstance(reg.admit(f, "s3", "r3"), Join)  # without it, the rule's own prediction again
     reg.check_invariants()
+
+
+def test_the_margin_is_the_ninetieth_percentile_of_recent_ratios_and_a_target_is_checked_against_it():
+    check = TtftCheck(weight=0.2, half_life_s=1e9, quantile=0.9, window=64, min_samples=8, horizon_s=300.0)
+    for i in range(7):
+        check.observe("m", "join", 1.5, 1.0, now=float(i))
+    assert check.margin("m", "join", now=7.0) == 1.0  # fewer than 8 requests: no margin yet
+    for i in range(7, 20):  # 20 joins: 18 as predicted, 2 half as long again
+        check.observe("m", "join", 1.5 if i in (7, 8) else 1.0, 1.0, now=float(i))
+    assert check.margin("m", "join", now=20.0) == pytest.approx(1.5)
+    assert check.margin("m", "join", now=400.0) == 1.0  # all older than the horizon: no margin
+    correction = check.correction("m", now=20.0)
+    assert correction.margin("join") == pytest.approx(1.5) and correction.margin("hot") == 1.0
+    # A join predicted at 0.8 s (the average) is bounded at 0.8 * factor * 1.5: past a 1 s target, so not taken.
+    join = Candidate("join", "s0", "a0", 10**9, 1, 0.0, 0.0, batch_rows=1)
+    [p] = corrected(RULE, correction).predict(_features(input_tokens=10), [join])
+    assert p.ttft_high_s == pytest.approx(p.ttft_s * 1.5)
+    assert policy_meets(p, ttft_target_s=p.ttft_s * 1.2) is False  # the average is within it, the tail is not
+    assert policy_meets(p, ttft_target_s=p.ttft_s * 1.6) is True
+
+
+def test_ratios_under_the_prediction_give_no_margin_below_one():
+    check = TtftCheck(min_samples=2)
+    for i in range(10):
+        check.observe("m", "hot", 0.5, 1.0, now=float(i))
+    assert check.margin("m", "hot", now=10.0) == 1.0
+    assert check.correction("m", now=10.0).margins == ()
+
+
+def policy_meets(p: Prediction, ttft_target_s: float) -> bool:
+    from serve_app.policy import meets_targets
+
+    return meets_targets(_features(input_tokens=10, ttft_target_s=ttft_target_s), p, None)
