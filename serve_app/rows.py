@@ -171,6 +171,8 @@ class Rows:
             self._finish(admitted, outcome)
         else:
             admitted.stream.cancel()  # the row leaves the batch at the actor's next step
+            if admitted.lease_row is not None:  # so its prompt delays no joiner now, nor is it overdue
+                self._leases.prompt_done(admitted.lease_row)
             if outcome == "failed":
                 self._cluster.forget(admitted.actor_name)
                 self._finish(admitted, outcome)  # the registry forgets the actor and kills it

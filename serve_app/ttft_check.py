@@ -31,6 +31,11 @@ their `quantile` (the 90th by default) once there are `min_samples` of them, at 
 kind's `margin`. A prediction carries `ttft_high_s` = its TTFT times the margin, and a TTFT
 target is checked against that (policy.meets_targets): a placement is taken where nine in ten
 like it have come in within the target, not one in two. The ranking still uses the average.
+Two bounds keep the margin from refusing a kind for good, since only admitted requests give
+samples: it is at most `max_margin` (a first token several times its prediction is a stall of
+the host — a load generator starting up beside the actors took 4-5 s for a 0.5 s prompt — that
+no margin predicts, and a P90 of such stalls refused every request while the host ran idle,
+by hand), and like the factor it fades back to 1 with `half_life_s` once no sample confirms it.
 
 The registry decides the slow path's requests with the same correction: the replica sends its
 `TtftCorrection` with each admission (registry.py, `admit`).
@@ -100,16 +105,17 @@ def corrected(scorer: Scorer, correction: TtftCorrection | None) -> Scorer:
 class TtftCheck:
     def __init__(self, weight: float = 0.2, half_life_s: float = 20.0, min_factor: float = 0.5,
                  max_factor: float = 4.0, quantile: float = 0.9, window: int = 64, min_samples: int = 8,
-                 horizon_s: float = 300.0) -> None:
+                 horizon_s: float = 300.0, max_margin: float = 1.5) -> None:
         if not 0 < weight <= 1 or not half_life_s > 0 or not 0 < min_factor <= 1 <= max_factor:
             raise ValueError(f"TtftCheck needs 0 < weight <= 1, half_life_s > 0 and min <= 1 <= max factor, got "
                              f"{weight}, {half_life_s}, {min_factor}, {max_factor}")
-        if not 0.5 <= quantile < 1 or not 1 <= min_samples <= window or not horizon_s > 0:
-            raise ValueError(f"TtftCheck needs 0.5 <= quantile < 1, 1 <= min_samples <= window and horizon_s > 0, "
-                             f"got {quantile}, {min_samples}, {window}, {horizon_s}")
+        if not 0.5 <= quantile < 1 or not 1 <= min_samples <= window or not horizon_s > 0 or not max_margin >= 1:
+            raise ValueError(f"TtftCheck needs 0.5 <= quantile < 1, 1 <= min_samples <= window, horizon_s > 0 and "
+                             f"max_margin >= 1, got {quantile}, {min_samples}, {window}, {horizon_s}, {max_margin}")
         self.weight, self.half_life_s = weight, half_life_s
         self._lo, self._hi = math.log(min_factor), math.log(max_factor)
         self.quantile, self.window, self.min_samples, self.horizon_s = quantile, window, min_samples, horizon_s
+        self.max_margin = max_margin
         # (model, kind) -> (log factor, when last set): one entry per model and kind served, never more
         self._log_factor: dict[tuple[str, str], tuple[float, float]] = {}
         # (model, kind) -> (when, measured ÷ predicted) of its last `window` requests, for the margin
@@ -124,13 +130,16 @@ class TtftCheck:
         self._ratios.setdefault((model, kind), deque(maxlen=self.window)).append((now, measured_s / predicted_s))
 
     def margin(self, model: str, kind: str, now: float) -> float:
-        """The `quantile` of the kind's recent measured ÷ predicted TTFTs (within `horizon_s`), at least 1; 1 with
-        fewer than `min_samples` of them. Each ratio is against the corrected prediction as the decision had it,
-        so the margin is what the factor leaves: the scatter about the average, not its level."""
-        ratios = sorted(r for at, r in self._ratios.get((model, kind), ()) if now - at <= self.horizon_s)
-        if len(ratios) < self.min_samples:
+        """The `quantile` of the kind's recent measured ÷ predicted TTFTs (within `horizon_s`), within [1,
+        max_margin], faded toward 1 since the last of them; 1 with fewer than `min_samples`. Each ratio is against
+        the corrected prediction as the decision had it, so the margin is what the factor leaves: the scatter
+        about the average, not its level."""
+        recent = [(at, r) for at, r in self._ratios.get((model, kind), ()) if now - at <= self.horizon_s]
+        if len(recent) < self.min_samples:
             return 1.0
-        return max(1.0, ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))])
+        ratios = sorted(r for _, r in recent)
+        tail = min(self.max_margin, max(1.0, ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]))
+        return 1.0 + faded(tail - 1.0, now - max(at for at, _ in recent), self.half_life_s)
 
     def factor(self, model: str, kind: str, now: float) -> float:
         return math.exp(self._decayed((model, kind), now))

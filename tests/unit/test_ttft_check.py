@@ -91,7 +91,8 @@ def test_the_registry_decides_the_slow_path_with_the_replicas_correction():
 
 
 def test_the_margin_is_the_ninetieth_percentile_of_recent_ratios_and_a_target_is_checked_against_it():
-    check = TtftCheck(weight=0.2, half_life_s=1e9, quantile=0.9, window=64, min_samples=8, horizon_s=300.0)
+    check = TtftCheck(weight=0.2, half_life_s=1e9, quantile=0.9, window=64, min_samples=8, horizon_s=300.0,
+                      max_margin=2.0)
     for i in range(7):
         check.observe("m", "join", 1.5, 1.0, now=float(i))
     assert check.margin("m", "join", now=7.0) == 1.0  # fewer than 8 requests: no margin yet
@@ -121,3 +122,12 @@ def policy_meets(p: Prediction, ttft_target_s: float) -> bool:
     from serve_app.policy import meets_targets
 
     return meets_targets(_features(input_tokens=10, ttft_target_s=ttft_target_s), p, None)
+
+
+def test_the_margin_is_bounded_and_fades_so_that_no_kind_is_refused_for_good():
+    check = TtftCheck(half_life_s=20.0, min_samples=4, max_margin=1.5)
+    for i in range(10):  # the host stalled: every first token 8x its prediction
+        check.observe("m", "hot", 4.0, 0.5, now=float(i))
+    assert check.margin("m", "hot", now=9.0) == pytest.approx(1.5)  # a stall is not a scatter a margin predicts
+    assert check.margin("m", "hot", now=29.0) == pytest.approx(1.25)  # a half-life unconfirmed: half of it left
+    assert check.margin("m", "hot", now=200.0) == pytest.approx(1.0, abs=1e-3)
