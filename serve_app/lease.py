@@ -152,6 +152,9 @@ class BatchInfo:
     actor_name: str
     slot: SlotView
     other_rows: tuple[RowView, ...]
+    # The actor's long-run step correction as the registry last heard it (StepCheck.baseline): a holder that has
+    # heard no Started there yet prices its joins with it, not with the rule's constants.
+    step_baseline: float = 1.0
 
 
 @dataclass(frozen=True)

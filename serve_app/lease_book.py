@@ -307,6 +307,9 @@ class LeaseBook:
         held_actors = {r.actor_name for r in self._rows.values()}
         for name in [n for n in self._step_corrections if n not in held_actors]:
             del self._step_corrections[name]
+        for b in grant.batches:  # an actor newly held: its registry's long-run figure until a Started says more
+            if b.actor_name not in self._step_corrections and b.step_baseline > 0 and b.step_baseline != 1.0:
+                self._step_corrections[b.actor_name] = (b.step_baseline, b.step_baseline, sent_at)
         for row_id in [r for r in self._first_token_due if r not in self._used]:  # ended before its first token
             del self._first_token_due[row_id]
 
@@ -426,6 +429,11 @@ class LeaseBook:
         if predicted is not None and predicted.ttft_s > 0 and not row.start:  # a start's first token waits on a load
             priced_with = getattr(getattr(decision, "candidate", None), "step_correction", 1.0)
             self._first_token_due[row.row_id] = (at, at + predicted.ttft_s, priced_with)
+            # The figure the decision priced the actor with (the registry's, on the slow path), until its Started
+            # says more: a book that gave its rows there back has forgotten its own, and the next join there,
+            # placed before that Started, was priced at the rule's constants (by hand: 4x under, 7-10 s TTFTs).
+            if priced_with > 0 and row.actor_name not in self._step_corrections:
+                self._step_corrections[row.actor_name] = (priced_with, priced_with, at)
         self._samples.setdefault(key, deque()).append(_Sample(at, in_use, features.dispatch_bytes))
 
 

@@ -279,7 +279,8 @@ class LeaseBooks:
         return tuple(
             BatchInfo(a.name, self.books.slots[a.slot_id].view(),
                       tuple(r.view() for r in a.rows.values()
-                            if not (r.is_lease and r.replica_id == replica) and not r.is_free_lease))
+                            if not (r.is_lease and r.replica_id == replica) and not r.is_free_lease),
+                      a.step_baseline)
             for a in actors.values())
 
 

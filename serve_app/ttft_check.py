@@ -15,6 +15,10 @@ each admitted request's measured ÷ predicted TTFT the moment its first token ar
 
     log f  <-  log f + weight * log(measured / predicted)        (within [min_factor, max_factor])
 
+with each sample's ratio first clipped to [1 / max_sample_ratio, max_sample_ratio]: a first token
+many times its prediction is a stall of the host, and one such sample (28x, a load generator
+starting beside the actors) made every join predicted past the target for the next 40 s.
+
 `predicted` is what the decision used, the factor of the time included, so the factor moves
 until the corrected predictions are right on a (geometric) average. A kind that is no
 longer chosen gets no samples, so its factor decays back toward 1 with `half_life_s`: a
@@ -105,7 +109,7 @@ def corrected(scorer: Scorer, correction: TtftCorrection | None) -> Scorer:
 class TtftCheck:
     def __init__(self, weight: float = 0.2, half_life_s: float = 20.0, min_factor: float = 0.5,
                  max_factor: float = 4.0, quantile: float = 0.9, window: int = 64, min_samples: int = 8,
-                 horizon_s: float = 300.0, max_margin: float = 1.5) -> None:
+                 horizon_s: float = 300.0, max_margin: float = 1.5, max_sample_ratio: float = 2.0) -> None:
         if not 0 < weight <= 1 or not half_life_s > 0 or not 0 < min_factor <= 1 <= max_factor:
             raise ValueError(f"TtftCheck needs 0 < weight <= 1, half_life_s > 0 and min <= 1 <= max factor, got "
                              f"{weight}, {half_life_s}, {min_factor}, {max_factor}")
@@ -116,6 +120,9 @@ class TtftCheck:
         self._lo, self._hi = math.log(min_factor), math.log(max_factor)
         self.quantile, self.window, self.min_samples, self.horizon_s = quantile, window, min_samples, horizon_s
         self.max_margin = max_margin
+        if not max_sample_ratio > 1:
+            raise ValueError(f"TtftCheck needs max_sample_ratio > 1, got {max_sample_ratio}")
+        self._max_log_sample = math.log(max_sample_ratio)
         # (model, kind) -> (log factor, when last set): one entry per model and kind served, never more
         self._log_factor: dict[tuple[str, str], tuple[float, float]] = {}
         # (model, kind) -> (when, measured ÷ predicted) of its last `window` requests, for the margin
@@ -125,7 +132,8 @@ class TtftCheck:
         """A request of `model` placed on a candidate of `kind`: its TTFT as measured, and as predicted."""
         if not (measured_s > 0 and predicted_s > 0):
             return
-        log_f = self._decayed((model, kind), now) + self.weight * math.log(measured_s / predicted_s)
+        log_r = min(self._max_log_sample, max(-self._max_log_sample, math.log(measured_s / predicted_s)))
+        log_f = self._decayed((model, kind), now) + self.weight * log_r
         self._log_factor[(model, kind)] = (min(self._hi, max(self._lo, log_f)), now)
         self._ratios.setdefault((model, kind), deque(maxlen=self.window)).append((now, measured_s / predicted_s))
 

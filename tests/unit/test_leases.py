@@ -454,6 +454,32 @@ def test_a_prompt_overdue_on_an_actor_prices_the_next_join_there_by_how_late_it_
     assert actor.step_correction == 2.0
 
 
+def test_a_row_placed_by_the_slow_path_seeds_the_books_figure_for_an_actor_it_had_forgotten():
+    reg = _registry()
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    d = reg.admit(_features(), POLICY, "unused", "req-0", 0.0, replica_id="A", lease=SlowPathLease(book.ttl_s))
+    d = dataclasses.replace(d, candidate=dataclasses.replace(d.candidate, step_correction=3.9),  # the registry's
+                            prediction=dataclasses.replace(d.prediction, ttft_s=0.5))
+    book.add(LeasedRow("req-0", d.actor_name, "m", d.slot_id, "short", d.reserve_bytes, RESIDENT), _features(),
+             predicted_end=2.0, now=0.0, decision=d)
+    _exchanged(reg, book, now=0.0)
+    [actor] = book.view(_features(), now=0.1).actors
+    assert actor.step_correction == 3.9  # before its Started: the figure the registry priced it with, not 1
+    book.note_step_correction(d.actor_name, 4.2, 3.8, now=0.2)  # its Started, when it comes, takes over
+    [actor] = book.view(_features(), now=0.2).actors
+    assert actor.step_correction == 4.2
+
+
+def test_rows_granted_on_an_actor_come_with_its_long_run_figure_as_the_registry_heard_it():
+    reg = _registry()
+    reg.books.actors["hot0"].step_baseline = 3.6  # fp32 on an AVX2 host, as an earlier holder reported it
+    book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)
+    report = dataclasses.replace(book.report(0.0), wanted=_want(2))  # it asks for two rows
+    book.apply(report, reg.exchange_leases(report, now=0.0), sent_at=0.0)
+    [actor] = book.view(_features(), now=0.1).actors
+    assert actor.step_correction == 3.6  # no Started heard here yet: the registry's figure, not the rule's 1
+
+
 def test_a_slow_path_admission_carries_the_replicas_corrections_as_they_stand_now():
     reg = _registry()
     book = LeaseBook(LeaseConfig(), "A", POLICY.max_batch, heartbeat_s=1.0)

@@ -31,7 +31,7 @@ def test_a_kind_measured_slower_than_predicted_is_predicted_slower_until_its_pre
 
 
 def test_the_factor_stays_within_its_bounds_and_decays_back_to_one_without_samples():
-    check = TtftCheck(weight=1.0, half_life_s=60.0, min_factor=0.5, max_factor=4.0)
+    check = TtftCheck(weight=1.0, half_life_s=60.0, min_factor=0.5, max_factor=4.0, max_sample_ratio=1000.0)
     check.observe("m", "cold", 100.0, 1.0, now=0.0)  # one stalled start: at most 4x, however slow
     assert check.factor("m", "cold", now=0.0) == pytest.approx(4.0)
     assert check.factor("m", "cold", now=60.0) == pytest.approx(2.0)  # half of the log factor a minute on
@@ -131,3 +131,9 @@ def test_the_margin_is_bounded_and_fades_so_that_no_kind_is_refused_for_good():
     assert check.margin("m", "hot", now=9.0) == pytest.approx(1.5)  # a stall is not a scatter a margin predicts
     assert check.margin("m", "hot", now=29.0) == pytest.approx(1.25)  # a half-life unconfirmed: half of it left
     assert check.margin("m", "hot", now=200.0) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_one_stalled_first_token_moves_the_factor_no_more_than_a_sample_twice_its_prediction():
+    check = TtftCheck(weight=0.2, half_life_s=1e9)  # max_sample_ratio 2 by default
+    check.observe("m", "join", 28.0, 1.0, now=0.0)  # a 1 s join that took 28 s: the host stalled
+    assert check.factor("m", "join", now=0.0) == pytest.approx(2.0 ** 0.2)
