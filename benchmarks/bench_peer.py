@@ -42,7 +42,7 @@ import yaml
 
 from actors.actor_config import ActorConfig
 from benchmarks import peer_traces
-from benchmarks.common import cores, cpu_model, load_average, make_serve_env, stop_session, version_of
+from benchmarks.common import cores, cpu_features, cpu_model, load_average, make_serve_env, stop_session, version_of
 from benchmarks.load_stats import percentile
 
 log = logging.getLogger("bench_peer")
@@ -211,7 +211,7 @@ def _tokenizer_dir(zqs: Path, into: Path) -> Path:
 
 def measure(args: argparse.Namespace) -> dict:
     tokenizer = _tokenizer_dir(args.zqs, PEER_DIR / "tokenizer")
-    data: dict = {"rates": args.rates, "servers": {}, "targets": serve_targets()}
+    data: dict = {"rates": args.rates, "servers": {}, "targets": serve_targets(), "cpu_features": cpu_features()}
     for server in servers(args):
         proc = _start(server, PEER_DIR / f"{server.name}.log")
         try:
@@ -269,7 +269,8 @@ def report(data: dict) -> str:
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {cores()} cores, {cpu_model()}; torch {version_of('torch')}, Ray {version_of('ray')}; "
+        f"Machine: {cores()} cores, {cpu_model()} ({', '.join(data.get('cpu_features') or ['flags not recorded'])}); "
+        f"torch {version_of('torch')}, Ray {version_of('ray')}; "
         f"{elapsed_s / 60:.0f} min. Each server alone, one after the other; the load average before each rate is "
         "in the JSON.",
         "",

@@ -42,6 +42,16 @@ def cpu_model() -> str:
     return UNKNOWN_CPU
 
 
+def cpu_features() -> list[str]:
+    """The CPU's flags that decide the actors' kernels and dtype (actors/cpu_kernels.py, compute_dtype.py)."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+
+
 def mem_gib() -> float:
     """Physical memory (MemTotal), GiB."""
     for line in Path("/proc/meminfo").read_text().splitlines():
