@@ -34,6 +34,7 @@ pairs (`Transformer.embed`), so the plain table is released as well.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 from dataclasses import dataclass, field
@@ -58,9 +59,22 @@ BATCH_HINT = 8
 
 
 def is_packable(weight: torch.Tensor) -> bool:
-    """A bf16 CPU weight, where this torch has oneDNN's linear."""
+    """A bf16 CPU weight, where this torch has oneDNN's linear and this CPU runs its bf16 path."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and _has_onednn_bf16())
+
+
+@functools.cache
+def _has_onednn_bf16() -> bool:
+    """oneDNN's bf16 linear needs AVX-NE-CONVERT or AVX512 (BW, VL, DQ); on an AVX2-only CPU its reorder raises
+    ("bf16 path needs the cpu support ..."), so packing is asked once, on a tiny weight, before any model is."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass
