@@ -22,7 +22,7 @@ what it predicted, which the engine logs and the ingress exports per request. It
 slow average of that ratio, the actor's `baseline`: how far off the constants are on this
 machine as it usually runs, not in the last few steps. A router that has not heard from an
 actor for a while expects its baseline, not the constants' own speed (serve_app/lease_book.py):
-on a CPU unlike the constants' (fp32 on one without native bf16: 3-4x the bf16 fit's steps) the
+on a CPU unlike the constants' (fp32 on one without native bf16: 4-5x the bf16 fit's steps) the
 constants alone would price every burst after a pause at a fraction of what it takes.
 """
 
@@ -73,9 +73,9 @@ class StepCheck:
     `correction` is an exponentially weighted mean of measured ÷ rule-predicted (`weight` per
     step), within [min_correction, max_correction] so that one step stalled by the machine
     cannot make the planner believe every step takes seconds. The bound is 8: SmolLM2 in fp32 on
-    an AVX2 host steps ~4x the rule fitted on AVX512-BF16, and a bound of 4 held every
-    prediction there 10-30% short (benchmarks/results/peer_avx2.md, step ratio P50 1.1-1.3). `baseline` is the same ratio's
-    mean over many more steps (`baseline_weight`), from the first step measured (1 before any):
+    an AVX2 host steps 4-5x the rule fitted on AVX512-BF16; with a bound of 4 the corrections sat
+    at it and steps ran 1.09-1.28x the prediction (benchmarks/results/peer_avx2.md, step ratio
+    P50). `baseline` is the same ratio's mean over many more steps (`baseline_weight`), from the first step measured (1 before any):
     the level the router falls back to (module docstring). `recent_errors` keeps
     |measured ÷ corrected prediction - 1| of the last `window` steps: the planner's own error.
     """

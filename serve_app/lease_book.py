@@ -393,8 +393,8 @@ class LeaseBook:
         and `predicted` before it was due, shows the actor running at least k * elapsed / predicted times
         the rule right now: a joiner's prompt waits behind that one (actors/scheduler.py, first come first
         served). No Started says so (the actor's steps report when a row starts, and a stalled host delays
-        every step): on the peer benchmark a load generator starting up stalled a hot request 4 s past its
-        0.5 s prediction, and the join placed 1 s later on the old figure took 6.8 s."""
+        every step): in a bench_peer run before this (uncommitted), a load generator starting up stalled a hot
+        request 4 s past its 0.5 s prediction, and the join placed 1 s later on the old figure took 6.8 s."""
         correction = self._step_correction(actor_name, now)
         for row_id, (placed_at, due, priced_with) in self._first_token_due.items():
             row, use = self._rows.get(row_id), self._used.get(row_id)

@@ -67,12 +67,8 @@ class LeaseBooks:
                 del held[row_id]
             # else: placed by an admission whose answer the replica had not seen when it sent this; not
             # renewed, so it expires if the replica never learns of it
-        for name, correction in report.step_corrections.items():  # as this replica last heard it (fading)
-            actor = renewed.get(name)
-            if actor is not None and correction > 0:
-                actor.step_correction = correction
-                baseline = report.step_baselines.get(name, 1.0)
-                actor.step_baseline = baseline if baseline > 0 else 1.0
+        # As this replica last heard them (fading), on the actors its rows there were renewed on.
+        _set_corrections(renewed, report.step_corrections, report.step_baselines)
         for actor in renewed.values():  # its view rebuilt once, not once per row
             self.books.touch_actor(actor)
         # Told now (`held` lacks them); remembered until a report no longer knows them (this grant may be lost).
@@ -148,10 +144,8 @@ class LeaseBooks:
     def record_corrections(self, replica: str, corrections: dict[str, float]) -> None:
         """`replica`'s step corrections as they stand now, for the actors it holds rows on (SlowPathLease)."""
         actors = {actor.name: actor for actor, _ in self.books.leased_to(replica).values()}
-        for name, correction in corrections.items():
-            if name in actors and correction > 0:
-                actors[name].step_correction = correction
-                self.books.touch_actor(actors[name])
+        for actor in _set_corrections(actors, corrections, {}):
+            self.books.touch_actor(actor)
 
     def refused(self, model: str, now: float) -> None:
         """The registry refused a request of `model` for want of capacity: its holders hear it's contended."""
@@ -282,6 +276,22 @@ class LeaseBooks:
                             if not (r.is_lease and r.replica_id == replica) and not r.is_free_lease),
                       a.step_baseline)
             for a in actors.values())
+
+
+def _set_corrections(actors: dict[str, ActorRecord], corrections: dict[str, float],
+                     baselines: dict[str, float]) -> list[ActorRecord]:
+    """A replica's step corrections (and long-run figures, where it sent them) on those of `actors` it named;
+    the actors set."""
+    out = []
+    for name, correction in corrections.items():
+        actor = actors.get(name)
+        if actor is None or not correction > 0:
+            continue
+        actor.step_correction = correction
+        if baselines.get(name, 0) > 0:
+            actor.step_baseline = baselines[name]
+        out.append(actor)
+    return out
 
 
 def leased_row(actor: ActorRecord, row: RowReservation, books: Books) -> LeasedRow:

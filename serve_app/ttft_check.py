@@ -17,7 +17,8 @@ each admitted request's measured ÷ predicted TTFT the moment its first token ar
 
 with each sample's ratio first clipped to [1 / max_sample_ratio, max_sample_ratio]: a first token
 many times its prediction is a stall of the host, and one such sample (28x, a load generator
-starting beside the actors) made every join predicted past the target for the next 40 s.
+starting beside the actors) made every join predicted past the target for the next 40 s (an
+uncommitted bench_peer run).
 
 `predicted` is what the decision used, the factor of the time included, so the factor moves
 until the corrected predictions are right on a (geometric) average. A kind that is no
@@ -27,9 +28,10 @@ A request that ends before its first token (its client gave up, its actor failed
 sample: the factor can lag behind the slowest first tokens.
 
 The factor makes the predictions right on average; a TTFT target is a tail's (a contract's P99),
-and the ratio scatters about its average (on the peer benchmark's 2-core host, joins' measured ÷
-predicted TTFT had P50 0.8-1.0 and P90 1.0-1.5: each admitted within the target on its average
-prediction, one in ten went up to half as long again past it). So each kind also keeps the
+and the ratio scatters about its average (benchmarks/results/peer_avx2.md, 2-core AVX2 host:
+joins' measured ÷ predicted TTFT had P50 0.89-1.01 and P90 1.09-1.66 at 1-10 req/s, margin
+included: admitted within the target on the average prediction, one in ten went up to half as
+long again past it). So each kind also keeps the
 measured ÷ (corrected) predicted ratios of its last `window` requests within `horizon_s`, and
 their `quantile` (the 90th by default) once there are `min_samples` of them, at least 1: the
 kind's `margin`. A prediction carries `ttft_high_s` = its TTFT times the margin, and a TTFT
@@ -39,7 +41,7 @@ Two bounds keep the margin from refusing a kind for good, since only admitted re
 samples: it is at most `max_margin` (a first token several times its prediction is a stall of
 the host — a load generator starting up beside the actors took 4-5 s for a 0.5 s prompt — that
 no margin predicts, and a P90 of such stalls refused every request while the host ran idle,
-by hand), and like the factor it fades back to 1 with `half_life_s` once no sample confirms it.
+in an uncommitted bench_peer run), and like the factor it fades back to 1 with `half_life_s` once no sample confirms it.
 
 The registry decides the slow path's requests with the same correction: the replica sends its
 `TtftCorrection` with each admission (registry.py, `admit`).
