@@ -18,7 +18,7 @@ AVX512-BF16, or no build), packing falls back to oneDNN's layout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +71,7 @@ class Fused:
     packed: torch.Tensor  # [sum(sizes)/16, K/2, 16], the members' packs one after another
     sizes: tuple[int, ...]  # each member's out_features, a multiple of 16
     bias: torch.Tensor | None  # [sum(sizes)], or None where no member has one
+    kernel: Callable = linear  # this module's `linear`, or bf16_weight_linear's for its layout
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., K] -> one view [..., size] per member, in order."""
@@ -78,15 +79,17 @@ class Fused:
 
     def joined(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., sum(sizes)]: the members' outputs side by side, contiguous."""
-        return linear(x, self.packed, sum(self.sizes), self.bias)
+        return self.kernel(x, self.packed, sum(self.sizes), self.bias)
 
 
-def fuse(packs: Sequence[torch.Tensor], sizes: Sequence[int], biases: Sequence[torch.Tensor | None]) -> Fused | None:
+def fuse(packs: Sequence[torch.Tensor], sizes: Sequence[int], biases: Sequence[torch.Tensor | None],
+         kernel: Callable = linear) -> Fused | None:
     """Packed weights of one input joined into a `Fused`, or None where they cannot be: a member whose
     out_features is not a multiple of 16 (its padded block would sit between two members' columns), or
-    biases on some members only."""
+    biases on some members only. Any layout whose blocks of 16 columns run along its first dimension joins so
+    (bf16_weight_linear.py's too, with its `kernel`)."""
     if any(n % COLUMNS for n in sizes) or len({b is None for b in biases}) > 1:
         return None
     bias = None if biases[0] is None else torch.cat(list(biases))
     joined = torch.from_numpy(np.concatenate([p.numpy() for p in packs]))  # numpy's copy, as in `pack`
-    return Fused(joined, tuple(sizes), bias)
+    return Fused(joined, tuple(sizes), bias, kernel)

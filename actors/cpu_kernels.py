@@ -1,8 +1,14 @@
-"""The actors' own CPU kernels (csrc/), built as one torch C++ extension for CPUs with AVX512-BF16.
+"""The actors' own CPU kernels (csrc/), built as torch C++ extensions: one for CPUs with AVX512-BF16,
 
     bf16_linear        a bf16 linear layer reading its weight once, in pairs (bf16_linear.py)
     decode_attention   every decoding row of a batch attends in one call (attention.py)
     rms_norm           RMSNorm of bf16 rows in one pass (layers.py)
+
+and one for CPUs with AVX2 and FMA but no AVX512-BF16, which compute a bf16 file in fp32 (compute_dtype.py):
+
+    bf16_weight_linear an fp32 linear layer over its bf16 weight, half the bytes of the widened one
+                       (bf16_weight_linear.py)
+    rms_norm_f32       RMSNorm of fp32 rows in one pass (layers.py)
 
 Compiled on first use with torch's C++ extension builder and kept in its cache (a minute or so
 on 2 cores, timed by hand); `make setup` builds it ahead (`python -m actors.cpu_kernels`), so an actor only loads
@@ -24,12 +30,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("bindings.cpp", "bf16_linear.cpp",
-                                                                 "decode_attention.cpp", "rms_norm.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "bf16_linear.cpp", "decode_attention.cpp", "rms_norm.cpp"))
+AVX2_SOURCES = tuple(CSRC / f for f in ("avx2_bindings.cpp", "bf16_weight_linear.cpp", "rms_norm_f32.cpp"))
 # -fopenmp: at::parallel_for is an OpenMP pragma inlined from torch's headers; compiled without it, the
 # kernels run on one thread whatever torch.set_num_threads says. Linked by soname, libgomp.so.1 resolves to
 # the copy torch has already loaded: one thread pool, not two.
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 
 
 def is_cpu_supported() -> bool:
@@ -37,27 +45,56 @@ def is_cpu_supported() -> bool:
     return torch.cpu._is_avx512_bf16_supported()
 
 
+def is_avx2_supported() -> bool:
+    """This CPU has AVX2 and FMA, and not AVX512-BF16 (where the bf16 kernels above serve instead)."""
+    flags = _cpu_flags()
+    return {"avx2", "fma"} <= flags and not is_cpu_supported()
+
+
 @functools.cache
-def extension():
-    """The compiled kernels, built once per machine (torch's extension cache), or None where they cannot be."""
-    if not is_cpu_supported():
-        return None
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def _build(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]):
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:  # the `ninja` wheel's binary beside this interpreter, not on PATH
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
-        return load("zq_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+        return load(name, [str(s) for s in sources], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as e:  # no compiler, or no ninja: torch's own kernels serve instead
-        log.warning("the actors' CPU kernels could not be built (%s); torch's kernels serve", e)
+        log.warning("the actors' CPU kernels (%s) could not be built (%s); torch's kernels serve", name, e)
         return None
+
+
+@functools.cache
+def extension():
+    """The compiled kernels, built once per machine (torch's extension cache), or None where they cannot be."""
+    return _build("zq_cpu_kernels", SOURCES, FLAGS) if is_cpu_supported() else None
+
+
+@functools.cache
+def avx2_extension():
+    """The AVX2 kernels, built once per machine, or None where the CPU lacks AVX2 or has AVX512-BF16, or no build."""
+    return _build("zq_avx2_kernels", AVX2_SOURCES, AVX2_FLAGS) if is_avx2_supported() else None
 
 
 def loaded():
     """The kernels if this process has loaded them already (packing does, off the stepping thread), else None:
     a step never pays for a load or a build."""
     return extension() if extension.cache_info().currsize else None
+
+
+def avx2_loaded():
+    """The AVX2 kernels if this process has loaded them already (packing does), else None: a step never builds."""
+    return avx2_extension() if avx2_extension.cache_info().currsize else None
 
 
 def is_available() -> bool:
@@ -68,10 +105,12 @@ def is_available() -> bool:
 def main() -> int:
     """`python -m actors.cpu_kernels`: build (or find) the kernels, and say whether this machine runs them."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not is_cpu_supported():
-        print("the actors' CPU kernels: this CPU has no AVX512-BF16; torch's kernels serve")
-        return 0
-    print(f"the actors' CPU kernels: {'built' if is_available() else 'NOT built (see the warning above)'}")
+    if is_cpu_supported():
+        print(f"the actors' CPU kernels: {'built' if is_available() else 'NOT built (see the warning above)'}")
+    elif is_avx2_supported():
+        print(f"the actors' AVX2 kernels: {'built' if avx2_extension() else 'NOT built (see the warning above)'}")
+    else:
+        print("the actors' CPU kernels: this CPU has neither AVX512-BF16 nor AVX2 with FMA; torch's kernels serve")
     return 0
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors import bf16_linear, cpu_kernels
+from actors import bf16_linear, bf16_weight_linear, cpu_kernels
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,7 +70,8 @@ class Linear(nn.Linear):
     """
 
     packed_weight: torch.Tensor | None = None  # the plain `weight` is then empty
-    packed_kernel: str = "onednn"  # the layout of `packed_weight`: "onednn", or "bf16_linear" (bf16_linear.py)
+    # The layout of `packed_weight`: "onednn", "bf16_linear" (bf16_linear.py) or "bf16_weights" (bf16_weight_linear.py).
+    packed_kernel: str = "onednn"
 
     def reset_parameters(self) -> None:
         """Leave the weights as allocated: a loader or `init_weights` writes them."""
@@ -79,19 +80,22 @@ class Linear(nn.Linear):
         if self.packed_weight is not None:
             if self.packed_kernel == "bf16_linear":
                 return bf16_linear.linear(x, self.packed_weight, self.out_features, self.bias)
+            if self.packed_kernel == "bf16_weights":
+                return bf16_weight_linear.linear(x, self.packed_weight, self.out_features, self.bias)
             return packed_linear(x, self.packed_weight, self.bias)
         return linear(x, self.weight, self.bias)
 
 
 def fuse_rms_norms(model: nn.Module, enabled: bool = True) -> None:
-    """Let (or stop) every RMSNorm of `model` normalise bf16 rows in one kernel call (csrc/rms_norm.cpp)."""
+    """Let (or stop) every RMSNorm of `model` normalise its rows in one kernel call where the actors' kernels are
+    loaded: bf16 rows on AVX512-BF16 (csrc/rms_norm.cpp), fp32 rows on AVX2 (csrc/rms_norm_f32.cpp)."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.is_fused = enabled
 
 
 class RMSNorm(nn.Module):
-    is_fused = False  # fuse_rms_norms: bf16 rows through the actors' kernel, where it is loaded
+    is_fused = False  # fuse_rms_norms: rows through the actors' kernel, where it is loaded
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -100,6 +104,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if self.is_fused and x.is_contiguous() and x.device.type == "cpu" and (ext := cpu_kernels.avx2_loaded()):
+                return ext.rms_norm_f32(x, self.weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # As HF: normalise in fp32, cast back, then scale in the model dtype (the kernel too, in one pass).
         if self.is_fused and x.is_contiguous() and x.device.type == "cpu" and (ext := cpu_kernels.loaded()):

@@ -19,6 +19,10 @@ adds the bias and the packed one rounds once). Either way eager plain (`actor.is
 false`) is the parity reference. fp32 packs too and is faster, but accumulates in another order
 (differences of ~1e-4).
 
+A CPU with AVX2 but no AVX512-BF16 computes a bf16 file in fp32 (compute_dtype.py). There `kernel="auto"` packs
+the widened weights back into bf16 for actors/bf16_weight_linear.py (they hold bf16 values, so nothing is lost),
+the tied head too: a step reads half the bytes, and a packed model holds half the widened one's weight memory.
+
 How an actor uses it, without touching a weight a step may be reading:
 
     packed = pack(model)        # any thread, once every weight is resident: new tensors only
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from actors import bf16_linear, cpu_kernels
+from actors import bf16_linear, bf16_weight_linear, cpu_kernels
 from actors.actor_config import PACKED_KERNELS
 from actors.attention import Attention, batch_decode_attention
 from actors.heap import glibc
@@ -82,9 +86,9 @@ class PackedWeights:
     """Packed copies of a model's linear weights, made but not yet in use."""
 
     layers: list[tuple[Linear, torch.Tensor]]
-    kernel: str = "onednn"  # which kernel the packed weights are laid out for: "onednn" or "bf16_linear"
+    kernel: str = "onednn"  # which kernel the packed weights are laid out for: "onednn", "bf16_linear", "bf16_weights"
     model: nn.Module | None = None  # what was packed
-    head: torch.Tensor | None = None  # a Transformer `model`'s tied head and embedding table, for bf16_linear
+    head: torch.Tensor | None = None  # a Transformer `model`'s tied head and embedding table, for either own kernel
     fused: list[tuple[nn.Module, bf16_linear.Fused]] = field(default_factory=list)  # Attention / MLP: q,k,v; gate,up
     is_installed: bool = False
 
@@ -106,10 +110,12 @@ class PackedWeights:
         if self.kernel == "bf16_linear" and self.model is not None:  # the same extension: decoding rows attend
             batch_decode_attention(self.model)  # in one call a layer, and RMSNorms normalise in one pass
             fuse_rms_norms(self.model)
+        if self.kernel == "bf16_weights" and self.model is not None:  # the AVX2 extension's fp32 RMSNorm
+            fuse_rms_norms(self.model)
         if self.head is not None:
             table = self.model.model.embed_tokens
             plain = table.weight
-            self.model.packed_head = self.head  # lookups and the head read it from here on
+            self.model.packed_head, self.model.packed_head_kernel = self.head, self.kernel  # lookups and the head
             table.weight = nn.Parameter(torch.empty(0, dtype=plain.dtype, device=plain.device), requires_grad=False)
             released += _release_pages(plain)
         self.is_installed = True
@@ -125,31 +131,47 @@ class PackedWeights:
 
 def pack(model: nn.Module, batch_hint: int = BATCH_HINT, kernel: str = "auto") -> PackedWeights:
     """Packed copies of every packable `Linear` of `model` (nothing is changed until `install`), for `kernel`
-    (PACKED_KERNELS). "auto" builds or loads bf16_linear.py's kernel where the CPU has AVX512-BF16: call it off the
+    (PACKED_KERNELS). "auto" builds or loads the actors' own kernels where the CPU runs them: bf16_linear.py's for
+    bf16 weights on AVX512-BF16, bf16_weight_linear.py's for fp32 weights of bf16 values on AVX2. Call it off the
     stepping thread."""
     if kernel not in PACKED_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(PACKED_KERNELS)}, got {kernel!r}")
-    modules = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None
-               and is_packable(m.weight)]
-    is_pairs = (kernel == "auto" and bool(modules) and all(bf16_linear.is_packable(m.weight) for m in modules)
-                and cpu_kernels.is_available())
-    layers = []
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None]
+    if kernel == "auto" and _is_bf16_weights(linears):
+        return _pack_own(model, linears, "bf16_weights", bf16_weight_linear)
+    modules = [m for m in linears if is_packable(m.weight)]
+    if (kernel == "auto" and bool(modules) and all(bf16_linear.is_packable(m.weight) for m in modules)
+            and cpu_kernels.is_available()):
+        return _pack_own(model, modules, "bf16_linear", bf16_linear)
     with torch.inference_mode():
-        for module in modules:
-            weight = module.weight.detach()
-            layers.append((module, bf16_linear.pack(weight) if is_pairs
-                           else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)))
-        fused = _fuse(model, layers) if is_pairs else []
+        layers = [(m, torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), batch_hint)) for m in modules]
+    return PackedWeights(layers, "onednn", model)
+
+
+def _is_bf16_weights(modules: list[Linear]) -> bool:
+    """fp32 linear weights that all hold bf16 values (a widened bf16 file), where the AVX2 kernel runs."""
+    return (bool(modules) and cpu_kernels.is_avx2_supported()
+            and all(bf16_weight_linear.is_packable(m.weight) for m in modules)
+            and cpu_kernels.avx2_extension() is not None)
+
+
+def _pack_own(model: nn.Module, modules: list[Linear], kernel: str, layout) -> PackedWeights:
+    """`modules` packed for one of the actors' own kernels (`layout`: bf16_linear or bf16_weight_linear), q, k, v
+    and gate, up joined, and a tied Transformer head packed too."""
+    with torch.inference_mode():
+        layers = [(m, layout.pack(m.weight.detach())) for m in modules]
+        fused = _fuse(model, layers, layout)
         head = None
-        if (is_pairs and isinstance(model, Transformer) and model.lm_head is None and model.packed_head is None
-                and bf16_linear.is_packable(model.model.embed_tokens.weight)):
-            head = bf16_linear.pack(model.model.embed_tokens.weight.detach())
-    return PackedWeights(layers, "bf16_linear" if is_pairs else "onednn", model, head, fused)
+        if (isinstance(model, Transformer) and model.lm_head is None and model.packed_head is None
+                and layout.is_packable(model.model.embed_tokens.weight)):
+            head = layout.pack(model.model.embed_tokens.weight.detach())
+    return PackedWeights(layers, kernel, model, head, fused)
 
 
-def _fuse(model: nn.Module, layers: list[tuple[Linear, torch.Tensor]]) -> list[tuple[nn.Module, bf16_linear.Fused]]:
-    """Join each Attention's q, k, v and each MLP's gate, up packs (bf16_linear.fuse); every member's entry in
-    `layers` becomes a view of its group's tensor, so a member computing alone reads the same memory."""
+def _fuse(model: nn.Module, layers: list[tuple[Linear, torch.Tensor]], layout) -> list[tuple[nn.Module, bf16_linear.Fused]]:
+    """Join each Attention's q, k, v and each MLP's gate, up packs (bf16_linear.fuse, for `layout`'s kernel); every
+    member's entry in `layers` becomes a view of its group's tensor, so a member computing alone reads the same
+    memory."""
     index = {id(module): i for i, (module, _) in enumerate(layers)}
     groups = []
     for owner in model.modules():
@@ -162,11 +184,11 @@ def _fuse(model: nn.Module, layers: list[tuple[Linear, torch.Tensor]]) -> list[t
         if not all(id(m) in index for m in members):
             continue
         fused = bf16_linear.fuse([layers[index[id(m)]][1] for m in members], [m.out_features for m in members],
-                                 [m.bias for m in members])
+                                 [m.bias for m in members], layout.linear)
         if fused is None:
             continue
         begin = 0
-        for m in members:  # [N/16, K/2, 16] blocks: a member's are rows [begin, begin + N/16) of the join
+        for m in members:  # blocks of 16 columns: a member's are rows [begin, begin + N/16) of the join
             blocks = m.out_features // bf16_linear.COLUMNS
             layers[index[id(m)]] = (m, fused.packed[begin: begin + blocks])
             begin += blocks
@@ -175,7 +197,7 @@ def _fuse(model: nn.Module, layers: list[tuple[Linear, torch.Tensor]]) -> list[t
 
 
 def packed_kernel_of(model: nn.Module) -> str | None:
-    """The kernel `model`'s packed weights run on ("onednn" or "bf16_linear"); None while none is packed."""
+    """The kernel `model`'s packed weights run on ("onednn", "bf16_linear", "bf16_weights"); None while none is."""
     return next((m.packed_kernel for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None),
                 None)
 

@@ -55,10 +55,12 @@ log = logging.getLogger("bench_engine")
 PROMPT_TOKENS = 128
 LONG_CONTEXT, LONG_BATCH = 1024, 8  # the KV term's step: 8 rows of 1,024 tokens against 8 of 128
 DTYPES = ("bfloat16", "float32")
+PLAIN_FP32 = "float32-plain"  # the cell of fp32 with its widened weights unpacked (AVX2 hosts only)
 
 
 def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, is_long_context: bool = False,
              barrier=None) -> dict:
+    """`dtype` PLAIN_FP32: float32 with its weights left plain."""
     """In a fresh process: prefill seconds of one prompt, and the median decode step per batch size."""
     import torch
 
@@ -71,8 +73,9 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
 
     torch.set_num_threads(threads)
     # As an actor computes: its weights packed where it packs them (actors/packed_weights.py).
-    model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype=dtype,
-                                is_weight_packed=ActorConfig().is_weight_packed)
+    is_packed = ActorConfig().is_weight_packed and dtype != PLAIN_FP32
+    model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype="float32" if dtype == PLAIN_FP32 else dtype,
+                                is_weight_packed=is_packed)
     engine = Engine(model, tokenizer, max_batch=max(batches), prefill_chunk_tokens=1_000_000)
     dtype_name = model_dtype(model.dtype)
     out: dict = {"dtype": dtype_name, "prefill_s": [], "step_s": {},
@@ -101,6 +104,8 @@ def _kernels(threads: int, barrier=None) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from actors import bf16_weight_linear
+    from actors.cpu_kernels import avx2_extension
     from actors.layers import linear
 
     torch.set_num_threads(threads)
@@ -120,12 +125,19 @@ def _kernels(threads: int, barrier=None) -> dict:
 
     fp32_bytes, bf16_bytes = sum(w.nbytes for w in weights), sum(w.nbytes for w in halves)
     one, eight = torch.randn(1, 576, generator=g), torch.randn(8, 576, generator=g)
+    own = {}
+    if avx2_extension() is not None:  # fp32 rows over bf16 weights: the AVX2 kernel's bytes are the halves'
+        packs = [bf16_weight_linear.pack(h.float()) for h in halves]
+        own = {f"bf16 weights, fp32 rows: {n} (bf16_weight_linear)": gb_per_s(
+            lambda rows=rows: [bf16_weight_linear.linear(rows, p, 1536) for p in packs], bf16_bytes)
+            for n, rows in (("1 row", one), ("8 rows", eight))}
     return {
         "fp32 F.linear, 1 row": gb_per_s(lambda: [F.linear(one, w) for w in weights], fp32_bytes),
         "fp32 F.linear, 8 rows": gb_per_s(lambda: [F.linear(eight, w) for w in weights], fp32_bytes),
         "bf16, 1 row (the runtime's kernel)": gb_per_s(lambda: [linear(one.bfloat16(), w) for w in halves],
                                                        bf16_bytes),
         "bf16 F.linear, 8 rows": gb_per_s(lambda: [F.linear(eight.bfloat16(), w) for w in halves], bf16_bytes),
+        **own,
         "sum over 540 MB": gb_per_s(lambda: big.sum(), big.nbytes),
     }
 
@@ -144,13 +156,15 @@ def _run(pool_args: list[tuple]) -> list[dict]:
 
 def measure(zqs: str, batches: list[int], steps: int, repeats: int) -> dict:
     from actors.compute_dtype import compute_dtype_for
+    from actors.cpu_kernels import is_avx2_supported
 
     auto = compute_dtype_for("auto", "bfloat16", "cpu")
     fit_threads = served_threads()
     cells: dict[str, list] = {}
     slots: dict[str, list] = {}
+    dtypes = (*DTYPES, PLAIN_FP32) if is_avx2_supported() else DTYPES
     for repeat in range(repeats):
-        for dtype in DTYPES:
+        for dtype in dtypes:
             for threads in (1, 2):
                 [r] = _run([(zqs, dtype, threads, batches, steps, dtype == auto and threads == fit_threads)])
                 cells.setdefault(f"{dtype}/{threads}", []).append(r)
@@ -242,12 +256,15 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
         + " | ".join(f"step at batch {b} (ms)" for b in batches) + f" | tokens/s at batch {max(batches)} |",
         "|---|--:|--:|" + "--:|" * len(batches) + "--:|",
     ]
-    for dtype in DTYPES:
+    for dtype in (*DTYPES, PLAIN_FP32):
         for threads in (1, 2):
-            runs = cells[f"{dtype}/{threads}"]
+            runs = cells.get(f"{dtype}/{threads}")
+            if runs is None:  # PLAIN_FP32: measured on AVX2 hosts only
+                continue
             prefill = statistics.median(statistics.median(r["prefill_s"]) for r in runs)
             row_steps = [_median_step(runs, b) for b in batches]
-            lines.append(f"| {dtype} | {threads} | {prefill * 1e3:.0f} | "
+            lines.append(f"| {_LABELS.get(dtype, dtype) if PLAIN_FP32 + '/1' in cells else dtype} | {threads} | "
+                         f"{prefill * 1e3:.0f} | "
                          + " | ".join(f"{s * 1e3:.1f}" for s in row_steps)
                          + f" | {max(batches) / row_steps[-1]:.0f} |")
     bf, fp = cells["bfloat16/1"], cells["float32/1"]
@@ -256,6 +273,7 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
         "bf16 ÷ fp32 time, one thread: prefill "
         f"{statistics.median(statistics.median(r['prefill_s']) for r in bf) / statistics.median(statistics.median(r['prefill_s']) for r in fp):.2f}×"
         + "".join(f", step at batch {b} {_median_step(bf, b) / _median_step(fp, b):.2f}×" for b in batches) + ".",
+        *_plain_ratio(cells, batches),
         "",
         f"## 2. Two slots × one thread against one slot × two threads ({auto}, equal rows)",
         "",
@@ -287,10 +305,29 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
         "",
         "| kernel | 1 thread | 2 threads |",
         "|---|--:|--:|",
-        *(f"| {name} | {kernels['1'][name]:.1f} | {kernels['2'][name]:.1f} |" for name in kernels["1"]),
+        *(f"| {name} | {kernels['1'][name]:.1f} | {kernels['2'].get(name, float('nan')):.1f} |"
+          for name in kernels["1"]),
         "",
     ]
     return "\n".join(lines)
+
+
+_LABELS = {"float32": "float32, bf16 weights (bf16_weight_linear)", PLAIN_FP32: "float32, widened weights plain"}
+
+
+def _plain_ratio(cells: dict, batches: list[int]) -> list[str]:
+    """The AVX2 kernel's gain: plain widened fp32 time ÷ packed bf16-weight time, at the served threads."""
+    if f"{PLAIN_FP32}/1" not in cells:
+        return []
+    out = ["", "fp32 with widened weights plain ÷ with bf16 weights (time; above 1: the kernel is faster):"]
+    for threads in (1, 2):
+        plain, packed = cells[f"{PLAIN_FP32}/{threads}"], cells[f"float32/{threads}"]
+        pre = (statistics.median(statistics.median(r["prefill_s"]) for r in plain)
+               / statistics.median(statistics.median(r["prefill_s"]) for r in packed))
+        out.append(f"- {threads} thread{'s' if threads > 1 else ''}: prefill {pre:.2f}×"
+                   + "".join(f", step at batch {b} {_median_step(plain, b) / _median_step(packed, b):.2f}×"
+                             for b in batches) + ".")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

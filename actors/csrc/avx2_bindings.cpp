@@ -1,0 +1,28 @@
+// The actors' AVX2 CPU kernels as one Python extension (actors/cpu_kernels.py builds and loads it where the CPU
+// has AVX2 and FMA but no AVX512-BF16: an fp32 model over bf16 weights).
+#include <torch/extension.h>
+
+torch::Tensor bf16_weight_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                                 const c10::optional<torch::Tensor>& bias);
+torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w, double eps);
+
+// Built with OpenMP, as the AVX512 kernels (bindings.cpp): at::parallel_for then uses torch's intra-op threads.
+bool is_parallel() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
+using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("is_parallel", &is_parallel, "the kernels split their work over torch's intra-op threads");
+  m.def("bf16_weight_linear", &bf16_weight_linear,
+        "x [M, K] fp32 @ W.T (+ bias) with bf16 W packed as [N/16, K, 16] int16", NoGil(),
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"),
+        pybind11::arg("bias") = pybind11::none());
+  m.def("rms_norm_f32", &rms_norm_f32, "RMSNorm of fp32 rows over their last dimension in one pass", NoGil(),
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
+}
