@@ -3,9 +3,10 @@
 A forward's tokens may belong to several independent sequences (the rows of a batch,
 `Transformer.forward_rows`): the projections run once over all of them, and attention
 runs per `Segment`, against that segment's cache and span. Where the actors' CPU kernels pack the
-weights (packed_weights.py, AVX512-BF16), they also switch this on (`batch_decode_attention`): the bf16
-rows that decode (one token each) attend in one call per layer (csrc/decode_attention.cpp: each row's
-new key and value written to its own cache, its query over its span, all in C++), and only the prompt
+weights (packed_weights.py: bf16 on AVX512-BF16, or fp32 over bf16 weights on AVX2), they also switch this on
+(`batch_decode_attention`): the rows that decode (one token each) attend in one call per layer (csrc/decode_attention.cpp: each row's
+new key and value written to its own cache, its query over its span, all in C++; csrc/decode_attention_f32.cpp
+for fp32 rows), and only the prompt
 chunks go through SDPA one by one. Where every token of a step decodes and q, k, v are packed as one
 (bf16_linear.Fused), a layer's attention is two kernel calls: the joined projection, then RoPE, the
 cache writes and attention together, with none of the views, copies and RoPE ops between them.
@@ -51,6 +52,15 @@ class Segment:
     caches: Sequence[KVCache] | None
 
 
+def _decode_kernel(dtype: torch.dtype):
+    """The loaded kernel that attends decoding rows of `dtype`, or None: bf16 on AVX512-BF16, fp32 on AVX2."""
+    if dtype == torch.bfloat16 and (ext := cpu_kernels.loaded()):
+        return ext.decode_attention
+    if dtype == torch.float32 and (ext := cpu_kernels.avx2_loaded()):
+        return ext.decode_attention_f32
+    return None
+
+
 def batch_decode_attention(model: nn.Module, enabled: bool = True) -> None:
     """Let (or stop) every attention layer of `model` attend its decoding rows in one kernel call a step."""
     for module in model.modules():
@@ -84,8 +94,8 @@ class Attention(nn.Module):
         if len(decoding) == seq_len and self.fused_in is not None and self.q_norm is None:
             # Every token is a row's one decoding token: the projections in one kernel call, then RoPE, the
             # cache writes and attention in another; y: [R, H, D].
-            y = cpu_kernels.loaded().decode_attention(self.fused_in.joined(x[0]), self.num_heads, self.num_kv_heads,
-                                                       *self._rows(segments, layer), *rope)
+            y = _decode_kernel(x.dtype)(self.fused_in.joined(x[0]), self.num_heads, self.num_kv_heads,
+                                        *self._rows(segments, layer), *rope)
             return self.o_proj(y.view(bsz, seq_len, self.num_heads * self.head_dim))
         q, k, v = self.fused_in(x) if self.fused_in is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.view(bsz, seq_len, self.num_heads, self.head_dim)
@@ -106,11 +116,10 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seq_len, self.num_heads * self.head_dim))
 
     def _decoding(self, x: torch.Tensor, segments: Sequence[Segment], layer: int) -> list[int]:
-        """The segments that decode one token against a one-row bf16 cache, where the kernel runs here."""
-        if (not self.is_decode_batched or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] != 1
-                or self.head_dim % 16):
+        """The segments that decode one token against a one-row cache, where a kernel for `x`'s dtype runs here."""
+        if not self.is_decode_batched or x.device.type != "cpu" or x.shape[0] != 1 or self.head_dim % 16:
             return []
-        if cpu_kernels.loaded() is None:  # loaded by packing: a step never loads (or builds) them
+        if _decode_kernel(x.dtype) is None:  # loaded by packing: a step never loads (or builds) them
             return []
         return [i for i, s in enumerate(segments)
                 if s.length == 1 and s.caches is not None and s.span.mask is None
@@ -127,8 +136,7 @@ class Attention(nn.Module):
             index = torch.tensor([s.offset for s in rows], device=q.device)
             heads = (t[0].index_select(1, index).transpose(0, 1) for t in (q, k, v))
         qkv = torch.cat([t.reshape(len(rows), -1) for t in heads], dim=1)  # [R, (H + 2 H_kv) D], roped
-        out = cpu_kernels.loaded().decode_attention(qkv, self.num_heads, self.num_kv_heads,
-                                                    *self._rows(rows, layer))  # [R, H, D]
+        out = _decode_kernel(q.dtype)(qkv, self.num_heads, self.num_kv_heads, *self._rows(rows, layer))  # [R, H, D]
         if len(rows) == len(segments):
             return out.transpose(0, 1).unsqueeze(0)  # [1, H, R, D]: the tokens in order
         parts, j = [], 0

@@ -9,6 +9,7 @@ and one for CPUs with AVX2 and FMA but no AVX512-BF16, which compute a bf16 file
     bf16_weight_linear an fp32 linear layer over its bf16 weight, half the bytes of the widened one
                        (bf16_weight_linear.py)
     rms_norm_f32       RMSNorm of fp32 rows in one pass (layers.py)
+    decode_attention_f32  every decoding fp32 row of a batch attends in one call (attention.py)
 
 Compiled on first use with torch's C++ extension builder and kept in its cache (a minute or so
 on 2 cores, timed by hand); `make setup` builds it ahead (`python -m actors.cpu_kernels`), so an actor only loads
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "bf16_linear.cpp", "decode_attention.cpp", "rms_norm.cpp"))
-AVX2_SOURCES = tuple(CSRC / f for f in ("avx2_bindings.cpp", "bf16_weight_linear.cpp", "rms_norm_f32.cpp"))
+AVX2_SOURCES = tuple(CSRC / f for f in ("avx2_bindings.cpp", "bf16_weight_linear.cpp", "rms_norm_f32.cpp",
+                                         "decode_attention_f32.cpp"))
 # -fopenmp: at::parallel_for is an OpenMP pragma inlined from torch's headers; compiled without it, the
 # kernels run on one thread whatever torch.set_num_threads says. Linked by soname, libgomp.so.1 resolves to
 # the copy torch has already loaded: one thread pool, not two.

@@ -110,7 +110,8 @@ class PackedWeights:
         if self.kernel == "bf16_linear" and self.model is not None:  # the same extension: decoding rows attend
             batch_decode_attention(self.model)  # in one call a layer, and RMSNorms normalise in one pass
             fuse_rms_norms(self.model)
-        if self.kernel == "bf16_weights" and self.model is not None:  # the AVX2 extension's fp32 RMSNorm
+        if self.kernel == "bf16_weights" and self.model is not None:  # the AVX2 extension's attention and RMSNorm
+            batch_decode_attention(self.model)
             fuse_rms_norms(self.model)
         if self.head is not None:
             table = self.model.model.embed_tokens

@@ -2,9 +2,16 @@
 // has AVX2 and FMA but no AVX512-BF16: an fp32 model over bf16 weights).
 #include <torch/extension.h>
 
+#include <vector>
+
 torch::Tensor bf16_weight_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                                  const c10::optional<torch::Tensor>& bias);
 torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor decode_attention_f32(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
+                                   const std::vector<torch::Tensor>& k_caches,
+                                   const std::vector<torch::Tensor>& v_caches, const std::vector<int64_t>& pos,
+                                   const std::vector<int64_t>& start, const c10::optional<torch::Tensor>& cos,
+                                   const c10::optional<torch::Tensor>& sin);
 
 // Built with OpenMP, as the AVX512 kernels (bindings.cpp): at::parallel_for then uses torch's intra-op threads.
 bool is_parallel() {
@@ -25,4 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias") = pybind11::none());
   m.def("rms_norm_f32", &rms_norm_f32, "RMSNorm of fp32 rows over their last dimension in one pass", NoGil(),
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("decode_attention_f32", &decode_attention_f32,
+        "every decoding fp32 row's new key and value cached, and its query attended", NoGil(),
+        pybind11::arg("qkv"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("k_caches"),
+        pybind11::arg("v_caches"), pybind11::arg("pos"), pybind11::arg("start"), pybind11::arg("cos") = pybind11::none(),
+        pybind11::arg("sin") = pybind11::none());
 }

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -98,39 +99,48 @@ void many(const float* x, int64_t M, int64_t K, const int16_t* w, const float* b
 // Blocks [nb_begin, nb_end) widened into fp32 W.T columns: wt [K, ldw], block nb at columns 16 (nb - nb_begin).
 void widen(const int16_t* w, int64_t K, int64_t nb_begin, int64_t nb_end, float* wt, int64_t ldw) {
   const __m256i zero = _mm256_setzero_si256();
-  at::parallel_for(nb_begin, nb_end, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      const int16_t* src = w + nb * K * kCols;
-      float* dst = wt + (nb - nb_begin) * kCols;
-      for (int64_t k = 0; k < K; ++k) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * kCols));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * ldw), _mm256_unpacklo_epi16(zero, wv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * ldw + 8), _mm256_unpackhi_epi16(zero, wv));
-      }
+  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+    const int16_t* src = w + nb * K * kCols;
+    float* dst = wt + (nb - nb_begin) * kCols;
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * kCols));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * ldw), _mm256_unpacklo_epi16(zero, wv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * ldw + 8), _mm256_unpackhi_epi16(zero, wv));
     }
-  });
+  }
 }
 
 // Many rows (a prompt's chunk): the products are compute-bound, not read-bound, and a BLAS GEMM runs them ~2x
-// faster than the tiles above. The weight is widened a slice of columns at a time into a scratch W.T that
-// stays in cache, and the slice's products are one GEMM; the scratch lives as long as the thread (the
-// actor's stepping thread), so no call allocates or faults in pages.
+// faster than the tiles above. The columns are cut into slices of at most kSliceCols, a multiple of the thread
+// count of them; in one parallel region each thread widens its slices, one at a time, into a scratch W.T that
+// stays in its cache, and multiplies it by x with a GEMM of its own (BLAS runs on one thread inside the region).
+// The scratch lives as long as the thread (torch's pool), so no call allocates or faults in pages. One region a
+// call, not two a slice: each region wakes the pool, which costs more than a slice's GEMM at 2 threads.
 constexpr int64_t kSliceCols = 256;
 
 torch::Tensor many_rows(const torch::Tensor& x, const int16_t* w, int64_t N, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), NB = (N + kCols - 1) / kCols;
-  thread_local torch::Tensor scratch;
-  if (!scratch.defined() || scratch.numel() < K * kSliceCols) scratch = torch::empty({K * kSliceCols}, x.options());
+  const int64_t threads = at::get_num_threads();
+  int64_t slices = std::max<int64_t>(threads, (N + kSliceCols - 1) / kSliceCols);
+  slices = (slices + threads - 1) / threads * threads;
+  const int64_t blocks_per_slice = std::max<int64_t>(1, (NB + slices - 1) / slices);
+  const int64_t num_slices = (NB + blocks_per_slice - 1) / blocks_per_slice;
   auto y = torch::empty({M, N}, x.options());
-  for (int64_t c0 = 0; c0 < N; c0 += kSliceCols) {
-    const int64_t c1 = std::min<int64_t>(N, c0 + kSliceCols), nb0 = c0 / kCols, nb1 = std::min<int64_t>(NB, c1 / kCols
-        + (c1 % kCols != 0));
-    const int64_t width = (nb1 - nb0) * kCols;
-    auto wt = scratch.narrow(0, 0, K * width).view({K, width});
-    widen(w, K, nb0, nb1, wt.data_ptr<float>(), width);
-    auto part = y.narrow(1, c0, c1 - c0);  // [M, c1 - c0], rows N apart: BLAS writes it in place
-    at::mm_out(part, x, wt.narrow(1, 0, c1 - c0));
-  }
+  const bool is_inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, num_slices, 1, [&](int64_t s0, int64_t s1) {
+    c10::InferenceMode mode(is_inference);  // the pool's threads run ATen ops too: in the caller's mode
+    // Plain memory, not a tensor: a tensor kept across calls would carry the inference mode it was made in.
+    thread_local std::vector<float> scratch;
+    scratch.resize(std::max<size_t>(scratch.size(), K * blocks_per_slice * kCols));
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t nb0 = s * blocks_per_slice, nb1 = std::min<int64_t>(NB, nb0 + blocks_per_slice);
+      const int64_t c0 = nb0 * kCols, c1 = std::min<int64_t>(N, nb1 * kCols), width = (nb1 - nb0) * kCols;
+      widen(w, K, nb0, nb1, scratch.data(), width);
+      auto wt = torch::from_blob(scratch.data(), {K, width}, x.options());
+      auto part = y.narrow(1, c0, c1 - c0);  // [M, c1 - c0], rows N apart: BLAS writes it in place
+      at::mm_out(part, x, wt.narrow(1, 0, c1 - c0));
+    }
+  });
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
