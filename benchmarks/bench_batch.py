@@ -158,12 +158,14 @@ def kernels(model) -> dict[str, float]:
 
 def measure(plan: Plan, zqs: Path) -> dict:
     torch.set_num_threads(served_threads())  # as make serve's actors compute
-    is_packed = ActorConfig().is_weight_packed  # what the actors run: the main table
-    plain, tokenizer = load_zqs(zqs)
-    model = load_zqs(zqs, is_weight_packed=True)[0] if is_packed else plain
+    actor = ActorConfig()  # what the actors run: the main table (in fp32 on a CPU without bf16 arithmetic)
+    is_packed = actor.is_weight_packed
+    plain, tokenizer = load_zqs(zqs, compute_dtype=actor.compute_dtype)
+    model = load_zqs(zqs, compute_dtype=actor.compute_dtype, is_weight_packed=True)[0] if is_packed else plain
     out: dict = {"steps": {}, "plain_steps": {}, "stall": {}, "is_packed": is_packed, "threads": torch.get_num_threads(),
                  "packed_kernel": packed_kernel_of(model) if is_packed else None,
-                 "kv_bytes_per_token": model.config.kv_bytes_per_token(model.config.dtype)}
+                 "dtype": str(model.dtype).removeprefix("torch."),
+                 "kv_bytes_per_token": model.config.kv_bytes_per_token(str(model.dtype).removeprefix("torch."))}
     engines = {chunk: Engine(model, tokenizer, max_batch=max(plan.batch_sizes), prefill_chunk_tokens=chunk)
                for chunk in (plan.chunk, 1_000_000)}
     engine = engines[plan.chunk]
@@ -203,7 +205,8 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
         f", {load[1]:.2f} at the end; {elapsed_s / 60:.1f} min.",
         "",
         "Model: the demo's `small` preset (100M parameters, 12 layers, hidden 768, 12 heads / 4 KV heads, vocab "
-        "32000, tied embeddings), bf16, through the actors' engine (`actors/engine.py`). Each row is the median "
+        f"32000, tied embeddings), stored bf16, computed in {data.get('dtype', 'bfloat16')} (`actor.compute_dtype: "
+        "auto` on this CPU), through the actors' engine (`actors/engine.py`). Each row is the median "
         f"of {plan.repeats} repeats of the median of {plan.steps} timed decode steps; the batch sizes are "
         "visited in rotation, so a slowed-down machine slows all of them alike.",
         "",
@@ -284,7 +287,10 @@ def _packed_table(plan: Plan, data: dict) -> list[str]:
         return []
     how = ({"onednn": "into oneDNN's layout; tokens are bit for bit the same",
             "bf16_linear": "in pairs for `actors/bf16_linear.py`'s AVX512-BF16 kernel (the LM head too, when tied); "
-                           "products, and each step's logits, equal up to bf16 rounding"}
+                           "products, and each step's logits, equal up to bf16 rounding",
+            "bf16_weights": "back to bf16 for `actors/bf16_weight_linear.py`'s AVX2 kernel, which widens them to fp32 "
+                            "in registers (the LM head too, when tied; decoding rows attend in one call a layer); "
+                            "products equal up to fp32 summation order"}
            .get(data.get("packed_kernel") or "onednn", str(data.get("packed_kernel"))))
     lines = ["## Packed linear weights against the plain kernels", "",
              "The same steps with the model's weights as loaded (`mv` or `F.linear`, chosen as above) and packed "
