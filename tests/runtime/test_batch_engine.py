@@ -88,6 +88,16 @@ def run_schedule(engine: Engine, joins: dict[int, list[tuple[list[int], Sampling
     return recorders
 
 
+def join_and_leave_tokens(model, tokenizer: Tokenizer) -> list[list[int]]:
+    """Greedy tokens of PROMPTS on `model` in one batch: rows of different prompt lengths join at different steps
+    (prompts chunked by 7) and leave at different steps (each runs to its own max_tokens, 32 or more)."""
+    engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7)
+    engine.eos_token_ids = frozenset()  # every row runs to max_tokens: the schedule decides who leaves
+    requests = [(tokenizer.encode_chat([Message("user", p)]), SamplingParams(max_tokens=n, temperature=0.0))
+                for p, n in zip(PROMPTS, (32, 40, 33, 36), strict=True)]
+    return [r.tokens for r in run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})]
+
+
 @pytest.mark.parametrize("chunk", [256, 5])
 def test_greedy_tokens_in_a_batch_equal_each_request_alone(parts, chunk):
     engine = make_engine(parts, prefill_chunk_tokens=chunk)

@@ -12,13 +12,11 @@ import torch.nn.functional as F
 
 from actors import bf16_linear, bf16_weight_linear, cpu_kernels
 from actors.checkpoint import load_hf_checkpoint
-from actors.engine import Engine
 from actors.layers import Linear
 from actors.packed_weights import pack
-from actors.sampling import SamplingParams
-from actors.tokenizer import Message, Tokenizer
-from tests.runtime.test_batch_engine import PROMPTS, run_schedule
-from weights_tool.synth import preset_config, synthesize
+from tests.runtime.test_batch_engine import join_and_leave_tokens
+from tests.runtime.test_decode_attention_f32 import widened_model
+from weights_tool.synth import synthesize
 
 pytestmark = pytest.mark.skipif(cpu_kernels.avx2_extension() is None,
                                 reason="no AVX2 kernels here: the CPU lacks AVX2/FMA, has AVX512-BF16, or no build")
@@ -99,40 +97,19 @@ def test_joined_projections_give_each_members_bits():
         assert torch.equal(got, bf16_weight_linear.linear(x, bf16_weight_linear.pack(w), w.shape[0], b))
 
 
-def _widened_model(tmp_path, *, tied: bool):
-    """A tiny random bf16 model computed in fp32 (as on a CPU without bf16 arithmetic), greedy tokens varied."""
-    cfg = preset_config("tiny") | {"tie_word_embeddings": tied}
-    path = synthesize(cfg, tmp_path / f"tied-{tied}", dtype="bfloat16", seed=3)
-    model, config = load_hf_checkpoint(path)
-    torch.manual_seed(0)
-    model.init_weights(std=0.15)
-    model.to(torch.bfloat16)
-    model.to(torch.float32)  # bf16 values, widened
-    return model, Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids)
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_widened_bf16_model_packed_by_auto_decodes_the_plain_fp32_models_tokens(tmp_path, tied):
-    model, tokenizer = _widened_model(tmp_path, tied=tied)
+    model, tokenizer = widened_model(tmp_path, "tiny", tie_word_embeddings=tied)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     table = model.model.embed_tokens.weight.detach().clone()
-
-    def tokens() -> list[list[int]]:
-        engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7)
-        engine.eos_token_ids = frozenset()  # every row runs to max_tokens: the schedule decides who leaves
-        requests = [(tokenizer.encode_chat([Message("user", p)]), SamplingParams(max_tokens=n, temperature=0.0))
-                    for p, n in zip(PROMPTS, (32, 40, 33, 36), strict=True)]
-        # Rows of different prompt lengths join at different steps (prompts chunked) and leave at different steps.
-        return [r.tokens for r in run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})]
-
-    plain = tokens()
+    plain = join_and_leave_tokens(model, tokenizer)
     plain_bytes = sum(m.weight.nbytes for m in linears) + (table.nbytes if tied else 0)
     packed = pack(model)
     assert packed.kernel == "bf16_weights" and (packed.head is not None) == tied  # a tied head packed too
     assert packed.nbytes_packed() <= plain_bytes // 2 + 16 * 4 * sum(m.in_features for m in linears)  # N padded
     packed.install()
     assert all(m.weight.numel() == 0 for m in linears)
-    assert tokens() == plain
+    assert join_and_leave_tokens(model, tokenizer) == plain
     assert min(len(t) for t in plain) >= 32 and len({t for row in plain for t in row}) > 4
     if tied:  # the embedding rows read back from the packed head, bit for bit
         every = torch.arange(model.config.vocab_size).view(4, -1)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.avx2_extension() is None,
                                 reason="no AVX2 kernels here: the CPU lacks AVX2/FMA, has AVX512-BF16, or no build")
 
 
-def _widened(tmp_path, preset: str, **overrides):
+def widened_model(tmp_path, preset: str, **overrides):
     """A tiny random bf16 model computed in fp32, as on a CPU without bf16 arithmetic; greedy tokens varied."""
     cfg = preset_config(preset) | overrides
     path = synthesize(cfg, tmp_path / preset, dtype="bfloat16", seed=3)
@@ -42,7 +42,7 @@ def _widened(tmp_path, preset: str, **overrides):
     ("tiny-qwen3", {}),  # QK-norm, head_dim 32
 ])
 def test_batched_decode_attention_gives_the_row_by_row_logits(tmp_path, preset, overrides):
-    model, _ = _widened(tmp_path, preset, **overrides)
+    model, _ = widened_model(tmp_path, preset, **overrides)
     assert cpu_kernels.avx2_loaded() is not None
     lengths = [1, 5, 17, 40, 9]
     for chunks in ({}, {2: 6}):  # every row decodes; or row 2 feeds a 6-token prompt chunk in the same step
@@ -57,7 +57,7 @@ def test_batched_decode_attention_gives_the_row_by_row_logits(tmp_path, preset, 
 @pytest.mark.parametrize("preset, overrides", [("tiny", {}), ("tiny-mistral", {"sliding_window": 8})])
 def test_a_step_of_decoding_rows_through_the_joined_projection_and_the_kernels_rope_gives_the_same_logits(
         tmp_path, preset, overrides):
-    model, _ = _widened(tmp_path, preset, **overrides)
+    model, _ = widened_model(tmp_path, preset, **overrides)
     packed = pack(model)
     assert packed.kernel == "bf16_weights"
     packed.install()
@@ -105,7 +105,7 @@ def test_bad_arguments_are_refused_by_name():
 def test_an_fp32_batch_whose_rows_join_and_leave_decodes_each_requests_tokens_alone(tmp_path):
     # Below 16 tokens a step the linear kernel sums every output in one order for any row count, and attention is
     # per row: batching changes no token.
-    model, tokenizer = _widened(tmp_path, "tiny")
+    model, tokenizer = widened_model(tmp_path, "tiny")
     pack(model).install()
     assert all(layer.self_attn.is_decode_batched for layer in model.model.layers)
     engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7)

@@ -21,7 +21,7 @@ from actors.model import RowInput
 from actors.packed_weights import is_packable, pack
 from actors.sampling import SamplingParams
 from actors.tokenizer import Message, Tokenizer
-from tests.runtime.test_batch_engine import PROMPTS, run_schedule
+from tests.runtime.test_batch_engine import join_and_leave_tokens
 from weights_tool.synth import preset_config, synthesize
 
 pytestmark = pytest.mark.skipif(not is_packable(torch.zeros(2, 2, dtype=torch.bfloat16)),
@@ -62,22 +62,13 @@ def test_a_packed_linear_gives_the_plain_products_bit_for_bit(rows, has_bias):
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_onednn_packed_models_batch_decodes_the_plain_models_tokens(tmp_path, tied):
     model, tokenizer = _bf16_model(tmp_path, tied=tied)
-
-    def tokens() -> list[list[int]]:
-        engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7)
-        engine.eos_token_ids = frozenset()  # every row runs to max_tokens: the schedule decides who leaves
-        requests = [(tokenizer.encode_chat([Message("user", p)]), SamplingParams(max_tokens=n, temperature=0.0))
-                    for p, n in zip(PROMPTS, (32, 40, 33, 36), strict=True)]
-        # Rows of different prompt lengths join at different steps (prompts chunked) and leave at different steps.
-        return [r.tokens for r in run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})]
-
-    plain = tokens()
+    plain = join_and_leave_tokens(model, tokenizer)
     packed = pack(model, kernel="onednn")
     assert packed.kernel == "onednn"
     assert len(packed.layers) == 7 * model.config.num_layers + (0 if tied else 1)
     assert packed.head is None  # a tied head stays plain: the table's lookups read it, oneDNN's layout is opaque
     packed.install()
-    assert tokens() == plain
+    assert join_and_leave_tokens(model, tokenizer) == plain
     assert min(len(t) for t in plain) >= 32 and len({t for row in plain for t in row}) > 4
 
 
