@@ -116,7 +116,7 @@ void widen(const int16_t* w, int64_t K, int64_t nb_begin, int64_t nb_end, float*
 // stays in its cache, and multiplies it by x with a GEMM of its own (BLAS runs on one thread inside the region).
 // The scratch lives as long as the thread (torch's pool), so no call allocates or faults in pages. One region a
 // call, not two a slice: each region wakes the pool, which costs more than a slice's GEMM at 2 threads.
-constexpr int64_t kSliceCols = 256;
+constexpr int64_t kSliceCols = 512;
 
 torch::Tensor many_rows(const torch::Tensor& x, const int16_t* w, int64_t N, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), NB = (N + kCols - 1) / kCols;
