@@ -75,8 +75,10 @@ class ActorConfig:
     is_weight_packed: bool = True
     # The kernel they are packed for (PACKED_KERNELS): "auto" is the actors' own where the
     # CPU has AVX512-BF16 (actors/cpu_kernels.py: bf16_linear.py's, and decoding rows' attention in one call a
-    # layer; benchmarks/results/bf16_linear.md; products equal up to rounding), else oneDNN's; "onednn" always
-    # oneDNN's and SDPA row by row (F.linear's products bitwise, steps up to 1.2x the plain kernels').
+    # layer; benchmarks/results/bf16_linear.md; products equal up to rounding), or, where it has AVX2 and computes
+    # a bf16 file in fp32, bf16_weight_linear.py's over the weights narrowed back to bf16 (engine_avx2.md), else
+    # oneDNN's; "onednn" always oneDNN's and SDPA row by row (F.linear's products bitwise, steps up to 1.2x the
+    # plain kernels').
     packed_kernel: str = "auto"
     idle_trim_after_s: float = 2.0
 

@@ -3,10 +3,10 @@
 A forward's tokens may belong to several independent sequences (the rows of a batch,
 `Transformer.forward_rows`): the projections run once over all of them, and attention
 runs per `Segment`, against that segment's cache and span. Where the actors' CPU kernels pack the
-weights (packed_weights.py: bf16 on AVX512-BF16, or fp32 over bf16 weights on AVX2), they also switch this on
-(`batch_decode_attention`): the rows that decode (one token each) attend in one call per layer (csrc/decode_attention.cpp: each row's
-new key and value written to its own cache, its query over its span, all in C++; csrc/decode_attention_f32.cpp
-for fp32 rows), and only the prompt
+weights (packed_weights.py: bf16 on AVX512-BF16, fp32 over bf16 weights on AVX2), they also switch this
+on (`batch_decode_attention`): the rows that decode (one token each) attend in one call per layer
+(csrc/decode_attention.cpp for bf16 rows, decode_attention_f32.cpp for fp32 ones: each row's new key and
+value written to its own cache, its query over its span, all in C++), and only the prompt
 chunks go through SDPA one by one. Where every token of a step decodes and q, k, v are packed as one
 (bf16_linear.Fused), a layer's attention is two kernel calls: the joined projection, then RoPE, the
 cache writes and attention together, with none of the views, copies and RoPE ops between them.
