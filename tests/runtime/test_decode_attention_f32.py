@@ -103,8 +103,8 @@ def test_bad_arguments_are_refused_by_name():
 
 
 def test_an_fp32_batch_whose_rows_join_and_leave_decodes_each_requests_tokens_alone(tmp_path):
-    # Below 16 tokens a step the linear kernel sums every output in one order for any row count, and attention is
-    # per row: batching changes no token.
+    # The linear kernel sums every output in one order for any row count, and attention is per row: batching
+    # changes no token.
     model, tokenizer = widened_model(tmp_path, "tiny")
     pack(model).install()
     assert all(layer.self_attn.is_decode_batched for layer in model.model.layers)
