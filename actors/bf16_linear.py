@@ -62,6 +62,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return y.view(*x.shape[:-1], out_features)
 
 
+def rows_of(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` [...] of the weight `packed` holds, as bf16 [..., K]: a tied head's table read as embeddings."""
+    # Row t is column t % 16 of block t // 16, two features per int32: the same bf16 values.
+    return packed[index // COLUMNS, :, index % COLUMNS].view(torch.bfloat16)  # [..., K/2] int32 -> [..., K]
+
+
 @dataclass(frozen=True)
 class Fused:
     """Projections of one input packed side by side (attention's q, k, v; the MLP's gate, up): one kernel call

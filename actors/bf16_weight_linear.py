@@ -27,8 +27,8 @@ COLUMNS = 16  # output columns per block: two AVX2 registers of fp32 sums
 # Memory position p of a block holds column LANE_ORDER[p]: VPUNPCKLWD takes positions 0-3 and 8-11 (columns
 # 0-7), VPUNPCKHWD positions 4-7 and 12-15 (columns 8-15).
 LANE_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
-# Where column j sits within its block: the inverse of LANE_ORDER.
-POSITION = tuple(LANE_ORDER.index(j) for j in range(COLUMNS))
+# Where column j sits within its block: the inverse of LANE_ORDER (a tensor: embedding lookups index it every step).
+POSITION = torch.tensor([LANE_ORDER.index(j) for j in range(COLUMNS)])
 
 
 def is_packable(weight: torch.Tensor) -> bool:
@@ -68,6 +68,5 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 
 def rows_of(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows `index` [...] of the weight `packed` holds, as fp32 [..., K]: a tied head's table read as embeddings."""
-    position = torch.tensor(POSITION, device=index.device)[index % COLUMNS]
-    bits = packed[index // COLUMNS, :, position]  # [..., K] int16: the bf16 bits
+    bits = packed[index // COLUMNS, :, POSITION.to(index.device)[index % COLUMNS]]  # [..., K] int16: the bf16 bits
     return (bits.to(torch.int32) << 16).view(torch.float32)

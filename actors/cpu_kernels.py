@@ -48,19 +48,9 @@ def is_cpu_supported() -> bool:
 
 
 def is_avx2_supported() -> bool:
-    """This CPU has AVX2 and FMA, and not AVX512-BF16 (where the bf16 kernels above serve instead)."""
-    flags = _cpu_flags()
-    return {"avx2", "fma"} <= flags and not is_cpu_supported()
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+    """torch dispatches its own kernels at AVX2 here (which implies FMA) or higher, and the CPU has no AVX512-BF16
+    (where the bf16 kernels above serve instead)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and not is_cpu_supported()
 
 
 def _build(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]):

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors import bf16_linear, bf16_weight_linear
+from actors import bf16_linear
 from actors.arena import move_parameters_to_huge_pages
 from actors.attention import Attention, AttentionSpan, Segment
 from actors.kv_cache import KVCache
@@ -135,10 +135,10 @@ class Transformer(nn.Module):
         self.kv_caches: list[KVCache] = []
         self._position_table: torch.Tensor | None = None
         # A tied head packed (packed_weights.py) for bf16_linear.py, [V/16, D/2, 16] int32, or for
-        # bf16_weight_linear.py, [V/16, D, 16] int16 (`packed_head_kernel` says which): the LM head's weight
-        # and, read back, the embedding table, whose plain copy is then released.
+        # bf16_weight_linear.py, [V/16, D, 16] int16: the LM head's weight and, read back, the embedding table,
+        # whose plain copy is then released. `packed_head_layout` is the module of its layout (`linear`, `rows_of`).
         self.packed_head: torch.Tensor | None = None
-        self.packed_head_kernel = "bf16_linear"
+        self.packed_head_layout = bf16_linear
         if initialise:
             self.init_weights()
 
@@ -164,11 +164,7 @@ class Transformer(nn.Module):
         """The embedding rows of `tokens` [...]: [..., D], from the pair-packed table where the head is packed."""
         if self.packed_head is None:
             return self.model.embed_tokens(tokens)
-        if self.packed_head_kernel == "bf16_weights":
-            return bf16_weight_linear.rows_of(self.packed_head, tokens)
-        # Token t's row is column t % 16 of block t // 16, two features per int32: the same bf16 values.
-        pairs = self.packed_head[tokens // bf16_linear.COLUMNS, :, tokens % bf16_linear.COLUMNS]  # [..., D/2]
-        return pairs.view(self.dtype)
+        return self.packed_head_layout.rows_of(self.packed_head, tokens)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -310,8 +306,7 @@ class Transformer(nn.Module):
         if self.lm_head is not None:  # its module: a packed weight (packed_weights.py) is used there
             return self.lm_head(x).float()
         if self.packed_head is not None:
-            kernel = bf16_weight_linear if self.packed_head_kernel == "bf16_weights" else bf16_linear
-            return kernel.linear(x, self.packed_head, self.config.vocab_size).float()
+            return self.packed_head_layout.linear(x, self.packed_head, self.config.vocab_size).float()
         return linear(x, self.model.embed_tokens.weight).float()
 
     def _cached_segment(self, start_pos: int, length: int, caches: Sequence[KVCache] | None = None,

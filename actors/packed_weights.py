@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 # SmolLM2's linear layers at 1 to 32 rows, no hint was best everywhere and 8 was within this
 # machine's noise of the best.
 BATCH_HINT = 8
+# The actors' own kernels by name, each the module of its layout (`pack`, `is_packable`, `linear`, `rows_of`).
+LAYOUTS = {"bf16_linear": bf16_linear, "bf16_weights": bf16_weight_linear}
 
 
 def is_packable(weight: torch.Tensor) -> bool:
@@ -107,16 +109,13 @@ class PackedWeights:
             released += _release_pages(plain)
         for owner, fused in self.fused:  # its members' packed weights are views of it: no more memory
             owner.fused_in = fused
-        if self.kernel == "bf16_linear" and self.model is not None:  # the same extension: decoding rows attend
+        if self.kernel in LAYOUTS and self.model is not None:  # the same extension: decoding rows attend
             batch_decode_attention(self.model)  # in one call a layer, and RMSNorms normalise in one pass
-            fuse_rms_norms(self.model)
-        if self.kernel == "bf16_weights" and self.model is not None:  # the AVX2 extension's attention and RMSNorm
-            batch_decode_attention(self.model)
             fuse_rms_norms(self.model)
         if self.head is not None:
             table = self.model.model.embed_tokens
             plain = table.weight
-            self.model.packed_head, self.model.packed_head_kernel = self.head, self.kernel  # lookups and the head
+            self.model.packed_head, self.model.packed_head_layout = self.head, LAYOUTS[self.kernel]  # lookups, head
             table.weight = nn.Parameter(torch.empty(0, dtype=plain.dtype, device=plain.device), requires_grad=False)
             released += _release_pages(plain)
         self.is_installed = True
@@ -139,11 +138,11 @@ def pack(model: nn.Module, batch_hint: int = BATCH_HINT, kernel: str = "auto") -
         raise ValueError(f"kernel must be one of {', '.join(PACKED_KERNELS)}, got {kernel!r}")
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None]
     if kernel == "auto" and _is_bf16_weights(linears):
-        return _pack_own(model, linears, "bf16_weights", bf16_weight_linear)
+        return _pack_own(model, linears, "bf16_weights")
     modules = [m for m in linears if is_packable(m.weight)]
     if (kernel == "auto" and bool(modules) and all(bf16_linear.is_packable(m.weight) for m in modules)
             and cpu_kernels.is_available()):
-        return _pack_own(model, modules, "bf16_linear", bf16_linear)
+        return _pack_own(model, modules, "bf16_linear")
     with torch.inference_mode():
         layers = [(m, torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), batch_hint)) for m in modules]
     return PackedWeights(layers, "onednn", model)
@@ -156,9 +155,10 @@ def _is_bf16_weights(modules: list[Linear]) -> bool:
             and cpu_kernels.avx2_extension() is not None)
 
 
-def _pack_own(model: nn.Module, modules: list[Linear], kernel: str, layout) -> PackedWeights:
-    """`modules` packed for one of the actors' own kernels (`layout`: bf16_linear or bf16_weight_linear), q, k, v
-    and gate, up joined, and a tied Transformer head packed too."""
+def _pack_own(model: nn.Module, modules: list[Linear], kernel: str) -> PackedWeights:
+    """`modules` packed for one of the actors' own kernels (LAYOUTS), q, k, v and gate, up joined, and a tied
+    Transformer head packed too."""
+    layout = LAYOUTS[kernel]
     with torch.inference_mode():
         layers = [(m, layout.pack(m.weight.detach())) for m in modules]
         fused = _fuse(model, layers, layout)
