@@ -285,17 +285,16 @@ def _packed_table(plan: Plan, data: dict) -> list[str]:
     """The actors' packed linear weights against the plain kernels, step for step in the same rotation."""
     if not data["plain_steps"]:
         return []
-    how = ({"onednn": "into oneDNN's layout; tokens are bit for bit the same",
+    how = ({"onednn": "into oneDNN's layout; tokens are bit for bit the same (tests/runtime/test_packed_weights.py)",
             "bf16_linear": "in pairs for `actors/bf16_linear.py`'s AVX512-BF16 kernel (the LM head too, when tied); "
-                           "products, and each step's logits, equal up to bf16 rounding",
+                           "products, and each step's logits, equal up to bf16 rounding (tests/runtime/test_bf16_linear.py)",
             "bf16_weights": "back to bf16 for `actors/bf16_weight_linear.py`'s AVX2 kernel, which widens them to fp32 "
                             "in registers (the LM head too, when tied; decoding rows attend in one call a layer); "
-                            "products equal up to fp32 summation order"}
+                            "products equal up to fp32 summation order (tests/runtime/test_bf16_weight_linear.py)"}
            .get(data.get("packed_kernel") or "onednn", str(data.get("packed_kernel"))))
     lines = ["## Packed linear weights against the plain kernels", "",
              "The same steps with the model's weights as loaded (`mv` or `F.linear`, chosen as above) and packed "
-             f"as the actors pack them on this CPU (`actors/packed_weights.py`): {how} "
-             "(tests/runtime/test_packed_weights.py).", "",
+             f"as the actors pack them on this CPU (`actors/packed_weights.py`): {how}.", "",
              "| context | batch | plain step (ms) | packed step (ms) | plain ÷ packed |", "|--:|--:|--:|--:|--:|"]
     for context in plan.contexts:
         for batch in plan.batch_sizes:
