@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -22,43 +23,141 @@ inline __m512 load16(const at::BFloat16* p) {  // 16 bf16 -> 16 fp32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// One KV head of one row: its G query heads against keys [t0, t1) of k [S, D], v [S, D] (D % 16 == 0).
+constexpr int64_t KB = 16;  // keys a block: one vector of their scores
+
+inline __m512 loadbh(const at::BFloat16* p) { return _mm512_loadu_ps(p); }  // 32 bf16, as VDPBF16PS takes them
+inline __m512 loadbh_half(const at::BFloat16* p) {  // 16 bf16 in the low half, zeros above: their products are 0
+  return _mm512_castsi512_ps(_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)p)));
+}
+inline __m512 dot_pairs(__m512 acc, __m512 a, __m512 b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(a), (__m512bh)_mm512_castps_si512(b));
+}
+
+// The horizontal sums of 16 vectors in one: lane i = the sum of v[i]'s lanes, in a fixed order. A quarter of
+// the shuffles of one full reduction per vector.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {  // w[i]: v[2i]'s 128-bit lanes {0+2, 1+3} in its lanes 0-1, v[2i+1]'s in 2-3
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // x[i]: 128-bit lane l holds four partial sums of v[4i + l]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // y[i]: lane l holds two partial sums each of x[2i] and x[2i+1]'s lane l
+    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  }
+  // z: element e of 128-bit lane l = the sum of v[4e + l]; put it at 4e + l.
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+// exp(x) of 16 lanes, x <= 0 here (scores less their max): Cephes' expf, 2^n times a degree-7 polynomial of the
+// rest, within about one fp32 rounding of the exact value.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below, exp is under 2^-126: ~0 against the max's 1
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Scores of query head q [D] against keys [t0, t1) of k [S, D], times scale, into s [t1 - t0]; returns their max.
+// Sixteen keys at a time, each key's products summed in its own vector, the sixteen reduced together.
+float score(const at::BFloat16* q, const at::BFloat16* k, int64_t t0, int64_t t1, int64_t D, float scale, float* s) {
+  const int64_t T = t1 - t0;
+  __m512 max_s = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < T; t += KB) {
+    const at::BFloat16* kt[KB];
+    for (int64_t j = 0; j < KB; ++j) kt[j] = k + (t0 + std::min(t + j, T - 1)) * D;  // a short block repeats its last
+    __m512 acc[KB];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {  // 32 features: 16 pairs a VDPBF16PS
+      const __m512 qd = loadbh(q + d);
+      for (int64_t j = 0; j < KB; ++j) acc[j] = dot_pairs(acc[j], qd, loadbh(kt[j] + d));
+    }
+    if (d < D) {  // the last 16 features (D = 16, 48, 80, ...)
+      const __m512 qd = loadbh_half(q + d);
+      for (int64_t j = 0; j < KB; ++j) acc[j] = dot_pairs(acc[j], qd, loadbh_half(kt[j] + d));
+    }
+    const __mmask16 keep = T - t >= KB ? 0xFFFF : (__mmask16)((1u << (T - t)) - 1);
+    const __m512 st = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(s + t, keep, st);
+    max_s = _mm512_mask_max_ps(max_s, keep, max_s, st);
+  }
+  return _mm512_reduce_max_ps(max_s);
+}
+
+// s [T] -> exp(s - max) in place; returns their sum.
+float exponentiate(float* s, int64_t T, float max_s) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < T; t += KB) {
+    const __mmask16 keep = T - t >= KB ? 0xFFFF : (__mmask16)((1u << (T - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + t), _mm512_set1_ps(max_s)));
+    _mm512_mask_storeu_ps(s + t, keep, e);
+    sum = _mm512_mask_add_ps(sum, keep, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// NG query heads' outputs over NB blocks of 16 features from d0: out_g = inv_g * sum_t w_g[t] v_t, v [S, D] read
+// once for all NG heads, NG x NB independent sums (one chain each would wait on every FMA's latency).
+template <int NG, int NB>
+void weigh_values(const float* w, int64_t w_stride, const float* inv, const at::BFloat16* v, int64_t t0, int64_t T,
+                  int64_t D, int64_t d0, at::BFloat16* out) {
+  __m512 acc[NG][NB];
+  for (auto& row : acc) for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t t = 0; t < T; ++t) {
+    const at::BFloat16* vt = v + (t0 + t) * D + d0;
+    __m512 vb[NB];
+    for (int b = 0; b < NB; ++b) vb[b] = load16(vt + 16 * b);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 wg = _mm512_set1_ps(w[g * w_stride + t]);
+      for (int b = 0; b < NB; ++b) acc[g][b] = _mm512_fmadd_ps(wg, vb[b], acc[g][b]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int b = 0; b < NB; ++b) {
+      const __m512 o = _mm512_mul_ps(acc[g][b], _mm512_set1_ps(inv[g]));
+      _mm256_storeu_si256((__m256i*)(out + g * D + d0 + 16 * b), (__m256i)_mm512_cvtneps_pbh(o));
+    }
+  }
+}
+
+using WeighValues = void (*)(const float*, int64_t, const float*, const at::BFloat16*, int64_t, int64_t, int64_t,
+                             int64_t, at::BFloat16*);
+constexpr int MAX_NG = 4, MAX_NB = 4;  // 16 sums, 4 value blocks and a weight: 21 of the 32 vector registers
+const WeighValues WEIGH_VALUES[MAX_NG][MAX_NB] = {
+    {weigh_values<1, 1>, weigh_values<1, 2>, weigh_values<1, 3>, weigh_values<1, 4>},
+    {weigh_values<2, 1>, weigh_values<2, 2>, weigh_values<2, 3>, weigh_values<2, 4>},
+    {weigh_values<3, 1>, weigh_values<3, 2>, weigh_values<3, 3>, weigh_values<3, 4>},
+    {weigh_values<4, 1>, weigh_values<4, 2>, weigh_values<4, 3>, weigh_values<4, 4>},
+};
+
+// One KV head of one row: its G query heads [G, D] against keys [t0, t1) of k [S, D], v [S, D] (D % 16 == 0) into
+// out [G, D]. scores: scratch, resized to G rows of the span's keys.
 void attend(const at::BFloat16* q, int64_t G, const at::BFloat16* k, const at::BFloat16* v, int64_t t0, int64_t t1,
             int64_t D, float scale, at::BFloat16* out, std::vector<float>& scores) {
-  const int64_t T = t1 - t0;
+  const int64_t T = t1 - t0, stride = (T + KB - 1) / KB * KB;
+  scores.resize(G * stride);
+  std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {
-    const at::BFloat16* qg = q + g * D;
-    float* s = scores.data();
-    float max_s = -INFINITY;
-    for (int64_t t = 0; t < T; ++t) {
-      const at::BFloat16* kt = k + (t0 + t) * D;
-      __m512 acc = _mm512_setzero_ps();
-      int64_t d = 0;
-      for (; d + 32 <= D; d += 32) {  // 32 features: 16 pairs a VDPBF16PS
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + d), (__m512bh)_mm512_loadu_si512(kt + d));
-      }
-      float dot = _mm512_reduce_add_ps(acc);
-      if (d < D) {  // the last 16 features (D = 16, 48, 80, ...)
-        __m256 half = _mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)_mm256_loadu_si256((const __m256i*)(qg + d)),
-                                       (__m256bh)_mm256_loadu_si256((const __m256i*)(kt + d)));
-        dot += _mm512_reduce_add_ps(_mm512_zextps256_ps512(half));  // the upper half zero
-      }
-      s[t] = dot * scale;
-      max_s = std::max(max_s, s[t]);
-    }
-    float sum = 0.f;
-    for (int64_t t = 0; t < T; ++t) {
-      s[t] = std::exp(s[t] - max_s);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 o = _mm512_setzero_ps();
-      for (int64_t t = 0; t < T; ++t) {
-        o = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), load16(v + (t0 + t) * D + d), o);
-      }
-      o = _mm512_mul_ps(o, _mm512_set1_ps(inv));
-      _mm256_storeu_si256((__m256i*)(out + g * D + d), (__m256i)_mm512_cvtneps_pbh(o));
+    float* s = scores.data() + g * stride;
+    inv[g] = 1.f / exponentiate(s, T, score(q + g * D, k, t0, t1, D, scale, s));
+  }
+  for (int64_t g = 0; g < G; g += MAX_NG) {
+    const int64_t ng = std::min<int64_t>(MAX_NG, G - g);
+    for (int64_t d = 0; d < D; d += 16 * MAX_NB) {
+      const int64_t nb = std::min<int64_t>(MAX_NB, (D - d) / 16);
+      WEIGH_VALUES[ng - 1][nb - 1](scores.data() + g * stride, stride, inv.data() + g, v, t0, T, D, d, out + g * D);
     }
   }
 }
@@ -119,7 +218,6 @@ void run(const RowLayout& in, int64_t R, int64_t H, int64_t Hkv, int64_t D, cons
         std::memcpy(kc + pos[r] * D, k_new, D * sizeof(at::BFloat16));
       }
       std::memcpy(vc + pos[r] * D, row + in.v_offset + h * D, D * sizeof(at::BFloat16));
-      scores.resize(pos[r] + 1 - start[r]);
       attend(q, G, kc, vc, start[r], pos[r] + 1, D, scale, out + (r * H + h * G) * D, scores);
     }
   });

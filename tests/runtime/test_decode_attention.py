@@ -93,7 +93,9 @@ def test_a_step_of_decoding_rows_through_the_joined_projection_and_the_kernels_r
 def test_the_kernel_caches_each_rows_new_key_and_attends_within_one_rounding_of_the_exact_sum():
     torch.manual_seed(0)
     ext = cpu_kernels.extension()
-    for d, h, h_kv in ((16, 4, 2), (64, 9, 3), (128, 8, 8)):
+    # Head dims with a last half-pair of 16 features (16, 80) and past one block of 64 (80, 128); query heads per KV
+    # head past one tile of 4 (G = 5); spans shorter than a block of 16 keys, and ending within one.
+    for d, h, h_kv in ((16, 4, 2), (64, 9, 3), (80, 10, 2), (128, 8, 8)):
         lengths = [1, 5, 17, 40, 300]
         q = torch.randn(len(lengths), h, d).to(torch.bfloat16)
         k_new, v_new = (torch.randn(len(lengths), h_kv, d).to(torch.bfloat16) for _ in range(2))
