@@ -44,7 +44,7 @@ from actors.chat import GenerationRequest, build_prompt, check_context_window
 from actors.events import BatchFullError, Emit, Event, FinishEvent, StartEvent, TokenEvent
 from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
-from actors.sampling import SamplingParams, make_generator, mask_tokens, sample
+from actors.sampling import SamplingParams, greedy, make_generator, mask_tokens, sample
 from actors.scheduler import RowProgress, max_step_s, plan_step, prefill_budget
 from actors.step_cost import StepCheck, StepCost
 from actors.stop_sequences import StopSequenceFilter
@@ -196,9 +196,7 @@ class Engine:
                 rows.append(row)
         logits = self.model.forward_rows(torch.tensor(tokens, dtype=torch.long, device=self.device), inputs,
                                          wait_layer)
-        # One host sync for the whole step: each row samples on its own generator, then all ids come back.
-        ids = torch.cat([sample(self._allowed(logits[i : i + 1], r), r.params, r.generator)
-                         for i, r in enumerate(rows)])
+        ids = self._sample(logits, rows)
         clock.stop()
         ids = ids.tolist()
         seconds = clock.seconds()
@@ -270,6 +268,21 @@ class Engine:
         row.compute_start = now
         self._rows.append(row)
         row.emit(StartEvent(now, self.step_check.correction, self.step_check.baseline))
+
+    def _sample(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Each row's next token, [R] int64, from its logits [R, V]. The greedy rows with no token masked (the usual
+        case) take one argmax together; the others sample one by one, each on its own generator. One host sync
+        for the whole step follows (the caller's tolist)."""
+        plain = [i for i, r in enumerate(rows) if r.params.is_greedy and r.num_out >= r.params.min_tokens]
+        if len(plain) == len(rows):
+            return greedy(logits)
+        ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        if plain:
+            ids[plain] = greedy(logits[plain])
+        for i, r in enumerate(rows):
+            if not (r.params.is_greedy and r.num_out >= r.params.min_tokens):
+                ids[i] = sample(self._allowed(logits[i : i + 1], r), r.params, r.generator)[0]
+        return ids
 
     def _allowed(self, logits: torch.Tensor, row: Row) -> torch.Tensor:
         """The row's logits [1, V], without the end-of-turn tokens while it is short of its `min_tokens`."""

@@ -10,6 +10,7 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
                                const std::vector<int64_t>& pos, const std::vector<int64_t>& start,
                                const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 
 // Built with OpenMP: at::parallel_for then splits a kernel over torch's intra-op threads (else it runs on one).
 bool is_parallel() {
@@ -36,4 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("sin") = pybind11::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows over their last dimension, as HF computes it in bf16", NoGil(),
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest fp32 logit", NoGil(),
+        pybind11::arg("logits"));
 }

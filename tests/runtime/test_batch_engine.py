@@ -123,6 +123,20 @@ def test_same_seed_samples_the_same_in_a_batch_as_alone(parts):
     assert expected[0] != alone(engine, a[0], SamplingParams(max_tokens=32, temperature=1.0, top_p=0.9, seed=13))
 
 
+def test_greedy_rows_sampled_together_and_rows_sampled_alone_each_get_their_tokens_alone(parts):
+    # The greedy rows of a step take one argmax together (Engine._sample); a seeded sampled row and a greedy row
+    # short of its min_tokens sample one by one beside them, in between them in the batch's order.
+    engine = make_engine(parts)
+    requests = [(prompt_ids(engine, p), params) for p, params in zip(PROMPTS, (
+        SamplingParams(max_tokens=32, temperature=0.0),
+        SamplingParams(max_tokens=34, temperature=1.0, seed=5),
+        SamplingParams(max_tokens=33, temperature=0.0, min_tokens=8),
+        SamplingParams(max_tokens=32, temperature=0.0)), strict=True)]
+    expected = [alone(engine, p, s) for p, s in requests]
+    recorders = run_schedule(engine, {0: requests[:2], 2: requests[2:]})
+    assert [r.tokens for r in recorders] == expected
+
+
 def test_cancelling_one_row_stops_it_within_a_step_and_no_other(parts):
     engine = make_engine(parts)
     requests = [(prompt_ids(engine, p), SamplingParams(max_tokens=32, temperature=0.0)) for p in PROMPTS[:3]]
