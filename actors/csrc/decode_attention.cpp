@@ -163,12 +163,23 @@ void attend(const at::BFloat16* q, int64_t G, const at::BFloat16* k, const at::B
 }
 
 // RoPE of one head as actors/rope.py's apply_rope computes it in bf16: x * cos rounded, then + roll(x) * signed_sin
-// rounded once (torch's bf16 addcmul sums in fp32).
+// rounded once (torch's bf16 addcmul sums in fp32). Sixteen features at a time where each half of the head is
+// whole blocks of 16 (D = 32, 64, 128, ...: a block's rolled partner is then one block too); one by one otherwise.
 inline void rope(const at::BFloat16* x, const at::BFloat16* cos, const at::BFloat16* ssin, int64_t D,
                  at::BFloat16* out) {
+  const int64_t half = D / 2;
+  if (half % 16 == 0) {
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 xd = load16(x + d), rolled = load16(x + (d + half) % D);
+      const __m512 scaled = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(xd, load16(cos + d))));
+      const __m512 sum = _mm512_add_ps(scaled, _mm512_mul_ps(rolled, load16(ssin + d)));
+      _mm256_storeu_si256((__m256i*)(out + d), (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+    return;
+  }
   for (int64_t d = 0; d < D; ++d) {
     const float scaled = (float)at::BFloat16((float)x[d] * (float)cos[d]);
-    out[d] = at::BFloat16(scaled + (float)x[(d + D / 2) % D] * (float)ssin[d]);
+    out[d] = at::BFloat16(scaled + (float)x[(d + half) % D] * (float)ssin[d]);
   }
 }
 

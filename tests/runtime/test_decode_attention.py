@@ -72,7 +72,11 @@ def test_batched_decode_attention_gives_the_row_by_row_logits(tmp_path, preset, 
         assert (batched.argmax(-1) == row_by_row.argmax(-1)).float().mean() >= 0.8
 
 
-@pytest.mark.parametrize("preset, overrides", [("tiny", {}), ("tiny-mistral", {"sliding_window": 8})])
+@pytest.mark.parametrize("preset, overrides", [
+    ("tiny", {}),  # head_dim 16: RoPE one feature at a time
+    ("tiny", {"head_dim": 64}),  # each half of a head whole blocks of 16: RoPE sixteen features at a time
+    ("tiny-mistral", {"sliding_window": 8}),
+])
 def test_a_step_of_decoding_rows_through_the_joined_projection_and_the_kernels_rope_gives_the_same_logits(
         tmp_path, preset, overrides):
     # Packed for the actors' kernels, q, k and v are one joined projection, and where every token of a step decodes
