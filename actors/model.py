@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors import bf16_linear
+from actors import bf16_linear, decode_layers
 from actors.arena import move_parameters_to_huge_pages
 from actors.attention import Attention, AttentionSpan, Segment
 from actors.kv_cache import KVCache
@@ -139,6 +139,9 @@ class Transformer(nn.Module):
         # whose plain copy is then released. `packed_head_layout` is the module of its layout (`linear`, `rows_of`).
         self.packed_head: torch.Tensor | None = None
         self.packed_head_layout = bf16_linear
+        # Every layer of a decode-only step in one C++ call (decode_layers.py), set where packing installs the bf16
+        # kernel; None: the layers one by one (the reference the tests compare it with).
+        self.decode_layers = None
         if initialise:
             self.init_weights()
 
@@ -294,10 +297,13 @@ class Transformer(nn.Module):
         if wait_layer is not None:
             wait_layer(EMBEDDINGS_GROUP)
         x = self.embed(tokens)
-        for i, layer in enumerate(self.model.layers):
-            if wait_layer is not None:
-                wait_layer(i)
-            x = layer(x, rope, segments, i)
+        if wait_layer is None and self.decode_layers is not None and decode_layers.takes(x, segments):
+            x = decode_layers.forward(self.decode_layers, x, rope, segments)  # every layer in one C++ call
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if wait_layer is not None:
+                    wait_layer(i)
+                x = layer(x, rope, segments, i)
         if wait_layer is not None:
             wait_layer(self.config.num_layers)
         if last is not None:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from actors import bf16_linear, bf16_weight_linear, cpu_kernels
+from actors import bf16_linear, bf16_weight_linear, cpu_kernels, decode_layers
 from actors.actor_config import PACKED_KERNELS
 from actors.attention import Attention, batch_decode_attention
 from actors.heap import glibc
@@ -118,6 +118,8 @@ class PackedWeights:
             self.model.packed_head, self.model.packed_head_layout = self.head, LAYOUTS[self.kernel]  # lookups, head
             table.weight = nn.Parameter(torch.empty(0, dtype=plain.dtype, device=plain.device), requires_grad=False)
             released += _release_pages(plain)
+        if isinstance(self.model, Transformer):  # None unless every layer is packed for the bf16 kernel
+            self.model.decode_layers = decode_layers.build(self.model)
         self.is_installed = True
         log.info("packed %d linear weights for %s (%.0f MB); %.0f MB of plain weights released",
                  len(self.layers), self.kernel, self.nbytes_packed() / 1e6, released / 1e6)

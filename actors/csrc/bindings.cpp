@@ -11,6 +11,7 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
                                const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+void bind_decode_layers(pybind11::module& m);
 
 // Built with OpenMP: at::parallel_for then splits a kernel over torch's intra-op threads (else it runs on one).
 bool is_parallel() {
@@ -39,4 +40,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest fp32 logit", NoGil(),
         pybind11::arg("logits"));
+  bind_decode_layers(m);
 }

@@ -1,0 +1,104 @@
+// Every decoder layer of a step in which each row decodes one token, in one call from Python: the step's ~12
+// kernel and ATen calls a layer are made from C++, where in Python each paid the interpreter's and nn.Module's
+// overhead (~29% of SmolLM2's one-row step before, profiled by hand). The same kernels and ATen ops in the same
+// order as actors/model.py's layers with packed weights (bf16_linear.Fused, csrc/decode_attention.cpp): the same
+// bits (tests/runtime/test_decode_layers.py).
+//
+// x: [R, hidden] bf16, one token a row; k_caches[l][r], v_caches[l][r]: layer l's cache of row r, [1, H_kv, S_r, D];
+// pos, start, cos, sin: as decode_attention takes them. Returns x after the last layer, [R, hidden].
+// Built with -mavx512bf16 by actors/cpu_kernels.py, with the kernels it calls.
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
+                               const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                               const std::vector<int64_t>& pos, const std::vector<int64_t>& start,
+                               const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+
+namespace {
+
+using Optional = c10::optional<torch::Tensor>;
+
+void check_layers(const std::vector<torch::Tensor>& t, size_t L, const char* name) {
+  TORCH_CHECK(t.size() == L, name, ": one per layer");
+  for (const auto& w : t) TORCH_CHECK(w.defined(), name, ": a tensor per layer");
+}
+
+}  // namespace
+
+class DecodeLayers {
+ public:
+  // Per layer: the two norms' weights [hidden], and the packed projections with their biases (None where absent):
+  // q, k and v joined [(H + 2 H_kv) D / 16, hidden / 2, 16]; o; gate and up joined; down.
+  DecodeLayers(std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_norms,
+               std::vector<torch::Tensor> qkv, std::vector<Optional> qkv_bias, std::vector<torch::Tensor> o,
+               std::vector<Optional> o_bias, std::vector<torch::Tensor> gate_up, std::vector<Optional> gate_up_bias,
+               std::vector<torch::Tensor> down, std::vector<Optional> down_bias, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps)
+      : input_norms_(std::move(input_norms)), post_norms_(std::move(post_norms)), qkv_(std::move(qkv)),
+        qkv_bias_(std::move(qkv_bias)), o_(std::move(o)), o_bias_(std::move(o_bias)), gate_up_(std::move(gate_up)),
+        gate_up_bias_(std::move(gate_up_bias)), down_(std::move(down)), down_bias_(std::move(down_bias)),
+        H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), hidden_(hidden), I_(intermediate), eps_(eps) {
+    const size_t L = input_norms_.size();
+    TORCH_CHECK(L > 0 && H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && D_ % 16 == 0, "layers, heads and head_dim");
+    for (const auto* t : {&post_norms_, &qkv_, &o_, &gate_up_, &down_}) check_layers(*t, L, "weights");
+    for (const auto* b : {&qkv_bias_, &o_bias_, &gate_up_bias_, &down_bias_}) {
+      TORCH_CHECK(b->size() == L, "biases: one entry (or None) per layer");
+    }
+  }
+
+  int64_t num_layers() const { return (int64_t)input_norms_.size(); }
+
+  torch::Tensor run(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& k_caches,
+                    const std::vector<std::vector<torch::Tensor>>& v_caches, const std::vector<int64_t>& pos,
+                    const std::vector<int64_t>& start, const Optional& cos, const Optional& sin) const {
+    const int64_t L = num_layers();
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+                "x: contiguous bf16 [R, hidden]");
+    TORCH_CHECK((int64_t)k_caches.size() == L && (int64_t)v_caches.size() == L, "caches: one list per layer");
+    const int64_t R = x.size(0);
+    for (int64_t l = 0; l < L; ++l) {
+      // As DecoderLayer.forward: h = x + attention(norm(x)); x = h + mlp(norm(h)).
+      const torch::Tensor qkv = bf16_linear(rms_norm(x, input_norms_[l], eps_), qkv_[l], (H_ + 2 * Hkv_) * D_,
+                                            qkv_bias_[l]);
+      const torch::Tensor y = decode_attention(qkv, H_, Hkv_, k_caches[l], v_caches[l], pos, start, cos, sin);
+      const torch::Tensor h = x + bf16_linear(y.view({R, H_ * D_}), o_[l], hidden_, o_bias_[l]);
+      // As MLP.forward with gate and up joined: silu(gate) in place, times up in place, then down.
+      const torch::Tensor gate_up = bf16_linear(rms_norm(h, post_norms_[l], eps_), gate_up_[l], 2 * I_,
+                                                gate_up_bias_[l]);
+      torch::Tensor gate = gate_up.narrow(1, 0, I_);
+      at::silu_(gate).mul_(gate_up.narrow(1, I_, I_));
+      x = h + bf16_linear(gate.contiguous(), down_[l], hidden_, down_bias_[l]);
+    }
+    return x;
+  }
+
+ private:
+  std::vector<torch::Tensor> input_norms_, post_norms_, qkv_;
+  std::vector<Optional> qkv_bias_;
+  std::vector<torch::Tensor> o_;
+  std::vector<Optional> o_bias_;
+  std::vector<torch::Tensor> gate_up_;
+  std::vector<Optional> gate_up_bias_;
+  std::vector<torch::Tensor> down_;
+  std::vector<Optional> down_bias_;
+  int64_t H_, Hkv_, D_, hidden_, I_;
+  double eps_;
+};
+
+void bind_decode_layers(pybind11::module& m) {
+  using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<Optional>, std::vector<torch::Tensor>, std::vector<Optional>,
+                          std::vector<torch::Tensor>, std::vector<Optional>, std::vector<torch::Tensor>,
+                          std::vector<Optional>, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def_property_readonly("num_layers", &DecodeLayers::num_layers)
+      .def("run", &DecodeLayers::run, "every layer of a decode-only step: x [R, hidden] -> x after the last", NoGil(),
+           pybind11::arg("x"), pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("pos"),
+           pybind11::arg("start"), pybind11::arg("cos") = pybind11::none(), pybind11::arg("sin") = pybind11::none());
+}
