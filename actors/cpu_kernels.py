@@ -51,9 +51,10 @@ def is_cpu_supported() -> bool:
 
 
 def is_avx2_supported() -> bool:
-    """torch dispatches its own kernels at AVX2 here (which implies FMA) or higher, and the CPU has no AVX512-BF16
-    (where the bf16 kernels above serve instead)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and not is_cpu_supported()
+    """torch dispatches its own kernels at AVX2 here (which implies FMA) or higher: the AVX2 kernels run. Where the
+    CPU also has AVX512-BF16, a bf16 model computes in bf16 on the kernels above (compute_dtype.py's `auto`); these
+    serve a model computed in fp32 there (forced by `actor.compute_dtype`), and are tested there too."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def _build(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]):
@@ -102,9 +103,9 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if is_cpu_supported():
         print(f"the actors' CPU kernels: {'built' if is_available() else 'NOT built (see the warning above)'}")
-    elif is_avx2_supported():
+    if is_avx2_supported():
         print(f"the actors' AVX2 kernels: {'built' if avx2_extension() else 'NOT built (see the warning above)'}")
-    else:
+    if not is_cpu_supported() and not is_avx2_supported():
         print("the actors' CPU kernels: this CPU has neither AVX512-BF16 nor AVX2 with FMA; torch's kernels serve")
     return 0
 
