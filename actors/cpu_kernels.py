@@ -6,12 +6,16 @@
     argmax_rows        greedy sampling's argmax over every row's fp32 logits in one call (sampling.py)
     DecodeLayers       every decoder layer of a decode-only step in one call (decode_layers.py)
 
-and one for CPUs with AVX2 and FMA but no AVX512-BF16, which compute a bf16 file in fp32 (compute_dtype.py):
+and one for CPUs with AVX2 and FMA, which compute a bf16 file in fp32 (compute_dtype.py) where there is no
+AVX512-BF16, or where fp32 is asked for:
 
     bf16_weight_linear an fp32 linear layer over its bf16 weight, half the bytes of the widened one
                        (bf16_weight_linear.py)
     rms_norm_f32       RMSNorm of fp32 rows in one pass (layers.py)
     decode_attention_f32  every decoding fp32 row of a batch attends in one call (attention.py)
+    DecodeLayers       every decoder layer of a decode-only step in one call (decode_layers.py), as above
+
+Both instantiate decode_layers.h's layer loop with their own kernels.
 
 Compiled on first use with torch's C++ extension builder and kept in its cache (a minute or so
 on 2 cores, timed by hand); `make setup` builds it ahead (`python -m actors.cpu_kernels`), so an actor only loads
@@ -23,6 +27,7 @@ the runtime uses torch's kernels (oneDNN's packed linear, SDPA row by row).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -35,7 +40,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "bf16_linear.cpp", "decode_attention.cpp", "rms_norm.cpp",
-                                      "argmax.cpp", "decode_layers.cpp"))
+                                      "argmax.cpp"))
 AVX2_SOURCES = tuple(CSRC / f for f in ("avx2_bindings.cpp", "bf16_weight_linear.cpp", "rms_norm_f32.cpp",
                                          "decode_attention_f32.cpp"))
 # -fopenmp: at::parallel_for is an OpenMP pragma inlined from torch's headers; compiled without it, the
@@ -62,9 +67,11 @@ def _build(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]):
 
     if shutil.which("ninja") is None:  # the `ninja` wheel's binary beside this interpreter, not on PATH
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    # torch rebuilds an extension when its sources or flags change, not its headers: their digest is a flag.
+    headers = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
     try:
-        return load(name, [str(s) for s in sources], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        return load(name, [str(s) for s in sources], extra_cflags=[*flags, f"-DZQ_HEADERS_DIGEST={headers}"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, or no ninja: torch's own kernels serve instead
         log.warning("the actors' CPU kernels (%s) could not be built (%s); torch's kernels serve", name, e)
         return None

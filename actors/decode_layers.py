@@ -1,14 +1,16 @@
 """Every decoder layer of a decode-only step in one C++ call: the step without Python between its kernels.
 
 A step in which every row decodes one token (the common step of a running batch) is, per layer, ~12 kernel
-and ATen calls on a few rows. From Python each paid the interpreter's and nn.Module's overhead: ~29% of
-SmolLM2's one-row step on an AVX512-BF16 CPU (profiled by hand). `DecodeLayers` (csrc/decode_layers.cpp) makes the
-same calls in the same order from C++ (the same kernels, the same ATen ops, the same bits as the layers'
-own forward), so only the embedding, the final norm, the head and sampling stay in Python.
+and ATen calls on a few rows. From Python each paid the interpreter's and nn.Module's overhead: SmolLM2's
+one-row step took 11.3 ms through the layers one by one, 9.3 ms in one call, alternated in one process on an
+AVX512-BF16 CPU (by hand). `DecodeLayers` (csrc/decode_layers.h) makes the same calls in the same order from
+C++ (the same kernels, the same ATen ops, the same bits as the layers' own forward), so only the embedding, the
+final norm, the head and sampling stay in Python.
 
-It serves a model packed for the bf16 kernel (packed_weights.py, "bf16_linear") whose every layer has q, k, v
-and gate, up joined, its RMSNorms and decode attention through the kernels, and no QK-norm; any other step
-(a prompt chunk in it, a cold actor's weights still arriving) runs the layers one by one, as before.
+It serves a model packed for one of the actors' own kernels (packed_weights.py: "bf16_linear", bf16 rows on
+AVX512-BF16; "bf16_weights", fp32 rows over bf16 weights on AVX2) whose every layer has q, k, v and gate, up
+joined, its RMSNorms and decode attention through the kernels, and no QK-norm; any other step (a prompt chunk
+in it, a cold actor's weights still arriving) runs the layers one by one, as before.
 """
 
 from __future__ import annotations
@@ -17,16 +19,16 @@ from collections.abc import Sequence
 
 import torch
 
-from actors import cpu_kernels
+from actors import bf16_linear, bf16_weight_linear, cpu_kernels
 from actors.attention import Segment
 
 
 def build(model):
     """The kernel's `DecodeLayers` for `model` (a Transformer, packed and installed), or None where it does not
     serve it (see the module docstring). Cheap: it holds references to the packed tensors, copies nothing."""
-    ext = cpu_kernels.loaded()
+    ext, layout, layout_linear = _kernels(model.dtype)
     layers = model.model.layers
-    if ext is None or model.dtype != torch.bfloat16 or model.device.type != "cpu" or not len(layers):
+    if ext is None or model.device.type != "cpu" or not len(layers):
         return None
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -34,8 +36,8 @@ def build(model):
         if (attn.fused_in is None or mlp.fused_in is None or attn.q_norm is not None or not attn.is_decode_batched
                 or attn.head_dim % 16 or not layer.input_layernorm.is_fused
                 or not layer.post_attention_layernorm.is_fused
-                or any(m.packed_weight is None or m.packed_kernel != "bf16_linear" for m in linears)
-                or any(f.kernel.__module__ != "actors.bf16_linear" for f in (attn.fused_in, mlp.fused_in))):
+                or any(m.packed_weight is None or m.packed_kernel != layout for m in linears)
+                or any(f.kernel is not layout_linear for f in (attn.fused_in, mlp.fused_in))):
             return None
     c = model.config
     return ext.DecodeLayers(
@@ -46,6 +48,16 @@ def build(model):
         [layer.mlp.down_proj.packed_weight for layer in layers], [layer.mlp.down_proj.bias for layer in layers],
         c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size,
         model.model.layers[0].input_layernorm.eps)
+
+
+def _kernels(dtype: torch.dtype):
+    """The extension whose DecodeLayers computes rows of `dtype` (None where it is not loaded), the packed layout
+    its linear reads (Linear.packed_kernel) and that layout's `linear` (bf16_linear.Fused.kernel)."""
+    if dtype == torch.bfloat16:  # bf16 rows on AVX512-BF16
+        return cpu_kernels.loaded(), "bf16_linear", bf16_linear.linear
+    if dtype == torch.float32:  # fp32 rows over bf16 weights on AVX2
+        return cpu_kernels.avx2_loaded(), "bf16_weights", bf16_weight_linear.linear
+    return None, None, None
 
 
 def takes(x: torch.Tensor, segments: Sequence[Segment]) -> bool:

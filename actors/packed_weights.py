@@ -118,7 +118,7 @@ class PackedWeights:
             self.model.packed_head, self.model.packed_head_layout = self.head, LAYOUTS[self.kernel]  # lookups, head
             table.weight = nn.Parameter(torch.empty(0, dtype=plain.dtype, device=plain.device), requires_grad=False)
             released += _release_pages(plain)
-        if isinstance(self.model, Transformer):  # None unless every layer is packed for the bf16 kernel
+        if isinstance(self.model, Transformer):  # None unless every layer is packed for one of our kernels
             self.model.decode_layers = decode_layers.build(self.model)
         self.is_installed = True
         log.info("packed %d linear weights for %s (%.0f MB); %.0f MB of plain weights released",

@@ -4,6 +4,8 @@
 
 #include <vector>
 
+#include "decode_layers.h"
+
 torch::Tensor bf16_weight_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                                  const c10::optional<torch::Tensor>& bias);
 torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w, double eps);
@@ -12,6 +14,19 @@ torch::Tensor decode_attention_f32(const torch::Tensor& qkv, int64_t H, int64_t 
                                    const std::vector<torch::Tensor>& v_caches, const std::vector<int64_t>& pos,
                                    const std::vector<int64_t>& start, const c10::optional<torch::Tensor>& cos,
                                    const c10::optional<torch::Tensor>& sin);
+
+// The kernels decode_layers.h's layer loop calls: fp32 rows over bf16 weights.
+struct Avx2Kernels {
+  static constexpr at::ScalarType dtype = at::kFloat;
+  static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                              const c10::optional<torch::Tensor>& bias) {
+    return bf16_weight_linear(x, packed, N, bias);
+  }
+  static torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+    return rms_norm_f32(x, w, eps);
+  }
+  static constexpr auto attention = decode_attention_f32;
+};
 
 // Built with OpenMP, as the AVX512 kernels (bindings.cpp): at::parallel_for then uses torch's intra-op threads.
 bool is_parallel() {
@@ -37,4 +52,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("qkv"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("k_caches"),
         pybind11::arg("v_caches"), pybind11::arg("pos"), pybind11::arg("start"), pybind11::arg("cos") = pybind11::none(),
         pybind11::arg("sin") = pybind11::none());
+  decode_layers::bind<Avx2Kernels>(m);
 }

@@ -3,6 +3,8 @@
 
 #include <vector>
 
+#include "decode_layers.h"
+
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
@@ -11,7 +13,17 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
                                const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
-void bind_decode_layers(pybind11::module& m);
+
+// The kernels decode_layers.h's layer loop calls: bf16 rows.
+struct Bf16Kernels {
+  static constexpr at::ScalarType dtype = at::kBFloat16;
+  static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                              const c10::optional<torch::Tensor>& bias) {
+    return bf16_linear(x, packed, N, bias);
+  }
+  static torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, double eps) { return rms_norm(x, w, eps); }
+  static constexpr auto attention = decode_attention;
+};
 
 // Built with OpenMP: at::parallel_for then splits a kernel over torch's intra-op threads (else it runs on one).
 bool is_parallel() {
@@ -40,5 +52,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest fp32 logit", NoGil(),
         pybind11::arg("logits"));
-  bind_decode_layers(m);
+  decode_layers::bind<Bf16Kernels>(m);
 }

@@ -1,7 +1,8 @@
-"""Every layer of a decode-only step in one C++ call (actors/decode_layers.py, csrc/decode_layers.cpp): the layers'
-own bits, step by step, for GQA, biased, sliding-window and wider-head models, tied and untied; a batch whose rows
-join and leave decodes the same tokens with it as without; steps it does not compute (a prompt chunk in them)
-and models it does not serve (QK-norm, unpacked) take the layers one by one."""
+"""Every layer of a decode-only step in one C++ call (actors/decode_layers.py, csrc/decode_layers.h), for bf16 rows
+(AVX512-BF16) and fp32 rows over bf16 weights (AVX2): the layers' own bits, step by step, for GQA, biased,
+sliding-window and wider-head models, tied and untied; a batch whose rows join and leave decodes the same tokens
+with it as without; steps it does not compute (a prompt chunk in them) and models it does not serve (QK-norm,
+unpacked) take the layers one by one."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ from actors import decode_layers as decode_layers_module
 from actors.packed_weights import pack
 from tests.runtime.test_batch_engine import join_and_leave_tokens
 from tests.runtime.test_decode_attention import _model, _rows_step
+from tests.runtime.test_decode_attention_f32 import widened_model
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.is_available(),
-                                reason="no AVX512-BF16 on this CPU, or the kernels could not be built")
+# Each kernel set where it runs: bf16 rows need AVX512-BF16; fp32 rows the AVX2 kernels (on either kind of CPU).
+KERNELS = [
+    pytest.param(_model, marks=pytest.mark.skipif(not cpu_kernels.is_available(),
+                                                  reason="no AVX512-BF16 on this CPU, or no build"), id="bf16"),
+    pytest.param(widened_model, marks=pytest.mark.skipif(cpu_kernels.avx2_extension() is None,
+                                                         reason="no AVX2 kernels here"), id="fp32"),
+]
 
 
 @pytest.fixture
@@ -32,14 +39,16 @@ def calls(monkeypatch):
     return count
 
 
+@pytest.mark.parametrize("make_model", KERNELS)
 @pytest.mark.parametrize("preset, overrides", [
     ("tiny", {}),  # GQA: 4 query heads on 2 KV heads, head_dim 16, untied head
     ("tiny", {"head_dim": 64}),
     ("tiny-qwen2", {}),  # biases on q, k and v; tied head
     ("tiny-mistral", {"sliding_window": 8}),  # rows past the window read only its last 8 keys
 ])
-def test_a_decode_only_step_through_the_layers_kernel_gives_the_layers_own_bits(tmp_path, calls, preset, overrides):
-    model, _ = _model(tmp_path, preset, **overrides)
+def test_a_decode_only_step_through_the_layers_kernel_gives_the_layers_own_bits(tmp_path, calls, make_model, preset,
+                                                                               overrides):
+    model, _ = make_model(tmp_path, preset, **overrides)
     pack(model).install()
     kernel = model.decode_layers
     assert kernel is not None and kernel.num_layers == model.config.num_layers
@@ -55,8 +64,9 @@ def test_a_decode_only_step_through_the_layers_kernel_gives_the_layers_own_bits(
         assert torch.equal(fused, _rows_step(model, lengths, chunks))
 
 
-def test_a_batch_whose_rows_join_and_leave_decodes_the_same_tokens_with_the_layers_kernel(tmp_path, calls):
-    model, tokenizer = _model(tmp_path, "tiny")
+@pytest.mark.parametrize("make_model", KERNELS)
+def test_a_batch_whose_rows_join_and_leave_decodes_the_same_tokens_with_the_layers_kernel(tmp_path, calls, make_model):
+    model, tokenizer = make_model(tmp_path, "tiny")
     pack(model).install()
     kernel = model.decode_layers
     fused = join_and_leave_tokens(model, tokenizer)
@@ -67,9 +77,10 @@ def test_a_batch_whose_rows_join_and_leave_decodes_the_same_tokens_with_the_laye
     assert kernel is not None
 
 
-def test_models_it_does_not_serve_keep_the_layers_one_by_one(tmp_path):
-    model, _ = _model(tmp_path, "tiny-qwen3")  # QK-norm: q and k normalised before RoPE, in torch
+@pytest.mark.parametrize("make_model", KERNELS)
+def test_models_it_does_not_serve_keep_the_layers_one_by_one(tmp_path, make_model):
+    model, _ = make_model(tmp_path, "tiny-qwen3")  # QK-norm: q and k normalised before RoPE, in torch
     pack(model).install()
     assert model.decode_layers is None
-    plain, _ = _model(tmp_path, "tiny")  # not packed: nothing for the kernel to read
+    plain, _ = make_model(tmp_path, "tiny")  # not packed: nothing for the kernel to read
     assert decode_layers_module.build(plain) is None and plain.decode_layers is None

@@ -1,35 +1,28 @@
 // Every decoder layer of a step in which each row decodes one token, in one call from Python: the step's ~12
 // kernel and ATen calls a layer are made from C++, where in Python each paid the interpreter's and nn.Module's
-// overhead (~29% of SmolLM2's one-row step before, profiled by hand). The same kernels and ATen ops in the same
-// order as actors/model.py's layers with packed weights (bf16_linear.Fused, csrc/decode_attention.cpp): the same
-// bits (tests/runtime/test_decode_layers.py).
+// overhead. The same kernels and ATen ops in the same order as actors/model.py's layers with packed weights
+// (bf16_linear.Fused, the decode-attention kernel): the same bits (tests/runtime/test_decode_layers.py).
 //
-// x: [R, hidden] bf16, one token a row; k_caches[l][r], v_caches[l][r]: layer l's cache of row r, [1, H_kv, S_r, D];
-// pos, start, cos, sin: as decode_attention takes them. Returns x after the last layer, [R, hidden].
-// Built with -mavx512bf16 by actors/cpu_kernels.py, with the kernels it calls.
+// A template over the extension's kernels (`Kernels`: linear, norm, attention and the dtype they compute in),
+// instantiated by bindings.cpp (bf16 rows, AVX512-BF16) and avx2_bindings.cpp (fp32 rows over bf16 weights).
+//
+// x: [R, hidden], one token a row; k_caches[l][r], v_caches[l][r]: layer l's cache of row r, [1, H_kv, S_r, D];
+// pos, start, cos, sin: as the attention kernel takes them. Returns x after the last layer, [R, hidden].
+#pragma once
 #include <torch/extension.h>
 
 #include <vector>
 
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                          const c10::optional<torch::Tensor>& bias);
-torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
-                               const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                               const std::vector<int64_t>& pos, const std::vector<int64_t>& start,
-                               const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-
-namespace {
+namespace decode_layers {
 
 using Optional = c10::optional<torch::Tensor>;
 
-void check_layers(const std::vector<torch::Tensor>& t, size_t L, const char* name) {
+inline void check_layers(const std::vector<torch::Tensor>& t, size_t L, const char* name) {
   TORCH_CHECK(t.size() == L, name, ": one per layer");
   for (const auto& w : t) TORCH_CHECK(w.defined(), name, ": a tensor per layer");
 }
 
-}  // namespace
-
+template <typename Kernels>
 class DecodeLayers {
  public:
   // Per layer: the two norms' weights [hidden], and the packed projections with their biases (None where absent):
@@ -57,22 +50,22 @@ class DecodeLayers {
                     const std::vector<std::vector<torch::Tensor>>& v_caches, const std::vector<int64_t>& pos,
                     const std::vector<int64_t>& start, const Optional& cos, const Optional& sin) const {
     const int64_t L = num_layers();
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-                "x: contiguous bf16 [R, hidden]");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == Kernels::dtype && x.is_contiguous(),
+                "x: contiguous [R, hidden] in the kernels' dtype");
     TORCH_CHECK((int64_t)k_caches.size() == L && (int64_t)v_caches.size() == L, "caches: one list per layer");
     const int64_t R = x.size(0);
     for (int64_t l = 0; l < L; ++l) {
       // As DecoderLayer.forward: h = x + attention(norm(x)); x = h + mlp(norm(h)).
-      const torch::Tensor qkv = bf16_linear(rms_norm(x, input_norms_[l], eps_), qkv_[l], (H_ + 2 * Hkv_) * D_,
-                                            qkv_bias_[l]);
-      const torch::Tensor y = decode_attention(qkv, H_, Hkv_, k_caches[l], v_caches[l], pos, start, cos, sin);
-      const torch::Tensor h = x + bf16_linear(y.view({R, H_ * D_}), o_[l], hidden_, o_bias_[l]);
+      const torch::Tensor qkv = Kernels::linear(Kernels::norm(x, input_norms_[l], eps_), qkv_[l],
+                                                (H_ + 2 * Hkv_) * D_, qkv_bias_[l]);
+      const torch::Tensor y = Kernels::attention(qkv, H_, Hkv_, k_caches[l], v_caches[l], pos, start, cos, sin);
+      const torch::Tensor h = x + Kernels::linear(y.view({R, H_ * D_}), o_[l], hidden_, o_bias_[l]);
       // As MLP.forward with gate and up joined: silu(gate) in place, times up in place, then down.
-      const torch::Tensor gate_up = bf16_linear(rms_norm(h, post_norms_[l], eps_), gate_up_[l], 2 * I_,
-                                                gate_up_bias_[l]);
+      const torch::Tensor gate_up = Kernels::linear(Kernels::norm(h, post_norms_[l], eps_), gate_up_[l], 2 * I_,
+                                                    gate_up_bias_[l]);
       torch::Tensor gate = gate_up.narrow(1, 0, I_);
       at::silu_(gate).mul_(gate_up.narrow(1, I_, I_));
-      x = h + bf16_linear(gate.contiguous(), down_[l], hidden_, down_bias_[l]);
+      x = h + Kernels::linear(gate.contiguous(), down_[l], hidden_, down_bias_[l]);
     }
     return x;
   }
@@ -90,15 +83,19 @@ class DecodeLayers {
   double eps_;
 };
 
-void bind_decode_layers(pybind11::module& m) {
+template <typename Kernels>
+void bind(pybind11::module& m) {
   using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  pybind11::class_<DecodeLayers>(m, "DecodeLayers")
+  using Layers = DecodeLayers<Kernels>;
+  pybind11::class_<Layers>(m, "DecodeLayers")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<Optional>, std::vector<torch::Tensor>, std::vector<Optional>,
                           std::vector<torch::Tensor>, std::vector<Optional>, std::vector<torch::Tensor>,
                           std::vector<Optional>, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
-      .def_property_readonly("num_layers", &DecodeLayers::num_layers)
-      .def("run", &DecodeLayers::run, "every layer of a decode-only step: x [R, hidden] -> x after the last", NoGil(),
+      .def_property_readonly("num_layers", &Layers::num_layers)
+      .def("run", &Layers::run, "every layer of a decode-only step: x [R, hidden] -> x after the last", NoGil(),
            pybind11::arg("x"), pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("pos"),
            pybind11::arg("start"), pybind11::arg("cos") = pybind11::none(), pybind11::arg("sin") = pybind11::none());
 }
+
+}  // namespace decode_layers
