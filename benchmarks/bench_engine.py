@@ -56,12 +56,14 @@ PROMPT_TOKENS = 128
 LONG_CONTEXT, LONG_BATCH = 1024, 8  # the KV term's step: 8 rows of 1,024 tokens against 8 of 128
 DTYPES = ("bfloat16", "float32")
 PLAIN_FP32 = "float32-plain"  # the cell of fp32 with its widened weights unpacked (AVX2 hosts only)
+ONE_BY_ONE = "+layers"  # `auto`'s dtype with a decode step's layers called one by one from Python, not in one call
 
 
 def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int, is_long_context: bool = False,
              barrier=None) -> dict:
-    """`dtype` PLAIN_FP32: float32 with its weights left plain."""
-    """In a fresh process: prefill seconds of one prompt, and the median decode step per batch size."""
+    """In a fresh process: prefill seconds of one prompt, and the median decode step per batch size. `dtype`
+    PLAIN_FP32: float32 with its weights left plain; a dtype + ONE_BY_ONE: its decode steps through the layers one
+    by one (Transformer.decode_layers off)."""
     import torch
 
     from actors.actor_config import ActorConfig
@@ -73,9 +75,12 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
 
     torch.set_num_threads(threads)
     # As an actor computes: its weights packed where it packs them (actors/packed_weights.py).
+    is_one_by_one, dtype = dtype.endswith(ONE_BY_ONE), dtype.removesuffix(ONE_BY_ONE)
     is_packed = ActorConfig().is_weight_packed and dtype != PLAIN_FP32
     model, tokenizer = load_zqs(zqs, num_threads=1, compute_dtype="float32" if dtype == PLAIN_FP32 else dtype,
                                 is_weight_packed=is_packed)
+    if is_one_by_one:
+        model.decode_layers = None
     engine = Engine(model, tokenizer, max_batch=max(batches), prefill_chunk_tokens=1_000_000)
     dtype_name = model_dtype(model.dtype)
     out: dict = {"dtype": dtype_name, "prefill_s": [], "step_s": {},
@@ -163,6 +168,7 @@ def measure(zqs: str, batches: list[int], steps: int, repeats: int) -> dict:
     cells: dict[str, list] = {}
     slots: dict[str, list] = {}
     dtypes = (*DTYPES, PLAIN_FP32) if is_avx2_supported() else DTYPES
+    dtypes = (*dtypes, auto + ONE_BY_ONE)
     for repeat in range(repeats):
         for dtype in dtypes:
             for threads in (1, 2):
@@ -256,14 +262,15 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
         + " | ".join(f"step at batch {b} (ms)" for b in batches) + f" | tokens/s at batch {max(batches)} |",
         "|---|--:|--:|" + "--:|" * len(batches) + "--:|",
     ]
-    for dtype in (*DTYPES, PLAIN_FP32):
+    for dtype in (*DTYPES, PLAIN_FP32, auto + ONE_BY_ONE):
         for threads in (1, 2):
             runs = cells.get(f"{dtype}/{threads}")
-            if runs is None:  # PLAIN_FP32: measured on AVX2 hosts only
+            if runs is None:  # PLAIN_FP32: measured on AVX2 hosts only; ONE_BY_ONE: in runs since it was added
                 continue
             prefill = statistics.median(statistics.median(r["prefill_s"]) for r in runs)
             row_steps = [_median_step(runs, b) for b in batches]
-            lines.append(f"| {_LABELS.get(dtype, dtype) if PLAIN_FP32 + '/1' in cells else dtype} | {threads} | "
+            label = _LABELS.get(dtype, dtype) if PLAIN_FP32 + "/1" in cells or ONE_BY_ONE in dtype else dtype
+            lines.append(f"| {label} | {threads} | "
                          f"{prefill * 1e3:.0f} | "
                          + " | ".join(f"{s * 1e3:.1f}" for s in row_steps)
                          + f" | {max(batches) / row_steps[-1]:.0f} |")
@@ -274,6 +281,7 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
         f"{statistics.median(statistics.median(r['prefill_s']) for r in bf) / statistics.median(statistics.median(r['prefill_s']) for r in fp):.2f}×"
         + "".join(f", step at batch {b} {_median_step(bf, b) / _median_step(fp, b):.2f}×" for b in batches) + ".",
         *_plain_ratio(cells, batches),
+        *_one_call_ratio(cells, auto, batches),
         "",
         f"## 2. Two slots × one thread against one slot × two threads ({auto}, equal rows)",
         "",
@@ -312,7 +320,22 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
     return "\n".join(lines)
 
 
-_LABELS = {"float32": "float32, bf16 weights (bf16_weight_linear)", PLAIN_FP32: "float32, widened weights plain"}
+_LABELS = {"float32": "float32, bf16 weights (bf16_weight_linear)", PLAIN_FP32: "float32, widened weights plain",
+           "bfloat16" + ONE_BY_ONE: "bfloat16, layers one by one", "float32" + ONE_BY_ONE: "float32, layers one by one"}
+
+
+def _one_call_ratio(cells: dict, auto: str, batches: list[int]) -> list[str]:
+    """What a decode step's layers in one call (actors/decode_layers.py) buy: their time one by one ÷ in one call."""
+    if f"{auto}{ONE_BY_ONE}/1" not in cells:
+        return []
+    out = ["", f"{auto}: a decode step's layers one by one from Python ÷ in one call (time; above 1: the one call is "
+           "faster; the prefill is the same path in both):"]
+    for threads in (1, 2):
+        apart, joined = cells[f"{auto}{ONE_BY_ONE}/{threads}"], cells[f"{auto}/{threads}"]
+        out.append(f"- {threads} thread{'s' if threads > 1 else ''}: "
+                   + ", ".join(f"step at batch {b} {_median_step(apart, b) / _median_step(joined, b):.2f}×"
+                               for b in batches) + ".")
+    return out
 
 
 def _plain_ratio(cells: dict, batches: list[int]) -> list[str]:
