@@ -9,7 +9,8 @@ profile's shapes: 128-token prompts, decode steps at that context.
 
 1. Compute dtype × torch threads × batch, one process alone on the machine: a 128-token
    prefill (one row's time to first token, compute only) and a decode step (= per-row TPOT;
-   tokens/s = rows / step).
+   tokens/s = rows / step); with `auto`'s dtype also a decode step's layers called one by one from
+   Python against all in one call (actors/decode_layers.py).
 2. The CPU slot's trade-off at equal rows, with the compute dtype `auto` picks here: two
    slots of one thread each (two processes stepping at once, B rows each) against one slot of
    two threads (one process, 2B rows), and two slots of two threads each (four threads on the
@@ -105,12 +106,13 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
 
 
 def _kernels(threads: int, barrier=None) -> dict:
-    """GB/s of weight streamed: F.linear for 1 and 8 fp32 rows, the runtime's bf16 row kernel, and a sum."""
+    """GB/s of weight streamed: F.linear for 1 and 8 fp32 rows, torch's bf16 kernels, the actors' own kernels where
+    they run, and a sum."""
     import torch
     import torch.nn.functional as F
 
-    from actors import bf16_weight_linear
-    from actors.cpu_kernels import avx2_extension
+    from actors import bf16_linear, bf16_weight_linear
+    from actors.cpu_kernels import avx2_extension, is_available
     from actors.layers import linear
 
     torch.set_num_threads(threads)
@@ -131,16 +133,21 @@ def _kernels(threads: int, barrier=None) -> dict:
     fp32_bytes, bf16_bytes = sum(w.nbytes for w in weights), sum(w.nbytes for w in halves)
     one, eight = torch.randn(1, 576, generator=g), torch.randn(8, 576, generator=g)
     own = {}
+    if is_available():  # bf16 rows, the weights in pairs: the AVX512-BF16 kernel the actors pack for
+        pairs = [bf16_linear.pack(h) for h in halves]
+        own |= {f"bf16 rows, packed in pairs: {n} (bf16_linear)": gb_per_s(
+            lambda rows=rows: [bf16_linear.linear(rows.bfloat16(), p, 1536) for p in pairs], bf16_bytes)
+            for n, rows in (("1 row", one), ("8 rows", eight))}
     if avx2_extension() is not None:  # fp32 rows over bf16 weights: the AVX2 kernel's bytes are the halves'
         packs = [bf16_weight_linear.pack(h.float()) for h in halves]
-        own = {f"bf16 weights, fp32 rows: {n} (bf16_weight_linear)": gb_per_s(
+        own |= {f"bf16 weights, fp32 rows: {n} (bf16_weight_linear)": gb_per_s(
             lambda rows=rows: [bf16_weight_linear.linear(rows, p, 1536) for p in packs], bf16_bytes)
             for n, rows in (("1 row", one), ("8 rows", eight))}
     return {
         "fp32 F.linear, 1 row": gb_per_s(lambda: [F.linear(one, w) for w in weights], fp32_bytes),
         "fp32 F.linear, 8 rows": gb_per_s(lambda: [F.linear(eight, w) for w in weights], fp32_bytes),
-        "bf16, 1 row (the runtime's kernel)": gb_per_s(lambda: [linear(one.bfloat16(), w) for w in halves],
-                                                       bf16_bytes),
+        "bf16, 1 row, unpacked (mv or F.linear, as layers.linear picks)": gb_per_s(
+            lambda: [linear(one.bfloat16(), w) for w in halves], bf16_bytes),
         "bf16 F.linear, 8 rows": gb_per_s(lambda: [F.linear(eight.bfloat16(), w) for w in halves], bf16_bytes),
         **own,
         "sum over 540 MB": gb_per_s(lambda: big.sum(), big.nbytes),
