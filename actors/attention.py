@@ -54,11 +54,15 @@ class Segment:
 
 def _decode_kernel(dtype: torch.dtype):
     """The loaded kernel that attends decoding rows of `dtype`, or None: bf16 on AVX512-BF16, fp32 on AVX2."""
-    if dtype == torch.bfloat16 and (ext := cpu_kernels.loaded()):
-        return ext.decode_attention
-    if dtype == torch.float32 and (ext := cpu_kernels.avx2_loaded()):
-        return ext.decode_attention_f32
-    return None
+    if (ext := cpu_kernels.loaded_for(dtype)) is None:
+        return None
+    return ext.decode_attention if dtype == torch.bfloat16 else ext.decode_attention_f32
+
+
+def decodes_alone(segment: Segment) -> bool:
+    """One token against the segment's own one-row cache, seeing its whole span: what the decode kernel computes."""
+    return (segment.length == 1 and segment.caches is not None and segment.span.mask is None
+            and segment.caches[0].batch_size == 1)
 
 
 def batch_decode_attention(model: nn.Module, enabled: bool = True) -> None:
@@ -121,9 +125,7 @@ class Attention(nn.Module):
             return []
         if _decode_kernel(x.dtype) is None:  # loaded by packing: a step never loads (or builds) them
             return []
-        return [i for i, s in enumerate(segments)
-                if s.length == 1 and s.caches is not None and s.span.mask is None
-                and s.caches[layer].batch_size == 1]
+        return [i for i, s in enumerate(segments) if decodes_alone(s)]
 
     def _attend_decoding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment],
                          decoding: list[int], layer: int) -> torch.Tensor:

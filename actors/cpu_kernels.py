@@ -100,6 +100,16 @@ def avx2_loaded():
     return avx2_extension() if avx2_extension.cache_info().currsize else None
 
 
+def loaded_for(dtype: torch.dtype):
+    """The loaded extension whose kernels compute rows of `dtype` (bf16: the AVX512-BF16 one; fp32: the AVX2 one,
+    over bf16 weights), or None."""
+    if dtype == torch.bfloat16:
+        return loaded()
+    if dtype == torch.float32:
+        return avx2_loaded()
+    return None
+
+
 def is_available() -> bool:
     """The kernels run here: the CPU has AVX512-BF16 and the extension is built (building it if needed)."""
     return extension() is not None

@@ -2,8 +2,8 @@
 
 A step in which every row decodes one token (the common step of a running batch) is, per layer, ~12 kernel
 and ATen calls on a few rows. From Python each paid the interpreter's and nn.Module's overhead: SmolLM2's
-one-row step took 11.3 ms through the layers one by one, 9.3 ms in one call, alternated in one process on an
-AVX512-BF16 CPU (by hand). `DecodeLayers` (csrc/decode_layers.h) makes the same calls in the same order from
+one-row step took 11.4 ms through the layers one by one, 9.3 ms in one call, in one rotation on a 2-core
+AVX512-BF16 CPU (benchmarks/results/engine_avx512bf16.md). `DecodeLayers` (csrc/decode_layers.h) makes the same calls in the same order from
 C++ (the same kernels, the same ATen ops, the same bits as the layers' own forward), so only the embedding, the
 final norm, the head and sampling stay in Python.
 
@@ -20,16 +20,16 @@ from collections.abc import Sequence
 import torch
 
 from actors import bf16_linear, bf16_weight_linear, cpu_kernels
-from actors.attention import Segment
+from actors.attention import Segment, decodes_alone
 
 
 def build(model):
     """The kernel's `DecodeLayers` for `model` (a Transformer, packed and installed), or None where it does not
     serve it (see the module docstring). Cheap: it holds references to the packed tensors, copies nothing."""
-    ext, layout, layout_linear = _kernels(model.dtype)
-    layers = model.model.layers
+    ext, layers = cpu_kernels.loaded_for(model.dtype), model.model.layers
     if ext is None or model.device.type != "cpu" or not len(layers):
         return None
+    layout, layout_linear = _LAYOUTS[model.dtype]
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.o_proj, mlp.down_proj)
@@ -50,22 +50,15 @@ def build(model):
         model.model.layers[0].input_layernorm.eps)
 
 
-def _kernels(dtype: torch.dtype):
-    """The extension whose DecodeLayers computes rows of `dtype` (None where it is not loaded), the packed layout
-    its linear reads (Linear.packed_kernel) and that layout's `linear` (bf16_linear.Fused.kernel)."""
-    if dtype == torch.bfloat16:  # bf16 rows on AVX512-BF16
-        return cpu_kernels.loaded(), "bf16_linear", bf16_linear.linear
-    if dtype == torch.float32:  # fp32 rows over bf16 weights on AVX2
-        return cpu_kernels.avx2_loaded(), "bf16_weights", bf16_weight_linear.linear
-    return None, None, None
+# The packed layout each rows' dtype's extension reads (Linear.packed_kernel) and that layout's `linear`
+# (bf16_linear.Fused.kernel): bf16 rows on AVX512-BF16, fp32 rows over bf16 weights on AVX2.
+_LAYOUTS = {torch.bfloat16: ("bf16_linear", bf16_linear.linear), torch.float32: ("bf16_weights", bf16_weight_linear.linear)}
 
 
 def takes(x: torch.Tensor, segments: Sequence[Segment]) -> bool:
     """Every token of the step is a row's one decoding token against its own one-row cache, seeing its whole span:
     the step `DecodeLayers.run` computes (as Attention._decoding's kernel path, for every segment)."""
-    return x.shape[0] == 1 and len(segments) == x.shape[1] and all(
-        s.length == 1 and s.caches is not None and s.span.mask is None and s.caches[0].batch_size == 1
-        for s in segments)
+    return x.shape[0] == 1 and len(segments) == x.shape[1] and all(decodes_alone(s) for s in segments)
 
 
 def forward(decode_layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

@@ -273,14 +273,14 @@ class Engine:
         """Each row's next token, [R] int64, from its logits [R, V]. The greedy rows with no token masked (the usual
         case) take one argmax together; the others sample one by one, each on its own generator. One host sync
         for the whole step follows (the caller's tolist)."""
-        plain = [i for i, r in enumerate(rows) if r.params.is_greedy and r.num_out >= r.params.min_tokens]
-        if len(plain) == len(rows):
+        is_plain = [r.params.is_greedy and r.num_out >= r.params.min_tokens for r in rows]
+        if all(is_plain):
             return greedy(logits)
         ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if plain:
+        if plain := [i for i, p in enumerate(is_plain) if p]:
             ids[plain] = greedy(logits[plain])
-        for i, r in enumerate(rows):
-            if not (r.params.is_greedy and r.num_out >= r.params.min_tokens):
+        for i, (r, p) in enumerate(zip(rows, is_plain, strict=True)):
+            if not p:
                 ids[i] = sample(self._allowed(logits[i : i + 1], r), r.params, r.generator)[0]
         return ids
 

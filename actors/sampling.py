@@ -49,12 +49,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # Exponential-race sampling (argmax of p / Exp(1)) draws exactly from `probs`
     # without multinomial's cumulative-sum pass.
     q = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / q).argmax(dim=-1)
+    return greedy(probs / q)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's most likely token, the first on a tie. logits: [B, V] fp32 -> [B] int64. Through the actors'
-    kernel where it is loaded (csrc/argmax.cpp: one call for every row, ~10x torch's argmax on one row)."""
+    kernel where it is loaded (csrc/argmax.cpp: one call for every row; ~6 against torch's ~28 us for a row of
+    32,000, timed by hand)."""
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous()
             and (ext := cpu_kernels.loaded())):
         return ext.argmax_rows(logits)
