@@ -287,8 +287,11 @@ def report(data: dict, batches: list[int], steps: int, repeats: int, command: st
         "bf16 ÷ fp32 time, one thread: prefill "
         f"{statistics.median(statistics.median(r['prefill_s']) for r in bf) / statistics.median(statistics.median(r['prefill_s']) for r in fp):.2f}×"
         + "".join(f", step at batch {b} {_median_step(bf, b) / _median_step(fp, b):.2f}×" for b in batches) + ".",
-        *_plain_ratio(cells, batches),
-        *_one_call_ratio(cells, auto, batches),
+        *_ratio_lines(cells, PLAIN_FP32, "float32", "fp32 with widened weights plain ÷ with bf16 weights (time; "
+                      "above 1: the kernel is faster):", batches),
+        *_ratio_lines(cells, auto + ONE_BY_ONE, auto, f"{auto}: a decode step's layers one by one from Python ÷ in one "
+                      "call (time; above 1: the one call is faster; the prefill is the same path in both):", batches,
+                      is_prefill_shown=False),
         "",
         f"## 2. Two slots × one thread against one slot × two threads ({auto}, equal rows)",
         "",
@@ -331,32 +334,20 @@ _LABELS = {"float32": "float32, bf16 weights (bf16_weight_linear)", PLAIN_FP32: 
            "bfloat16" + ONE_BY_ONE: "bfloat16, layers one by one", "float32" + ONE_BY_ONE: "float32, layers one by one"}
 
 
-def _one_call_ratio(cells: dict, auto: str, batches: list[int]) -> list[str]:
-    """What a decode step's layers in one call (actors/decode_layers.py) buy: their time one by one ÷ in one call."""
-    if f"{auto}{ONE_BY_ONE}/1" not in cells:
+def _ratio_lines(cells: dict, slower: str, faster: str, title: str, batches: list[int],
+                 is_prefill_shown: bool = True) -> list[str]:
+    """Cell `slower`'s time ÷ cell `faster`'s, per thread count: prefill (where the two differ there) and steps."""
+    if f"{slower}/1" not in cells:
         return []
-    out = ["", f"{auto}: a decode step's layers one by one from Python ÷ in one call (time; above 1: the one call is "
-           "faster; the prefill is the same path in both):"]
+    out = ["", title]
     for threads in (1, 2):
-        apart, joined = cells[f"{auto}{ONE_BY_ONE}/{threads}"], cells[f"{auto}/{threads}"]
-        out.append(f"- {threads} thread{'s' if threads > 1 else ''}: "
-                   + ", ".join(f"step at batch {b} {_median_step(apart, b) / _median_step(joined, b):.2f}×"
-                               for b in batches) + ".")
-    return out
-
-
-def _plain_ratio(cells: dict, batches: list[int]) -> list[str]:
-    """The AVX2 kernel's gain: plain widened fp32 time ÷ packed bf16-weight time, at the served threads."""
-    if f"{PLAIN_FP32}/1" not in cells:
-        return []
-    out = ["", "fp32 with widened weights plain ÷ with bf16 weights (time; above 1: the kernel is faster):"]
-    for threads in (1, 2):
-        plain, packed = cells[f"{PLAIN_FP32}/{threads}"], cells[f"float32/{threads}"]
-        pre = (statistics.median(statistics.median(r["prefill_s"]) for r in plain)
-               / statistics.median(statistics.median(r["prefill_s"]) for r in packed))
-        out.append(f"- {threads} thread{'s' if threads > 1 else ''}: prefill {pre:.2f}×"
-                   + "".join(f", step at batch {b} {_median_step(plain, b) / _median_step(packed, b):.2f}×"
-                             for b in batches) + ".")
+        slow, fast = cells[f"{slower}/{threads}"], cells[f"{faster}/{threads}"]
+        parts = [f"step at batch {b} {_median_step(slow, b) / _median_step(fast, b):.2f}×" for b in batches]
+        if is_prefill_shown:
+            pre = (statistics.median(statistics.median(r["prefill_s"]) for r in slow)
+                   / statistics.median(statistics.median(r["prefill_s"]) for r in fast))
+            parts.insert(0, f"prefill {pre:.2f}×")
+        out.append(f"- {threads} thread{'s' if threads > 1 else ''}: " + ", ".join(parts) + ".")
     return out
 
 
