@@ -81,6 +81,15 @@ class ActorConfig:
     # plain kernels').
     packed_kernel: str = "auto"
     idle_trim_after_s: float = 2.0
+    # Decode steps through torch.compile (actors/compiled_step.py): up to `compiled_slots` rows of up to
+    # `compiled_max_seq_len` positions (prompt + max_tokens) in static KV slabs, allocated at start, and their
+    # (rows, positions) buckets compiled before a warm actor is ready; other rows, prompt chunks and a cold actor's
+    # steps run eagerly. It reads the plain weights, so the actor does not pack them: on a CPU where the actors'
+    # own kernels run they are the faster step (benchmarks/results/engine_avx512bf16.md), and this stays off. On a
+    # GPU it is inductor with CUDA graphs.
+    is_compiled: bool = False
+    compiled_slots: int = 8
+    compiled_max_seq_len: int = 2048
 
     def __post_init__(self) -> None:
         check_setting(self.compute_dtype)
@@ -89,6 +98,9 @@ class ActorConfig:
                              f"got {self.packed_kernel!r}")
         if self.warm_layers is not None and self.warm_layers < 0:
             raise ValueError(f"ActorConfig.warm_layers must be >= 0, got {self.warm_layers}")
+        if self.compiled_slots < 1 or self.compiled_max_seq_len < 1:
+            raise ValueError(f"ActorConfig needs compiled_slots and compiled_max_seq_len >= 1, got "
+                             f"{self.compiled_slots}, {self.compiled_max_seq_len}")
         if self.max_batch < 1 or self.prefill_chunk_tokens < 1 or self.warm_prompt_tokens < 1:
             raise ValueError(f"ActorConfig needs max_batch, prefill_chunk_tokens and warm_prompt_tokens >= 1, "
                              f"got {self.max_batch}, {self.prefill_chunk_tokens}, {self.warm_prompt_tokens}")

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.chat import GenerationRequest, build_prompt, check_context_window
+from actors.compiled_step import CompiledDecode
 from actors.events import BatchFullError, Emit, Event, FinishEvent, StartEvent, TokenEvent
 from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
@@ -68,6 +69,7 @@ class Row:
     tpot_target_s: float | None = None  # bounds its mean time per token, so the prefill work of steps beside it
     is_cancelled: bool = False
     caches: list[KVCache] | None = None  # allocated when the row joins
+    slot: int | None = None  # its slot of the compiled step's slabs (actors/compiled_step.py), where it has one
     num_prefilled: int = 0
     last_token: int | None = None
     num_out: int = 0
@@ -97,7 +99,9 @@ class Row:
 
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, *, max_context: int | None = None, max_batch: int = 1,
-                 prefill_chunk_tokens: int = 256, step_cost: StepCost | None = None):
+                 prefill_chunk_tokens: int = 256, step_cost: StepCost | None = None,
+                 compiled: CompiledDecode | None = None):
+        """`compiled`: decode-only steps of rows in its slots run through it, where their bucket is compiled."""
         if max_batch < 1 or prefill_chunk_tokens < 1:
             raise ValueError(f"max_batch and prefill_chunk_tokens must be >= 1, got {max_batch}, "
                              f"{prefill_chunk_tokens}")
@@ -117,6 +121,8 @@ class Engine:
         self.step_cost = step_cost or StepCost()
         self.step_check = StepCheck()
         self._kv_bytes_per_token = model.config.kv_bytes_per_token(model_dtype(model.dtype))
+        self.compiled = compiled
+        self.num_compiled_steps = 0
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize and validate; raises before any compute. Returns the prompt token ids."""
@@ -159,8 +165,9 @@ class Engine:
         return bool(self._rows or self._inbox)
 
     def kv_bytes(self) -> int:
-        """Bytes of every running row's KV cache."""
-        return sum(r.kv_bytes() for r in list(self._rows))
+        """Bytes of KV memory held: every running row's own cache, and the compiled step's slabs (held throughout)."""
+        own = sum(r.kv_bytes() for r in list(self._rows) if r.slot is None)
+        return own + (self.compiled.kv_bytes() if self.compiled is not None else 0)
 
     # ---- the step (one thread) ----------------------------------------------------------
 
@@ -194,8 +201,12 @@ class Engine:
             inputs.append(RowInput(row.caches, start, n, needs_logits))
             if needs_logits:
                 rows.append(row)
-        logits = self.model.forward_rows(torch.tensor(tokens, dtype=torch.long, device=self.device), inputs,
-                                         wait_layer)
+        if self._is_compiled_step(wait_layer, len(tokens)):
+            logits = self.compiled.decode(tokens, [r.slot for r in self._rows], [i.start_pos for i in inputs])
+            self.num_compiled_steps += 1
+        else:
+            logits = self.model.forward_rows(torch.tensor(tokens, dtype=torch.long, device=self.device), inputs,
+                                             wait_layer)
         ids = self._sample(logits, rows)
         clock.stop()
         ids = ids.tolist()
@@ -216,6 +227,13 @@ class Engine:
         now = time.time()
         for row, token_id in zip(rows, ids, strict=True):
             self._deliver(row, token_id, now)
+
+    def _is_compiled_step(self, wait_layer: WaitLayer | None, num_tokens: int) -> bool:
+        """Every row decodes one token from a slot of the compiled step, whose bucket is compiled."""
+        compiled = self.compiled
+        return (compiled is not None and wait_layer is None and num_tokens == len(self._rows)
+                and all(r.slot is not None and r.num_prefilled == len(r.prompt) for r in self._rows)
+                and compiled.is_compiled_for(len(self._rows), max(r.position for r in self._rows)))
 
     @staticmethod
     def _progress(row: Row) -> RowProgress:
@@ -252,7 +270,7 @@ class Engine:
             rows, self._inbox = self._rows + self._inbox, []
         self._rows = []
         for row in rows:
-            row.caches = None
+            self._free_cache(row)
             row.stop = ("error", None)
             row.emit(error)
 
@@ -261,7 +279,12 @@ class Engine:
             row.emit(self._finish_event(row, ("cancelled", None)))
             return
         p = row.params
-        row.caches = self.model.new_row_cache(len(row.prompt) + p.max_tokens)
+        num_positions = len(row.prompt) + p.max_tokens
+        claimed = self.compiled.claim(num_positions) if self.compiled is not None else None
+        if claimed is not None:
+            row.slot, row.caches = claimed
+        else:  # its own cache, sized for it: its steps run eagerly
+            row.caches = self.model.new_row_cache(num_positions)
         row.generator = make_generator(p, self.device)
         row.decoder = StreamDecoder(self.tokenizer)
         row.stops = StopSequenceFilter(p.stop_sequences)
@@ -319,7 +342,7 @@ class Engine:
     def _leave(self, row: Row, reason: str, sequence: str | None, last: TokenEvent | None = None) -> None:
         """The row ends: out of the batch, its cache freed, before anyone hears it (its last token, its finish)."""
         self._rows.remove(row)
-        row.caches = None
+        self._free_cache(row)
         if last is not None:
             row.emit(last)
         row.emit(self._finish_event(row, (reason, sequence)))
@@ -331,7 +354,13 @@ class Engine:
                 self._inbox.remove(row)
         if row in self._rows:
             self._rows.remove(row)
+        self._free_cache(row)
+
+    def _free_cache(self, row: Row) -> None:
         row.caches = None
+        if row.slot is not None:
+            self.compiled.release(row.slot)
+            row.slot = None
 
     @staticmethod
     def _finish_event(row: Row, stop: tuple[str, str | None]) -> FinishEvent:

@@ -42,6 +42,18 @@ class KVCache:
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
 
+    @classmethod
+    def over(cls, k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVCache:
+        """A cache over buffers someone else owns ([B, H_kv, max_seq_len, D] each): a slot of a compiled step's
+        slab (actors/compiled_step.py), written and read like a cache of its own."""
+        if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or not k_cache.is_contiguous():
+            raise ValueError(f"KVCache.over needs two contiguous [B, H_kv, S, D] buffers of one shape, got "
+                             f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+        cache = cls.__new__(cls)
+        cache.k_cache, cache.v_cache = k_cache, v_cache
+        cache.batch_size, cache.max_seq_len = k_cache.shape[0], k_cache.shape[2]
+        return cache
+
     def update(
         self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -290,9 +290,7 @@ class Transformer(nn.Module):
         last: list[int] | None,
     ) -> torch.Tensor:
         """Logits [B, S', V] of tokens [B, S] at positions input_pos [S]; S' = len(last), or S when None."""
-        if self._inv_freq.device != input_pos.device:  # the model was moved with .to()
-            self._inv_freq = self._inv_freq.to(input_pos.device)
-        rope = rope_tables(self._inv_freq, input_pos, self.dtype)
+        rope = self.rope(input_pos)
 
         if wait_layer is not None:
             wait_layer(EMBEDDINGS_GROUP)
@@ -314,6 +312,12 @@ class Transformer(nn.Module):
         if self.packed_head is not None:
             return self.packed_head_layout.linear(x, self.packed_head, self.config.vocab_size).float()
         return linear(x, self.model.embed_tokens.weight).float()
+
+    def rope(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [S, D] in the model's dtype for positions input_pos [S] (actors/rope.py)."""
+        if self._inv_freq.device != input_pos.device:  # the model was moved with .to()
+            self._inv_freq = self._inv_freq.to(input_pos.device)
+        return rope_tables(self._inv_freq, input_pos, self.dtype)
 
     def _cached_segment(self, start_pos: int, length: int, caches: Sequence[KVCache] | None = None,
                         offset: int = 0) -> Segment:

@@ -138,8 +138,15 @@ class RequestActor:
                                     warm_layers=warm_layers, compute_dtype=config.compute_dtype)
         self._warm_layers = warm_layers
         self._model = self._streamed.model
+        compiled = None
+        if config.is_compiled:
+            from actors.compiled_step import CompiledDecode
+
+            compiled = CompiledDecode(self._model, config.compiled_slots,
+                                      min(config.compiled_max_seq_len, self._model.config.max_position_embeddings))
         self._engine = Engine(self._model, self._streamed.tokenizer, max_batch=config.max_batch,
-                              prefill_chunk_tokens=config.prefill_chunk_tokens, step_cost=config.step_cost)
+                              prefill_chunk_tokens=config.prefill_chunk_tokens, step_cost=config.step_cost,
+                              compiled=compiled)
         self._runner = BatchRunner(self._engine, wait_layer=self._weight_gate, name=f"batch-{self.name}",
                                    compute_threads=config.compute_threads if on_exit is None else None)
         self._num_layers = self._streamed.config.num_layers
@@ -156,7 +163,7 @@ class RequestActor:
         self._is_closed = False
         self._state.enter(Phase.LOADING)
         log.info("%s: streaming %s onto %s", self.name, Path(zqs_path).name, device)
-        if config.is_weight_packed and str(device) == "cpu":
+        if config.is_weight_packed and not config.is_compiled and str(device) == "cpu":
             threading.Thread(target=self._pack_when_loaded, name=f"pack-{self.name}", daemon=True).start()
 
     # ---- queries ---------------------------------------------------------------------
@@ -182,6 +189,8 @@ class RequestActor:
         """Return once a warm actor holds the embeddings and its first layers (at once for a loaded one)."""
         if self._warm_layers is not None and self._cold is None:
             await asyncio.to_thread(self._wait_warm, timeout_s)
+            if self._engine.compiled is not None and self._cold is None:
+                await asyncio.to_thread(self._compile, timeout_s)
             if self._cold is None:  # no request was bound meanwhile
                 self._state.enter(Phase.WARM)
         return self.status()
@@ -309,6 +318,26 @@ class RequestActor:
             from actors.layers import warm_up_kernels
 
             warm_up_kernels(self._model.group_parameters(0))
+
+    def _compile(self, timeout_s: float | None) -> None:
+        """Compile (or load from inductor's cache on disk) every bucket of the compiled step, on the stepping
+        thread, before a warm actor is ready: its requests' steps then never compile. Its layers not yet resident
+        are read as they are: compiling needs their shapes, and the padding slot alone is written."""
+        done = threading.Event()
+        outcome: list = []
+
+        def compile_all() -> None:
+            try:
+                outcome.append(self._engine.compiled.compile_buckets())
+            finally:
+                done.set()
+
+        self._runner.call_between_steps(compile_all)
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"{self.name}: the compiled step's buckets took over {timeout_s} s")
+        if not outcome:
+            raise RuntimeError(f"{self.name}: compiling the decode step failed (see the actor's log)")
+        log.info("%s: compiled decode step ready, %d compilations", self.name, outcome[0])
 
     def _pack_when_loaded(self) -> None:
         """Once every weight is resident, pack the linear weights; the stepping thread swaps them in between steps.

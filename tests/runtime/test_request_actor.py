@@ -292,6 +292,30 @@ def test_warm_actor_holds_its_first_layers_then_serves_as_a_fresh_actor(layered_
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
+def test_a_warm_compiled_actor_compiles_before_it_is_ready_and_serves_the_eager_tokens(tiny_zqs):
+    config = replace(CONFIG, is_compiled=True, compiled_slots=2, compiled_max_seq_len=96, compute_dtype="float32")
+    first, second = (_request(tiny_zqs, max_tokens=24, seed=s, keep_hot=True, temperature=0) for s in (1, 2))
+    model, tokenizer = load_zqs(tiny_zqs, compute_dtype="float32")
+    eager = [e.token_id for e in Engine(model, tokenizer).generate(list(second.prompt_ids), second.sampling)
+             if hasattr(e, "token_id")]
+
+    async def scenario():
+        warm = Actor(tiny_zqs, config, warm_layers=1)
+        await warm.actor.ready(120.0)
+        engine = warm.actor._engine
+        assert engine.compiled.num_compiles == 4  # (1, 2 rows) x (64, 96 positions), before any request
+        await warm.consume(first)  # bound while the rest loads: its steps wait on weights, eagerly
+        before = engine.num_compiled_steps
+        chunks, done = await warm.consume(second)
+        assert not done.is_cold and _token_ids(chunks) == eager and len(eager) == 24
+        assert engine.num_compiled_steps - before == 23  # every step after its prompt's, compiling nothing
+        assert engine.compiled.num_compiles == 4 and engine.compiled.num_free == 2
+        warm.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_low_latency_request_gets_every_token_alone_and_a_default_one_gets_them_coalesced(tiny_zqs):
     interval = 0.5
 
