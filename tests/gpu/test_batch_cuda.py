@@ -1,4 +1,5 @@
-"""The batched engine on CUDA: each row's greedy tokens in a batch equal its tokens alone (fp32)."""
+"""The batched engine on CUDA: each row's greedy tokens in a batch equal its tokens alone (fp32), eagerly and through
+the compiled step (inductor with CUDA graphs over the static slabs: actors/compiled_step.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ pytestmark = [
 ]
 
 from actors.checkpoint import load_hf_checkpoint  # noqa: E402
+from actors.compiled_step import CompiledDecode  # noqa: E402
 from actors.engine import Engine  # noqa: E402
 from actors.events import TokenEvent  # noqa: E402
 from actors.sampling import SamplingParams  # noqa: E402
@@ -27,12 +29,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synthesize("tiny-qwen3", tmp_path_factory.mktemp("tiny-qwen3"), dtype="float32", seed=4)
 
 
-def test_rows_joining_at_different_steps_match_their_runs_alone(checkpoint: Path) -> None:
+@pytest.mark.parametrize("is_compiled", [False, True])
+def test_rows_joining_at_different_steps_match_their_runs_alone(checkpoint: Path, is_compiled: bool) -> None:
     model, config = load_hf_checkpoint(checkpoint, dtype=torch.float32, device="cuda")
     torch.manual_seed(0)
     model.init_weights(std=0.15)  # logits far from ties, so the comparison is exact, not lucky
+    compiled = CompiledDecode(model, num_slots=4, max_seq_len=128) if is_compiled else None
+    if compiled is not None:
+        assert compiled.compile_buckets() == 6  # (1, 2, 4 rows) x (64, 128 positions)
     engine = Engine(model, Tokenizer.from_dir(checkpoint, eos_token_ids=config.eos_token_ids), max_batch=4,
-                    prefill_chunk_tokens=4)
+                    prefill_chunk_tokens=4, compiled=compiled)
     engine.eos_token_ids = frozenset()
     prompts = [engine.tokenizer.encode_chat([Message("user", p)]) for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (32, 40, 36)]
@@ -53,4 +59,7 @@ def test_rows_joining_at_different_steps_match_their_runs_alone(checkpoint: Path
             break
         engine.step()
     assert got == alone
-    assert engine.kv_bytes() == 0
+    if compiled is None:
+        assert engine.kv_bytes() == 0
+    else:  # the batch's decode-only steps (and the rows alone) ran through it, compiling nothing more
+        assert engine.num_compiled_steps > 32 and compiled.num_compiles == 6 and compiled.num_free == 4
