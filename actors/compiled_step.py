@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.kv_cache import KVCache
+from actors.packed_weights import packed_kernel_of
 from actors.rope import apply_rope
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class CompiledDecode:
     """A model's decode step compiled over static KV slabs, for up to `num_slots` rows of `max_seq_len` positions."""
 
     def __init__(self, model, num_slots: int, max_seq_len: int) -> None:
-        if _is_packed(model):
+        if packed_kernel_of(model) is not None:  # packing packs every linear, the head and the layer loop with them
             raise ValueError("a compiled step reads the model's plain weights: compile before packing, or not at all")
         if num_slots < 1 or not 1 <= max_seq_len <= model.config.max_position_embeddings:
             raise ValueError(f"need num_slots >= 1 and 1 <= max_seq_len <= the model's "
@@ -84,6 +85,7 @@ class CompiledDecode:
         self._key_positions = torch.arange(max_seq_len, device=model.device)
         self._compiled_buckets: set[tuple[int, int]] = set()
         self.num_compiles = 0
+        self.num_steps = 0  # steps `decode` ran (compile_buckets' runs not counted)
         # Dynamo keeps at most `recompile_limit` versions of a compiled region (then fails, with fullgraph): every
         # bucket, with room for guards that fail on something else (the tests hold num_compiles to the buckets).
         # Isolated: another instance's versions (another model's slabs) are not this one's.
@@ -147,6 +149,7 @@ class CompiledDecode:
     def decode(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Logits [R, V] (fp32) of each row's token at its position, attending to its slot; writes each new key and
         value there. The caller checks `is_compiled_for` first (an uncompiled bucket would compile here)."""
+        self.num_steps += 1
         return self._run(self.bucket(len(tokens), max(positions)), tokens, slots, positions)[: len(tokens)]
 
     def _run(self, bucket: tuple[int, int], tokens: Sequence[int], slots: Sequence[int],
@@ -209,8 +212,3 @@ class CompiledDecode:
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # F.linear itself: the eager `linear`'s one-row kernel choice times kernels in Python, which a graph cannot hold.
     return F.linear(x, module.weight, module.bias)
-
-
-def _is_packed(model) -> bool:
-    return (model.decode_layers is not None or model.packed_head is not None
-            or any(getattr(m, "packed_weight", None) is not None for m in model.modules()))

@@ -122,7 +122,6 @@ class Engine:
         self.step_check = StepCheck()
         self._kv_bytes_per_token = model.config.kv_bytes_per_token(model_dtype(model.dtype))
         self.compiled = compiled
-        self.num_compiled_steps = 0
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize and validate; raises before any compute. Returns the prompt token ids."""
@@ -203,7 +202,6 @@ class Engine:
                 rows.append(row)
         if self._is_compiled_step(wait_layer, len(tokens)):
             logits = self.compiled.decode(tokens, [r.slot for r in self._rows], [i.start_pos for i in inputs])
-            self.num_compiled_steps += 1
         else:
             logits = self.model.forward_rows(torch.tensor(tokens, dtype=torch.long, device=self.device), inputs,
                                              wait_layer)

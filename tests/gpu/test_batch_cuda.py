@@ -62,4 +62,4 @@ def test_rows_joining_at_different_steps_match_their_runs_alone(checkpoint: Path
     if compiled is None:
         assert engine.kv_bytes() == 0
     else:  # the batch's decode-only steps (and the rows alone) ran through it, compiling nothing more
-        assert engine.num_compiled_steps > 32 and compiled.num_compiles == 6 and compiled.num_free == 4
+        assert compiled.num_steps > 32 and compiled.num_compiles == 6 and compiled.num_free == 4

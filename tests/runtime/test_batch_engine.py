@@ -88,10 +88,11 @@ def run_schedule(engine: Engine, joins: dict[int, list[tuple[list[int], Sampling
     return recorders
 
 
-def join_and_leave_tokens(model, tokenizer: Tokenizer) -> list[list[int]]:
+def join_and_leave_tokens(model, tokenizer: Tokenizer, compiled=None) -> list[list[int]]:
     """Greedy tokens of PROMPTS on `model` in one batch: rows of different prompt lengths join at different steps
-    (prompts chunked by 7) and leave at different steps (each runs to its own max_tokens, 32 or more)."""
-    engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7)
+    (prompts chunked by 7) and leave at different steps (each runs to its own max_tokens, 32 or more). `compiled`:
+    the engine's compiled step (actors/compiled_step.py), None: eager."""
+    engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7, compiled=compiled)
     engine.eos_token_ids = frozenset()  # every row runs to max_tokens: the schedule decides who leaves
     requests = [(tokenizer.encode_chat([Message("user", p)]), SamplingParams(max_tokens=n, temperature=0.0))
                 for p, n in zip(PROMPTS, (32, 40, 33, 36), strict=True)]

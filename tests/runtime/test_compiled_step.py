@@ -39,8 +39,7 @@ def test_buckets_are_powers_of_two_ended_by_the_limit():
 
 
 @pytest.mark.slow
-def test_a_batch_whose_rows_join_and_leave_decodes_the_eager_tokens_with_compilations_bounded_by_the_buckets(parts,
-                                                                                                     monkeypatch):
+def test_a_batch_whose_rows_join_and_leave_decodes_the_eager_tokens_with_compilations_bounded_by_the_buckets(parts):
     model, tokenizer = parts
     eager = join_and_leave_tokens(model, tokenizer)
     compiled = CompiledDecode(model, num_slots=4, max_seq_len=160)  # the longest row: 116 prompt tokens + 36
@@ -48,28 +47,14 @@ def test_a_batch_whose_rows_join_and_leave_decodes_the_eager_tokens_with_compila
     assert compiled.compile_buckets() == compiled.num_compiles == 9  # one per (rows, positions) bucket
     assert compiled.compile_buckets() == 0  # compiled once
 
-    engines: list[Engine] = []
-    monkeypatch.setattr(Engine, "__init__", _init_with(compiled, engines))  # the helper builds its own engine
-    tokens = join_and_leave_tokens(model, tokenizer)
-    monkeypatch.undo()
+    tokens = join_and_leave_tokens(model, tokenizer, compiled)
     assert tokens == eager
     assert min(len(t) for t in tokens) >= 32 and len({t for row in tokens for t in row}) > 4
-    (engine,) = engines
     # Rows of 1 to 4, at positions from 9 to 152: most steps decode only, through the compiled step, which compiles
     # nothing more.
-    assert engine.num_compiled_steps > 32
+    assert compiled.num_steps > 32
     assert compiled.num_compiles == 9
     assert compiled.num_free == 4  # every row's slot back
-
-
-def _init_with(compiled: CompiledDecode, engines: list):
-    init = Engine.__init__
-
-    def patched(self, *args, **kwargs):
-        init(self, *args, compiled=compiled, **kwargs)
-        engines.append(self)
-
-    return patched
 
 
 @pytest.mark.slow
@@ -88,7 +73,7 @@ def test_one_row_decodes_the_eager_tokens_through_the_compiled_step(tmp_path, pr
     assert compiled.compile_buckets() == 2  # one row; 64 and 96 positions
     engine = _engine(model, tokenizer, compiled)
     assert alone(engine, prompt, params) == eager and len(eager) == 40 and len(set(eager)) > 4
-    assert engine.num_compiled_steps == 39  # every step after the prompt's
+    assert compiled.num_steps == 39  # every step after the prompt's
     assert compiled.num_compiles == 2 and compiled.num_free == 1
 
 
@@ -99,7 +84,7 @@ def test_a_bucket_not_compiled_runs_eagerly_and_compiles_nothing(parts):
     prompt = prompt_ids(engine, PROMPTS[0])
     params = SamplingParams(max_tokens=8, temperature=0.0)
     assert alone(engine, prompt, params) == alone(_engine(model, tokenizer, None), prompt, params)
-    assert engine.num_compiled_steps == 0 and compiled.num_compiles == 0
+    assert compiled.num_steps == 0 and compiled.num_compiles == 0
     assert compiled.num_free == 2
 
 

@@ -306,10 +306,10 @@ def test_a_warm_compiled_actor_compiles_before_it_is_ready_and_serves_the_eager_
         engine = warm.actor._engine
         assert engine.compiled.num_compiles == 4  # (1, 2 rows) x (64, 96 positions), before any request
         await warm.consume(first)  # bound while the rest loads: its steps wait on weights, eagerly
-        before = engine.num_compiled_steps
+        before = engine.compiled.num_steps
         chunks, done = await warm.consume(second)
         assert not done.is_cold and _token_ids(chunks) == eager and len(eager) == 24
-        assert engine.num_compiled_steps - before == 23  # every step after its prompt's, compiling nothing
+        assert engine.compiled.num_steps - before == 23  # every step after its prompt's, compiling nothing
         assert engine.compiled.num_compiles == 4 and engine.compiled.num_free == 2
         warm.close()
 
