@@ -1,6 +1,6 @@
 """The compiled decode step (actors/compiled_step.py) against the eager one and the actors' own kernels, one process.
 
-    .venv/bin/python -m benchmarks.bench_compiled   # ~3 min with inductor's cache on disk warm; writes compiled.md
+    .venv/bin/python -m benchmarks.bench_compiled   # ~1 min with inductor's cache on disk warm; writes compiled.md
 
 SmolLM2-135M-Instruct (`make serve`'s model) in bf16 on two threads, rows decoding at position 150: the eager step
 on the plain weights, the compiled step (its buckets of 1-8 rows and 64-256 positions compiled first, timed, and
