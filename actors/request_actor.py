@@ -317,27 +317,37 @@ class RequestActor:
         if self._warm_layers:  # the first request's kernel choice, made ahead of it
             from actors.layers import warm_up_kernels
 
-            warm_up_kernels(self._model.group_parameters(0))
+            # On the stepping thread: it times the kernels on the threads that will run them, and a
+            # thread of the default executor computing on two threads would form a second OpenMP team
+            # that slows every later step (actors/threads.py).
+            self._on_stepping_thread(lambda: warm_up_kernels(self._model.group_parameters(0)), timeout_s,
+                                     "choosing the kernels")
 
     def _compile(self, timeout_s: float | None) -> None:
         """Compile (or load from inductor's cache on disk) every bucket of the compiled step, on the stepping
         thread, before a warm actor is ready: its requests' steps then never compile. Its layers not yet resident
         are read as they are: compiling needs their shapes, and the padding slot alone is written."""
+        num_compiles = self._on_stepping_thread(self._engine.compiled.compile_buckets, timeout_s,
+                                                "compiling the decode step")
+        log.info("%s: compiled decode step ready, %d compilations", self.name, num_compiles)
+
+    def _on_stepping_thread(self, fn: Callable[[], object], timeout_s: float | None, what: str) -> object:
+        """`fn()` run between steps by the stepping thread, the one thread that computes on compute_threads."""
         done = threading.Event()
         outcome: list = []
 
-        def compile_all() -> None:
+        def run() -> None:
             try:
-                outcome.append(self._engine.compiled.compile_buckets())
+                outcome.append(fn())
             finally:
                 done.set()
 
-        self._runner.call_between_steps(compile_all)
+        self._runner.call_between_steps(run)
         if not done.wait(timeout_s):
-            raise TimeoutError(f"{self.name}: the compiled step's buckets took over {timeout_s} s")
+            raise TimeoutError(f"{self.name}: {what} took over {timeout_s} s")
         if not outcome:
-            raise RuntimeError(f"{self.name}: compiling the decode step failed (see the actor's log)")
-        log.info("%s: compiled decode step ready, %d compilations", self.name, outcome[0])
+            raise RuntimeError(f"{self.name}: {what} failed (see the actor's log)")
+        return outcome[0]
 
     def _pack_when_loaded(self) -> None:
         """Once every weight is resident, pack the linear weights; the stepping thread swaps them in between steps.

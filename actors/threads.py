@@ -9,7 +9,8 @@ team, 19 ms on one thread, and 12 ms on two threads when no other thread had for
 
 So an actor loads on one thread (`compute_on_one_thread`, before it starts loading), its stepping
 thread switches to `compute_threads` before its first step (`use_threads_here`) and forms the
-process's one team, and its packing thread copies weights with numpy, not torch
+process's one team, what else computes once the actor runs (a warm actor's kernel choice, compiling)
+runs on the stepping thread between steps (`RequestActor._on_stepping_thread`), and its packing thread copies weights with numpy, not torch
 (bf16_linear.pack). torch's thread count is the process's: a thread that set one would set it for
 the stepping thread too.
 """

@@ -292,6 +292,29 @@ def test_warm_actor_holds_its_first_layers_then_serves_as_a_fresh_actor(layered_
     asyncio.run(scenario())
 
 
+def test_a_warm_actor_chooses_its_kernels_on_its_stepping_thread(tiny_zqs, monkeypatch):
+    """The warm-up computes: on any thread but the stepping one it would form a second OpenMP team, and every
+    later step would pay for it (actors/threads.py)."""
+    import threading
+
+    import actors.layers
+
+    threads = []
+    choose = actors.layers.warm_up_kernels
+    monkeypatch.setattr(actors.layers, "warm_up_kernels",
+                        lambda params: (threads.append(threading.current_thread()), choose(params)))
+
+    async def scenario():
+        warm = Actor(tiny_zqs, warm_layers=1)
+        await warm.actor.ready(60.0)
+        assert threads == [warm.actor._runner._thread]
+        chunks, _ = await warm.consume(_request(tiny_zqs, max_tokens=4))
+        assert len(_token_ids(chunks)) == 4  # and the actor serves after it
+        await asyncio.wait_for(warm.exited.wait(), 10)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.slow
 def test_a_warm_compiled_actor_compiles_before_it_is_ready_and_serves_the_eager_tokens(tiny_zqs):
     config = replace(CONFIG, is_compiled=True, compiled_slots=2, compiled_max_seq_len=96, compute_dtype="float32")
