@@ -73,11 +73,16 @@ class StreamedModel:
             return False
         rows = sorted(set(token_ids))
         weight = self.model.model.embed_tokens.weight  # [V, D]
-        data = torch.from_numpy(self.reader.read_rows(EMBEDDING_TENSOR, rows)).view(weight.dtype)  # [n, D]
-        index = torch.tensor(rows, dtype=torch.long, device=weight.device)
-        with torch.no_grad():
-            # The stream may be writing the same rows at the same time: the same bytes.
-            weight.index_copy_(0, index, data.to(weight.device))
+        data = self.reader.read_rows(EMBEDDING_TENSOR, rows)  # [n, D * itemsize] uint8
+        # The stream may be writing the same rows at the same time: the same bytes.
+        if weight.device.type == "cpu":
+            # Copied by numpy: this runs off the stepping thread, where a parallel torch op would form
+            # a second OpenMP team that slows every later step of the actor (actors/threads.py).
+            weight.detach().view(torch.uint8).numpy()[rows] = data
+        else:
+            index = torch.tensor(rows, dtype=torch.long, device=weight.device)
+            with torch.no_grad():
+                weight.index_copy_(0, index, torch.from_numpy(data).view(weight.dtype).to(weight.device))
         return True
 
     def wait_all(self, timeout: float | None = None) -> None:
