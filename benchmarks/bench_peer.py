@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -51,6 +52,7 @@ from benchmarks.common import (
     stop_session,
     version_of,
 )
+from benchmarks.cpu_share import cpu_by_role, cpu_times
 from benchmarks.load_stats import percentile
 
 log = logging.getLogger("bench_peer")
@@ -135,14 +137,30 @@ def _start(server: Server, log_path: Path) -> subprocess.Popen:
     raise TimeoutError(f"{server.name} did not answer GET /v1/models within 300 s")
 
 
+# GuideLLM seeds the n-th synthetic prompt of a run with seed + n: two runs with one seed send the same
+# prompts, and runs seeded a few apart send the same prompts shifted. llama.cpp's server keeps the prompts it
+# has computed (its slots' and a prompt cache in RAM) and computes 1 token of a prompt it has seen: in a run
+# where every rate's GuideLLM used its default seed, 325 of its 568 prefills were that one token (its log), so
+# its TTFT and capacity were the prompt cache's. Each run here has a seed of its own, far enough apart that no
+# prompt comes twice; each rate has the same seed for every server, so they are sent the same prompts.
+WARMUP_SEED = 42
+SEED_STRIDE = 100_000  # more prompts than a run sends
+
+
+def seed_of(rate_index: int) -> int:
+    """The GuideLLM seed of the rate at `rate_index` of the run's rates (the warm-up's is WARMUP_SEED)."""
+    return SEED_STRIDE * (rate_index + 1)
+
+
 GUIDELLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                 "GUIDELLM__MAX_WORKER_PROCESSES": "1"}  # one async worker process: the machine has 2 cores
 
 
 def guidellm_command(guidellm: Path, base: str, model: str, tokenizer: Path, profile: str, constraint: str,
                      out: Path, *, prompt_tokens: int = 128, output_tokens: int = 16,
-                     api_key: str | None = None) -> list[str]:
-    """GuideLLM's `run` with its default request body: streamed chat completions, `ignore_eos`, continuous usage."""
+                     api_key: str | None = None, seed: int = WARMUP_SEED) -> list[str]:
+    """GuideLLM's `run` with its default request body: streamed chat completions, `ignore_eos`, continuous usage.
+    `seed`: its synthetic prompts' (`seed_of`)."""
     key = f",api_key={api_key}" if api_key else ""
     return [
         str(guidellm.absolute()), "run",
@@ -153,15 +171,17 @@ def guidellm_command(guidellm: Path, base: str, model: str, tokenizer: Path, pro
         "--data-loader", "kind=pytorch,prefetch_factor=64",
         "--profile", profile,
         "--constraint", constraint,
+        "--seed", f"kind=static,value={seed}",
         "--output", f"kind=json,path={out.resolve()}",
         "--disable-console-interactive",
     ]
 
 
-def _guidellm(server: Server, rate: float, seconds: int, tokenizer: Path, out: Path, guidellm: Path) -> None:
+def _guidellm(server: Server, rate: float, seconds: int, tokenizer: Path, out: Path, guidellm: Path,
+              seed: int = WARMUP_SEED) -> None:
     """One constant-rate GuideLLM run against `server`, its JSON to `out`."""
     command = guidellm_command(guidellm, server.base, MODEL, tokenizer, f"kind=constant,rate={rate}",
-                               f"kind=max_duration,seconds={seconds}", out)
+                               f"kind=max_duration,seconds={seconds}", out, seed=seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     (PEER_DIR / "logs").mkdir(parents=True, exist_ok=True)
     with (PEER_DIR / "logs" / out.with_suffix(".log").name).open("w") as log_file:
@@ -236,6 +256,28 @@ def _tokenizer_dir(zqs: Path, into: Path) -> Path:
     return into
 
 
+class CpuUse:
+    """CPU seconds per process role (benchmarks/cpu_share.py) over a block that runs GuideLLM: the running
+    processes' from /proc, and GuideLLM's (this process's children, gone by the block's end) from getrusage."""
+
+    def __enter__(self) -> CpuUse:
+        self._t0, self._before, self._children = time.monotonic(), cpu_times(), _children_cpu_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.monotonic() - self._t0
+        self.by_role = cpu_by_role(self._before, cpu_times())
+        self.by_role["load client"] = self.by_role.get("load client", 0.0) + _children_cpu_s() - self._children
+
+    def report(self) -> dict:
+        return {"wall_s": self.wall_s, "by_role_s": self.by_role}
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(args: argparse.Namespace) -> dict:
     tokenizer = _tokenizer_dir(args.zqs, PEER_DIR / "tokenizer")
     data: dict = {"rates": args.rates, "servers": {}, "targets": serve_targets(), "cpu_features": cpu_features()}
@@ -245,11 +287,13 @@ def measure(args: argparse.Namespace) -> dict:
             # One short run first: what a first request pays (actor start, page faults) is not a rate's.
             _guidellm(server, 1, 10, tokenizer, PEER_DIR / f"warmup-{server.name}.json", args.guidellm)
             _, trace_offset = peer_traces.read_new(trace_path(server.name), 0)  # the warm-up's lines aside
-            for rate in args.rates:
+            for index, rate in enumerate(args.rates):
                 out = RESULTS / args.out / f"{server.name}-{rate:g}.json"
                 load = load_average()[0]
-                _guidellm(server, rate, args.seconds, tokenizer, out, args.guidellm)
-                row = summarise(_keep(out), args.slo_ttft_s) | {"load_before": load}
+                with CpuUse() as cpu:
+                    _guidellm(server, rate, args.seconds, tokenizer, out, args.guidellm, seed_of(index))
+                row = summarise(_keep(out), args.slo_ttft_s) | {"load_before": load, "cpu": cpu.report(),
+                                                                 "seed": seed_of(index)}
                 if server.name.startswith("zeroqueue"):
                     row["health"] = _predictions(server.base)
                     time.sleep(2)  # the trace writer's thread appends the last requests' lines
@@ -281,8 +325,8 @@ def _ms(x: float | None) -> str:
 
 def resummarise(data: dict, out: str) -> dict:
     """`data` (<out>.json) with every row summarised again from the GuideLLM JSON kept beside it."""
-    servers = {name: {rate: summarise(RESULTS / out / f"{name}-{rate}.json.zst", data["slo_ttft_s"])
-                      | {k: row[k] for k in ("load_before", "health") if k in row} for rate, row in rows.items()}
+    servers = {name: {rate: row | summarise(RESULTS / out / f"{name}-{rate}.json.zst", data["slo_ttft_s"])
+                      for rate, row in rows.items()}
                for name, rows in data["servers"].items()}
     return data | {"servers": servers}
 
@@ -309,7 +353,11 @@ def report(data: dict) -> str:
         "8 parallel slots, 2 threads, its queue unbounded.",
         "",
         f"Load: GuideLLM {data['guidellm_version']}, constant rate, {data['seconds']} s per rate, streamed chat "
-        "completions, ~128 prompt tokens, 16 output tokens, its default body (`ignore_eos`, continuous usage).",
+        "completions, ~128 prompt tokens, 16 output tokens, its default body (`ignore_eos`, continuous usage). "
+        + ("Each rate's synthetic prompts have a seed of their own, the same for both servers: no prompt is sent "
+           "twice in a run (llama.cpp's server computes one token of a prompt it has seen)." if _is_seeded(data) else
+           "Every rate's synthetic prompts came from GuideLLM's default seed: each rate sent the previous rates' "
+           "prompts again, and llama.cpp's server computes one token of a prompt it has seen."),
         "",
         "GuideLLM shares the machine with each server, at the CPU priority that server computes at (nice 19 "
         "beside zeroqueue's actors, 0 beside llama.cpp), so it takes its CPU from both alike.",
@@ -345,8 +393,38 @@ def report(data: dict) -> str:
             if a[key] and b[key]:
                 parts.append(f"{label} {a[key] / b[key]:.2f}×")
         lines.append(f"- {rate:g} req/s: " + ", ".join(parts))
-    lines += ["", *_variant_lines(data), *_prediction_lines(data), *peer_traces.report_lines(data)]
+    lines += ["", *_variant_lines(data), *_cpu_lines(data), *_prediction_lines(data), *peer_traces.report_lines(data)]
     return "\n".join(lines)
+
+
+def _is_seeded(data: dict) -> bool:
+    """Whether the run gave each rate's prompts a seed of their own (runs from before `seed_of` did not)."""
+    return all("seed" in row for rows in data["servers"].values() for row in rows.values())
+
+
+def _cpu_lines(data: dict) -> list[str]:
+    """Where each rate's CPU went, by process role (the rows that recorded it)."""
+    rows = [(name, rate, rows[f"{rate:g}"]) for name, rows in data["servers"].items() for rate in data["rates"]
+            if rows[f"{rate:g}"].get("cpu")]
+    if not rows:
+        return []
+    n = cores()
+    lines = ["## Where the CPU went", "",
+             f"CPU seconds per process role while GuideLLM ran each rate (`benchmarks/cpu_share.py` names the roles; "
+             f"GuideLLM's own from getrusage), as a share of the {n} cores' time, and what the server's processes "
+             "besides its engine spent per served request. `engines`: zeroqueue's request actors, or the whole of "
+             "`llama-server`.", "",
+             "| server | rate (req/s) | busy | by role (% of the cores' time) | server besides engines, ms a served request |",
+             "|---|--:|--:|---|--:|"]
+    for name, rate, r in rows:
+        wall, by_role = r["cpu"]["wall_s"], r["cpu"]["by_role_s"]
+        capacity = wall * n
+        roles = ", ".join(f"{role} {100 * s / capacity:.0f}" for role, s in sorted(by_role.items(), key=lambda kv: -kv[1])
+                          if s / capacity >= 0.005)
+        control = sum(s for role, s in by_role.items() if role not in ("engines", "load client", "other"))
+        per_request = f"{1e3 * control / r['served']:.0f}" if r["served"] else "—"
+        lines.append(f"| {name} | {rate:g} | {100 * sum(by_role.values()) / capacity:.0f}% | {roles} | {per_request} |")
+    return lines + [""]
 
 
 def _variant_lines(data: dict) -> list[str]:

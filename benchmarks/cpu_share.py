@@ -21,6 +21,8 @@ ROLES: tuple[tuple[str, str], ...] = (
     ("RequestActor", "engines"),
     ("ServeReplica:queue-", "engines"),  # a baseline replica: its engine and its own HTTP handling
     ("ServeReplica:zeroqueue", "ingress"),
+    ("haproxy", "haproxy"),  # Serve's direct ingress: HAProxy in front of the ingress replicas
+    ("llama-server", "engines"),  # the peer (bench_peer): its engine, its HTTP and its queue
     ("RegistryActor", "registry"),
     ("TelemetryAgent", "telemetry"),
     ("ProxyActor", "proxy"),
