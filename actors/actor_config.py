@@ -40,8 +40,10 @@ class ActorConfig:
     # the same constants its admission predicts with.
     step_cost: StepCost = StepCost()
     first_layers: int | None = None  # None: derived per request (see cold_start)
-    # A warm actor's layers resident before any request (serve_app/warm_pool.py); None: derived
-    # by cold_start.choose_first_layers for a prompt of `warm_prompt_tokens`.
+    # A warm actor's layers resident before any request (serve_app/warm_pool.py); None: every layer where
+    # the actors pack their weights on a CPU (`is_packed_on_cpu`: packing needs them all, and a warm actor
+    # holding them all is packed before its request), else derived by cold_start.choose_first_layers for a
+    # prompt of `warm_prompt_tokens`.
     warm_layers: int | None = None
     warm_prompt_tokens: int = 64
     # Every group resident before prefill starts: load-then-compute, the cold-start
@@ -90,6 +92,11 @@ class ActorConfig:
     is_compiled: bool = False
     compiled_slots: int = 8
     compiled_max_seq_len: int = 2048
+
+    @property
+    def is_packed_on_cpu(self) -> bool:
+        """Whether actors on CPU slots pack their weights once all are resident (actors/packed_weights.py)."""
+        return self.is_weight_packed and not self.is_compiled and self.num_gpus == 0
 
     def __post_init__(self) -> None:
         check_setting(self.compute_dtype)

@@ -21,7 +21,8 @@ tied model; callers wait on group -1 when they wait on the final group.
 
 The stream starts as soon as the model is allocated; the tokenizer is built while the
 first layers load. A warm actor (`warm_layers=N`) loads the whole table and layers
-0..N-1, then holds until `stream.resume()`: its request's prompt rows are already in.
+0..N-1, then holds until `stream.resume()`: its request's prompt rows are already in. With N the
+number of layers it holds nothing back and loads the final group too.
 """
 
 from __future__ import annotations
@@ -124,7 +125,9 @@ def stream_zqs(path: str | Path, *, device: str | torch.device = "cpu", num_thre
         if warm_layers is not None:
             if not 0 <= warm_layers <= config.num_layers:
                 raise ValueError(f"warm_layers must be in 0..{config.num_layers}, got {warm_layers}")
-            order, hold_after = None, 1 + warm_layers  # the table, then layers 0..N-1: in file order
+            # The table, then layers 0..N-1, in file order. Holding every layer, it holds nothing: the final
+            # group (a norm) loads too, so the weights are whole and packed before a request (request_actor.py).
+            order, hold_after = None, (None if warm_layers == config.num_layers else 1 + warm_layers)
         if device.type == "cuda":
             stream: LayerStream = CudaLayerStream(reader, dests, num_threads=num_threads, order=order,
                                                   hold_after=hold_after)

@@ -19,7 +19,9 @@ everything, allocates the model, builds the tokenizer and loads the embeddings a
 0..N-1, then holds the stream (`ready()` returns then; phase WARM). Its first request is
 served exactly as a cold one, except that the process is up and the first N layers are
 in: the stream resumes the moment the request arrives, and prefill starts at once when
-N covers what the prompt needs (`cold_start.choose_first_layers`).
+N covers what the prompt needs (`cold_start.choose_first_layers`). With N every layer, nothing is
+held: its weights are packed for the actors' kernels before `ready()` returns, so its first request
+neither computes with the plain weights nor shares the GIL with the packing thread.
 
 Hot. Once loaded, the actor runs a batch of up to `max_batch` requests (actors/engine.py,
 stepped on one thread by actors/batch_runner.py): each `generate` call is one row with its
@@ -163,8 +165,11 @@ class RequestActor:
         self._is_closed = False
         self._state.enter(Phase.LOADING)
         log.info("%s: streaming %s onto %s", self.name, Path(zqs_path).name, device)
+        self._is_packed = threading.Event()  # the packed weights are in, or none will come
         if config.is_weight_packed and not config.is_compiled and str(device) == "cpu":
             threading.Thread(target=self._pack_when_loaded, name=f"pack-{self.name}", daemon=True).start()
+        else:
+            self._is_packed.set()
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -322,6 +327,11 @@ class RequestActor:
             # that slows every later step (actors/threads.py).
             self._on_stepping_thread(lambda: warm_up_kernels(self._model.group_parameters(0)), timeout_s,
                                      "choosing the kernels")
+        if self._warm_layers == self._num_layers and not self._is_packed.wait(timeout_s):
+            # Holding every layer, its weights are whole before any request: packed now, its first request
+            # computes with the packed kernels and no packing thread holds the GIL beside it (by hand, the
+            # `small` model on one thread: 0.21 s to a warm actor's first token with the packing beside it).
+            log.warning("%s: packing its weights took over %s s; ready unpacked", self.name, timeout_s)
 
     def _compile(self, timeout_s: float | None) -> None:
         """Compile (or load from inductor's cache on disk) every bucket of the compiled step, on the stepping
@@ -354,15 +364,31 @@ class RequestActor:
 
         A thread of its own: a warm actor's stream holds until its request arrives, and a cold
         one's first request computes while the rest loads (packing reads, never writes, the weights).
+        A warm actor that holds every layer holds nothing back: it is packed before `ready()` returns.
         """
         from actors.packed_weights import pack
 
         try:
             self._streamed.wait_all()
         except Exception:  # closed or failed: nothing left to pack for
+            self._is_packed.set()
             return
-        if not self._is_closed:
-            self._runner.call_between_steps(pack(self._model, kernel=self.config.packed_kernel).install)
+        if self._is_closed:
+            self._is_packed.set()
+            return
+        try:
+            packed = pack(self._model, kernel=self.config.packed_kernel)
+        except BaseException:
+            self._is_packed.set()  # its requests compute with the plain weights
+            raise
+
+        def install() -> None:
+            try:
+                packed.install()
+            finally:
+                self._is_packed.set()
+
+        self._runner.call_between_steps(install)
 
     def _weight_gate(self) -> WaitLayer | None:
         """Asked by the stepping thread before each step: the cold gate until every weight is resident."""

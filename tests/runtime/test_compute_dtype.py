@@ -82,3 +82,24 @@ def test_the_ingress_accounts_the_actors_compute_dtype_not_the_files(bf16_zqs, s
     assert loaded.numbers.weight_bytes == sum(p.nbytes for p in widened.parameters()) == scale * config.weight_bytes()
     assert loaded.numbers.kv_bytes_per_token == scale * config.kv_bytes_per_token()
     assert loaded.numbers.kv_bytes_per_token == widened.new_row_cache(1)[0].nbytes() * config.num_layers
+
+
+def test_warm_actors_hold_every_layer_where_the_actors_pack_their_weights(bf16_zqs):
+    """Packing waits for every weight: a warm actor holding fewer layers would compute its first request with the
+    plain weights and pack beside it. Where nothing is packed, the derived N stands."""
+    from actors.actor_config import ActorConfig
+    from actors.cold_start import warm_layers
+    from serve_app.config import ModelSpec
+    from serve_app.loaded_model import load_model
+    from weights_tool.architecture import ModelConfig
+    from weights_tool.reader import ShardReader
+
+    with ShardReader(bf16_zqs) as reader:
+        config = ModelConfig.from_hf(reader.config)
+    spec = ModelSpec(id="m", zqs_path=str(bf16_zqs), demo_preset=None, demo_dir="", display_name="m", max_context=None)
+    plain = ActorConfig(is_weight_packed=False, warm_prompt_tokens=4096)  # a long prompt: derived N < L
+    derived = warm_layers(config, plain.initial_load_bytes_per_s, plain.prefill_flops_per_s, plain.warm_prompt_tokens)
+    assert load_model(spec, plain).warm_layers == derived
+    assert load_model(spec, ActorConfig(warm_prompt_tokens=4096)).warm_layers == config.num_layers
+    assert load_model(spec, ActorConfig(num_gpus=1, warm_prompt_tokens=4096)).warm_layers == derived
+    assert load_model(spec, ActorConfig(warm_layers=1)).warm_layers == 1  # stated: as stated

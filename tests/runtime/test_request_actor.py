@@ -391,3 +391,27 @@ def test_a_loaded_actor_packs_its_weights_and_serves_the_plain_runtimes_tokens(b
         return [_token_ids(first), _token_ids(second)]
 
     assert asyncio.run(scenario()) == expected
+
+
+def test_a_warm_actor_holding_every_layer_is_packed_when_ready(bf16_zqs):
+    """Its weights are whole before any request: packed before `ready()` returns, its first request computes with
+    the packed kernels (the same tokens as the plain runtime's) and no packing thread runs beside it."""
+    from actors.layers import Linear
+    from actors.packed_weights import is_packable
+
+    if not is_packable(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        pytest.skip("this torch has no oneDNN linear on this CPU")
+    request = _request(bf16_zqs, max_tokens=24, seed=4, temperature=0.0)
+    expected = _in_process_tokens(bf16_zqs, request)
+    num_layers = open_zqs(bf16_zqs)[1].num_layers
+
+    async def scenario():
+        warm = Actor(bf16_zqs, CONFIG, warm_layers=num_layers)
+        await warm.actor.ready(60.0)
+        linears = [m for m in warm.actor._model.modules() if isinstance(m, Linear)]
+        assert linears and all(m.packed_weight is not None for m in linears)
+        chunks, done = await warm.consume(request)
+        assert done.is_cold  # still its first request
+        return _token_ids(chunks)
+
+    assert asyncio.run(scenario()) == expected
