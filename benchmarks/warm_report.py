@@ -31,7 +31,9 @@ def report(data: dict) -> str:
         "Each actor is created by the driver with the deployment's options (its worker lowered in priority "
         "from its interpreter's start) and serves one request. *Fresh spawn*: the request sent right after the spawn "
         "call, as the ingress does for a cold start. *Warm, N*: the request sent once the actor's `ready()` "
-        "answered (embeddings and layers 0..N-1 resident, the rest held back until the request). Resident: "
+        "answered (embeddings and layers 0..N-1 resident, the rest held back until the request; with every "
+        "layer, nothing is held back and the weights are packed for the actors' kernels before `ready()` answers, "
+        "where the CPU runs them, while an actor holding fewer packs them beside its first request). Resident: "
         "the warm actor's process resident set (VmRSS) when ready: the interpreter, torch, the allocated "
         "model's touched pages.", "",
         "| prompt | configuration | TTFT median s | TTFT min–max s | × fresh spawn | spawn → ready s | resident MiB |",
@@ -76,7 +78,9 @@ def _tradeoff(groups: dict, fresh: dict, meta: dict) -> str:
                    f"({d_ttft * 1000 / max(1, num_layers - 1):.1f} ms a layer) for {d_rss / MiB:.0f} MiB more "
                    f"resident ({d_rss / MiB / max(1, num_layers - 1):.1f} MiB a layer).")
     picked = ", ".join(f"N={n} for the {p} prompt" for p, n in meta["policy_n"].items())
-    out.append(f"- The derivation (`cold_start.warm_layers` with the actor config's default rates) picks {picked}.")
+    out.append(f"- The derivation (`cold_start.warm_layers` with the actor config's default rates) picks {picked}; "
+               "where the actors pack their weights on a CPU the deployment holds every layer instead "
+               "(`ActorConfig.warm_layers`).")
     return "\n".join(out)
 
 
@@ -91,8 +95,8 @@ def _http(http: list[dict], meta: dict) -> list[str]:
     lines = ["## Through the app: the client's send to its first text delta", "",
              "The app on 2 CPU slots, no hot actors (every request is served by a bound warm actor or a fresh "
              "one, which then exits), streamed over HTTP on loopback, the short prompt, one request at a time "
-             "once the last one's actor is gone and the pool is full again. The warm actors hold the N the "
-             "deployment derives.", "",
+             "once the last one's actor is gone and the pool is full again. The warm actors hold the layers the "
+             "deployment chooses (every one where the actors pack their weights).", "",
              "| app | requests | tiers | TTFT median s | TTFT min–max s |", "|---|--:|---|--:|---|"]
     for pool, rs in by_pool.items():
         ttft = [r["ttft_s"] for r in rs]
