@@ -152,9 +152,18 @@ def test_reject_no_capacity_when_everything_is_busy_or_full():
     snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", total=2000, reserved=1500, num_actors=1)],
                  [_actor("busy", "a", state="busy", rows=POLICY.max_batch)])
     r = decide(f, snap, POLICY)
-    assert isinstance(r, Reject) and r.reason == "no_capacity"
+    assert isinstance(r, Reject) and r.reason == "no_capacity" and "starting" not in r.message
     assert r.retry_after_s == POLICY.retry_after_s and r.http_status == 503
     assert decide(f, _snap([]), POLICY).reason == "no_capacity"  # no slots registered yet
+
+
+def test_a_refusal_while_the_models_warm_actor_starts_says_so():
+    """A fresh deployment's first request: the warm actor holds the only slot and its process is not up yet."""
+    f = _features()
+    starting = dataclasses.replace(_actor("w", "a", state="warming", rows=0), is_created=False)
+    r = decide(f, _snap([_slot("a", reserved=1000, num_actors=1)], [starting]), POLICY)
+    assert isinstance(r, Reject) and r.reason == "no_capacity" and r.retry_after_s == POLICY.retry_after_s
+    assert r.message.startswith("m: its actor is still starting; no idle actor")
 
 
 def test_reject_too_large_when_no_slot_could_ever_hold_it():
