@@ -41,7 +41,7 @@ class ActorConfig:
     step_cost: StepCost = StepCost()
     first_layers: int | None = None  # None: derived per request (see cold_start)
     # A warm actor's layers resident before any request (serve_app/warm_pool.py); None: every layer where
-    # the actors pack their weights on a CPU (`is_packed_on_cpu`: packing needs them all, and a warm actor
+    # the actors pack their weights (`packs_weights_on`: packing needs them all, and a warm actor
     # holding them all is packed before its request), else derived by cold_start.choose_first_layers for a
     # prompt of `warm_prompt_tokens`.
     warm_layers: int | None = None
@@ -93,10 +93,10 @@ class ActorConfig:
     compiled_slots: int = 8
     compiled_max_seq_len: int = 2048
 
-    @property
-    def is_packed_on_cpu(self) -> bool:
-        """Whether actors on CPU slots pack their weights once all are resident (actors/packed_weights.py)."""
-        return self.is_weight_packed and not self.is_compiled and self.num_gpus == 0
+    def packs_weights_on(self, device_type: str) -> bool:
+        """Whether an actor computing on `device_type` packs its weights once all are resident
+        (actors/packed_weights.py): on a CPU, unless packing is off or the compiled step reads the plain ones."""
+        return self.is_weight_packed and not self.is_compiled and device_type == "cpu"
 
     def __post_init__(self) -> None:
         check_setting(self.compute_dtype)

@@ -36,18 +36,19 @@ def load_model(spec: ModelSpec, actor: ActorConfig) -> LoadedModel:
     path = resolve_model_path(spec)
     reader, config, tokenizer = open_zqs(path)  # header only: config + tokenizer
     reader.close()
+    device_type = "cuda" if actor.num_gpus > 0 else "cpu"  # the actors' device
     num_warm = actor.warm_layers
     if num_warm is None:
         # Actors that pack their weights pack once every one is resident: a warm actor holding them all is packed
         # before its request; one holding fewer computes its first request with the plain weights, packing beside
-        # it. By hand, SmolLM2 on two threads, a 130-token prompt, 16 tokens: the whole request took 0.93-1.22 s
-        # on a warm actor holding 28 of 30 layers (the derived N), 0.32-0.33 s on one holding 30.
-        num_warm = config.num_layers if actor.is_packed_on_cpu else warm_layers(
+        # it (benchmarks/results/warm_start.md: 0.029 s to a first token holding all 12 of `small`'s layers,
+        # 0.34-0.57 s holding 1-9).
+        num_warm = config.num_layers if actor.packs_weights_on(device_type) else warm_layers(
             config, actor.initial_load_bytes_per_s, actor.prefill_flops_per_s, actor.warm_prompt_tokens)
     window = config.max_position_embeddings
     # The actors' compute dtype, as they resolve it: what their weights and KV caches take.
     # Slots' CPUs are assumed to be like the ingress's own (one kind of node per cluster).
-    dtype = compute_dtype_for(actor.compute_dtype, config.dtype, "cuda" if actor.num_gpus > 0 else "cpu")
+    dtype = compute_dtype_for(actor.compute_dtype, config.dtype, device_type)
     return LoadedModel(
         id=spec.id, display_name=spec.display_name, zqs_path=str(path), tokenizer=tokenizer,
         numbers=ModelNumbers.from_config(config, dtype), compute_dtype=dtype,

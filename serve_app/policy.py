@@ -366,11 +366,11 @@ def _no_candidate(features: RequestFeatures, snapshot: ClusterSnapshot, policy: 
                       f"{features.model}: this request needs {need} bytes (weights, KV cache for "
                       f"{features.input_tokens} + {features.max_tokens} tokens, workspace) and the largest "
                       f"slot holds {snapshot.max_total_bytes}; shorten the prompt or max_tokens")
-    message = f"{features.model}: no idle actor, batch row or free slot can take {need} bytes now"
-    if any(a.model == features.model and a.state == "warming" for a in snapshot.actors):
-        # A fresh deployment's first seconds: its warm actor holds the slot and is not yet up to take a request.
-        message = f"{features.model}: its actor is still starting; {message.split(': ', 1)[1]}"
-    return Reject("no_capacity", policy.retry_after_s, message)
+    # A fresh deployment's first seconds: its warm actor holds the slot and is not yet up to take a request.
+    is_starting = any(a.model == features.model and a.state == "warming" for a in snapshot.actors)
+    return Reject("no_capacity", policy.retry_after_s,
+                  f"{features.model}: {'its actor is still starting; ' if is_starting else ''}no idle actor, "
+                  f"batch row or free slot can take {need} bytes now")
 
 
 def predict(scorer: Scorer, features: RequestFeatures, candidates: list[Candidate]) -> Sequence[Prediction]:
