@@ -22,10 +22,18 @@ on 2 cores, timed by hand); `make setup` builds it ahead (`python -m actors.cpu_
 it. Packing loads them (packed_weights.py, off the stepping thread); attention uses them only once
 loaded (`loaded()`). Where the CPU lacks AVX512-BF16, or the build fails, `extension()` is None and
 the runtime uses torch's kernels (oneDNN's packed linear, SDPA row by row).
+
+Each checkout builds in a folder of its own under torch's extension root (named by the digest of its csrc/
+path): two clones on one machine would otherwise rebuild each other's objects in turn. A build holds an
+`flock` on that folder, which the kernel drops if the builder dies. Torch's own lock is a bare `lock` file
+that a builder killed mid-build (an actor stopped while packing) leaves behind, and every later build of
+that folder waited on it for ever; under the flock any such file is a dead builder's and is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -62,6 +70,29 @@ def is_avx2_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def build_directory(name: str) -> Path:
+    """This checkout's build folder for extension `name`, under torch's extension root."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    checkout = hashlib.sha1(str(CSRC.resolve()).encode()).hexdigest()[:10]
+    return Path(_get_build_directory(f"{name}-{checkout}", verbose=False))
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """Held while building in `folder`: one builder at a time, and a dead builder's lock file gone."""
+    with open(folder / "zq-build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        try:
+            stale = folder / "lock"  # torch's FileBaton: only a builder that died holding it leaves it now
+            if stale.exists():
+                log.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _build(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]):
     from torch.utils.cpp_extension import load
 
@@ -69,9 +100,11 @@ def _build(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]):
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     # torch rebuilds an extension when its sources or flags change, not its headers: their digest is a flag.
     headers = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
+    folder = build_directory(name)
     try:
-        return load(name, [str(s) for s in sources], extra_cflags=[*flags, f"-DZQ_HEADERS_DIGEST={headers}"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        with build_lock(folder):
+            return load(name, [str(s) for s in sources], extra_cflags=[*flags, f"-DZQ_HEADERS_DIGEST={headers}"],
+                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as e:  # no compiler, or no ninja: torch's own kernels serve instead
         log.warning("the actors' CPU kernels (%s) could not be built (%s); torch's kernels serve", name, e)
         return None
