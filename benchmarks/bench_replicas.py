@@ -88,7 +88,7 @@ async def _run(zqs: Path, is_leased: bool, num_requests: int, max_tokens: int, s
     spec = dataclasses.replace(LocalClusterSpec(), node=LocalNode())
     apps = [IngressApp(config, spec) for _ in range(2)]
     for app in apps:
-        app.startup()
+        await app.startup()
     replicas = Replicas(apps)
     admissions = [app.ingress.admission for app in apps]
     watch = _Watch(admissions)

@@ -50,6 +50,7 @@ from serve_app.rows import Admitted, Rows
 from serve_app.scorer import Scorer
 from serve_app.snapshot import ClusterSnapshot, ClusterSummary, summarize
 from serve_app.ttft_check import TtftCheck, TtftCorrection, corrected
+from serve_app.warm_pool import models_without_a_ready_actor
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,22 @@ class Admission:
             self._gauges: asyncio.Task | None = asyncio.get_running_loop().create_task(self._exchange_leases())
         except RuntimeError:  # no event loop: constructed outside a Serve replica (tests of the class itself)
             self._gauges = None
+
+    async def wait_for_ready_actors(self, timeout_s: float, poll_s: float = 0.2) -> set[str]:
+        """Until every served model that keeps a warm pool has an actor that can take a request now, or
+        `timeout_s`: a fresh deployment then answers its first requests instead of refusing them while its
+        first warm actors start. The models still without one when it gives up (then refused, as starting)."""
+        deadline = time.monotonic() + timeout_s
+        waiting = set(self.models)
+        while True:
+            try:
+                snap = await self.cluster.snapshot(self.config.registry_timeout_s)
+                waiting = models_without_a_ready_actor(snap, waiting, self.config.policy)
+            except Exception as e:  # the registry still starting, or slow: asked again
+                log.info("waiting for the first warm actors: no snapshot yet (%s)", e)
+            if not waiting or time.monotonic() >= deadline:
+                return waiting
+            await asyncio.sleep(poll_s)
 
     @property
     def num_running(self) -> int:

@@ -97,7 +97,10 @@ def _timing(t: float) -> str:
     health_check_period_s=5,
 )
 class Ingress:
-    def __init__(self, config: IngressConfig, cluster: ClusterSpec | None = None) -> None:
+    # Async: Serve awaits a replica's constructor before it routes there (and `serve run` reports the app
+    # ready), so the wait for the first warm actors below holds no request. Built outside Serve as Serve
+    # builds it: `__new__`, then `await __init__` (asgi.py).
+    async def __init__(self, config: IngressConfig, cluster: ClusterSpec | None = None) -> None:  # type: ignore[misc]
         """`cluster`: what admission places requests on (cluster.py); Ray's real one by default."""
         self.config = config
         self.metrics = IngressMetrics(ray_metrics)
@@ -114,6 +117,14 @@ class Ingress:
                                    self.metrics, self.replica_id, scorer)
         self._is_closed = False
         log.info("zeroqueue ingress: models %s, %d slots", list(self.models), self.admission.cluster.num_slots)
+        if config.startup_wait_s > 0:
+            started = time.monotonic()
+            waiting = await self.admission.wait_for_ready_actors(config.startup_wait_s)
+            if waiting:
+                log.warning("no warm actor of %s ready within startup_wait_s=%s s; answering anyway (their requests "
+                            "are refused as starting until one is)", sorted(waiting), config.startup_wait_s)
+            else:
+                log.info("every warm pool has an actor ready after %.1f s", time.monotonic() - started)
 
     def __del__(self) -> Awaitable[None] | None:
         """Serve stops this replica, and awaits what this returns: the last replica to go takes every actor

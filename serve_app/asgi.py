@@ -75,10 +75,13 @@ class IngressApp:
     async def _lifespan(self, receive, send) -> None:
         await _lifespan(receive, send, self.startup, self.shutdown)
 
-    def startup(self) -> None:
-        """Build the ingress on the running loop, as Serve builds a replica."""
+    async def startup(self) -> None:
+        """Build the ingress on the running loop, as Serve builds a replica: `__new__`, then its async `__init__`."""
         self.loop = asyncio.get_running_loop()
-        self.ingress = Ingress.func_or_class(self.config, self.cluster)
+        cls = Ingress.func_or_class
+        ingress = cls.__new__(cls)
+        await ingress.__init__(self.config, self.cluster)
+        self.ingress = ingress
 
     async def shutdown(self) -> None:
         if self.ingress is not None:
@@ -112,9 +115,9 @@ class Replicas:
     async def _lifespan(self, receive, send) -> None:
         await _lifespan(receive, send, self._startup, self._shutdown)
 
-    def _startup(self) -> None:
+    async def _startup(self) -> None:
         for app in self.apps:
-            app.startup()
+            await app.startup()
 
     async def _shutdown(self) -> None:
         for app in self.apps:
@@ -122,12 +125,12 @@ class Replicas:
 
 
 async def _lifespan(receive, send, startup, shutdown) -> None:
-    """The ASGI lifespan protocol: `startup()` when the server starts, `await shutdown()` when it stops."""
+    """The ASGI lifespan protocol: `await startup()` when the server starts, `await shutdown()` when it stops."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             try:
-                startup()
+                await startup()
             except Exception as e:
                 await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
                 raise

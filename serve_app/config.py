@@ -132,6 +132,11 @@ class AppArgs(_Strict):
     telemetry_refresh_s: float = Field(default=1.0, gt=0)
     # How often the warm pools are checked besides the moments a row ends or a warm actor is bound.
     warm_refresh_s: float = Field(default=1.0, gt=0)
+    # How long a new ingress replica waits, before Serve routes to it, for each model that keeps a warm pool to
+    # have an actor ready (warm or hot): a fresh deployment then serves its first requests instead of refusing
+    # them while its first warm actors start (`serve run` says the app is ready only then). Past it, the replica
+    # answers anyway and those models' requests are refused as starting. 0: it answers at once.
+    startup_wait_s: float = Field(default=0.0, ge=0)
     num_replicas: int = Field(default=1, ge=1)
     # Serve's autoscaling_config for the ingress deployment (min_replicas, max_replicas,
     # target_ongoing_requests, ...): the control plane grows with traffic; replaces num_replicas.
@@ -263,6 +268,7 @@ class IngressConfig:
     slot_refresh_s: float
     telemetry_refresh_s: float
     warm_refresh_s: float
+    startup_wait_s: float
 
 
 # The fields built below rather than copied as they are.

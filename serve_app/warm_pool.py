@@ -75,6 +75,15 @@ def pool_size(policy: PolicyConfig, model: str) -> int:
     return sum(policy.num_warm(model, lane) for lane in LANES)
 
 
+def models_without_a_ready_actor(snapshot: ClusterSnapshot, models: Iterable[str],
+                                 policy: PolicyConfig) -> set[str]:
+    """The models among `models` that keep a warm pool but have no actor to take a request now: none warm (its
+    process up, its layers in) and none hot (idle or batching). A model with no pool is never waited for: each
+    of its requests is a fresh spawn anyway."""
+    ready = {a.model for a in snapshot.actors if a.state in ("warm", "idle", "busy")}
+    return {m for m in models if pool_size(policy, m) > 0 and m not in ready}
+
+
 def is_model_active(last_request_at: float, now: float, policy: PolicyConfig) -> bool:
     return policy.max_idle_s is None or now - last_request_at <= policy.max_idle_s
 

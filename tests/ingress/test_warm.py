@@ -3,9 +3,12 @@ What only Serve shows — every actor gone with the app, or with `serve shutdown
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
+from actors.request_actor import RequestActor
 from tests.ingress.local import LocalServer, serve_locally
 from tests.serve.waiting import wait_for
 
@@ -103,3 +106,39 @@ def test_another_models_request_evicts_a_warm_actor_and_the_evicted_actor_is_end
     assert len(evicted) == 1
     wait_for(lambda: not evicted & server.actor_names(), 30, "the evicted actor to be ended")
     wait_for(lambda: _pool_full(server), 60, "the pool to refill once the other model's actor is gone")
+
+
+class SlowToWarm(RequestActor):
+    """A warm actor whose start takes a second more, as a process start on a busy machine does."""
+
+    async def ready(self, timeout_s=None):
+        await asyncio.sleep(1.0)
+        return await super().ready(timeout_s)
+
+
+def test_a_replica_that_waits_for_its_first_warm_actors_serves_its_first_request_warm(tiny_zqs):
+    # The server reports started once the lifespan's startup, the ingress's constructor, has returned: as Serve
+    # routes to a replica (and `serve run` says the app is ready) only once its constructor has.
+    local = serve_locally(tiny_zqs, SlowToWarm, startup_wait_s=30, **ARGS)
+    try:
+        states = [a.state for a in local.books().actors]
+        assert "warm" in states, states  # without the wait: only "warming" here, and the request refused
+        r = _post(local)
+        assert r.status_code == 200, r.text
+        assert r.headers["X-Request-Tier"] == "warm"
+    finally:
+        local.stop()
+
+
+def test_a_replica_whose_warm_actors_cannot_start_answers_once_its_wait_is_over(tiny_zqs, caplog):
+    # Slots too small for any actor: the pool never fills, and the replica gives up waiting after startup_wait_s;
+    # it then answers, here that the model cannot fit (no slot could ever take it).
+    local = serve_locally(tiny_zqs, startup_wait_s=0.5, slots={"kind": "cpu", "num_cpu_slots": 2,
+                                                               "cpu_slot_bytes": 1 << 20}, **ARGS)
+    try:
+        assert "no warm actor of ['zq-tiny'] ready within startup_wait_s=0.5 s" in caplog.text
+        r = _post(local)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    finally:
+        local.stop()

@@ -6,7 +6,7 @@ from serve_app.decisions import Bind, Join, Spawn
 from serve_app.policy import PolicyConfig, decide
 from serve_app.registry import RegistryState, RowReservation, SlotSpec
 from serve_app.snapshot import ActorView, ClusterSnapshot, RowView, SlotView
-from serve_app.warm_pool import WarmFill, WarmSpec, plan_fills
+from serve_app.warm_pool import WarmFill, WarmSpec, models_without_a_ready_actor, plan_fills
 from tests.helpers import actor, policy
 from tests.helpers import features as _features
 from tests.helpers import slot as _slot
@@ -25,6 +25,19 @@ def test_the_plan_fills_each_lane_to_its_size_first_fit_and_skips_idle_models():
     fills = plan_fills(snap, [WarmSpec("m", 1000), WarmSpec("idle", 1000)], POLICY, active_models={"m"})
     assert fills == [WarmFill("m", "long", "b", 1000)]  # the short pool already has its one
     assert plan_fills(snap, [WarmSpec("m", 20_000)], POLICY, {"m"}) == []  # no slot holds it
+
+
+def test_a_model_waits_for_a_warm_or_hot_actor_and_a_model_without_a_pool_waits_for_none():
+    slots = [_slot("a"), _slot("b")]
+    no_pool = policy(num_warm_short_actors=0)
+    assert models_without_a_ready_actor(_snap(slots), {"m"}, POLICY) == {"m"}
+    assert models_without_a_ready_actor(_snap(slots, [_warm("w", "a", state="warming")]), {"m"}, POLICY) == {"m"}
+    assert models_without_a_ready_actor(_snap(slots, [_warm("w", "a", state="starting")]), {"m"}, POLICY) == {"m"}
+    assert models_without_a_ready_actor(_snap(slots, [_warm("w", "a", model="other")]), {"m"}, POLICY) == {"m"}
+    assert models_without_a_ready_actor(_snap(slots, [_warm("w", "a")]), {"m"}, POLICY) == set()
+    assert models_without_a_ready_actor(_snap(slots, [actor("hot", "b", state="busy")]), {"m"}, POLICY) == set()
+    assert models_without_a_ready_actor(_snap(slots, [actor("hot", "b")]), {"m"}, POLICY) == set()
+    assert models_without_a_ready_actor(_snap(slots), {"m"}, no_pool) == set()
 
 
 def test_a_warm_actor_of_the_lane_is_bound_rather_than_a_process_started():
