@@ -130,8 +130,8 @@ class RayCluster:
         stats = self._slots.take_stats() if self._slots is not None else None
         try:
             decision = await within(
-                self._link.handle.admit.remote(features, spawn_name, request_id, stats, self.replica_id,
-                                               self._link.incarnation, lease, correction),
+                self._link.call("admit", features, spawn_name, request_id, stats, self.replica_id,
+                                self._link.incarnation, lease, correction),
                 self._config.registry_timeout_s)
         except _UNANSWERED as e:
             # Late: probe, and go on admitting. Gone: refuse at once until a heartbeat (which re-creates one
@@ -145,7 +145,7 @@ class RayCluster:
 
     async def exchange_leases(self, report: LeaseReport, timeout_s: float) -> LeaseGrant:
         try:
-            grant = await within(self._link.handle.exchange_leases.remote(report, self._link.incarnation), timeout_s)
+            grant = await within(self._link.call("exchange_leases", report, self._link.incarnation), timeout_s)
         except _UNANSWERED as e:
             self._link.unanswered(e)
             raise RegistryUnavailable(type(e).__name__) from None
@@ -156,29 +156,29 @@ class RayCluster:
         return grant
 
     def give_back(self, row_ids: tuple[str, ...]) -> None:
-        self._link.handle.give_back.remote(self.replica_id, row_ids)
+        self._link.call("give_back", self.replica_id, row_ids)
 
     def abandon(self, request_id: str) -> None:
         # Calls from this replica reach the registry in order, and a registry remembers what was abandoned
         # before it was admitted: nothing stays reserved for a request that was refused.
-        self._link.handle.abandon.remote(request_id)
+        self._link.call("abandon", request_id)
 
     def finish(self, actor_name: str, request_id: str, outcome: Outcome) -> None:
-        self._link.handle.finish.remote(actor_name, request_id, outcome)
+        self._link.call("finish", actor_name, request_id, outcome)
 
     def actor_started(self, actor_name: str) -> None:
-        self._link.handle.actor_started.remote(actor_name)
+        self._link.call("actor_started", actor_name)
 
     async def snapshot(self, timeout_s: float) -> ClusterSnapshot:
         try:
-            return await within(self._link.handle.snapshot.remote(), timeout_s)
+            return await within(self._link.call("snapshot"), timeout_s)
         except _UNANSWERED as e:
             self._link.unanswered(e)
             raise RegistryUnavailable(type(e).__name__) from None
 
     async def reconcile(self, timeout_s: float) -> None:
         try:
-            await within(self._link.handle.reconcile_now.remote(), timeout_s)
+            await within(self._link.call("reconcile_now"), timeout_s)
         except Exception:  # best effort: the registry's own loop does the same within a second
             log.info("reconcile did not answer in time")
 

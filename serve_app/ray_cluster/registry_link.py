@@ -6,9 +6,17 @@ returns the live one, or makes it). Either way it comes back empty, under a new
 incarnation; the heartbeat sees that and calls its `on_new_incarnation`, which hands over
 what this replica knows (its policy and scorer, its slots, the rows it is still relaying).
 
-`link.handle` is the registry of the moment: callers write `link.handle.admit.remote(...)`
-and reach whichever registry is current. Heartbeats run on the slot refresher's thread
-(slots.py), every `heartbeat_s` or at once when an admission asks for one.
+`link.handle` is the registry of the moment: callers reach whichever registry is current.
+Heartbeats run on the slot refresher's thread (slots.py), every `heartbeat_s` or at once when an
+admission asks for one.
+
+A request's calls go through `call`, never `handle.<method>.remote` on the event loop. Ray counts
+a call submitted while a request runs as that request's child task, and when the request's client
+leaves, Serve cancels the request and Ray every child not yet run. A `finish` or `abandon` cancelled
+so left the request's row reserved in the books, and a call cancelled before it reached the
+registry stalled this replica's later calls to it for minutes (seen under bench_warm: its heartbeats
+and warm-pool fills went unanswered while the driver's own calls were answered). Submitted from an
+empty `contextvars.Context`, where Ray finds no current request, a call is nobody's child.
 
 Late is not gone. An admission that Ray answers with the registry's death (or a restarted
 registry's refusal) calls `lost()`: `is_available` is False until a heartbeat is answered,
@@ -22,6 +30,7 @@ link stays available and probes at once; only a probe that is not answered withi
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -51,6 +60,10 @@ class RegistryLink:
         # False from a registry known to be gone (or a probe it did not answer) until a heartbeat is
         # answered: admissions meanwhile are refused at once instead of each waiting out its deadline.
         self._is_available = True
+
+    def call(self, method: str, *args: Any) -> ray.ObjectRef:
+        """`handle.<method>.remote(*args)` on the current registry, owned by no request (module docstring)."""
+        return contextvars.Context().run(getattr(self.handle, method).remote, *args)
 
     def heard(self) -> None:
         """The current incarnation answered another heartbeat-like call (the lease exchange, which also marks
