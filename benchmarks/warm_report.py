@@ -8,6 +8,9 @@ from collections import defaultdict
 MiB = 1 << 20
 GOAL_TTFT_S, GOAL_RATIO = 0.35, 0.25
 FRESH = "fresh spawn"  # the configuration label of a fresh spawn, as bench_warm records it
+# How the client timed a request over HTTP: one kept client (its connection kept alive), or one built for the
+# request after the clock started (every run before 2026-12-06; httpx builds an SSL context per client).
+KEPT_CLIENT, NEW_CLIENT = "kept client", "new client"
 
 
 def _median(xs: list[float]) -> float:
@@ -87,24 +90,31 @@ def _tradeoff(groups: dict, fresh: dict, meta: dict) -> str:
 def _http(http: list[dict], meta: dict) -> list[str]:
     if not http:
         return ["(The HTTP part was not run.)"]
-    by_pool: dict[str, list[dict]] = defaultdict(list)
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in http:
-        by_pool[r["pool"]].append(r)
-    warm = [r["ttft_s"] for r in by_pool.get("warm pool", []) if r["tier"] == "warm"]
-    cold = [r["ttft_s"] for r in by_pool.get("no pool", []) if r["tier"] == "cold"]
+        groups[r["pool"], r.get("client", NEW_CLIENT)].append(r)
     lines = ["## Through the app: the client's send to its first text delta", "",
              "The app on 2 CPU slots, no hot actors (every request is served by a bound warm actor or a fresh "
              "one, which then exits), streamed over HTTP on loopback, the short prompt, one request at a time "
              "once the last one's actor is gone and the pool is full again. The warm actors hold the layers the "
-             "deployment chooses (every one where the actors pack their weights).", "",
-             "| app | requests | tiers | TTFT median s | TTFT min–max s |", "|---|--:|---|--:|---|"]
-    for pool, rs in by_pool.items():
+             "deployment chooses (every one where the actors pack their weights). Requests alternate between "
+             f"a *{KEPT_CLIENT}* (one httpx client, its connection kept alive, as the SDKs keep theirs) and a "
+             f"*{NEW_CLIENT}* built for the request after the clock started, as runs before 2026-12-06 timed "
+             "every request: its TTFT also counts the client's own start (httpx builds an SSL context).", "",
+             "| app | client | requests | tiers | TTFT median s | TTFT min–max s |", "|---|---|--:|---|--:|---|"]
+    for (pool, client), rs in groups.items():
         ttft = [r["ttft_s"] for r in rs]
         tiers = ", ".join(f"{t} {sum(r['tier'] == t for r in rs)}" for t in sorted({r["tier"] for r in rs}))
-        lines.append(f"| {pool} | {len(rs)} | {tiers} | {_median(ttft):.3f} | {min(ttft):.3f}–{max(ttft):.3f} |")
+        lines.append(f"| {pool} | {client} | {len(rs)} | {tiers} | {_median(ttft):.3f} | "
+                     f"{min(ttft):.3f}–{max(ttft):.3f} |")
     lines += ["", "## Goals", ""]
+    judged = KEPT_CLIENT if any(client == KEPT_CLIENT for _, client in groups) else NEW_CLIENT
+    warm = [r["ttft_s"] for r in groups.get(("warm pool", judged), []) if r["tier"] == "warm"]
+    cold = [r["ttft_s"] for r in groups.get(("no pool", judged), []) if r["tier"] == "cold"]
     if warm and cold:
         w, c = _median(warm), _median(cold)
+        lines.append(f"Judged on the {judged}'s requests.")
+        lines.append("")
         lines.append(f"- warm TTFT median ≤ {GOAL_TTFT_S} s: **{w:.3f} s** "
                      f"({'met' if w <= GOAL_TTFT_S else 'missed'})")
         lines.append(f"- warm TTFT ≤ {GOAL_RATIO} × the fresh spawn's in the same run: **{w / c:.2f}×** "
