@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 
 from actors.actor_names import agent_name
+from actors.remote_call import call_unparented
 from actors.telemetry import (
     ActorMemoryReport,
     DeviceReading,
@@ -314,7 +315,9 @@ class AgentReporter:
         try:
             report = allocator_report(self._actor_name, self._device_index, accounted_bytes)
             pid, started = self._process
-            self._agent.report.remote(replace(report, pid=pid, process_start=started))
+            # Not a child of the request whose row this reports (remote_call.py): its cancellation must not
+            # cancel the report, nor stall this actor's later reports.
+            call_unparented(self._agent.report, replace(report, pid=pid, process_start=started))
         except Exception:  # a dead agent or a torch stats hiccup must not fail the request
             log.warning("%s: memory report failed", self._actor_name, exc_info=True)
 
@@ -322,7 +325,7 @@ class AgentReporter:
         if self._agent is not None:
             self._latest.close()  # a held report must not follow the withdrawal
             try:
-                self._agent.forget.remote(self._actor_name)
+                call_unparented(self._agent.forget, self._actor_name)
             except Exception:
                 log.warning("%s: could not withdraw its memory report", self._actor_name, exc_info=True)
 

@@ -10,13 +10,12 @@ what this replica knows (its policy and scorer, its slots, the rows it is still 
 Heartbeats run on the slot refresher's thread (slots.py), every `heartbeat_s` or at once when an
 admission asks for one.
 
-A request's calls go through `call`, never `handle.<method>.remote` on the event loop. Ray counts
-a call submitted while a request runs as that request's child task, and when the request's client
-leaves, Serve cancels the request and Ray every child not yet run. A `finish` or `abandon` cancelled
-so left the request's row reserved in the books, and a call cancelled before it reached the
-registry stalled this replica's later calls to it for minutes (seen under bench_warm: its heartbeats
-and warm-pool fills went unanswered while the driver's own calls were answered). Submitted from an
-empty `contextvars.Context`, where Ray finds no current request, a call is nobody's child.
+A request's calls go through `call`, never `handle.<method>.remote` on the event loop: submitted
+within a request, a call is the request's child, and Serve cancels the request when its client
+leaves (actors/remote_call.py). A `finish` or `abandon` cancelled so left the request's row reserved
+in the books, and after one cancelled before it reached the registry, this replica's later calls
+went unanswered for minutes (bench_warm: heartbeats and warm-pool fills, while the driver's own calls
+were answered).
 
 Late is not gone. An admission that Ray answers with the registry's death (or a restarted
 registry's refusal) calls `lost()`: `is_available` is False until a heartbeat is answered,
@@ -30,7 +29,6 @@ link stays available and probes at once; only a probe that is not answered withi
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
 import time
@@ -38,6 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+
+from actors.remote_call import call_unparented
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class RegistryLink:
 
     def call(self, method: str, *args: Any) -> ray.ObjectRef:
         """`handle.<method>.remote(*args)` on the current registry, owned by no request (module docstring)."""
-        return contextvars.Context().run(getattr(self.handle, method).remote, *args)
+        return call_unparented(getattr(self.handle, method), *args)
 
     def heard(self) -> None:
         """The current incarnation answered another heartbeat-like call (the lease exchange, which also marks
