@@ -94,8 +94,8 @@ class Admission:
         deadline = time.monotonic() + timeout_s
         waiting = set(self.models)
         while True:
-            try:
-                snap = await self.cluster.snapshot(self.config.registry_timeout_s)
+            try:  # the probe's deadline: a registry still starting up answers late without being gone
+                snap = await self.cluster.snapshot(self.config.registry_probe_timeout_s)
                 waiting = models_without_a_ready_actor(snap, waiting, self.config.policy)
             except Exception as e:  # the registry still starting, or slow: asked again
                 log.info("waiting for the first warm actors: no snapshot yet (%s)", e)
