@@ -80,8 +80,9 @@ def models_without_a_ready_actor(snapshot: ClusterSnapshot, models: Iterable[str
     """The models among `models` that keep a warm pool but have no actor to take a request now: none warm (its
     process up, its layers in) and none hot (idle or batching). A model with no pool is never waited for: each
     of its requests is a fresh spawn anyway."""
-    ready = {a.model for a in snapshot.actors if a.state in ("warm", "idle", "busy")}
-    return {m for m in models if pool_size(policy, m) > 0 and m not in ready}
+    return {m for m in models if pool_size(policy, m) > 0 and not any(
+        snapshot.warm_actors(m, lane) or snapshot.idle_actors(m, lane) or snapshot.busy_hot_actors(m, lane)
+        for lane in LANES)}
 
 
 def is_model_active(last_request_at: float, now: float, policy: PolicyConfig) -> bool:

@@ -37,6 +37,9 @@ def test_a_model_waits_for_a_warm_or_hot_actor_and_a_model_without_a_pool_waits_
     assert models_without_a_ready_actor(_snap(slots, [_warm("w", "a")]), {"m"}, POLICY) == set()
     assert models_without_a_ready_actor(_snap(slots, [actor("hot", "b", state="busy")]), {"m"}, POLICY) == set()
     assert models_without_a_ready_actor(_snap(slots, [actor("hot", "b")]), {"m"}, POLICY) == set()
+    # A bound warm actor serving its one request takes no other: not ready.
+    bound = actor("bound", "b", state="busy", is_hot=False)
+    assert models_without_a_ready_actor(_snap(slots, [bound]), {"m"}, POLICY) == {"m"}
     assert models_without_a_ready_actor(_snap(slots), {"m"}, no_pool) == set()
 
 
