@@ -14,8 +14,8 @@ A request's calls go through `call`, never `handle.<method>.remote` on the event
 within a request, a call is the request's child, and Serve cancels the request when its client
 leaves (actors/remote_call.py). A `finish` or `abandon` cancelled so left the request's row reserved
 in the books, and after one cancelled before it reached the registry, this replica's later calls
-went unanswered for minutes (bench_warm: heartbeats and warm-pool fills, while the driver's own calls
-were answered).
+went unanswered (seen twice under bench_warm: heartbeats and warm-pool fills, while the driver's own
+calls were answered).
 
 Late is not gone. An admission that Ray answers with the registry's death (or a restarted
 registry's refusal) calls `lost()`: `is_available` is False until a heartbeat is answered,

@@ -99,7 +99,7 @@ def _a_client_that_leaves_the_direct_port_frees_its_row() -> None:
 def _first_answer() -> httpx.Response:
     """The first request, sent as soon as the app answers: it is served, by the warm actor. The app takes traffic
     only once that actor can take a request (`startup_wait_s` in configs/serve.yaml); before it waited, the
-    first ~3 s of requests were refused 503 while the actor's process started."""
+    first requests were refused 503 while the actor's process started."""
     r = httpx.post(f"{BASE}/v1/messages", timeout=120, json={
         "model": MODEL, "max_tokens": 16, "temperature": 0.0,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
