@@ -12,8 +12,6 @@ import ray
 
 from serve_app.ray_cluster.registry_link import RegistryLink
 
-DEP_S = 1.0  # how long the call's argument takes: the call waits for it at the caller, where a cancel finds it
-
 
 @ray.remote(max_concurrency=1)
 class Books:
@@ -31,9 +29,19 @@ class Books:
 
 
 @ray.remote
-def later(value: str) -> str:
-    time.sleep(DEP_S)
-    return value
+class Gate:
+    """The call's argument, pending until the test opens it: the call waits for it at the caller, where the
+    request's cancellation finds it (a timed argument could resolve first on a loaded machine)."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+
+    async def value(self, value: str) -> str:
+        await self._open.wait()
+        return value
+
+    async def open(self) -> None:
+        self._open.set()
 
 
 @ray.remote
@@ -61,18 +69,21 @@ class Replica:
 
 
 def _finish_after_the_client_left(through_link: bool) -> list[str]:
-    books = Books.remote()
+    books, gate = Books.remote(), Gate.remote()
     replica = Replica.remote(books)
-    pending = later.remote("finished")  # created here, so the cancel below does not take it too
+    pending = gate.value.remote("finished")  # created here, so the cancel below does not take it too
     call = replica.request.remote([pending], through_link)
     deadline = time.monotonic() + 60
     while not ray.get(replica.running.remote(), timeout=60):  # its finish made, waiting for its argument
         assert time.monotonic() < deadline, "the request did not start"
         time.sleep(0.05)
     ray.cancel(call)  # what Serve does when the client leaves; recursive, as Serve's is
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(call, timeout=60)  # the request is cancelled, and with it its children
+    ray.get(gate.open.remote(), timeout=30)  # only now can the finish, if it lives, be sent
     assert ray.get(replica.later_call.remote(), timeout=60) == "later"  # after the finish, if it lives
     notes = ray.get(books.read.remote(), timeout=30)
-    for handle in (replica, books):
+    for handle in (replica, books, gate):
         ray.kill(handle)
     return notes
 
