@@ -26,6 +26,10 @@ class ActorConfig:
     load_threads: int = 1
     # Threads for torch's compute; on a CPU node loading and compute share the cores.
     compute_threads: int = 1
+    # Fewer threads, down to this many, while other processes use the node's cores: a step waits for
+    # its slowest thread, and two threads that share a core with a busy process take 2-9x one thread's
+    # time (actors/thread_governor.py). Equal to compute_threads: always that many.
+    min_compute_threads: int = 1
     # The dtype the model computes in (actors/compute_dtype.py): "auto" keeps the file's dtype
     # except on a CPU without native 16-bit arithmetic, where a bf16 model computes several
     # times slower than in fp32 (benchmarks/results/engine.md) and is widened, at 2x its memory.
@@ -105,6 +109,9 @@ class ActorConfig:
                              f"got {self.packed_kernel!r}")
         if self.warm_layers is not None and self.warm_layers < 0:
             raise ValueError(f"ActorConfig.warm_layers must be >= 0, got {self.warm_layers}")
+        if not 1 <= self.min_compute_threads <= max(1, self.compute_threads):
+            raise ValueError(f"ActorConfig needs 1 <= min_compute_threads <= compute_threads, got "
+                             f"{self.min_compute_threads} and {self.compute_threads}")
         if self.compiled_slots < 1 or self.compiled_max_seq_len < 1:
             raise ValueError(f"ActorConfig needs compiled_slots and compiled_max_seq_len >= 1, got "
                              f"{self.compiled_slots}, {self.compiled_max_seq_len}")

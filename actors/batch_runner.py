@@ -19,7 +19,7 @@ from actors.engine import Engine
 from actors.events import Event, FinishEvent
 from actors.model import WaitLayer
 from actors.sampling import SamplingParams
-from actors.threads import use_threads_here
+from actors.thread_governor import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,12 @@ class RowStream:
 
 class BatchRunner:
     def __init__(self, engine: Engine, *, wait_layer: Callable[[], WaitLayer | None] | None = None,
-                 name: str = "zq-batch", compute_threads: int | None = None) -> None:
+                 name: str = "zq-batch", threads: ThreadGovernor | None = None) -> None:
         """`wait_layer()` is asked before each step for the weight gate to pass to it (None: all resident).
-        `compute_threads`: the stepping thread's own count of torch threads (actors/threads.py); None: torch's."""
+        `threads`: sets the stepping thread's own count of torch threads (actors/threads.py), fewer while other
+        processes use the node's cores (actors/thread_governor.py); None: torch's count, as it is."""
         self.engine = engine
-        self._compute_threads = compute_threads
+        self.threads = threads
         self._wait_layer = wait_layer
         self._wake = threading.Event()
         self._between_steps: list[Callable[[], object]] = []  # run by the stepping thread, then dropped
@@ -101,8 +102,11 @@ class BatchRunner:
         self._wake.set()
 
     def _loop(self) -> None:
-        if self._compute_threads is not None:
-            use_threads_here(self._compute_threads)
+        if self.threads is not None:
+            self.threads.start()
+        # While idle, the governor still samples the node, so that a first step after a pause computes on
+        # the threads the node has free now.
+        idle_wait_s = self.threads.interval_s if self.threads is not None and self.threads.is_active else None
         while not self._is_closed:
             while self._between_steps:
                 fn = self._between_steps.pop(0)
@@ -110,8 +114,10 @@ class BatchRunner:
                     fn()
                 except Exception:  # the model is as it was: the batch goes on
                     log.exception("a call between steps failed")
+            if self.threads is not None:
+                self.threads.adjust()
             if not self.engine.has_work:
-                self._wake.wait()
+                self._wake.wait(idle_wait_s)
                 self._wake.clear()
                 continue
             try:

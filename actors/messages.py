@@ -125,3 +125,6 @@ class ActorStatus:
     num_rows: int = 0  # requests running or joining
     resident_fraction: float = 0.0  # share of the weight bytes loaded
     pid: int = 0  # the actor's process (benchmarks read its resident set)
+    # The threads its steps compute on now, and how often that changed (actors/thread_governor.py); 0: torch's own.
+    compute_threads: int = 0
+    num_thread_changes: int = 0

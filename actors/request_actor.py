@@ -118,6 +118,7 @@ class RequestActor:
         from actors.batch_runner import BatchRunner
         from actors.engine import Engine
         from actors.layer_loader import stream_zqs
+        from actors.thread_governor import ThreadGovernor
         from actors.threads import compute_on_one_thread
 
         self.name = name or _own_name()
@@ -149,8 +150,11 @@ class RequestActor:
         self._engine = Engine(self._model, self._streamed.tokenizer, max_batch=config.max_batch,
                               prefill_chunk_tokens=config.prefill_chunk_tokens, step_cost=config.step_cost,
                               compiled=compiled)
+        # A compiled step's kernels keep the thread count they were compiled for: its count stays fixed.
+        threads = ThreadGovernor(config.compute_threads if config.is_compiled else config.min_compute_threads,
+                                 config.compute_threads) if on_exit is None else None
         self._runner = BatchRunner(self._engine, wait_layer=self._weight_gate, name=f"batch-{self.name}",
-                                   compute_threads=config.compute_threads if on_exit is None else None)
+                                   threads=threads)
         self._num_layers = self._streamed.config.num_layers
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self._model.parameters())
         is_cuda = str(device).startswith("cuda")
@@ -188,6 +192,8 @@ class RequestActor:
             num_rows=self._engine.num_rows,
             resident_fraction=stream.resident_fraction(),
             pid=os.getpid(),
+            compute_threads=threads.threads if (threads := self._runner.threads) is not None else 0,
+            num_thread_changes=threads.num_changes if threads is not None else 0,
         )
 
     async def ready(self, timeout_s: float | None = None) -> ActorStatus:

@@ -8,7 +8,8 @@ a decode step on a thread of its own took 27 ms on two threads once another thre
 team, 19 ms on one thread, and 12 ms on two threads when no other thread had formed one.
 
 So an actor loads on one thread (`compute_on_one_thread`, before it starts loading), its stepping
-thread switches to `compute_threads` before its first step (`use_threads_here`) and forms the
+thread switches to `compute_threads` before its first step (`use_threads_here`; fewer while other processes
+use the node's cores: actors/thread_governor.py) and forms the
 process's one team, what else computes once the actor runs (a warm actor's kernel choice, compiling)
 runs on the stepping thread between steps (`RequestActor._on_stepping_thread`), and its packing thread copies weights with numpy, not torch
 (bf16_linear.pack). torch's thread count is the process's: a thread that set one would set it for

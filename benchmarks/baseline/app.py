@@ -65,6 +65,7 @@ class BaselineConfig:
     device: str  # "cpu" or "cuda", as the zeroqueue actors choose it
     load_threads: int
     compute_threads: int
+    min_compute_threads: int
     compute_dtype: str
     cpu_nice: int
     is_freed_memory_retained: bool
@@ -88,6 +89,7 @@ class QueuedModel:
         from actors.engine import Engine
         from actors.heap import retain_freed_memory
         from actors.layer_loader import load_zqs
+        from actors.thread_governor import ThreadGovernor
         from actors.threads import compute_on_one_thread
 
         self.config = config
@@ -102,7 +104,8 @@ class QueuedModel:
                                     is_weight_packed=config.is_weight_packed)  # packs CPU bf16 weights only
         engine = Engine(model, tokenizer, max_context=config.max_context, max_batch=config.max_batch,
                         prefill_chunk_tokens=config.prefill_chunk_tokens)
-        self.runner = BatchRunner(engine, name="baseline-batch", compute_threads=config.compute_threads)
+        self.runner = BatchRunner(engine, name="baseline-batch",
+                                  threads=ThreadGovernor(config.min_compute_threads, config.compute_threads))
         log.info("baseline replica: %s resident on %s, batches of %d", config.model_id, device, config.max_batch)
 
     async def __call__(self, request: Request) -> Response:
@@ -235,6 +238,7 @@ def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any
         device="cuda" if on_gpu else "cpu",
         load_threads=actor.load_threads,
         compute_threads=actor.compute_threads,
+        min_compute_threads=actor.min_compute_threads,
         compute_dtype=actor.compute_dtype,
         cpu_nice=actor.cpu_nice,
         is_freed_memory_retained=actor.is_freed_memory_retained,
