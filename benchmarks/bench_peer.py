@@ -3,7 +3,7 @@
     bash benchmarks/peer/setup.sh                 # once: GuideLLM's venv and a CMake build of llama.cpp's server
     .venv/bin/python -m benchmarks.bench_peer     # 13 min; writes benchmarks/results/peer.md, .json, .png
     .venv/bin/python -m benchmarks.bench_peer --report-only   # the report again, from the kept JSON
-    .venv/bin/python -m benchmarks.bench_peer --slot-variant  # zeroqueue a second time on two slots of one thread
+    .venv/bin/python -m benchmarks.bench_peer --variant zeroqueue-2x1  # zeroqueue again on two slots of one thread
     .venv/bin/python -m benchmarks.bench_peer --out peer_avx2 --rates 1,2,4,6,8,10  # on a CPU without AVX512-BF16
 
 Each server runs alone on the machine, one after the other: zeroqueue as `make serve` runs it
@@ -19,9 +19,10 @@ tokens/s, and goodput: served requests with TTFT <= `--slo-ttft-s`, per second o
 zeroqueue's own check of its predictions, read from its /health after each rate: engine steps
 and TTFT per tier, measured over predicted, over its recent requests.
 
-With `--slot-variant`, zeroqueue also runs on the CPU slot layout `configs/serve.yaml` does not
-choose, in the same run: two slots of one thread each (`zeroqueue-2x1`) where it chooses one of
-two; the same app otherwise, its rule constants included (each actor corrects them by its steps).
+With `--variant NAME`, zeroqueue also runs on a variant of `configs/serve.yaml` in the same run
+(VARIANTS): two slots of one thread each (`zeroqueue-2x1`) where it chooses one of two, or its
+actors on a fixed count of threads (`zeroqueue-fixed-threads`); the same app otherwise, its rule
+constants included (each actor corrects them by its steps).
 """
 
 from __future__ import annotations
@@ -74,15 +75,41 @@ class Server:
     env: dict[str, str] | None = None  # beside the environment's own
 
 
-SERVER_NAMES = ("zeroqueue", "zeroqueue-2x1", "llama.cpp")
+def two_slots_of_one_thread(config: dict) -> dict:
+    """`make serve`'s config on two CPU slots of one thread each, a hot actor on each."""
+    args = config["applications"][0]["args"]
+    args["slots"]["num_cpu_slots"] = 2
+    args["actor"] |= {"num_cpus": 1, "compute_threads": 1, "load_threads": 1}
+    args["policy"]["max_hot_short_actors"] = 2
+    return config
+
+
+def fixed_threads(config: dict) -> dict:
+    """`make serve`'s config with its actors always on `compute_threads`, however busy the node's other processes."""
+    actor = config["applications"][0]["args"]["actor"]
+    actor["min_compute_threads"] = actor["compute_threads"]
+    return config
+
+
+# zeroqueue again, on a config `make serve`'s differs from in one respect, in the same run (--variant):
+# name -> (the change, what the report says it is).
+VARIANTS = {
+    "zeroqueue-2x1": (two_slots_of_one_thread,
+                      "two CPU slots of one thread: `slots.num_cpu_slots: 2`, `actor.num_cpus`, `compute_threads` "
+                      "and `load_threads: 1`, and `policy.max_hot_short_actors: 2`"),
+    "zeroqueue-fixed-threads": (fixed_threads,
+                                "its actors always on `compute_threads`: `actor.min_compute_threads` equal to it, "
+                                "so that no step drops to fewer threads while other processes use the cores "
+                                "(actors/thread_governor.py)"),
+}
+SERVER_NAMES = ("zeroqueue", *VARIANTS, "llama.cpp")
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
     serve = Path(sys.executable).with_name("serve")
-    config = yaml.safe_load(Path("configs/serve.yaml").read_text())
-    layouts = {"zeroqueue": config}  # as `make serve` runs it
-    if args.slot_variant:
-        layouts["zeroqueue-2x1"] = two_slots_of_one_thread(yaml.safe_load(Path("configs/serve.yaml").read_text()))
+    layouts = {"zeroqueue": yaml.safe_load(Path("configs/serve.yaml").read_text())}  # as `make serve` runs it
+    for name in args.variant:
+        layouts[name] = VARIANTS[name][0](yaml.safe_load(Path("configs/serve.yaml").read_text()))
     out = []
     for name, layout in layouts.items():
         path = PEER_DIR / f"serve-{name}.yaml"
@@ -105,15 +132,6 @@ def traced(config: dict, path: Path) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     config["applications"][0]["args"]["traces"] = {"enabled": True, "path": str(path)}
-    return config
-
-
-def two_slots_of_one_thread(config: dict) -> dict:
-    """`make serve`'s config on two CPU slots of one thread each, a hot actor on each."""
-    args = config["applications"][0]["args"]
-    args["slots"]["num_cpu_slots"] = 2
-    args["actor"] |= {"num_cpus": 1, "compute_threads": 1, "load_threads": 1}
-    args["policy"]["max_hot_short_actors"] = 2
     return config
 
 
@@ -428,22 +446,26 @@ def _cpu_lines(data: dict) -> list[str]:
 
 
 def _variant_lines(data: dict) -> list[str]:
-    """configs/serve.yaml's slot layout against two slots of one thread, where the run measured both."""
-    variant = data["servers"].get("zeroqueue-2x1")
-    if not variant or "zeroqueue" not in data["servers"]:
-        return []
-    zq = data["servers"]["zeroqueue"]
-    lines = ["## The CPU slot's layout in serving: configs/serve.yaml's against two slots of one thread", "",
-             "The same app and load; `zeroqueue-2x1` differs only in `slots.num_cpu_slots: 2`, `actor.num_cpus`, "
-             "`compute_threads` and `load_threads: 1`, and `policy.max_hot_short_actors: 2`.", "",
-             "| rate (req/s) | served | TTFT P50 | ITL P50 | output tok/s | goodput |", "|--:|--:|--:|--:|--:|--:|"]
-    for rate in data["rates"]:
-        a, b = zq[f"{rate:g}"], variant[f"{rate:g}"]
-        cells = [f"{a['served']} / {b['served']}"]
-        for key in ("ttft_p50_s", "itl_p50_s", "output_tokens_per_s", "goodput_per_s"):
-            cells.append(f"{a[key] / b[key]:.2f}×" if a[key] and b[key] else "—")
-        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
-    return lines + ["", "Served: configs/serve.yaml's / 2x1's; the other columns: configs/serve.yaml's ÷ 2x1's.", ""]
+    """configs/serve.yaml against each variant of it the run measured (VARIANTS)."""
+    zq = data["servers"].get("zeroqueue")
+    lines: list[str] = []
+    for name, (_, what) in VARIANTS.items():
+        variant = data["servers"].get(name)
+        if not variant or not zq:
+            continue
+        lines += [f"## configs/serve.yaml against `{name}`", "",
+                  f"The same app and load; `{name}` differs only in {what}.", "",
+                  "| rate (req/s) | served | TTFT P50 | TTFT P99 | ITL P50 | output tok/s | goodput |",
+                  "|--:|--:|--:|--:|--:|--:|--:|"]
+        for rate in data["rates"]:
+            a, b = zq[f"{rate:g}"], variant[f"{rate:g}"]
+            cells = [f"{a['served']} / {b['served']}"]
+            for key in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "output_tokens_per_s", "goodput_per_s"):
+                cells.append(f"{a[key] / b[key]:.2f}×" if a[key] and b[key] else "—")
+            lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+        lines += ["", f"Served: configs/serve.yaml's / {name}'s; the other columns: configs/serve.yaml's ÷ {name}'s.",
+                  ""]
+    return lines
 
 
 def _prediction_lines(data: dict) -> list[str]:
@@ -506,10 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidellm", type=Path, default=PEER_DIR / "guidellm/bin/guidellm")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite peer.md/.png from peer.json and the GuideLLM JSON kept, measuring nothing")
-    parser.add_argument("--slot-variant", action="store_true",
-                        help="also run zeroqueue on two CPU slots of one thread (zeroqueue-2x1), in the same run")
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS), default=[],
+                        help="also run zeroqueue on this variant of configs/serve.yaml, in the same run: "
+                             + "; ".join(f"{name}: {what}" for name, (_, what) in VARIANTS.items()))
     parser.add_argument("--servers", type=lambda s: s.split(","), default=list(SERVER_NAMES),
-                        help=f"which of {', '.join(SERVER_NAMES)} to run (zeroqueue-2x1 with --slot-variant)")
+                        help=f"which of {', '.join(SERVER_NAMES)} to run (a variant only with --variant)")
     parser.add_argument("--out", default="peer",
                         help="the results' name under benchmarks/results: <out>.md, .json, .png and <out>/ (GuideLLM's "
                              "JSON), so that a run on another kind of CPU keeps its own (peer_avx2)")
