@@ -2,20 +2,16 @@
 
 A step splits each op over the stepping thread's OpenMP team, and every op ends at a barrier:
 it is as slow as its slowest thread. A thread that shares its core with another busy process
-gets a time slice in turn, and every barrier of the step waits for it. Timed by hand on the
-2-core host (SmolLM2 in fp32, the actors' AVX2 kernels, the actor at nice 19):
-
-| beside the step                 | 2 threads: prefill 128 / step of 1 row P90 | 1 thread      |
-|---------------------------------|--------------------------------------------|---------------|
-| nothing                         | 282 ms / 14 ms                             | 470 / 16 ms   |
-| a process busy 25% of a core    | 332 / 17                                   | 371 / 19      |
-| busy 50% of a core              | 399 / 21                                   | 431 / 16      |
-| busy all of a core (nice 0)     | 786 / 131                                  | 363 / 16      |
-| busy all of a core (nice 19)    | 774 / 144                                  | 359 / 18      |
+gets a time slice in turn, and every barrier of the step waits for it. On the 2-core host
+(benchmarks/results/threads.md: SmolLM2 in fp32, the actors' AVX2 kernels, at nice 19), alone
+two threads prefill 128 tokens in 212 ms against one thread's 397; beside a process busy a
+quarter of a core, 310 against 414; half a core, 394 against 415 (break-even); a whole core,
+715-778 against 385-406, and a one-row step's P90 82-121 ms against 15-18.
 
 So a team is worth its threads only while each of them has a core to itself: the load
 generator starting beside the server, another slot's actor, or the node's own control plane at
-load take a core now and then, and a step on two threads then takes 2-9x as long as on one.
+load take a core now and then, and a step on two threads then takes up to twice as long as on
+one, its slowest steps several times.
 
 `threads_for` (pure) keeps one thread per core that the others leave free, a core counting as
 free while they use less than half of it (the table's break-even), with a margin before it adds
