@@ -119,9 +119,24 @@ class Engine:
         self._next_id = 0
         self._clock = _StepClock(self.device)
         self.step_cost = step_cost or StepCost()
-        self.step_check = StepCheck()
+        # One check per count of threads the steps compute on (actors/thread_governor.py changes it while other
+        # processes use the node's cores; a step on one thread takes up to twice as long as on two, which one running
+        # correction would chase anew at every change).
+        self._step_checks: dict[int, StepCheck] = {}
         self._kv_bytes_per_token = model.config.kv_bytes_per_token(model_dtype(model.dtype))
         self.compiled = compiled
+
+    @property
+    def step_check(self) -> StepCheck:
+        """The check of steps at the thread count torch computes on here now (the stepping thread's). A count not
+        seen before starts from the last count's figures: the machine's level, until its own steps are measured."""
+        threads = torch.get_num_threads()
+        check = self._step_checks.get(threads)
+        if check is None:
+            check = StepCheck.seeded_from(self._last_check) if self._step_checks else StepCheck()
+            self._step_checks[threads] = check
+        self._last_check = check
+        return check
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize and validate; raises before any compute. Returns the prompt token ids."""

@@ -94,6 +94,14 @@ class StepCheck:
         self.num_steps = 0
         self.recent_errors: deque[float] = deque(maxlen=window)
 
+    @classmethod
+    def seeded_from(cls, other: StepCheck) -> StepCheck:
+        """A check starting at `other`'s correction and baseline, with none of its steps counted."""
+        check = cls(other.weight, other.recent_errors.maxlen or 1, other.min_correction, other.max_correction,
+                    other.baseline_weight)
+        check.correction, check.baseline = other.correction, other.baseline
+        return check
+
     def observe(self, rule_s: float, measured_s: float) -> None:
         """One measured step whose rule prediction (before correction) was `rule_s`."""
         if rule_s <= 0 or measured_s <= 0:

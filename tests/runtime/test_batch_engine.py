@@ -293,3 +293,30 @@ def test_compute_density_is_engine_time_over_the_time_in_the_system():
     assert done.compute_density(101.999) == 1.0  # another clock's arrival: never above 1
     no_token = dataclasses.replace(timings, first_token=None, last_token=None)
     assert Completion("req_2", "cancelled", None, 10, 0, False, 0, no_token).compute_density(100.0) is None
+
+
+def test_steps_on_another_thread_count_are_checked_apart(parts, monkeypatch):
+    """The governor's count changes a step's time by up to 2x: each count keeps its own correction, the first
+    steps on a new count starting from the last count's."""
+    engine = make_engine(parts)
+    seconds = {1: 0.0, 2: 0.0}
+    monkeypatch.setattr(engine_module._StepClock, "seconds", lambda self: seconds[torch.get_num_threads()])
+    rule = engine.step_cost.step_s(1, 0, 0, 0)
+    seconds |= {1: 4 * rule, 2: 2 * rule}  # both slower than the rule; one thread twice two's time
+    params = SamplingParams(max_tokens=200, temperature=0.0)
+    engine.add(prompt_ids(engine, PROMPTS[0]), params, Recorder())
+    try:
+        torch.set_num_threads(2)
+        for _ in range(60):
+            engine.step()
+        on_two = engine.step_check
+        torch.set_num_threads(1)
+        on_one = engine.step_check
+        assert on_one is not on_two and on_one.correction == on_two.correction  # seeded from the last count's
+        for _ in range(60):
+            engine.step()
+        torch.set_num_threads(2)
+        assert engine.step_check is on_two
+    finally:
+        torch.set_num_threads(1)  # this module's tests compute on one thread (conftest)
+    assert on_one.correction > 1.5 * on_two.correction > 1.5

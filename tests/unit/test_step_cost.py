@@ -74,3 +74,14 @@ def test_the_baseline_is_a_mean_of_the_first_steps_not_the_first_one_alone():
     for _ in range(9):
         check.observe(0.01, 0.01)  # then the constants' own speed
     assert check.baseline == pytest.approx((4.0 + 9 * 1.0) / 10)
+
+
+def test_a_seeded_check_starts_at_the_others_figures_and_counts_only_its_own_steps():
+    other = StepCheck()
+    for _ in range(50):
+        other.observe(0.01, 0.03)
+    seeded = StepCheck.seeded_from(other)
+    assert (seeded.correction, seeded.baseline) == (other.correction, other.baseline)
+    assert seeded.num_steps == 0 and not seeded.recent_errors
+    seeded.observe(0.01, 0.05)  # its own first step sets its baseline: a plain mean of its own steps
+    assert seeded.baseline == pytest.approx(5.0) and other.baseline == pytest.approx(3.0)
