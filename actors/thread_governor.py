@@ -4,9 +4,9 @@ A step splits each op over the stepping thread's OpenMP team, and every op ends 
 it is as slow as its slowest thread. A thread that shares its core with another busy process
 gets a time slice in turn, and every barrier of the step waits for it. On the 2-core host
 (benchmarks/results/threads.md: SmolLM2 in fp32, the actors' AVX2 kernels, at nice 19), alone
-two threads prefill 128 tokens in 212 ms against one thread's 397; beside a process busy a
-quarter of a core, 310 against 414; half a core, 394 against 415 (break-even); a whole core,
-715-778 against 385-406, and a one-row step's P90 82-121 ms against 15-18.
+two threads prefill 128 tokens in 213 ms against one thread's 352; beside a process busy a
+quarter of a core, 271 against 356; half a core, 334 against 341 (break-even); a whole core,
+653-761 against 357-360, and a one-row step's P90 97-134 ms against 14-15.
 
 So a team is worth its threads only while each of them has a core to itself: the load
 generator starting beside the server, another slot's actor, or the node's own control plane at
