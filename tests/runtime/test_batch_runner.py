@@ -5,27 +5,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-import pytest
 import torch
 
 from actors.batch_runner import BatchRunner
-from actors.checkpoint import load_hf_checkpoint
 from actors.engine import Engine
 from actors.events import TokenEvent
 from actors.sampling import SamplingParams
 from actors.thread_governor import ThreadGovernor
 from actors.threads import use_threads_here
-from actors.tokenizer import Message, Tokenizer
-from weights_tool.synth import synthesize
+from actors.tokenizer import Message
+from tests.runtime import test_batch_engine
 
-
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    path = synthesize("tiny", tmp_path_factory.mktemp("tiny"), dtype="float32", seed=3)
-    model, config = load_hf_checkpoint(path)
-    torch.manual_seed(0)
-    model.init_weights(std=0.15)
-    return model, Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids)
+parts = test_batch_engine.parts  # the batch tests' fp32 tiny model (a module-scoped fixture)
 
 
 class _FlappingNode:
