@@ -27,7 +27,7 @@ class ActorConfig:
     # Threads for torch's compute; on a CPU node loading and compute share the cores.
     compute_threads: int = 1
     # Fewer threads, down to this many, while other processes use the node's cores: a step waits for
-    # its slowest thread, and beside one busy process two threads prefill in ~1.9x one thread's time, their
+    # its slowest thread, and beside one busy process two threads prefill in 1.8-2.1x one thread's time, their
     # slowest steps several times (benchmarks/results/threads.md). Equal to compute_threads: always that many.
     min_compute_threads: int = 1
     # The dtype the model computes in (actors/compute_dtype.py): "auto" keeps the file's dtype

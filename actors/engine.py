@@ -123,6 +123,7 @@ class Engine:
         # processes use the node's cores; a step on one thread takes up to twice as long as on two, which one running
         # correction would chase anew at every change).
         self._step_checks: dict[int, StepCheck] = {}
+        self._last_check: StepCheck | None = None  # the count's check the last step used: a new count's seed
         self._kv_bytes_per_token = model.config.kv_bytes_per_token(model_dtype(model.dtype))
         self.compiled = compiled
 
@@ -133,7 +134,7 @@ class Engine:
         threads = torch.get_num_threads()
         check = self._step_checks.get(threads)
         if check is None:
-            check = StepCheck.seeded_from(self._last_check) if self._step_checks else StepCheck()
+            check = StepCheck.seeded_from(self._last_check) if self._last_check is not None else StepCheck()
             self._step_checks[threads] = check
         self._last_check = check
         return check

@@ -40,12 +40,8 @@ def threads_for(num_node_cores: float, others_cores: float, current: int, min_th
     """Threads to compute on, given the cores of the node that other processes used (on average) lately."""
     free = num_node_cores - max(0.0, others_cores)
     fits = math.floor(free + FREE_BELOW)  # cores the others leave at least half free
-    if fits < current:
-        wanted = fits
-    elif fits > current and math.floor(free + FREE_BELOW - RETURN_MARGIN) > current:
-        wanted = math.floor(free + FREE_BELOW - RETURN_MARGIN)
-    else:
-        wanted = current
+    # Down at once; up only as far as the margin allows.
+    wanted = fits if fits < current else max(current, math.floor(free + FREE_BELOW - RETURN_MARGIN))
     return max(min_threads, min(max_threads, wanted))
 
 
