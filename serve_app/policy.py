@@ -249,14 +249,15 @@ def _hot_lanes(lane: Lane) -> tuple[Lane, ...]:
     return ("short", "long") if lane == "short" else ("long",)
 
 
-def candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | None) -> Candidate:
-    """The scorer's view of placing a request on `actor` (None: a fresh one) on `slot`."""
+def candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | None,
+              num_prompt_tokens: int = 0) -> Candidate:
+    """The scorer's view of placing a request of `num_prompt_tokens` on `actor` (None: a fresh one) on `slot`."""
     return Candidate(kind, slot.slot_id, actor.name if actor else None, slot.free_bytes, slot.num_actors,
                      slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
                      actor.num_rows if actor else 0, actor.batch_tokens if actor else 0,
                      actor.resident_fraction if actor else 0.0,
                      actor.min_tpot_target_s if actor is not None and kind == "join" else None,
-                     actor.pending_prompt_tokens if actor is not None and kind == "join" else 0,
+                     actor.prompt_tokens_ahead(num_prompt_tokens) if actor is not None and kind == "join" else 0,
                      actor.step_correction if actor is not None and kind in ("hot", "join") else 1.0)
 
 
@@ -293,7 +294,7 @@ def _join_candidates(features: RequestFeatures, lane: Lane, snapshot: ClusterSna
     # The least loaded batches, not the first ones: taking the first `max_candidates` in
     # spawn order would fill the oldest actors' batches while later ones ran a row each.
     chosen = heapq.nsmallest(policy.max_candidates, feasible, key=lambda t: t[:3])
-    return ([candidate("join", snapshot, slot, actor) for *_, actor, slot in chosen],
+    return ([candidate("join", snapshot, slot, actor, features.input_tokens) for *_, actor, slot in chosen],
             [actor.min_tpot_target_s for *_, actor, _ in chosen])
 
 

@@ -118,7 +118,7 @@ def _rows_a_join_fits(features: RequestFeatures, snapshot: ClusterSnapshot, slot
     if limit is None and all(t is None for t in (features.ttft_target_s, features.total_target_s,
                                                  features.tpot_target_s)):
         return policy.max_batch - 1
-    join = candidate("join", snapshot, slot, actor)
+    join = candidate("join", snapshot, slot, actor, features.input_tokens)
     counts = range(min(actor.num_rows, policy.max_batch - 1), -1, -1)
     shrunk = [replace(join, batch_rows=rows, batch_tokens=actor.batch_tokens * rows // max(1, actor.num_rows),
                       batch_pending_prompt_tokens=0) for rows in counts]

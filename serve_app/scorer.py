@@ -19,13 +19,15 @@ model predictions are malformed:
     hot:  tpot = step_s(1, request tokens);                 ttft = prefill_s
     join: tpot = step_s(rows + 1, batch tokens + request's);
           ttft = tpot + prefill_s + pending / prefill_tokens_per_s
-          (the next step boundary, then the prompts ahead of it and its own; the batch keeps
-          decoding beside it). Where the batch's rows state a TPOT target, the engine feeds the
+          (the next step boundary, then the prompt tokens computed before its own are done and its
+          own; the batch keeps decoding beside it). Where the batch's rows state a TPOT target, the engine feeds the
           prompts in chunks that keep the rows' mean time per token within it (actors/scheduler.py),
           predicted as no more than the target each step: chunk = (target - tpot) / prefill token's cost,
           at least 1, and ttft = overhead + tpot * (1 + prompt steps) + (input - 1) / prefill_tokens_per_s
-          with prompt steps = ceil((pending + input - 1) / chunk): the engine feeds earlier
-          joiners' prompts first (`pending`: theirs still to compute, where the replica knows). A
+          with prompt steps = ceil((pending + input - 1) / chunk). `pending`: of the prompt tokens the
+          batch's rows have still to compute (where the replica knows), at most `input` of each row's:
+          the engine shares each step's prompt tokens among the prompts, the shortest first
+          (actors/scheduler.py), so a joiner waits for none of a longer prompt beyond its own length. A
           batch near its target takes a prompt a few tokens a step: that join is predicted slow
           (slower than the engine, which may spend rows' slack on a larger chunk: the join's
           measured ÷ predicted TTFT corrects it, serve_app/ttft_check.py).
@@ -87,7 +89,9 @@ class Candidate:
     batch_tokens: int = 0  # KV positions those rows read per step, at most
     resident_fraction: float = 0.0  # share of the weights already loaded: 1 hot or join, a warm actor's N/L-ish
     batch_tpot_target_s: float | None = None  # join: the tightest TPOT target of the rows the batch runs
-    batch_pending_prompt_tokens: int = 0  # join: prompt tokens of its rows still to compute, where known
+    # join: its rows' prompt tokens the engine computes before this request's prompt is done, where known
+    # (ActorView.prompt_tokens_ahead: at most the request's prompt length of each)
+    batch_pending_prompt_tokens: int = 0
     step_correction: float = 1.0  # hot or join: the actor's steps measured ÷ the rule's (ActorView)
 
 

@@ -129,8 +129,14 @@ class ActorView:
 
     @property
     def pending_prompt_tokens(self) -> int:
-        """Prompt tokens the batch's rows have yet to compute (as far as known): a joiner's prompt comes after."""
+        """Prompt tokens the batch's rows have yet to compute (as far as known)."""
         return sum(r.pending_prompt_tokens for r in self.rows)
+
+    def prompt_tokens_ahead(self, num_prompt_tokens: int) -> int:
+        """Of the rows' pending prompt tokens, those the engine computes before a joiner's prompt of
+        `num_prompt_tokens` is done: it shares each step's prompt tokens evenly, the shortest prompt first
+        (actors/scheduler.py), so no other prompt gets more of them than the joiner's own length."""
+        return sum(min(r.pending_prompt_tokens, num_prompt_tokens) for r in self.rows)
 
     @property
     def min_tpot_target_s(self) -> float | None:

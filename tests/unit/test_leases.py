@@ -409,7 +409,7 @@ def test_a_leased_rows_prompt_counts_as_pending_for_joiners_until_its_first_toke
     _slow_path(reg, book, "req-0", 0.0)  # a 10-token prompt, running in a leased row
     _exchanged(reg, book, now=0.0)
     [actor] = book.view(_features(), now=0.5).actors
-    assert actor.pending_prompt_tokens == 10  # a joiner's prompt would come after it
+    assert actor.pending_prompt_tokens == 10  # a joiner's prompt would share the steps with it
     book.prompt_done("req-0")
     [actor] = book.view(_features(), now=0.5).actors
     assert actor.pending_prompt_tokens == 0 and actor.num_rows == 1

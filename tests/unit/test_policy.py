@@ -17,7 +17,7 @@ from serve_app.decisions import Bind, Dispatch, Join, Reject, Spawn
 from serve_app.memory import ModelNumbers, request_features, workspace_bytes
 from serve_app.policy import PolicyConfig, decide
 from serve_app.scorer import RULE_SCORER, Candidate, Prediction, RuleScorer
-from serve_app.snapshot import ClusterSnapshot, SlotView
+from serve_app.snapshot import ActorView, ClusterSnapshot, RowView, SlotView
 from tests.helpers import actor as _actor
 from tests.helpers import check_feasible, policy, scenarios, warm_and_evictable
 from tests.helpers import features as _features
@@ -397,6 +397,23 @@ def test_a_join_into_a_batch_near_its_tpot_target_is_predicted_to_take_its_promp
     assert decide(targeted, snap, POLICY, rule).actor_name == "roomy"
     only_tight = _snap([_busy_slot("a")], [_actor("tight", "a", state="busy", rows=3, tpot=0.1105)])
     assert decide(targeted, only_tight, POLICY, rule).reason == "latency_target"
+
+
+def test_a_short_join_beside_a_long_pending_prompt_waits_for_its_own_length_of_it_not_all_of_it():
+    """The engine shares each step's prompt tokens, the shortest prompt first (actors/scheduler.py): a 24-token
+    joiner beside a 600-token prompt still to compute is done after 24 of its tokens, not all 600."""
+    long_row = RowView(700, 700, 0.2, 0.0, pending_prompt_tokens=600)
+    decoding = RowView(50, 50, 0.2, 0.0)
+    batch = ActorView("y", "m", "b", "busy", "short", True, 1000, (decoding, long_row))
+    assert batch.prompt_tokens_ahead(24) == 24 and batch.prompt_tokens_ahead(1000) == 600
+    snap = _snap([_busy_slot("b", reserved=2000)], [batch])
+    rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, kv_read_bytes_per_s=1e15)
+    d = decide(_features(input_tokens=24, ttft_target_s=0.6), snap, POLICY, rule)
+    # Chunks of ~100 tokens (0.1 s left of each 0.2 s step): the step it waits for, then 24 + 23 tokens in one
+    # chunk, 0.247 s. Counting the whole long prompt ahead (623 tokens, 7 chunks, 1.42 s) refused it.
+    assert isinstance(d, Join) and d.candidate.batch_pending_prompt_tokens == 24
+    assert d.prediction.ttft_s == pytest.approx(0.1 + 0.1 + 0.047)
+    assert isinstance(decide(_features(input_tokens=600, ttft_target_s=0.6), snap, POLICY, rule), Reject)
 
 
 def test_a_join_or_dispatch_is_priced_by_the_actors_own_step_correction():

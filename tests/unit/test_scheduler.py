@@ -55,13 +55,57 @@ def test_repeated_steps_finish_every_prompt_no_row_starves(rows, budget):
     raise AssertionError("a prompt never finished")
 
 
-def test_budget_goes_to_the_earliest_joiner_first_and_every_row_advances():
+def test_budget_is_shared_among_the_prompts_the_shortest_first_and_every_row_advances():
     rows = [RowProgress(0, 10, 10), RowProgress(1, 500, 0), RowProgress(2, 3, 0), RowProgress(3, 500, 100)]
-    # One token each, then the 253 left to row 1, the earliest joiner: its prompt first.
-    assert plan_step(rows, 256) == [(0, 1), (1, 254), (2, 1), (3, 1)]
-    # Row 1 needs only 20 more: the rest goes on to row 2 (3), then row 3 (256 - 20 - 3 = 233).
+    # One token each, then the 253 left water-filled: row 2 needs only 2 more, rows 3 (400 left) and 1
+    # (500 left) share the 251 after it, the odd token to the shorter one.
+    assert plan_step(rows, 256) == [(0, 1), (1, 126), (2, 3), (3, 127)]
+    # Row 1 needs only 20 more: it takes them, and row 3 the rest (256 - 1 - 3 - 20 = 232 beyond its one).
     rows[1] = RowProgress(1, 500, 480)
     assert plan_step(rows, 256) == [(0, 1), (1, 20), (2, 3), (3, 233)]
+
+
+def test_a_short_prompt_that_joins_behind_a_long_one_is_done_in_its_first_step():
+    decoding, long_prompt, short_prompt = RowProgress(0, 10, 10), RowProgress(1, 600, 0), RowProgress(2, 24, 0)
+    # 50 prompt tokens a step: first come, first served gave the short prompt 1 a step for 12 steps.
+    assert plan_step([decoding, long_prompt, short_prompt], 50) == [(0, 1), (1, 26), (2, 24)]
+
+
+decoding_and_prompts = st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 3000)), min_size=1, max_size=15).map(
+    lambda rs: [RowProgress(0, 5, 5)] + [RowProgress(i + 1, n, min(n - 1, done)) for i, (n, done) in enumerate(rs)])
+
+
+@settings(max_examples=500, deadline=None)
+@given(rows=decoding_and_prompts, budget=st.integers(1, 1024))
+def test_no_prompt_gets_more_of_a_step_than_a_longer_one_unless_it_finishes(rows, budget):
+    plan = dict(plan_step(rows, budget))
+    prompts = [r for r in rows if r.is_prefilling]
+    assert sum(plan[r.row_id] for r in prompts) == max(len(prompts), min(budget, sum(r.num_remaining for r in prompts)))
+    for a in prompts:
+        for b in prompts:
+            if a.num_remaining < b.num_remaining and plan[a.row_id] < a.num_remaining:
+                assert plan[a.row_id] >= plan[b.row_id]
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=decoding_and_prompts, n=st.integers(1, 3000), extra=st.integers(0, 512))
+def test_a_joiners_prompt_is_done_once_at_most_its_length_of_every_other_prompt_is(rows, n, extra):
+    """What the router predicts a join from (ActorView.prompt_tokens_ahead): with `budget` prompt tokens a
+    step, a joiner's n-token prompt is done within ceil((sum of min(left, n) over the other prompts + n) /
+    budget) steps."""
+    joiner = RowProgress(len(rows), n, 0)
+    prompts = [r for r in rows if r.is_prefilling] + [joiner]
+    budget = len(prompts) + extra
+    ahead = sum(min(r.num_remaining, n) for r in prompts if r is not joiner)
+    state = {r.row_id: r for r in [*rows, joiner]}
+    num_steps = 0
+    while state[joiner.row_id].is_prefilling:
+        num_steps += 1
+        for row_id, k in plan_step(list(state.values()), budget):
+            r = state[row_id]
+            if r.is_prefilling:
+                state[row_id] = RowProgress(r.row_id, r.num_prompt_tokens, r.num_prefilled + k)
+    assert num_steps <= -(-(ahead + n) // budget)
 
 
 # ---- the budget: steps bounded by the tightest TPOT target of the decoding rows
