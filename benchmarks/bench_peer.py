@@ -33,6 +33,7 @@ import logging
 import os
 import resource
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -43,7 +44,7 @@ import httpx
 import yaml
 
 from actors.actor_config import ActorConfig
-from benchmarks import peer_traces
+from benchmarks import peer_floor, peer_traces
 from benchmarks.common import (
     cores,
     cpu_features,
@@ -54,6 +55,7 @@ from benchmarks.common import (
     version_of,
 )
 from benchmarks.cpu_share import cpu_by_role, cpu_times
+from benchmarks.load_setup import app_args
 from benchmarks.load_stats import percentile
 
 log = logging.getLogger("bench_peer")
@@ -247,6 +249,10 @@ def summarise(path: Path, slo_ttft_s: float) -> dict:
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50),
         "output_tokens_per_s": sum(r["output_tokens"] for r in served) / duration,
         "goodput_per_s": sum(t <= slo_ttft_s for t in ttft) / duration,
+        # What a served request held its place for, and its size: peer_floor.py's offered load.
+        "hold_mean_s": statistics.fmean(r["request_latency"] for r in served) if served else None,
+        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in served) if served else None,
+        "output_tokens_mean": statistics.fmean(r["output_tokens"] for r in served) if served else None,
         "duration_s": duration,
         **_settled(bench, pct),
     }
@@ -298,7 +304,8 @@ def _children_cpu_s() -> float:
 
 def measure(args: argparse.Namespace) -> dict:
     tokenizer = _tokenizer_dir(args.zqs, PEER_DIR / "tokenizer")
-    data: dict = {"rates": args.rates, "servers": {}, "targets": serve_targets(), "cpu_features": cpu_features()}
+    data: dict = {"rates": args.rates, "servers": {}, "targets": serve_targets(), "cpu_features": cpu_features(),
+                  "cores": cores(), "floor_model": peer_floor.floor_model(app_args("configs/serve.yaml"))}
     for server in servers(args):
         proc = _start(server, PEER_DIR / f"{server.name}.log")
         try:
@@ -411,7 +418,8 @@ def report(data: dict) -> str:
             if a[key] and b[key]:
                 parts.append(f"{label} {a[key] / b[key]:.2f}×")
         lines.append(f"- {rate:g} req/s: " + ", ".join(parts))
-    lines += ["", *_variant_lines(data), *_cpu_lines(data), *_prediction_lines(data), *peer_traces.report_lines(data)]
+    lines += ["", *_variant_lines(data), *_cpu_lines(data), *_prediction_lines(data), *peer_traces.report_lines(data),
+              "", *peer_floor.report_lines(data)]
     return "\n".join(lines)
 
 

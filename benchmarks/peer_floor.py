@@ -1,0 +1,105 @@
+"""bench_peer's refusal floor: the Erlang-B floor of the places zeroqueue's latency targets allow.
+
+Issue 23 asks that, driven by GuideLLM, zeroqueue refuse no more than "the Erlang-B floor of the
+places the targets allow + 2 points". Per rate:
+
+- places c: the most rows the app could run at once with every row of this profile (GuideLLM's
+  mean prompt and output tokens) predicted within the default targets, priced as the app prices a
+  join (serve_app/scorer.py's rule with `configs/serve.yaml`'s constants and the engine's measured
+  step ratio at that rate, P50 of its /health): the largest batch a newcomer joins with TTFT and
+  TPOT predicted within their targets (no prompt pending ahead of it, and no TTFT margin: the most
+  generous reading), at most `max_batch`, times the actors that may hold batches (the hot ones
+  and the warm ones a burst binds). A place is a row, as a server without a queue counts it.
+- offered load A = rate x the mean time a served request held its row (GuideLLM's request
+  latency, arrival to last token): what the rows were held for at that rate.
+- floor = B(c, A) (benchmarks/erlang.py): what a system with c places and no queue refuses of
+  Poisson arrivals at least. GuideLLM's constant rate is smoother than Poisson, so a little less
+  is possible; the floor is a reference, not a bound.
+
+Erlang-B counts places, not CPU: c rows that the targets allow on paper may be more than the
+host's cores can step within them once the arrivals' prompts take their share. Where refusals
+pass the floor by more than the 2 points, the CPU line beside it (the engines' share of the
+cores, and the steps' ratio to the rule) says whether the cores were full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from benchmarks.erlang import erlang_b
+from serve_app.policy import meets_targets
+from serve_app.scorer import Candidate, RuleScorer
+from serve_app.snapshot import RequestFeatures
+
+
+def places_per_actor(rule: RuleScorer, features: RequestFeatures, max_batch: int, step_ratio: float) -> int:
+    """The largest batch (rows) whose newest row is predicted within the request's TTFT and TPOT targets."""
+    best = 1
+    for rows in range(1, max_batch):  # joining a batch of `rows` makes rows + 1
+        join = Candidate("join", "s", "a", 1 << 40, 1, 0.0, 0.0, batch_rows=rows,
+                         batch_tokens=rows * features.num_tokens, batch_tpot_target_s=features.tpot_target_s,
+                         step_correction=step_ratio)
+        [p] = rule.predict(features, [join])
+        if not meets_targets(features, p, features.tpot_target_s):
+            break
+        best = rows + 1
+    return best
+
+
+def floor_model(args: dict[str, Any]) -> dict[str, Any]:
+    """What `floor_row` needs of the app's config (the `make serve` args) and model, kept in the run's JSON."""
+    from serve_app.config import AppArgs, ingress_config
+    from serve_app.loaded_model import load_model
+
+    config = ingress_config(AppArgs.model_validate(args))
+    kv_bytes_per_token = load_model(config.models[0], config.actor).numbers.kv_bytes_per_token  # as actors compute
+    model, policy = args["models"][0], args.get("policy", {})
+    return {"rule": dataclasses.asdict(config.rule_scorer),  # as the app parsed it
+            "ttft_target_s": model.get("ttft_target_s"), "tpot_target_s": model.get("tpot_target_s"),
+            "max_batch": int(policy.get("max_batch", 8)),
+            "num_actors": int(policy.get("max_hot_short_actors", 1)) + int(policy.get("num_warm_short_actors", 0)),
+            "kv_bytes_per_token": kv_bytes_per_token}
+
+
+def floor_row(model: dict[str, Any], rate: float, row: dict[str, Any]) -> dict[str, Any] | None:
+    """Places, offered load and floor at one rate (module doc); None where the run kept too little."""
+    ratio = ((row.get("health") or {}).get("step_time_ratio") or {}).get("p50")
+    if not row.get("hold_mean_s") or not row.get("prompt_tokens_mean") or ratio is None:
+        return None
+    features = RequestFeatures("m", round(row["prompt_tokens_mean"]), round(row["output_tokens_mean"]), 0,
+                               model["kv_bytes_per_token"], 0, ttft_target_s=model["ttft_target_s"],
+                               tpot_target_s=model["tpot_target_s"])
+    per_actor = places_per_actor(RuleScorer(**model["rule"]), features, model["max_batch"], ratio)
+    places = per_actor * model["num_actors"]
+    offered = rate * row["hold_mean_s"]
+    return {"places": places, "per_actor": per_actor, "step_ratio": ratio, "offered_erlangs": offered,
+            "floor": erlang_b(places, offered), "refused": row["failed"] / row["sent"] if row["sent"] else 0.0}
+
+
+def report_lines(data: dict[str, Any]) -> list[str]:
+    zq, model = data["servers"].get("zeroqueue"), data.get("floor_model")
+    if not zq or not model:
+        return []
+    lines = ["## zeroqueue's refusals against the Erlang-B floor of the places its targets allow", "",
+             "benchmarks/peer_floor.py: places c = rows per actor a newcomer of this profile is predicted to join "
+             f"within TTFT {model['ttft_target_s']:g} s and TPOT {model['tpot_target_s']:g} s (the rule, the engine's "
+             f"measured step ratio), at most max_batch {model['max_batch']}, times {model['num_actors']} actors (hot and "
+             "warm); A = rate x the mean time a served request held its row (GuideLLM's request latency). Issue 23's "
+             "goal: refused <= B(c, A) + 2 points.", "",
+             "| rate (req/s) | step ratio P50 | places c | hold (s) | A (Erlangs) | floor B(c, A) | refused | "
+             "beyond the floor | engines' share of the cores | goal |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    for rate in data["rates"]:
+        row = zq.get(f"{rate:g}")
+        f = floor_row(model, rate, row) if row else None
+        if f is None:
+            continue
+        cpu = (row.get("cpu") or {})
+        engines = cpu.get("by_role_s", {}).get("engines")
+        share = f"{engines / (cpu['wall_s'] * data.get('cores', 2)):.0%}" if engines and cpu.get("wall_s") else "—"
+        beyond = f["refused"] - f["floor"]
+        lines.append(f"| {rate:g} | {f['step_ratio']:.2f} | {f['places']} | {row['hold_mean_s']:.2f} | "
+                     f"{f['offered_erlangs']:.1f} | {f['floor']:.1%} | {f['refused']:.1%} | {beyond * 100:+.1f} pts | "
+                     f"{share} | {'met' if beyond <= 0.02 else '**missed**'} |")
+    return lines
