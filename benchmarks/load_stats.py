@@ -273,7 +273,13 @@ def timeline(records: Sequence[Record], duration_s: float, bin_s: float = 1.0) -
 
 
 def closed_loop_rate(records: Sequence[Record], warmup_s: float, window_s: float) -> tuple[int, float]:
-    """(completed requests, their rate) over a closed loop's measured window.
+    """(completed requests, their rate) over a closed loop's measured window (`window_completions`)."""
+    n = len(window_completions(records, warmup_s, window_s))
+    return n, n / window_s
+
+
+def window_completions(records: Sequence[Record], warmup_s: float, window_s: float) -> list[Record]:
+    """The requests a closed loop completed in its measured window.
 
     A closed-loop record's `t_sched` is when it was sent, in seconds from the loop's start,
     so the loop's clock is `sent - lag - t_sched`. A request counts when it *ended* inside
@@ -283,10 +289,4 @@ def closed_loop_rate(records: Sequence[Record], warmup_s: float, window_s: float
     """
     if not window_s > 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
-    n = 0
-    for r in records:
-        if r.ok:
-            t0 = r.sent - r.lag - r.t_sched
-            if warmup_s <= r.end - t0 < warmup_s + window_s:
-                n += 1
-    return n, n / window_s
+    return [r for r in records if r.ok and warmup_s <= r.end - (r.sent - r.lag - r.t_sched) < warmup_s + window_s]

@@ -6,9 +6,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks.load_apps import SYSTEMS, ZEROQUEUE
+from benchmarks.load_best_queue import output_tokens_per_s
 from benchmarks.load_goals import f_, pct
 from benchmarks.load_scenarios import CLASSES
-from benchmarks.load_stats import Record, Summary, Tail, by_class, closed_loop_rate
+from benchmarks.load_stats import Record, Summary, Tail, by_class, closed_loop_rate, window_completions
 
 # label (a load, or a scenario's name) -> system -> class (and "all") -> Summary
 Table = Mapping[Any, Mapping[str, Mapping[str, Summary]]]
@@ -87,9 +88,10 @@ def failures(table: Table) -> list[str]:
 def capacity_table(capacity: Mapping[str, Mapping[str, Any]], slo, service: Mapping[str, float],
                    reference_rps: float) -> list[str]:
     """Each system's closed-loop saturation throughput, and what its requests met while it ran full."""
-    lines = ["| system | clients | warm-up + window s | completed in window | saturation req/s | × queue-unbounded | "
-             "503s (retried) | TTFT P50 / P99 s | e2e P50 / P99 s |",
-             "|---|--:|---|--:|--:|--:|--:|---|---|"]
+    lines = ["| system | clients | warm-up + window s | completed in window | of them " + " / ".join(CLASSES) + " | "
+             "saturation req/s | × queue-unbounded | output tok/s | 503s (retried) | TTFT P50 / P99 s | "
+             "e2e P50 / P99 s |",
+             "|---|--:|---|--:|--:|--:|--:|--:|--:|---|---|"]
     for s in SYSTEMS:
         cap = capacity.get(s)
         if cap is None:
@@ -97,9 +99,12 @@ def capacity_table(capacity: Mapping[str, Mapping[str, Any]], slo, service: Mapp
         records = [Record(**r) for r in cap["records"]]
         done, rps = closed_loop_rate(records, cap["warmup_s"], cap["window_s"])
         x = by_class(records, list(CLASSES), cap["warmup_s"] + cap["window_s"], slo, service)["all"]
+        # Which requests completed: a system that refuses the long class completes more, cheaper, requests.
+        counted = window_completions(records, cap["warmup_s"], cap["window_s"])
+        mix = " / ".join(str(sum(r.cls == c for r in counted)) for c in CLASSES)
         lines.append(
-            f"| {s} | {cap['clients']} | {cap['warmup_s']:g} + {cap['window_s']:g} | {done} | {rps:.2f} | "
-            f"{f_(rps / reference_rps if reference_rps else float('nan'), 2)} | {x.rejected} | "
+            f"| {s} | {cap['clients']} | {cap['warmup_s']:g} + {cap['window_s']:g} | {done} | {mix} | {rps:.2f} | "
+            f"{f_(rps / reference_rps if reference_rps else float('nan'), 2)} | {f_(output_tokens_per_s(cap), 0)} | {x.rejected} | "
             f"{f_(x.ttft.p50)} / {f_(x.ttft.p99)} | {f_(x.e2e.p50)} / {f_(x.e2e.p99)} |")
     return lines
 
