@@ -48,6 +48,26 @@ def test_zeroqueue_is_judged_against_the_best_queue_as_well_as_its_own_batch():
     assert any(f"{Q12} (best) | 12 |" in row for row in table) and any(f"{UNBOUNDED} | 8 |" in row for row in table)
 
 
+def _closed_loop(classes_and_tokens, warmup_s=1.0, window_s=10.0) -> dict:
+    """A closed loop's capacity entry whose requests end at 2 s, 3 s, ... (all within the window after 1 s)."""
+    records = [{"app": "a", "scenario": "capacity", "index": i, "cls": cls, "t_sched": 0.0, "lag": 0.0, "sent": 100.0,
+                "first_token": 100.5, "end": 102.0 + i, "status": "200", "error": None, "output_tokens": tokens,
+                "server_start": None}
+               for i, (cls, tokens) in enumerate(classes_and_tokens)]
+    return {"rps": len(records) / window_s, "records": records, "warmup_s": warmup_s, "window_s": window_s}
+
+
+def test_saturation_is_also_stated_in_output_tokens_where_the_classes_completed_differ():
+    # zeroqueue completes more requests, all short (4 tokens); the best queue fewer, two of them long (64 tokens).
+    capacity = {ZEROQUEUE: _closed_loop([("short", 4)] * 8), UNBOUNDED: _closed_loop([("short", 4)] * 4),
+                BOUNDED: _closed_loop([("short", 4)] * 4), Q12: _closed_loop([("long", 64)] * 2 + [("short", 4)] * 4),
+                Q16: _closed_loop([("short", 4)] * 3)}
+    g = by_name(judge(run(), capacity, max_batch=8)[0])
+    # 8 against 4 and 6 requests: 2.00x and 1.33x; 32 output tokens against 16 and 144: 2.00x and 0.22x.
+    assert "2.00× queue-unbounded, 1.33× queue-ongoing-12" in g["23.a"].figures
+    assert "in output tokens 2.00× and 0.22×" in g["23.a"].figures
+
+
 def test_a_wide_tail_or_refusals_at_07x_miss_their_goals():
     g = by_name(judge(run(zq_short_ttft=(0.05, 0.2), zq_refused_at_07=6), CAPACITY, max_batch=8)[0])
     assert g["23.b"].met is False and "0.3×: 4.00" in g["23.b"].figures
