@@ -258,7 +258,8 @@ def candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | Non
                      actor.resident_fraction if actor else 0.0,
                      actor.min_tpot_target_s if actor is not None and kind == "join" else None,
                      actor.prompt_tokens_ahead(num_prompt_tokens) if actor is not None and kind == "join" else 0,
-                     actor.step_correction if actor is not None and kind in ("hot", "join") else 1.0)
+                     actor.step_correction if actor is not None and kind in ("hot", "join") else 1.0,
+                     actor.prompt_tokens_in_step if actor is not None and kind == "join" else 0)
 
 
 def _hot_candidates(

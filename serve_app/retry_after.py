@@ -121,7 +121,7 @@ def _rows_a_join_fits(features: RequestFeatures, snapshot: ClusterSnapshot, slot
     join = candidate("join", snapshot, slot, actor, features.input_tokens)
     counts = range(min(actor.num_rows, policy.max_batch - 1), -1, -1)
     shrunk = [replace(join, batch_rows=rows, batch_tokens=actor.batch_tokens * rows // max(1, actor.num_rows),
-                      batch_pending_prompt_tokens=0) for rows in counts]
+                      batch_pending_prompt_tokens=0, batch_step_prompt_tokens=0) for rows in counts]
     for rows, p in zip(counts, predict(scorer, features, shrunk), strict=True):
         if meets_targets(features, p, limit):
             return rows

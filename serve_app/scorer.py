@@ -20,7 +20,9 @@ model predictions are malformed:
     join: tpot = step_s(rows + 1, batch tokens + request's);
           ttft = tpot + prefill_s + pending / prefill_tokens_per_s
           (the next step boundary, then the prompt tokens computed before its own are done and its
-          own; the batch keeps decoding beside it). Where the batch's rows state a TPOT target, the engine feeds the
+          own; the batch keeps decoding beside it). A batch whose every row is still in its prompt runs
+          them whole in one step (no row waits on it): the join waits for that step's prompt tokens
+          too, + step_prompt / prefill_tokens_per_s (ActorView.prompt_tokens_in_step). Where the batch's rows state a TPOT target, the engine feeds the
           prompts in chunks that keep the rows' mean time per token within it (actors/scheduler.py),
           predicted as no more than the target each step: chunk = (target - tpot) / prefill token's cost,
           at least 1, and ttft = overhead + tpot * (1 + prompt steps) + (input - 1) / prefill_tokens_per_s
@@ -93,6 +95,8 @@ class Candidate:
     # (ActorView.prompt_tokens_ahead: at most the request's prompt length of each)
     batch_pending_prompt_tokens: int = 0
     step_correction: float = 1.0  # hot or join: the actor's steps measured ÷ the rule's (ActorView)
+    # join: prompt tokens of the step in progress, which it waits for (whole prompts while no row decodes)
+    batch_step_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,7 @@ class RuleScorer:
             k = c.step_correction  # a known actor's steps run k times the rule's (1 for a warm or cold one)
             if c.kind == "join":
                 tpot = k * self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
-                ttft = tpot + (self.overhead_s + k * (compute_s + c.batch_pending_prompt_tokens / self.prefill_tokens_per_s)
+                ttft = tpot + k * c.batch_step_prompt_tokens / self.prefill_tokens_per_s + (self.overhead_s + k * (compute_s + c.batch_pending_prompt_tokens / self.prefill_tokens_per_s)
                                if c.batch_tpot_target_s is None
                                else self._chunked_prefill_s(features.input_tokens, c.batch_pending_prompt_tokens,
                                                             tpot, c.batch_tpot_target_s, per_token, k))

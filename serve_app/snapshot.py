@@ -132,6 +132,16 @@ class ActorView:
         """Prompt tokens the batch's rows have yet to compute (as far as known)."""
         return sum(r.pending_prompt_tokens for r in self.rows)
 
+    @property
+    def prompt_tokens_in_step(self) -> int:
+        """Prompt tokens of the step a joiner waits for, as far as known. While every row is still in its prompt
+        nobody waits on a step, so the engine runs the prompts whole (actors/scheduler.py): a joiner waits for all
+        of them. Once a row decodes, steps are bounded by its TPOT target: the wait is one such step (the rule's
+        `tpot` term). A row whose pending prompt is unknown (0) counts as decoding."""
+        if not self.rows or any(r.pending_prompt_tokens == 0 for r in self.rows):
+            return 0
+        return self.pending_prompt_tokens
+
     def prompt_tokens_ahead(self, num_prompt_tokens: int) -> int:
         """Of the rows' pending prompt tokens, those the engine computes before a joiner's prompt of
         `num_prompt_tokens` is done: it shares each step's prompt tokens evenly, the shortest prompt first

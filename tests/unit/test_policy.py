@@ -416,6 +416,26 @@ def test_a_short_join_beside_a_long_pending_prompt_waits_for_its_own_length_of_i
     assert isinstance(decide(_features(input_tokens=600, ttft_target_s=0.6), snap, POLICY, rule), Reject)
 
 
+def test_a_join_waits_for_a_whole_prompt_step_in_progress_and_so_prefers_a_batch_that_decodes():
+    """While every row of a batch is still in its prompt the engine runs the prompts whole in one step: a joiner
+    waits for all of it. Once a row decodes, steps are bounded by its TPOT target."""
+    rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, kv_read_bytes_per_s=1e15)
+    in_prompt = ActorView("a", "m", "a", "busy", "short", True, 1000, (RowView(700, 700, 0.2, 0.0, 600),))
+    decoding = ActorView("b", "m", "b", "busy", "short", True, 1000,
+                         (RowView(50, 50, 0.2, 0.0), RowView(50, 50, 0.2, 0.0)))
+    mixed = ActorView("c", "m", "c", "busy", "short", True, 1000, (RowView(700, 700, 0.2, 0.0, 600),
+                                                                   RowView(50, 50, 0.2, 0.0)))
+    assert (in_prompt.prompt_tokens_in_step, decoding.prompt_tokens_in_step, mixed.prompt_tokens_in_step) == (600, 0, 0)
+    short = _features(input_tokens=24, ttft_target_s=2.0)
+    snap = _snap([_busy_slot("a", reserved=2000), _busy_slot("b", reserved=2000)], [in_prompt, decoding])
+    d = decide(short, snap, POLICY, rule)
+    assert isinstance(d, Join) and d.actor_name == "b"
+    # Beside the whole 600-token step alone: that step's 0.6 s, then its own chunk (0.1 + 0.1 + 0.047 s).
+    only_in_prompt = _snap([_busy_slot("a", reserved=2000)], [in_prompt])
+    d = decide(short, only_in_prompt, POLICY, rule)
+    assert isinstance(d, Join) and d.prediction.ttft_s == pytest.approx(0.1 + 0.6 + 0.1 + 0.047)
+
+
 def test_a_join_or_dispatch_is_priced_by_the_actors_own_step_correction():
     f = _features(input_tokens=81, max_tokens=10, kv_bytes_per_token=0, ttft_target_s=1.0)
     rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, overhead_s=0.01)
