@@ -5,8 +5,9 @@ places the targets allow + 2 points". Per rate:
 
 - places c: the most rows the app could run at once with every row of this profile (GuideLLM's
   mean prompt and output tokens) predicted within the default targets, priced as the app prices a
-  join (serve_app/scorer.py's rule with `configs/serve.yaml`'s constants and the engine's measured
-  step ratio at that rate, P50 of its /health): the largest batch a newcomer joins with TTFT and
+  join (serve_app/scorer.py's rule with `configs/serve.yaml`'s constants and the step correction
+  the router priced that rate's admissions at, P50 from the traces: how many times the rule's
+  time the engine's steps took, beside the load generator, at its thread count): the largest batch a newcomer joins with TTFT and
   TPOT predicted within their targets (no prompt pending ahead of it, and no TTFT margin: the most
   generous reading), at most `max_batch`, times the actors that may hold batches (the hot ones
   and the warm ones a burst binds). A place is a row, as a server without a queue counts it.
@@ -17,9 +18,12 @@ places the targets allow + 2 points". Per rate:
   is possible; the floor is a reference, not a bound.
 
 Erlang-B counts places, not CPU: c rows that the targets allow on paper may be more than the
-host's cores can step within them once the arrivals' prompts take their share. Where refusals
-pass the floor by more than the 2 points, the CPU line beside it (the engines' share of the
-cores, and the steps' ratio to the rule) says whether the cores were full.
+host's cores can step within them once the arrivals' prompts take their share. So beside it,
+the capacity floor: 1 - X / rate, X = 1 / the engine seconds one request takes in a full batch of
+c rows (the rule times the same correction: its prompt, and its share of its decode steps). No
+admission policy completes more than X a second on these cores, so none refuses less than that.
+What zeroqueue refuses beyond it is its admission's margin (a TTFT target is a tail's, and a
+batch near capacity has prompts queued ahead of a joiner's) and what the engines did not use.
 """
 
 from __future__ import annotations
@@ -62,19 +66,32 @@ def floor_model(args: dict[str, Any]) -> dict[str, Any]:
             "kv_bytes_per_token": kv_bytes_per_token}
 
 
+def engine_s_per_request(rule: RuleScorer, features: RequestFeatures, rows: int, step_correction: float) -> float:
+    """Engine seconds one request of the profile takes in a full batch of `rows` (the rule, times the correction):
+    its prompt beyond the weights' pass, and its share of each of its decode steps."""
+    decode = rule.step_s(rows, rows * features.num_tokens, features.kv_bytes_per_token) / rows
+    return step_correction * ((features.input_tokens - 1) / rule.prefill_tokens_per_s + features.max_tokens * decode)
+
+
 def floor_row(model: dict[str, Any], rate: float, row: dict[str, Any]) -> dict[str, Any] | None:
-    """Places, offered load and floor at one rate (module doc); None where the run kept too little."""
-    ratio = ((row.get("health") or {}).get("step_time_ratio") or {}).get("p50")
-    if not row.get("hold_mean_s") or not row.get("prompt_tokens_mean") or ratio is None:
+    """Places, offered load, Erlang-B floor and capacity floor at one rate (module doc); None where the run kept
+    too little."""
+    if not row.get("hold_mean_s") or not row.get("prompt_tokens_mean"):
         return None
+    # The router's step correction as it priced this rate's admissions (traces); unknown in runs before it was kept.
+    correction = (row.get("traces") or {}).get("step_correction_p50")
     features = RequestFeatures("m", round(row["prompt_tokens_mean"]), round(row["output_tokens_mean"]), 0,
                                model["kv_bytes_per_token"], 0, ttft_target_s=model["ttft_target_s"],
                                tpot_target_s=model["tpot_target_s"])
-    per_actor = places_per_actor(RuleScorer(**model["rule"]), features, model["max_batch"], ratio)
+    rule = RuleScorer(**model["rule"])
+    per_actor = places_per_actor(rule, features, model["max_batch"], correction or 1.0)
     places = per_actor * model["num_actors"]
     offered = rate * row["hold_mean_s"]
-    return {"places": places, "per_actor": per_actor, "step_ratio": ratio, "offered_erlangs": offered,
-            "floor": erlang_b(places, offered), "refused": row["failed"] / row["sent"] if row["sent"] else 0.0}
+    capacity = None if correction is None else 1.0 / engine_s_per_request(rule, features, per_actor, correction)
+    return {"places": places, "per_actor": per_actor, "step_correction": correction, "offered_erlangs": offered,
+            "floor": erlang_b(places, offered), "capacity_per_s": capacity,
+            "capacity_floor": None if capacity is None else max(0.0, 1.0 - capacity / rate),
+            "refused": row["failed"] / row["sent"] if row["sent"] else 0.0}
 
 
 def report_lines(data: dict[str, Any]) -> list[str]:
@@ -83,13 +100,17 @@ def report_lines(data: dict[str, Any]) -> list[str]:
         return []
     lines = ["## zeroqueue's refusals against the Erlang-B floor of the places its targets allow", "",
              "benchmarks/peer_floor.py: places c = rows per actor a newcomer of this profile is predicted to join "
-             f"within TTFT {model['ttft_target_s']:g} s and TPOT {model['tpot_target_s']:g} s (the rule, the engine's "
-             f"measured step ratio), at most max_batch {model['max_batch']}, times {model['num_actors']} actors (hot and "
-             "warm); A = rate x the mean time a served request held its row (GuideLLM's request latency). Issue 23's "
-             "goal: refused <= B(c, A) + 2 points.", "",
-             "| rate (req/s) | step ratio P50 | places c | hold (s) | A (Erlangs) | floor B(c, A) | refused | "
-             "beyond the floor | engines' share of the cores | goal |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+             f"within TTFT {model['ttft_target_s']:g} s and TPOT {model['tpot_target_s']:g} s (the rule at the router's "
+             f"step correction, P50 over the rate's admissions), at most max_batch {model['max_batch']}, times "
+             f"{model['num_actors']} actors (hot and warm); A = rate x the mean time a served request held its row "
+             "(GuideLLM's request latency). Issue 23's goal: refused <= B(c, A) + 2 points. Beside it the capacity "
+             "floor, 1 - X / rate: X = the requests a second the engine completes at that correction, every request "
+             "in a full batch (the rule's engine seconds a request), what no admission policy can beat on these "
+             "cores.", "",
+             "| rate (req/s) | step correction P50 | places c | hold (s) | A (Erlangs) | Erlang-B floor | capacity X "
+             "(req/s) | capacity floor | refused | beyond the Erlang-B floor | beyond the capacity floor | "
+             "engines' share of the cores | goal |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
     for rate in data["rates"]:
         row = zq.get(f"{rate:g}")
         f = floor_row(model, rate, row) if row else None
@@ -99,7 +120,14 @@ def report_lines(data: dict[str, Any]) -> list[str]:
         engines = cpu.get("by_role_s", {}).get("engines")
         share = f"{engines / (cpu['wall_s'] * data.get('cores', 2)):.0%}" if engines and cpu.get("wall_s") else "—"
         beyond = f["refused"] - f["floor"]
-        lines.append(f"| {rate:g} | {f['step_ratio']:.2f} | {f['places']} | {row['hold_mean_s']:.2f} | "
-                     f"{f['offered_erlangs']:.1f} | {f['floor']:.1%} | {f['refused']:.1%} | {beyond * 100:+.1f} pts | "
-                     f"{share} | {'met' if beyond <= 0.02 else '**missed**'} |")
+        if f["step_correction"] is None:  # a run from before the traces kept it
+            correction = capacity = capacity_floor = beyond_capacity = "—"
+        else:
+            correction, capacity = f"{f['step_correction']:.2f}", f"{f['capacity_per_s']:.2f}"
+            capacity_floor = f"{f['capacity_floor']:.1%}"
+            beyond_capacity = f"{(f['refused'] - f['capacity_floor']) * 100:+.1f} pts"
+        lines.append(f"| {rate:g} | {correction} | {f['places']} | {row['hold_mean_s']:.2f} | "
+                     f"{f['offered_erlangs']:.1f} | {f['floor']:.1%} | {capacity} | {capacity_floor} | "
+                     f"{f['refused']:.1%} | {beyond * 100:+.1f} pts | {beyond_capacity} | {share} | "
+                     f"{'met' if beyond <= 0.02 else '**missed**'} |")
     return lines

@@ -37,12 +37,14 @@ def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
     per reason, and the admitted requests past the TTFT target, worst first."""
     tiers: dict[str, list[tuple[float, float]]] = {}
     refused: Counter = Counter()
-    late = []
+    late, corrections = [], []
     for r in records:
         decision, outcome = r.get("decision") or {}, r.get("outcome") or {}
         if decision.get("kind") == "reject":
             refused[decision.get("reason") or "?"] += 1
             continue
+        if decision.get("tier") in ("hot", "join"):  # what the router priced a running actor's steps at
+            corrections.append((decision.get("candidate") or {}).get("step_correction", 1.0))
         measured, predicted = outcome.get("ttft_s"), (decision.get("predicted") or {}).get("ttft_s")
         if not outcome.get("ok") or measured is None or not predicted:
             continue
@@ -62,7 +64,8 @@ def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
         ratios = [m / p for m, p in pairs]
         by_tier[tier] = {"count": len(pairs), "ratio_p50": percentile(ratios, 50), "ratio_p90": percentile(ratios, 90),
                          "ttft_p99_s": percentile([m for m, _ in pairs], 99)}
-    return {"tiers": by_tier, "refused": dict(refused), "num_late": len(late), "late": late[:MAX_LISTED]}
+    return {"tiers": by_tier, "refused": dict(refused), "num_late": len(late), "late": late[:MAX_LISTED],
+            "step_correction_p50": percentile(corrections, 50) if corrections else None}
 
 
 def report_lines(data: dict) -> list[str]:

@@ -12,8 +12,8 @@ MODEL = {"rule": {"prefill_tokens_per_s": 1000.0, "decode_s_per_token": 0.01, "b
          "ttft_target_s": 1.0, "tpot_target_s": 0.05, "max_batch": 32, "num_actors": 2, "kv_bytes_per_token": 1}
 
 
-def _row(ratio, hold_s=2.0, failed=30, sent=100):
-    return {"health": {"step_time_ratio": {"p50": ratio}}, "hold_mean_s": hold_s, "prompt_tokens_mean": 100,
+def _row(correction, hold_s=2.0, failed=30, sent=100):
+    return {"traces": {"step_correction_p50": correction}, "hold_mean_s": hold_s, "prompt_tokens_mean": 100,
             "output_tokens_mean": 16, "failed": failed, "sent": sent}
 
 
@@ -33,10 +33,25 @@ def test_the_floor_is_erlang_b_of_the_places_at_the_rate_times_the_hold():
     assert f["floor"] == pytest.approx(erlang_b(20, 30.0)) and f["refused"] == pytest.approx(0.3)
 
 
-def test_a_rate_without_health_or_served_requests_has_no_floor_and_the_report_skips_it():
-    assert peer_floor.floor_row(MODEL, 4, {"health": None, "hold_mean_s": None, "failed": 1, "sent": 1}) is None
+def test_the_capacity_floor_is_what_the_engine_completes_a_second_at_the_correction():
+    # 99 prompt tokens beyond the weights' pass at 1000/s, then 16 steps of a full batch of 32 shared by 32 rows:
+    # 0.099 + 16 * 0.01 * (1 + 0.1 * 31) / 32 = 0.1195 s a request at the rule's speed, twice that at 2x.
+    f = peer_floor.floor_row(MODEL, 8, _row(1.0))
+    assert f["capacity_per_s"] == pytest.approx(1 / 0.1195, rel=1e-3)
+    assert f["capacity_floor"] == pytest.approx(0.0)  # 8.4 a second against 8 arriving
+    slow = peer_floor.floor_row(MODEL, 8, _row(2.0))
+    assert slow["capacity_floor"] == pytest.approx(1 - 1 / (2 * (0.099 + 16 * 0.01 * 1.9 / 10)) / 8, rel=1e-3)
+
+
+def test_without_a_recorded_correction_there_is_no_capacity_floor_and_the_places_are_the_rules():
+    f = peer_floor.floor_row(MODEL, 4, _row(None))
+    assert f["capacity_floor"] is None and f["per_actor"] == 32
+
+
+def test_a_rate_without_served_requests_has_no_floor_and_the_report_skips_it():
+    assert peer_floor.floor_row(MODEL, 4, {"traces": None, "hold_mean_s": None, "failed": 1, "sent": 1}) is None
     data = {"rates": [4.0, 8.0], "floor_model": MODEL, "cores": 2,
-            "servers": {"zeroqueue": {"4": _row(1.0, failed=0), "8": {"health": None, "hold_mean_s": None}}}}
+            "servers": {"zeroqueue": {"4": _row(1.0, failed=0), "8": {"traces": None, "hold_mean_s": None}}}}
     lines = peer_floor.report_lines(data)
     assert [line.split("|")[1].strip() for line in lines if line.startswith("| 4")] == ["4"]
     assert "| met |" in lines[-1] and not any(line.startswith("| 8") for line in lines)
