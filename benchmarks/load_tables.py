@@ -104,8 +104,8 @@ def capacity_table(capacity: Mapping[str, Mapping[str, Any]], slo, service: Mapp
         mix = " / ".join(str(sum(r.cls == c for r in counted)) for c in CLASSES)
         lines.append(
             f"| {s} | {cap['clients']} | {cap['warmup_s']:g} + {cap['window_s']:g} | {done} | {mix} | {rps:.2f} | "
-            f"{f_(rps / reference_rps if reference_rps else float('nan'), 2)} | {f_(output_tokens_per_s(cap), 0)} | {x.rejected} | "
-            f"{f_(x.ttft.p50)} / {f_(x.ttft.p99)} | {f_(x.e2e.p50)} / {f_(x.e2e.p99)} |")
+            f"{f_(rps / reference_rps if reference_rps else float('nan'), 2)} | {f_(output_tokens_per_s(cap), 0)} | "
+            f"{x.rejected} | {f_(x.ttft.p50)} / {f_(x.ttft.p99)} | {f_(x.e2e.p50)} / {f_(x.e2e.p99)} |")
     return lines
 
 

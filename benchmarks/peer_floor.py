@@ -7,10 +7,10 @@ places the targets allow + 2 points". Per rate:
   mean prompt and output tokens) predicted within the default targets, priced as the app prices a
   join (serve_app/scorer.py's rule with `configs/serve.yaml`'s constants and the step correction
   the router priced that rate's admissions at, P50 from the traces: how many times the rule's
-  time the engine's steps took, beside the load generator, at its thread count): the largest batch a newcomer joins with TTFT and
-  TPOT predicted within their targets (no prompt pending ahead of it, and no TTFT margin: the most
-  generous reading), at most `max_batch`, times the actors that may hold batches (the hot ones
-  and the warm ones a burst binds). A place is a row, as a server without a queue counts it.
+  time the engine's steps took, beside the load generator, at its thread count): the largest
+  batch a newcomer joins with TTFT and TPOT predicted within their targets (no prompt pending
+  ahead of it, and no TTFT margin: the most generous reading), at most `max_batch`, times the
+  actors that may hold batches (the hot ones and the warm ones a burst binds). A place is a row, as a server without a queue counts it.
 - offered load A = rate x the mean time a served request held its row (GuideLLM's request
   latency, arrival to last token): what the rows were held for at that rate.
 - floor = B(c, A) (benchmarks/erlang.py): what a system with c places and no queue refuses of
@@ -100,8 +100,8 @@ def report_lines(data: dict[str, Any]) -> list[str]:
         return []
     lines = ["## zeroqueue's refusals against the Erlang-B floor of the places its targets allow", "",
              "benchmarks/peer_floor.py: places c = rows per actor a newcomer of this profile is predicted to join "
-             f"within TTFT {model['ttft_target_s']:g} s and TPOT {model['tpot_target_s']:g} s (the rule at the router's "
-             f"step correction, P50 over the rate's admissions), at most max_batch {model['max_batch']}, times "
+             f"within TTFT {model['ttft_target_s']:g} s and TPOT {model['tpot_target_s']:g} s (the rule at the "
+             f"router's step correction, P50 over the rate's admissions), at most max_batch {model['max_batch']}, times "
              f"{model['num_actors']} actors (hot and warm); A = rate x the mean time a served request held its row "
              "(GuideLLM's request latency). Issue 23's goal: refused <= B(c, A) + 2 points. Beside it the capacity "
              "floor, 1 - X / rate: X = the requests a second the engine completes at that correction, every request "
