@@ -391,9 +391,10 @@ class LeaseBook:
 
         A row whose first token was due by now, priced with correction k, `elapsed` after it was placed
         and `predicted` before it was due, shows the actor running at least k * elapsed / predicted times
-        the rule right now: a joiner's prompt shares the steps with that one (actors/scheduler.py). No Started says so (the actor's steps report when a row starts, and a stalled host delays
-        every step): in a bench_peer run before this (uncommitted), a load generator starting up stalled a hot
-        request 4 s past its 0.5 s prediction, and the join placed 1 s later on the old figure took 6.8 s."""
+        the rule right now: a joiner's prompt shares the steps with that one (actors/scheduler.py). No
+        Started says so (the actor's steps report when a row starts, and a stalled host delays every step):
+        in a bench_peer run before this (uncommitted), a load generator starting up stalled a hot request
+        4 s past its 0.5 s prediction, and the join placed 1 s later on the old figure took 6.8 s."""
         correction = self._step_correction(actor_name, now)
         for row_id, (placed_at, due, priced_with) in self._first_token_due.items():
             row, use = self._rows.get(row_id), self._used.get(row_id)

@@ -22,8 +22,9 @@ model predictions are malformed:
           (the next step boundary, then the prompt tokens computed before its own are done and its
           own; the batch keeps decoding beside it). A batch whose every row is still in its prompt runs
           them whole in one step (no row waits on it): the join waits for that step's prompt tokens
-          too, + step_prompt / prefill_tokens_per_s (ActorView.prompt_tokens_in_step). Where the batch's rows state a TPOT target, the engine feeds the
-          prompts in chunks that keep the rows' mean time per token within it (actors/scheduler.py),
+          too, + step_prompt / prefill_tokens_per_s (ActorView.prompt_tokens_in_step). Where the
+          batch's rows state a TPOT target, the engine feeds the prompts in chunks that keep the
+          rows' mean time per token within it (actors/scheduler.py),
           predicted as no more than the target each step: chunk = (target - tpot) / prefill token's cost,
           at least 1, and ttft = overhead + tpot * (1 + prompt steps) + (input - 1) / prefill_tokens_per_s
           with prompt steps = ceil((pending + input - 1) / chunk). `pending`: of the prompt tokens the
@@ -185,7 +186,10 @@ class RuleScorer:
             k = c.step_correction  # a known actor's steps run k times the rule's (1 for a warm or cold one)
             if c.kind == "join":
                 tpot = k * self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
-                ttft = tpot + k * c.batch_step_prompt_tokens / self.prefill_tokens_per_s + (self.overhead_s + k * (compute_s + c.batch_pending_prompt_tokens / self.prefill_tokens_per_s)
+                # The step it waits for (a whole-prompt step's prompts too), then the prompts' tokens and its own.
+                wait = tpot + k * c.batch_step_prompt_tokens / self.prefill_tokens_per_s
+                pending_s = c.batch_pending_prompt_tokens / self.prefill_tokens_per_s
+                ttft = wait + (self.overhead_s + k * (compute_s + pending_s)
                                if c.batch_tpot_target_s is None
                                else self._chunked_prefill_s(features.input_tokens, c.batch_pending_prompt_tokens,
                                                             tpot, c.batch_tpot_target_s, per_token, k))
