@@ -37,13 +37,13 @@ from serve_app.scorer import Candidate, RuleScorer
 from serve_app.snapshot import RequestFeatures
 
 
-def places_per_actor(rule: RuleScorer, features: RequestFeatures, max_batch: int, step_ratio: float) -> int:
+def places_per_actor(rule: RuleScorer, features: RequestFeatures, max_batch: int, step_correction: float) -> int:
     """The largest batch (rows) whose newest row is predicted within the request's TTFT and TPOT targets."""
     best = 1
     for rows in range(1, max_batch):  # joining a batch of `rows` makes rows + 1
         join = Candidate("join", "s", "a", 1 << 40, 1, 0.0, 0.0, batch_rows=rows,
                          batch_tokens=rows * features.num_tokens, batch_tpot_target_s=features.tpot_target_s,
-                         step_correction=step_ratio)
+                         step_correction=step_correction)
         [p] = rule.predict(features, [join])
         if not meets_targets(features, p, features.tpot_target_s):
             break
@@ -58,11 +58,10 @@ def floor_model(args: dict[str, Any]) -> dict[str, Any]:
 
     config = ingress_config(AppArgs.model_validate(args))
     kv_bytes_per_token = load_model(config.models[0], config.actor).numbers.kv_bytes_per_token  # as actors compute
-    model, policy = args["models"][0], args.get("policy", {})
-    return {"rule": dataclasses.asdict(config.rule_scorer),  # as the app parsed it
-            "ttft_target_s": model.get("ttft_target_s"), "tpot_target_s": model.get("tpot_target_s"),
-            "max_batch": int(policy.get("max_batch", 8)),
-            "num_actors": int(policy.get("max_hot_short_actors", 1)) + int(policy.get("num_warm_short_actors", 0)),
+    model, policy = config.models[0], config.policy  # as the app parsed them, defaults included
+    return {"rule": dataclasses.asdict(config.rule_scorer),
+            "ttft_target_s": model.ttft_target_s, "tpot_target_s": model.tpot_target_s,
+            "max_batch": policy.max_batch, "num_actors": policy.max_hot_short_actors + policy.num_warm_short_actors,
             "kv_bytes_per_token": kv_bytes_per_token}
 
 
