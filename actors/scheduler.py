@@ -17,7 +17,9 @@ advances by a chunk of it. The rule:
   from (`ActorView.prompt_tokens_ahead`, serve_app/scorer.py). A later joiner delays an
   earlier one's first token by at most its own prompt. (First come, first served, which
   this replaced, held a 24-token prompt behind a 600-token one for a dozen steps: short
-  requests' TTFT P99 was 3.8x their P50 at 0.7x load, benchmarks/results/load.md.) A
+  requests' TTFT P99 was 3.8x their P50 at 0.7x load in benchmarks/results/load.md as of
+  commit 51c3c5d, another host's run; the next run, shared, on an AVX512-BF16 host, had the
+  short P99 within 0.1 s of the queues' at 0.7x.) A
   decoding row therefore waits at most one step of that size for a newcomer's prompt: a
   long prompt is chunked over several steps instead of stalling the rows already running.
 - The budget is derived (`prefill_budget`): the most prompt tokens for which the step's
@@ -102,9 +104,9 @@ def plan_step(rows: Sequence[RowProgress], prefill_budget: int) -> list[tuple[in
     left = prefill_budget - len(prefilling)
     # Water-filling: the prompts by tokens left, fewest first (join order among equals); each takes an even
     # share of what is still to give out, at most what it needs, so none gets more than a longer one.
-    # (Shortest first outright, tried on bench_load's closed loop: short prompts' TTFT P50 0.29 s against
-    # 0.37 s shared, but 600-token prompts, passed over by every shorter joiner, took P50 2.0 s against 1.9 s,
-    # past their 2 s target half the time.)
+    # (Shortest first outright, tried by hand on bench_load's closed loop, one 60 s run each and no committed
+    # command: short prompts' TTFT P50 0.29 s against 0.37 s shared, but 600-token prompts, passed over by every
+    # shorter joiner, took P50 2.0 s against 1.9 s, past their 2 s target half the time.)
     by_need = sorted(prefilling, key=lambda r: r.num_remaining)  # stable: join order among equals
     for i, r in enumerate(by_need):
         if left <= 0:
