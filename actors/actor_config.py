@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from actors.compute_dtype import check_setting
 from actors.step_cost import StepCost
-from actors.thread_governor import THREAD_RULES
 
 # actor.packed_kernel's settings (actors/packed_weights.py): "auto" is the actors' own kernels where the CPU runs them.
 PACKED_KERNELS = ("auto", "onednn")
@@ -31,10 +30,6 @@ class ActorConfig:
     # its slowest thread, and beside one busy process two threads prefill in 1.8-2.1x one thread's time, their
     # slowest steps several times (benchmarks/results/threads.md). Equal to compute_threads: always that many.
     min_compute_threads: int = 1
-    # How the count between the two is chosen (actors/thread_governor.py): "measured" keeps the count whose steps
-    # run faster against the rule's prediction, probing the other now and then; "node_cpu" drops a thread while
-    # the node's other processes use more than half a core (the rule before; benchmarks/results/peer_threads.md).
-    thread_rule: str = "measured"
     # The dtype the model computes in (actors/compute_dtype.py): "auto" keeps the file's dtype
     # except on a CPU without native 16-bit arithmetic, where a bf16 model computes several
     # times slower than in fp32 (benchmarks/results/engine.md) and is widened, at 2x its memory.
@@ -114,8 +109,6 @@ class ActorConfig:
                              f"got {self.packed_kernel!r}")
         if self.warm_layers is not None and self.warm_layers < 0:
             raise ValueError(f"ActorConfig.warm_layers must be >= 0, got {self.warm_layers}")
-        if self.thread_rule not in THREAD_RULES:
-            raise ValueError(f"ActorConfig.thread_rule must be {' or '.join(THREAD_RULES)}, got {self.thread_rule!r}")
         if not 1 <= self.min_compute_threads <= max(1, self.compute_threads):
             raise ValueError(f"ActorConfig needs 1 <= min_compute_threads <= compute_threads, got "
                              f"{self.min_compute_threads} and {self.compute_threads}")

@@ -106,7 +106,7 @@ class BatchRunner:
             self.threads.start()
         # While idle, the governor still samples the node, so that a first step after a pause computes on
         # the threads the node has free now.
-        idle_wait_s = self.threads.interval_s if self.threads is not None and self.threads.samples_node else None
+        idle_wait_s = self.threads.interval_s if self.threads is not None and self.threads.is_active else None
         while not self._is_closed:
             while self._between_steps:
                 fn = self._between_steps.pop(0)
@@ -114,8 +114,8 @@ class BatchRunner:
                     fn()
                 except Exception:  # the model is as it was: the batch goes on
                     log.exception("a call between steps failed")
-            if self.threads is not None:  # the measured rule learns from each step's time against the rule's
-                self.threads.adjust(self.engine.take_step_ratio())
+            if self.threads is not None:
+                self.threads.adjust()
             if not self.engine.has_work:
                 self._wake.wait(idle_wait_s)
                 self._wake.clear()

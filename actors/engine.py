@@ -126,7 +126,6 @@ class Engine:
         self._last_check: StepCheck | None = None  # the count's check the last step used: a new count's seed
         self._kv_bytes_per_token = model.config.kv_bytes_per_token(model_dtype(model.dtype))
         self.compiled = compiled
-        self._step_ratio: float | None = None  # the last checked step's measured ÷ rule-predicted time, until taken
 
     @property
     def step_check(self) -> StepCheck:
@@ -139,12 +138,6 @@ class Engine:
             self._step_checks[threads] = check
         self._last_check = check
         return check
-
-    def take_step_ratio(self) -> float | None:
-        """The last step's measured ÷ rule-predicted time (before correction), once: None where no step has been
-        checked since the last call (a cold actor's steps, which wait on its weights, are not)."""
-        ratio, self._step_ratio = self._step_ratio, None
-        return ratio
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize and validate; raises before any compute. Returns the prompt token ids."""
@@ -234,9 +227,7 @@ class Engine:
         seconds = clock.seconds()
         is_checked = wait_layer is None  # a cold actor's steps wait on its weights: not the rule's to predict
         if is_checked:
-            rule_s = predicted_s / self.step_check.correction
-            self.step_check.observe(rule_s, seconds)
-            self._step_ratio = seconds / rule_s if rule_s > 0 else None
+            self.step_check.observe(predicted_s / self.step_check.correction, seconds)
             self._log_check()
         for row in self._rows:  # every row advances every step (actors/scheduler.py)
             if row.first_time is not None:

@@ -152,7 +152,7 @@ class RequestActor:
                               compiled=compiled)
         # A compiled step's kernels keep the thread count they were compiled for: its count stays fixed.
         threads = ThreadGovernor(config.compute_threads if config.is_compiled else config.min_compute_threads,
-                                 config.compute_threads, rule=config.thread_rule) if on_exit is None else None
+                                 config.compute_threads) if on_exit is None else None
         self._runner = BatchRunner(self._engine, wait_layer=self._weight_gate, name=f"batch-{self.name}",
                                    threads=threads)
         self._num_layers = self._streamed.config.num_layers

@@ -93,12 +93,6 @@ def fixed_threads(config: dict) -> dict:
     return config
 
 
-def node_cpu_threads(config: dict) -> dict:
-    """`make serve`'s config with its actors' thread count chosen by the node's CPU use, as before the measured rule."""
-    config["applications"][0]["args"]["actor"]["thread_rule"] = "node_cpu"
-    return config
-
-
 # zeroqueue again, on a config `make serve`'s differs from in one respect, in the same run (--variant):
 # name -> (the change, what the report says it is).
 VARIANTS = {
@@ -109,10 +103,6 @@ VARIANTS = {
                                 "its actors always on `compute_threads`: `actor.min_compute_threads` equal to it, "
                                 "so that no step drops to fewer threads while other processes use the cores "
                                 "(actors/thread_governor.py)"),
-    "zeroqueue-node-cpu-threads": (node_cpu_threads,
-                                   "its actors' thread count chosen by the node's CPU use: `actor.thread_rule: "
-                                   "node_cpu`, one thread while the other processes use more than half a core, "
-                                   "where the default measures which count steps faster (actors/thread_governor.py)"),
 }
 SERVER_NAMES = ("zeroqueue", *VARIANTS, "llama.cpp")
 

@@ -66,7 +66,6 @@ class BaselineConfig:
     load_threads: int
     compute_threads: int
     min_compute_threads: int
-    thread_rule: str
     compute_dtype: str
     cpu_nice: int
     is_freed_memory_retained: bool
@@ -106,8 +105,7 @@ class QueuedModel:
         engine = Engine(model, tokenizer, max_context=config.max_context, max_batch=config.max_batch,
                         prefill_chunk_tokens=config.prefill_chunk_tokens)
         self.runner = BatchRunner(engine, name="baseline-batch",
-                                  threads=ThreadGovernor(config.min_compute_threads, config.compute_threads,
-                                                         rule=config.thread_rule))
+                                  threads=ThreadGovernor(config.min_compute_threads, config.compute_threads))
         log.info("baseline replica: %s resident on %s, batches of %d", config.model_id, device, config.max_batch)
 
     async def __call__(self, request: Request) -> Response:
@@ -241,7 +239,6 @@ def baseline_config(args: dict[str, Any]) -> tuple[BaselineConfig, dict[str, Any
         load_threads=actor.load_threads,
         compute_threads=actor.compute_threads,
         min_compute_threads=actor.min_compute_threads,
-        thread_rule=actor.thread_rule,
         compute_dtype=actor.compute_dtype,
         cpu_nice=actor.cpu_nice,
         is_freed_memory_retained=actor.is_freed_memory_retained,

@@ -21,7 +21,6 @@ BASE = {"models": [{"id": "m", "zqs_path": "m.zqs"}], "namespace": "ns"}
     ("actor", {"packed_kernel": "amx"}, "packed_kernel must be auto or onednn"),
     ("actor", {"compute_threads": 2, "min_compute_threads": 3}, "1 <= min_compute_threads <= compute_threads"),
     ("actor", {"min_compute_threads": 0}, "1 <= min_compute_threads <= compute_threads"),
-    ("actor", {"thread_rule": "fastest"}, "thread_rule must be measured or node_cpu"),
     ("registry", {"reconcile_interval_s": 0}, "reconcile_interval_s"),
     ("registry", {"namespace": "x"}, "registry.namespace is derived"),
     ("registry", {"spawn_grace": 1}, "registry.spawn_grace"),
@@ -36,14 +35,14 @@ def test_a_bad_section_field_fails_the_build_naming_it(section, fields, naming):
 def test_sections_from_yaml_reach_the_components_frozen_with_the_derived_fields_set_once():
     args = AppArgs.model_validate(BASE | {
         "policy": {"max_batch": 4, "hot_overrides": [["m", 2, 0]]},
-        "actor": {"num_cpus": 1, "resources": {"zq_slot": 1}, "thread_rule": "node_cpu"},
+        "actor": {"num_cpus": 1, "resources": {"zq_slot": 1}},
         "registry": {"adopt_grace_s": 7.0},
         "telemetry": {"poll_interval_s": 0.5},
         "rule_scorer": {"actor_start_s": 2.0},
     })
     config = ingress_config(args)
     assert config.policy.hot_overrides == (("m", 2, 0),)
-    assert config.actor.resources == (("zq_slot", 1.0),) and config.actor.thread_rule == "node_cpu"
+    assert config.actor.resources == (("zq_slot", 1.0),)
     assert (config.actor.max_batch, config.actor.namespace) == (4, "ns")  # from policy and the namespace
     assert (config.registry.adopt_grace_s, config.registry.namespace, config.registry.actor_namespace) == (7.0, "ns",
                                                                                                              "ns")

@@ -1,5 +1,4 @@
-"""The stepping thread's thread count: the count whose steps run faster (measured), or one thread per core the
-node's other processes leave free (node_cpu)."""
+"""The stepping thread's thread count: one thread per core the node's other processes leave free."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import time
 
 import pytest
 
-from actors.thread_governor import NodeCpu, StepProbe, ThreadGovernor, threads_for
+from actors.thread_governor import NodeCpu, ThreadGovernor, threads_for
 
 
 @pytest.mark.parametrize(("cores", "others", "current", "expected"), [
@@ -74,8 +73,7 @@ class _Node:
 
 def test_the_governor_sets_the_count_it_decides_and_samples_once_an_interval():
     set_to: list[int] = []
-    governor = ThreadGovernor(1, 2, interval_s=0.05, node_cpu=_Node([1.0, 1.0, 0.1]), set_threads=set_to.append,
-                              rule="node_cpu")
+    governor = ThreadGovernor(1, 2, interval_s=0.05, node_cpu=_Node([1.0, 1.0, 0.1]), set_threads=set_to.append)
     governor.start()
     assert set_to == [2] and governor.threads == 2
     assert governor.adjust() == 2  # within the first interval: no sample
@@ -100,7 +98,7 @@ def test_the_governor_drops_to_one_thread_while_busy_processes_take_every_core()
     node = NodeCpu()
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(node.num_cores)]
     try:
-        governor = ThreadGovernor(1, 2, interval_s=0.3, node_cpu=node, set_threads=lambda n: None, rule="node_cpu")
+        governor = ThreadGovernor(1, 2, interval_s=0.3, node_cpu=node, set_threads=lambda n: None)
         governor.start()
         deadline = time.monotonic() + 20
         while governor.threads != 1 and time.monotonic() < deadline:
@@ -111,80 +109,3 @@ def test_the_governor_drops_to_one_thread_while_busy_processes_take_every_core()
         for hog in hogs:
             hog.kill()
             hog.wait()
-
-
-def _run(probe: StepProbe, cost: dict[int, float], num_steps: int) -> list[int]:
-    """`num_steps` steps, each taking `cost[threads]` times the rule's prediction; the count each step ran on."""
-    ran = []
-    for _ in range(num_steps):
-        threads = probe.threads
-        ran.append(threads)
-        probe.observe(threads, cost[threads])
-    return ran
-
-
-def test_the_measured_rule_moves_to_the_count_whose_steps_run_faster_and_stays():
-    """Two threads start; one thread's steps are faster (a busy neighbour): after the first probe it computes on one,
-    and a probe of two that loses waits twice as long before the next."""
-    probe = StepProbe(1, 2, 2, probe_steps=4, min_home_steps=8, max_home_steps=64)
-    ran = _run(probe, {1: 1.4, 2: 2.5}, 12)
-    assert ran == [2] * 8 + [1] * 4 and probe.home == 1 and probe.num_switches == 1
-    ran = _run(probe, {1: 1.4, 2: 2.5}, 8 + 4 + 16 + 4 + 32)
-    # 8 home steps, a losing probe of 4, then 16 and 32 home steps before the next probes
-    assert ran == [1] * 8 + [2] * 4 + [1] * 16 + [2] * 4 + [1] * 32
-    assert probe.home == 1 and probe.num_switches == 1 and probe.num_probes == 4  # the 32nd step starts the 4th
-    assert probe.threads == 2
-
-
-def test_a_probe_that_loses_costs_a_shrinking_share_of_the_steps():
-    probe = StepProbe(1, 2, 2, probe_steps=4, min_home_steps=24, max_home_steps=192)
-    ran = _run(probe, {1: 2.0, 2: 1.0}, 2000)
-    assert probe.home == 2 and probe.num_switches == 0
-    assert ran[-1000:].count(1) <= 4 * 1000 / 192 + 4  # at most one probe per max_home_steps once backed off
-
-
-def test_the_measured_rule_asks_again_at_once_when_the_home_steps_slow_down():
-    """On two threads, backed off to long waits; then a neighbour takes a core (two threads' steps 2x slower): the
-    very next full window of home steps probes one thread and moves to it."""
-    probe = StepProbe(1, 2, 2, probe_steps=4, min_home_steps=8, max_home_steps=512)
-    _run(probe, {1: 1.6, 2: 1.0}, 300)
-    assert probe.home == 2
-    ran = _run(probe, {1: 1.6, 2: 2.2}, 12)
-    assert 1 in ran[:8] and probe.home == 1
-
-
-def test_a_small_difference_keeps_the_count():
-    """Within the margin the count stays: no switching on noise."""
-    probe = StepProbe(1, 2, 2, probe_steps=4, min_home_steps=8, max_home_steps=64, margin=0.05)
-    _run(probe, {1: 0.98, 2: 1.0}, 200)
-    assert probe.home == 2 and probe.num_switches == 0 and probe.num_probes > 0
-
-
-def test_the_measured_rule_probes_both_neighbours_of_a_middle_count():
-    probe = StepProbe(1, 4, 2, probe_steps=2, min_home_steps=4, max_home_steps=4)
-    ran = _run(probe, {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.0}, 4 + 2 + 4 + 2)
-    assert ran == [2] * 4 + [3] * 2 + [2] * 4 + [1] * 2 and probe.home == 2
-
-
-@pytest.mark.parametrize("args", [(1, 2, 3), (2, 1, 2), (0, 1, 1)])
-def test_a_probe_refuses_impossible_bounds(args):
-    with pytest.raises(ValueError, match="StepProbe needs"):
-        StepProbe(*args)
-
-
-def test_the_measured_governor_sets_torchs_count_from_the_steps_it_hears():
-    """The governor applies its probe's choice; a step the rule does not check (None) changes nothing, and it never
-    samples the node (no NodeCpu is made)."""
-    set_to: list[int] = []
-    governor = ThreadGovernor(1, 2, set_threads=set_to.append,
-                              probe=StepProbe(1, 2, 2, probe_steps=2, min_home_steps=2, max_home_steps=2))
-    governor.start()
-    assert not governor.samples_node and governor._node_cpu is None
-    assert [governor.adjust(r) for r in (None, 1.0, 1.0, None)] == [2, 2, 1, 1]
-    assert [governor.adjust(0.5), governor.adjust(0.5)] == [1, 1]  # one thread: twice as fast, kept
-    assert set_to == [2, 1] and governor.num_changes == 1
-
-
-def test_an_unknown_thread_rule_is_refused():
-    with pytest.raises(ValueError, match="rule must be measured or node_cpu"):
-        ThreadGovernor(1, 2, rule="fastest")
