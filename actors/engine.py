@@ -85,6 +85,7 @@ class Row:
     checked_s: float = 0.0  # the measured seconds of those checked steps
     num_steps: int = 0
     num_step_rows: int = 0
+    num_step_threads: int = 0  # torch's threads in each of its steps, summed (actors/thread_governor.py)
     stop: tuple[str, str | None] | None = field(default=None)  # (reason, sequence) once it has ended
 
     @property
@@ -201,6 +202,7 @@ class Engine:
         progress = [self._progress(r) for r in self._rows]
         plan = plan_step(progress, self._prefill_budget(progress))
         predicted_s = self._predict(progress, plan)
+        threads = torch.get_num_threads()  # what this step computes on: fewer while the node is busy
         clock = self._clock
         clock.start()
         rows, tokens, inputs = [], [], []
@@ -235,6 +237,7 @@ class Engine:
             row.engine_s += seconds
             row.num_steps += 1
             row.num_step_rows += len(self._rows)
+            row.num_step_threads += threads
             if is_checked:
                 row.predicted_s += predicted_s
                 row.checked_s += seconds
@@ -383,6 +386,7 @@ class Engine:
                            output_tokens=row.num_out, compute_start=row.compute_start or row.added_at,
                            first_token_time=row.first_time, last_token_time=row.last_time,
                            engine_s=row.engine_s, num_steps=row.num_steps, num_step_rows=row.num_step_rows,
+                           num_step_threads=row.num_step_threads,
                            predicted_step_s=row.predicted_s, checked_step_s=row.checked_s)
 
     # ---- one request on the calling thread ----------------------------------------------

@@ -39,10 +39,12 @@ class FinishEvent:
     first_token_time: float | None
     last_token_time: float | None
     # The step clock: seconds of the steps the row took part in (the engine computing it), and
-    # the rows those steps ran in all, summed over them (÷ num_steps: its mean batch).
+    # the rows those steps ran in all, summed over them (÷ num_steps: its mean batch), and the
+    # threads torch computed them on, summed likewise (÷ num_steps: its mean threads).
     engine_s: float = 0.0
     num_steps: int = 0
     num_step_rows: int = 0
+    num_step_threads: int = 0
     # The steps the engine checked (not those waiting on a cold actor's weights): their predicted
     # seconds summed (actors/step_cost.py), and their measured ones.
     predicted_step_s: float = 0.0

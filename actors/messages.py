@@ -92,9 +92,11 @@ class Completion:
     timings: Timings
     peak_bytes: int | None = None  # see actors/peak_memory.py; None where it cannot be measured
     # The engine's step clock (actors/engine.py): seconds of the steps this row took part in (a cold
-    # row's first step includes its waits on the weights), and the mean rows those steps ran.
+    # row's first step includes its waits on the weights), the mean rows those steps ran, and the mean threads
+    # they computed on (fewer than actor.compute_threads while the node was busy: actors/thread_governor.py).
     engine_s: float = 0.0
     mean_step_rows: float = 0.0
+    mean_step_threads: float = 0.0
     # The steps checked against their prediction (actors/step_cost.py): predicted and measured seconds.
     predicted_step_s: float = 0.0
     checked_step_s: float = 0.0

@@ -437,6 +437,7 @@ class RequestActor:
             peak_bytes=self._peak.read(),
             engine_s=event.engine_s,
             mean_step_rows=event.num_step_rows / event.num_steps if event.num_steps else 0.0,
+            mean_step_threads=event.num_step_threads / event.num_steps if event.num_steps else 0.0,
             predicted_step_s=event.predicted_step_s,
             checked_step_s=event.checked_step_s,
         )

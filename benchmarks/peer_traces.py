@@ -3,7 +3,8 @@
 GuideLLM sees a request's TTFT from outside; the app's traces (serve_app/traces.py) say where
 the request went and what admission predicted for it: its tier (hot, join, warm, cold) and
 predicted TTFT, its measured TTFT (the ingress's arrival to the actor's first token), and each
-refusal's reason. Per rate, `summarise` counts them, and names the admitted requests whose
+refusal's reason, and the threads its steps computed on (the mean over them: the thread governor
+drops to one while the node's other processes are busy). Per rate, `summarise` counts them, and names the admitted requests whose
 measured TTFT passed the served model's TTFT target: admission let each in on a prediction
 within the target (issue 23: no admission into seconds of waiting), so each is a prediction
 that missed, and the report says by how much and where.
@@ -37,7 +38,7 @@ def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
     per reason, and the admitted requests past the TTFT target, worst first."""
     tiers: dict[str, list[tuple[float, float]]] = {}
     refused: Counter = Counter()
-    late, corrections = [], []
+    late, corrections, threads = [], [], []
     for r in records:
         decision, outcome = r.get("decision") or {}, r.get("outcome") or {}
         if decision.get("kind") == "reject":
@@ -46,6 +47,8 @@ def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
         if decision.get("tier") in ("hot", "join"):  # what the router priced a running actor's steps at
             corrections.append((decision.get("candidate") or {}).get("step_correction", 1.0))
         measured, predicted = outcome.get("ttft_s"), (decision.get("predicted") or {}).get("ttft_s")
+        if outcome.get("ok") and outcome.get("mean_step_threads"):
+            threads.append(outcome["mean_step_threads"])
         if not outcome.get("ok") or measured is None or not predicted:
             continue
         tier = decision.get("tier") or "?"
@@ -65,7 +68,8 @@ def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
         by_tier[tier] = {"count": len(pairs), "ratio_p50": percentile(ratios, 50), "ratio_p90": percentile(ratios, 90),
                          "ttft_p99_s": percentile([m for m, _ in pairs], 99)}
     return {"tiers": by_tier, "refused": dict(refused), "num_late": len(late), "late": late[:MAX_LISTED],
-            "step_correction_p50": percentile(corrections, 50) if corrections else None}
+            "step_correction_p50": percentile(corrections, 50) if corrections else None,
+            "step_threads_mean": sum(threads) / len(threads) if threads else None}
 
 
 def report_lines(data: dict) -> list[str]:
@@ -79,16 +83,19 @@ def report_lines(data: dict) -> list[str]:
     lines = ["## Where zeroqueue placed each request, and the admitted ones past the TTFT target", "",
              "From the app's request traces (serve_app/traces.py), per rate: admitted requests per tier with "
              "their TTFT measured ÷ predicted (P50 / P90) and measured TTFT P99 (the ingress's arrival to the "
-             f"actor's first token, which GuideLLM's adds its own side to), refusals per reason, and the admitted "
+             f"actor's first token, which GuideLLM's adds its own side to), refusals per reason, the threads the "
+             f"served requests' steps computed on (their mean; actors/thread_governor.py), and the admitted "
              f"requests whose measured TTFT passed the {target:g} s target: each was admitted on a prediction "
              "within it.", "",
-             "| server | rate (req/s) | admitted per tier: n, ratio P50 / P90, TTFT P99 | refused | past the target |",
-             "|---|--:|---|---|--:|"]
+             "| server | rate (req/s) | admitted per tier: n, ratio P50 / P90, TTFT P99 | refused | threads a step "
+             "| past the target |",
+             "|---|--:|---|---|--:|--:|"]
     for name, rate, t in rows:
         tiers = "; ".join(f"{tier} {s['count']}, {s['ratio_p50']:.2f} / {s['ratio_p90']:.2f}, "
                           f"{s['ttft_p99_s'] * 1e3:.0f} ms" for tier, s in t["tiers"].items())
         refused = ", ".join(f"{reason} {n}" for reason, n in sorted(t["refused"].items())) or "0"
-        lines.append(f"| {name} | {rate:g} | {tiers or '—'} | {refused} | {t['num_late']} |")
+        threads = "—" if t.get("step_threads_mean") is None else f"{t['step_threads_mean']:.2f}"
+        lines.append(f"| {name} | {rate:g} | {tiers or '—'} | {refused} | {threads} | {t['num_late']} |")
     late = [(name, rate, x) for name, rate, t in rows for x in t["late"]]
     if late:
         lines += ["", f"The admitted requests past the target (at most {MAX_LISTED} a rate, worst first):", "",

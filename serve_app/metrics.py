@@ -47,6 +47,10 @@ class IngressMetrics:
         self.step_rows = metrics.Histogram(
             "zq_step_rows", "Mean rows of the steps each request ran in, itself included: its slot's concurrent work.",
             boundaries=[1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32], tag_keys=("model",))
+        # Fewer than actor.compute_threads while the node's other processes are busy (actors/thread_governor.py).
+        self.step_threads = metrics.Histogram(
+            "zq_step_threads", "Mean threads the steps each request ran in computed on.",
+            boundaries=[1, 1.25, 1.5, 1.75, 2, 3, 4, 8], tag_keys=("model",))
         # The engine's step planner checked (actors/step_cost.py): measured over predicted time of each
         # request's steps; 1 is a perfect prediction, above 1 steps ran longer than planned.
         self.step_time_ratio = metrics.Histogram(
@@ -79,7 +83,8 @@ class IngressMetrics:
             "zq_refused_for_capacity", "Refusals decided while a slot was on its way, since the registry started.")
         # Recent dispatch latencies (µs) for /health's jitter figures, and recent requests' densities.
         self._recent_dispatch_us: deque[float] = deque(maxlen=window)
-        self._recent_density: deque[tuple[float, float]] = deque(maxlen=window)  # (density, mean step rows)
+        # (density, mean step rows, mean step threads: 0 where the actor did not say)
+        self._recent_density: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._window = window
         self._recent_step_ratio: deque[float] = deque(maxlen=window)
         self._recent_ttft_ratio: dict[str, deque[float]] = {}  # by tier
@@ -100,10 +105,13 @@ class IngressMetrics:
         self.dispatch_latency.observe(seconds, tags={"model": model})
         self._recent_dispatch_us.append(seconds * 1e6)
 
-    def observe_density(self, model: str, tier: str, density: float, step_rows: float) -> None:
+    def observe_density(self, model: str, tier: str, density: float, step_rows: float,
+                        step_threads: float = 0.0) -> None:
         self.compute_density.observe(density, tags={"model": model, "tier": tier})
         self.step_rows.observe(step_rows, tags={"model": model})
-        self._recent_density.append((density, step_rows))
+        if step_threads > 0:
+            self.step_threads.observe(step_threads, tags={"model": model})
+        self._recent_density.append((density, step_rows, step_threads))
 
     def observe_step_ratio(self, model: str, ratio: float) -> None:
         self.step_time_ratio.observe(ratio, tags={"model": model})
@@ -128,10 +136,12 @@ class IngressMetrics:
         """Recent requests' compute density (p10 / p50: a low one waited) and mean step rows, for /health."""
         if not self._recent_density:
             return {"count": 0}
-        densities = sorted(d for d, _ in self._recent_density)
+        densities = sorted(d for d, _, _ in self._recent_density)
         n = len(densities)
+        threads = [t for _, _, t in self._recent_density if t > 0]
         return {"count": n, "p10": round(_rank(densities, 0.1), 3), "p50": round(_rank(densities, 0.5), 3),
-                "mean_step_rows": round(sum(r for _, r in self._recent_density) / n, 2)}
+                "mean_step_rows": round(sum(r for _, r, _ in self._recent_density) / n, 2),
+                "mean_step_threads": round(sum(threads) / len(threads), 2) if threads else None}
 
     def dispatch_jitter_us(self) -> dict[str, float | int]:
         """p50/p99/max and the spread (p99 - p50) of recent dispatch latencies, in µs."""

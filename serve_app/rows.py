@@ -155,7 +155,7 @@ class Rows:
                                        tags={"model": model})
         density = done.compute_density(admitted.arrival)
         if density is not None:
-            self._metrics.observe_density(model, admitted.tier, density, done.mean_step_rows)
+            self._metrics.observe_density(model, admitted.tier, density, done.mean_step_rows, done.mean_step_threads)
         if done.predicted_step_s > 0 and done.checked_step_s > 0:
             self._metrics.observe_step_ratio(model, done.checked_step_s / done.predicted_step_s)
 

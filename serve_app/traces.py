@@ -19,7 +19,8 @@ the ingress; `null` where a value does not apply):
                   "predicted": {"ttft_s", "total_s", "tpot_s", "ttft_high_s" (the TTFT bound a target was
                   checked against, ttft_check.py; null: ttft_s)}},
      "outcome": null for refusals, else {"ok", "error", "dispatch_s", "load_s", "ttft_s", "total_s", "tpot_s",
-                "output_tokens", "stop_reason", "is_cold", "first_layers", "reserved_bytes", "peak_bytes"}}
+                "output_tokens", "stop_reason", "is_cold", "first_layers", "reserved_bytes", "peak_bytes",
+                "mean_step_threads"}}
 
 `ok` is true for a completed request; otherwise `error` is how it ended ("cancelled",
 "failed") and no timings follow. `tpot_s` is the measured time per output token once
@@ -29,7 +30,9 @@ after the first token was timed). `load_s` is actor start to all layers resident
 requests only). `peak_bytes` is the request's peak as the actor measured it
 (actors/peak_memory.py: the CUDA allocator's peak, or the CPU process's peak resident
 set); `reserved_bytes` is what the registry reserved for the request, which the ingress
-knows exactly.
+knows exactly. `mean_step_threads` is the mean of torch's threads over the steps the request took part
+in (actors/thread_governor.py drops to fewer while the node's other processes are busy); null where
+the actor did not say.
 
 `tier` is where the request ran: an idle hot actor, a hot actor's batch, a bound warm actor
 (its process up, its first layers in) or a fresh actor; `evict` names the idle hot or
@@ -225,6 +228,7 @@ def outcome_record(arrival: float, dispatch_time: float, reserved_bytes: int, co
         output_tokens=completion.output_tokens, stop_reason=completion.stop_reason,
         is_cold=completion.is_cold, first_layers=completion.first_layers,
         peak_bytes=getattr(completion, "peak_bytes", None),
+        mean_step_threads=getattr(completion, "mean_step_threads", None) or None,
     )
     return out
 

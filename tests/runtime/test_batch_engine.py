@@ -235,6 +235,22 @@ def test_the_step_clock_gives_each_row_the_steps_it_ran_in_and_their_rows(parts,
     assert (done_b.num_steps, done_b.num_step_rows, done_b.engine_s) == (2, 4, 2 * 0.25)
 
 
+def test_each_row_sums_the_threads_its_steps_computed_on(parts):
+    """The governor may change torch's threads between steps: a row counts each step's own."""
+    engine = make_engine(parts)
+    rec = Recorder()
+    engine.add(prompt_ids(engine, PROMPTS[0]), SamplingParams(max_tokens=4, temperature=0.0), rec)
+    threads = [1, 2, 2, 1]
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            engine.step()
+    finally:
+        torch.set_num_threads(1)  # this module's tests compute on one thread (conftest)
+    done = rec.events[-1]
+    assert isinstance(done, FinishEvent) and done.num_steps == 4 and done.num_step_threads == sum(threads)
+
+
 def test_a_decoding_rows_tpot_target_chunks_a_joiners_prompt_finer_and_tokens_stay_the_same(parts, monkeypatch):
     # The rule prices a step at 10 ms of decode plus 1 ms per prompt token (KV reads ~free), and the
     # clock agrees with it exactly, so the correction stays 1 and the budget is the rule's.

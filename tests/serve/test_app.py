@@ -107,6 +107,7 @@ def test_health_reports_jitter_actors_and_slots(zq):
     # Engine time over time in the system, of the request above (and any before it).
     density = h["compute_density"]
     assert density["count"] >= 1 and 0 < density["p10"] <= density["p50"] <= 1 and density["mean_step_rows"] >= 1
+    assert density["mean_step_threads"] >= 1  # the threads its steps computed on, as its actor counted them
 
 
 def _health(base) -> dict:

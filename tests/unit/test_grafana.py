@@ -21,7 +21,7 @@ DASHBOARD = REPO / "configs" / "grafana.json"
 METRICS_SOURCE = REPO / "serve_app" / "metrics.py"
 DATASOURCE_UID = "${DS_PROMETHEUS}"
 GRID_WIDTH = 24
-LOW_TAIL = frozenset({"zq_compute_density"})
+LOW_TAIL = frozenset({"zq_compute_density", "zq_step_threads"})  # fewer threads: a busy node
 
 _SERIES = re.compile(r"\bray_[A-Za-z0-9_:]+")
 _BY = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")

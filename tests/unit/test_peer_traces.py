@@ -5,12 +5,12 @@ import json
 from benchmarks import peer_traces
 
 
-def _record(tier, measured, predicted, *, kind="join", rows=3):
+def _record(tier, measured, predicted, *, kind="join", rows=3, threads=None):
     if kind == "reject":
         return {"decision": {"kind": "reject", "reason": tier}, "outcome": None}
     return {"decision": {"kind": kind, "tier": tier, "predicted": {"ttft_s": predicted},
                          "candidate": {"batch_rows": rows, "batch_pending_prompt_tokens": 40, "step_correction": 1.2}},
-            "outcome": {"ok": True, "ttft_s": measured, "dispatch_s": 0.01}}
+            "outcome": {"ok": True, "ttft_s": measured, "dispatch_s": 0.01, "mean_step_threads": threads}}
 
 
 def test_counts_tiers_refusals_and_the_admitted_past_the_target_worst_first():
@@ -25,6 +25,17 @@ def test_counts_tiers_refusals_and_the_admitted_past_the_target_worst_first():
     assert out["num_late"] == 2
     assert [x["measured_s"] for x in out["late"]] == [1.4, 1.1]
     assert out["late"][0]["predicted_s"] == 0.9 and out["late"][0]["batch_rows"] == 3
+    assert out["step_threads_mean"] is None  # no trace said
+
+
+def test_the_threads_a_step_are_the_mean_over_served_requests_that_say():
+    records = [_record("join", 0.5, 0.5, threads=2.0), _record("join", 0.5, 0.5, threads=1.0),
+               _record("join", 0.5, 0.5, threads=1.5), _record("hot", 0.2, 0.2, kind="dispatch")]  # older: no field
+    out = peer_traces.summarise(records, ttft_target_s=1.0)
+    assert out["step_threads_mean"] == 1.5
+    lines = peer_traces.report_lines({"rates": [4], "targets": {"ttft_target_s": 1.0},
+                                      "servers": {"zeroqueue": {"4": {"traces": out}}}})
+    assert any(line.startswith("| zeroqueue | 4 |") and "| 1.50 | 0 |" in line for line in lines)
 
 
 def test_reads_only_whole_lines_written_since_the_offset(tmp_path):

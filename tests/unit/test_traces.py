@@ -34,11 +34,12 @@ JOIN_CANDIDATE = Candidate("join", "s1", "zq-a", 4000, 1, 0.0, 0.5, 2, batch_row
 JOIN = Join("zq-a", "s1", "short", 96, JOIN_CANDIDATE, Prediction(0.05, 0.4, 0.05))
 
 
-def _completion(arrival=100.0, output_tokens=8, is_cold=True) -> Completion:
+def _completion(arrival=100.0, output_tokens=8, is_cold=True, mean_step_threads=0.0) -> Completion:
     timings = Timings(actor_start=arrival + 1, request_arrival=arrival + 2, first_layer_resident=arrival + 2.5,
                       all_layers_resident=arrival + 3, compute_start=arrival + 3, first_layer_compute_start=arrival + 3,
                       first_token=arrival + 3.5, last_token=arrival + 4.25)
-    return Completion("req_1", "max_tokens", None, 40, output_tokens, is_cold, 2, timings)
+    return Completion("req_1", "max_tokens", None, 40, output_tokens, is_cold, 2, timings,
+                      mean_step_threads=mean_step_threads)
 
 
 def _writer(tmp_path, **kw) -> TraceWriter:
@@ -64,7 +65,7 @@ def test_a_finished_request_leaves_its_features_decision_and_outcome(tmp_path):
     assert first["outcome"] == pytest.approx({
         "ok": True, "error": None, "dispatch_s": 0.25, "reserved_bytes": 1200, "load_s": 2.0, "ttft_s": 3.5,
         "total_s": 4.25, "tpot_s": 0.75 / 7, "output_tokens": 8, "stop_reason": "max_tokens", "is_cold": True,
-        "first_layers": 2, "peak_bytes": None})
+        "first_layers": 2, "peak_bytes": None, "mean_step_threads": None})  # the actor did not say
     assert second["decision"] == {"kind": "reject", "reason": "no_capacity", "retry_after_s": 1.0, "message": "full"}
     assert second["outcome"] is None
     w.close()
@@ -72,7 +73,7 @@ def test_a_finished_request_leaves_its_features_decision_and_outcome(tmp_path):
 
 def test_a_joined_request_records_the_batch_it_joined_and_its_measured_step_time(tmp_path):
     w = _writer(tmp_path)
-    outcome = outcome_record(100.0, 100.01, JOIN.reserve_bytes, _completion(is_cold=False))
+    outcome = outcome_record(100.0, 100.01, JOIN.reserve_bytes, _completion(is_cold=False, mean_step_threads=1.5))
     assert w.write(trace_record("req_j", "m", 100.0, FEATURES, JOIN, outcome))
     assert w.flush()
     (record,) = read_traces([w.path])
@@ -83,6 +84,7 @@ def test_a_joined_request_records_the_batch_it_joined_and_its_measured_step_time
     assert d["predicted"] == {"ttft_s": 0.05, "total_s": 0.4, "tpot_s": 0.05, "ttft_high_s": None}
     assert record["outcome"]["ok"] and record["outcome"]["load_s"] is None
     assert record["outcome"]["tpot_s"] == pytest.approx(0.75 / 7)
+    assert record["outcome"]["mean_step_threads"] == 1.5  # its steps' threads, as the actor counted them
     w.close()
 
 
