@@ -250,22 +250,15 @@ def _hot_lanes(lane: Lane) -> tuple[Lane, ...]:
 
 
 def candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | None,
-              num_prompt_tokens: int = 0, model: str | None = None) -> Candidate:
-    """The scorer's view of placing a request of `num_prompt_tokens` on `actor` (None: a fresh one of `model`) on
-    `slot`. A hot or joined actor's steps are priced at its own step correction, a warm or fresh one's at its node's
-    (`ClusterSnapshot.step_correction_on_node`)."""
-    if actor is not None and kind in ("hot", "join"):
-        correction = actor.step_correction
-    else:
-        owner = actor.model if actor is not None else model
-        correction = snapshot.step_correction_on_node(slot.node_id, owner) if owner is not None else 1.0
+              num_prompt_tokens: int = 0) -> Candidate:
+    """The scorer's view of placing a request of `num_prompt_tokens` on `actor` (None: a fresh one) on `slot`."""
     return Candidate(kind, slot.slot_id, actor.name if actor else None, slot.free_bytes, slot.num_actors,
                      slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
                      actor.num_rows if actor else 0, actor.batch_tokens if actor else 0,
                      actor.resident_fraction if actor else 0.0,
                      actor.min_tpot_target_s if actor is not None and kind == "join" else None,
                      actor.prompt_tokens_ahead(num_prompt_tokens) if actor is not None and kind == "join" else 0,
-                     correction,
+                     actor.step_correction if actor is not None and kind in ("hot", "join") else 1.0,
                      actor.prompt_tokens_in_step if actor is not None and kind == "join" else 0)
 
 
@@ -336,7 +329,7 @@ def _cold_candidates(features: RequestFeatures, snapshot: ClusterSnapshot, polic
     out: list[Candidate] = []
     for slot in snapshot.slots:
         if slot.total_bytes - slot.reserved_bytes >= need and slot.num_actors < max_actors:
-            out.append(candidate("cold", snapshot, slot, None, model=features.model))
+            out.append(candidate("cold", snapshot, slot, None))
             if len(out) == limit:
                 break
     return out
@@ -361,7 +354,7 @@ def _evict_or_reject(features: RequestFeatures, snapshot: ClusterSnapshot, polic
     if best is None:
         return _no_candidate(features, snapshot, policy)
     slot, actors = best
-    fresh = candidate("cold", snapshot, slot, None, model=features.model)
+    fresh = candidate("cold", snapshot, slot, None)
     prediction = predict(scorer, features, [fresh])[0]
     return Spawn(slot.slot_id, policy.lane(features.input_tokens, features.max_tokens), keep_hot,
                  features.spawn_bytes, features.resident_bytes, fresh, prediction,

@@ -37,15 +37,9 @@ model predictions are malformed:
     hot and join, on an actor whose engine said its steps run `step_correction` times the rule's
     (its StartEvent: a busy host, another machine): every step and prompt term above times it,
     as the engine's own planner does (actors/step_cost.py, StepCheck).
-    warm: tpot = k * step_s(1, request tokens);  ttft = (1 - resident_fraction) * weight_bytes / load_bytes_per_s
-                                                       + overhead_s + k * prefill compute  (the process is up;
-                                                       the rest streams in)
-    cold: tpot = k * step_s(1, request tokens);  ttft = actor_start_s + weight_bytes / load_bytes_per_s
-                                                       + overhead_s + k * prefill compute
-    where k is the node's step correction: the slowest of the model's hot actors there (policy.candidate), since a
-    warm or fresh actor has no steps of its own yet and computes on the same cores. Priced at 1 instead, a warm bind
-    beside GuideLLM was predicted 0.139 s and took 0.41-0.71 s while the hot actor's steps ran ~2x the rule (by hand,
-    from three bench_peer runs' traces).
+    warm: tpot = step_s(1, request tokens);  ttft = (1 - resident_fraction) * weight_bytes / load_bytes_per_s
+                                                   + prefill_s  (the process is up; the rest streams in)
+    cold: tpot = step_s(1, request tokens);  ttft = actor_start_s + weight_bytes / load_bytes_per_s + prefill_s
     A start on a busy node is slower: with `node_cpus` set, the cold start (and a warm actor's
     remaining load) is scaled by max(1, (others + 1) / node_cpus), `others` being the node's
     actors computing or starting besides it — the start's share of the host's cores
@@ -101,7 +95,7 @@ class Candidate:
     # join: its rows' prompt tokens the engine computes before this request's prompt is done, where known
     # (ActorView.prompt_tokens_ahead: at most the request's prompt length of each)
     batch_pending_prompt_tokens: int = 0
-    step_correction: float = 1.0  # the actor's steps measured ÷ the rule's (ActorView); warm, cold: its node's
+    step_correction: float = 1.0  # hot or join: the actor's steps measured ÷ the rule's (ActorView)
     # join: prompt tokens of the step in progress, which it waits for (whole prompts while no row decodes)
     batch_step_prompt_tokens: int = 0
 
@@ -183,13 +177,13 @@ class RuleScorer:
 
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
         compute_s = self._cost.prefill_s(features.input_tokens)
+        prefill_s = self.overhead_s + compute_s
         own_tokens, per_token = features.input_tokens + features.max_tokens, features.kv_bytes_per_token
         alone = self.step_s(1, own_tokens, per_token)
         start_s = self.start_s(features.weight_bytes)
         out = []
         for c in candidates:
-            k = c.step_correction  # its steps run k times the rule's (warm or cold: its node's hot actors' figure)
-            own_s = self.overhead_s + k * compute_s  # its own prompt's step, once it computes
+            k = c.step_correction  # a known actor's steps run k times the rule's (1 for a warm or cold one)
             if c.kind == "join":
                 tpot = k * self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
                 # The step it waits for (a whole-prompt step's prompts too), then the prompts' tokens and its own.
@@ -201,11 +195,11 @@ class RuleScorer:
                                                             tpot, c.batch_tpot_target_s, per_token, k))
             elif c.kind == "warm":
                 to_load = max(0.0, 1.0 - c.resident_fraction) * features.weight_bytes
-                tpot, ttft = k * alone, self.contention(c) * to_load / self.load_bytes_per_s + own_s
+                tpot, ttft = alone, self.contention(c) * to_load / self.load_bytes_per_s + prefill_s
             elif c.kind == "hot":
-                tpot, ttft = k * alone, own_s
+                tpot, ttft = k * alone, self.overhead_s + k * compute_s
             else:
-                tpot, ttft = k * alone, self.contention(c) * start_s + own_s
+                tpot, ttft = alone, self.contention(c) * start_s + prefill_s
             out.append(Prediction(ttft, ttft + features.max_tokens * tpot, tpot))
         return out
 

@@ -202,14 +202,6 @@ class ClusterSnapshot:
         return sum(1 for a in self.actors if a.slot_id in slots and not a.is_start_lease and (
             a.state in ("starting", "warming") or any(r.num_tokens > 0 for r in a.rows)))
 
-    def step_correction_on_node(self, node_id: str, model: str) -> float:
-        """The slowest measured ÷ rule step time among the model's hot actors on a node (1: none there). A warm or
-        fresh actor there computes on the same cores beside the same neighbours, and has no steps of its own yet."""
-        slots = {s.slot_id for s in self.slots if s.node_id == node_id}
-        return max((a.step_correction for a in self.actors
-                    if a.model == model and a.slot_id in slots and a.state in ("idle", "busy") and a.is_hot),
-                   default=1.0)
-
     def num_starting_on_node(self, node_id: str) -> int:
         """Actors loading for a request on a node (spawned or bound, before their first token)."""
         return self._states_by_node.get(node_id, {}).get("starting", 0)

@@ -458,37 +458,6 @@ def test_a_join_or_dispatch_is_priced_by_the_actors_own_step_correction():
     assert decide(f, slow, POLICY, rule).reason == "latency_target"
 
 
-def test_a_warm_or_fresh_actor_is_priced_at_its_nodes_hot_actors_step_correction():
-    """A warm actor has no steps of its own yet: it computes on its node's cores beside the same neighbours, so its
-    prompt is priced at the slowest step correction among its model's hot actors on that node. Another model's,
-    another node's or a warm actor's figure does not count; with none, the rule's own (1)."""
-    f = _features(input_tokens=81, max_tokens=10, kv_bytes_per_token=0, ttft_target_s=1.0)
-    rule = RuleScorer(prefill_tokens_per_s=100, decode_s_per_token=0.1, batch_row_cost=0.0, overhead_s=0.01,
-                      actor_start_s=5.0)
-
-    def full_hot(name, slot_id, correction, model="m"):  # a batch no request can join
-        busy = _actor(name, slot_id, state="busy", model=model, rows=POLICY.max_batch)
-        return dataclasses.replace(busy, step_correction=correction)
-
-    warm = _actor("w", "b", state="warm", is_hot=False)
-    slots = [_busy_slot("a", reserved=2000), _slot("b"), SlotView("c", "elsewhere", 10_000, 0, 0)]
-    elsewhere = [full_hot("other-model", "a", 3.0, model="n"), full_hot("other-node", "c", 4.0)]
-    slow = _snap(slots, [full_hot("h", "a", 2.0), *elsewhere, warm])
-    assert slow.step_correction_on_node("node", "m") == 2.0 and slow.step_correction_on_node("node", "n") == 3.0
-    assert _snap(slots, [*elsewhere, warm]).step_correction_on_node("node", "m") == 1.0
-    # Its prompt: 0.1 + 80 / 100 = 0.9 s of compute. At the node's 2x, 0.01 + 1.8 s: past the 1 s target, refused
-    # (a fresh actor takes 5 s to start); at the rule's own, 0.91 s: bound.
-    d = decide(f, slow, POLICY, rule)
-    assert isinstance(d, Reject) and d.reason == "latency_target"
-    quick = _snap(slots, [full_hot("h", "a", 1.0), *elsewhere, warm])
-    d = decide(f, quick, POLICY, rule)
-    assert isinstance(d, Bind) and d.actor_name == "w" and d.prediction.ttft_s == pytest.approx(0.91)
-    cold, warm_c = (Candidate(kind, "b", None, 1, 0, 0, 0, step_correction=2.0) for kind in ("cold", "warm"))
-    p_cold, p_warm = rule.predict(f, [cold, warm_c])
-    assert p_warm.ttft_s == pytest.approx(0.01 + 2 * 0.9) and p_warm.tpot_s == pytest.approx(2 * 0.1)
-    assert p_cold.ttft_s == pytest.approx(rule.start_s(f.weight_bytes) + 0.01 + 2 * 0.9)
-
-
 def test_the_scorer_ranks_only_feasible_candidates_and_its_choice_is_followed():
     f = _features(kv_bytes_per_token=10)
     snap = _snap([_slot("a", total=1150, reserved=1000, num_actors=1), _slot("b"), _slot("c", total=100),
