@@ -4,10 +4,10 @@ GuideLLM sees a request's TTFT from outside; the app's traces (serve_app/traces.
 the request went and what admission predicted for it: its tier (hot, join, warm, cold) and
 predicted TTFT, its measured TTFT (the ingress's arrival to the actor's first token), and each
 refusal's reason, and the threads its steps computed on (the mean over them: the thread governor
-drops to one while the node's other processes are busy). Per rate, `summarise` counts them, and names the admitted requests whose
-measured TTFT passed the served model's TTFT target: admission let each in on a prediction
-within the target (issue 23: no admission into seconds of waiting), so each is a prediction
-that missed, and the report says by how much and where.
+drops to one while the node's other processes are busy). Per rate, `summarise` counts them, and
+names the admitted requests whose measured TTFT passed the served model's TTFT target: admission
+let each in on a prediction within the target (issue 23: no admission into seconds of waiting),
+so each is a prediction that missed, and the report says by how much and where.
 """
 
 from __future__ import annotations

@@ -133,7 +133,8 @@ class IngressMetrics:
         return _ratios(self._recent_step_ratio) | {"median_error": round(_rank(errors, 0.5), 3)}
 
     def recent_density(self) -> dict[str, float | int]:
-        """Recent requests' compute density (p10 / p50: a low one waited) and mean step rows, for /health."""
+        """Recent requests' compute density (p10 / p50: a low one waited), mean step rows and mean step threads (None
+        where no actor said), for /health."""
         if not self._recent_density:
             return {"count": 0}
         densities = sorted(d for d, _, _ in self._recent_density)
