@@ -93,6 +93,11 @@ def fixed_threads(config: dict) -> dict:
     return config
 
 
+def same_config(config: dict) -> dict:
+    """`make serve`'s config as it is: a second run of it in the same benchmark, for the run-to-run spread."""
+    return config
+
+
 # zeroqueue again, on a config `make serve`'s differs from in one respect, in the same run (--variant):
 # name -> (the change, what the report says it is).
 VARIANTS = {
@@ -103,6 +108,10 @@ VARIANTS = {
                                 "its actors always on `compute_threads`: `actor.min_compute_threads` equal to it, "
                                 "so that no step drops to fewer threads while other processes use the cores "
                                 "(actors/thread_governor.py)"),
+    "zeroqueue-again": (same_config,
+                        "nothing at all: it is configs/serve.yaml again, run after it, so its ratios are the spread "
+                        "between two runs of one config on this machine, which any other variant's must exceed to "
+                        "mean anything"),
 }
 SERVER_NAMES = ("zeroqueue", *VARIANTS, "llama.cpp")
 

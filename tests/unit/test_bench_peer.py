@@ -26,3 +26,23 @@ def test_bench_peer_reports_each_rates_cpu_as_a_share_of_the_cores_and_per_serve
     line = next(x for x in lines if x.startswith("| zeroqueue"))
     # 17 of 20 core-seconds busy; the server besides its engines: 1 s over 10 served requests
     assert line == "| zeroqueue | 4 | 85% | engines 60, load client 20, haproxy 2, ingress 2 | 100 |"
+
+
+def test_the_same_config_again_is_reported_as_the_run_to_run_spread():
+    """`zeroqueue-again` serves configs/serve.yaml unchanged, and the report sets it against the first run as any
+    variant: ratios of one config's two runs."""
+    from pathlib import Path
+
+    import yaml
+
+    from benchmarks import bench_peer
+
+    config = yaml.safe_load(Path("configs/serve.yaml").read_text())
+    assert bench_peer.VARIANTS["zeroqueue-again"][0](yaml.safe_load(Path("configs/serve.yaml").read_text())) == config
+    row = {"served": 10, "ttft_p50_s": 0.2, "ttft_p99_s": 0.8, "itl_p50_s": 0.02, "output_tokens_per_s": 16.0,
+           "goodput_per_s": 1.0}
+    again = row | {"served": 8, "ttft_p99_s": 1.0}
+    lines = bench_peer._variant_lines({"rates": [4], "servers": {"zeroqueue": {"4": row},
+                                                                 "zeroqueue-again": {"4": again}}})
+    assert "## configs/serve.yaml against `zeroqueue-again`" in lines
+    assert "| 4 | 10 / 8 | 1.00× | 0.80× | 1.00× | 1.00× | 1.00× |" in lines
