@@ -54,7 +54,7 @@ from benchmarks.common import (
     stop_session,
     version_of,
 )
-from benchmarks.cpu_share import cpu_by_role, cpu_times
+from benchmarks.cpu_share import cpu_by_role, cpu_times, shares_of_cores
 from benchmarks.load_setup import app_args
 from benchmarks.load_stats import percentile
 
@@ -428,7 +428,7 @@ def report(data: dict) -> str:
                 parts.append(f"{label} {a[key] / b[key]:.2f}×")
         lines.append(f"- {rate:g} req/s: " + ", ".join(parts))
     lines += ["", *_variant_lines(data), *_cpu_lines(data), *_prediction_lines(data), *peer_traces.report_lines(data),
-              "", *peer_floor.report_lines(data)]
+              "", *peer_floor.report_lines(data, run_cores(data))]
     return "\n".join(lines)
 
 
@@ -437,13 +437,18 @@ def _is_seeded(data: dict) -> bool:
     return all("seed" in row for rows in data["servers"].values() for row in rows.values())
 
 
+def run_cores(data: dict) -> int:
+    """The cores of the machine the run measured on (this one's for a run from before that was kept)."""
+    return data.get("cores") or cores()
+
+
 def _cpu_lines(data: dict) -> list[str]:
     """Where each rate's CPU went, by process role (the rows that recorded it)."""
     rows = [(name, rate, rows[f"{rate:g}"]) for name, rows in data["servers"].items() for rate in data["rates"]
             if rows[f"{rate:g}"].get("cpu")]
     if not rows:
         return []
-    n = cores()
+    n = run_cores(data)
     lines = ["## Where the CPU went", "",
              f"CPU seconds per process role while GuideLLM ran each rate (`benchmarks/cpu_share.py` names the roles; "
              f"GuideLLM's own from getrusage), as a share of the {n} cores' time, and what the server's processes "
@@ -452,13 +457,12 @@ def _cpu_lines(data: dict) -> list[str]:
              "| server | rate (req/s) | busy | by role (% of the cores' time) | server besides engines, ms a served request |",
              "|---|--:|--:|---|--:|"]
     for name, rate, r in rows:
-        wall, by_role = r["cpu"]["wall_s"], r["cpu"]["by_role_s"]
-        capacity = wall * n
-        roles = ", ".join(f"{role} {100 * s / capacity:.0f}" for role, s in sorted(by_role.items(), key=lambda kv: -kv[1])
-                          if s / capacity >= 0.005)
+        shares, by_role = shares_of_cores(r["cpu"], n), r["cpu"]["by_role_s"]
+        roles = ", ".join(f"{role} {100 * x:.0f}" for role, x in sorted(shares.items(), key=lambda kv: -kv[1])
+                          if x >= 0.005)
         control = sum(s for role, s in by_role.items() if role not in ("engines", "load client", "other"))
         per_request = f"{1e3 * control / r['served']:.0f}" if r["served"] else "—"
-        lines.append(f"| {name} | {rate:g} | {100 * sum(by_role.values()) / capacity:.0f}% | {roles} | {per_request} |")
+        lines.append(f"| {name} | {rate:g} | {100 * sum(shares.values()):.0f}% | {roles} | {per_request} |")
     return lines + [""]
 
 

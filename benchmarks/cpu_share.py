@@ -47,6 +47,12 @@ def cpu_times() -> dict[int, tuple[str, float]]:
     return out
 
 
+def shares_of_cores(cpu: dict, num_cores: int) -> dict[str, float]:
+    """Each role's CPU seconds over a block (`{"wall_s", "by_role_s"}`) as a share of the cores' time (wall x cores)."""
+    capacity = cpu["wall_s"] * num_cores
+    return {role: s / capacity for role, s in cpu["by_role_s"].items()}
+
+
 def role_of(cmdline: str) -> str:
     return next((role for key, role in ROLES if key in cmdline), "other")
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from benchmarks.cpu_share import shares_of_cores
 from benchmarks.erlang import erlang_b
 from serve_app.policy import meets_targets
 from serve_app.scorer import Candidate, RuleScorer
@@ -93,7 +94,8 @@ def floor_row(model: dict[str, Any], rate: float, row: dict[str, Any]) -> dict[s
             "refused": row["failed"] / row["sent"] if row["sent"] else 0.0}
 
 
-def report_lines(data: dict[str, Any]) -> list[str]:
+def report_lines(data: dict[str, Any], num_cores: int) -> list[str]:
+    """The floor table for zeroqueue's rates; `num_cores`: the machine the run measured on, for the engines' share."""
     zq, model = data["servers"].get("zeroqueue"), data.get("floor_model")
     if not zq or not model:
         return []
@@ -115,9 +117,8 @@ def report_lines(data: dict[str, Any]) -> list[str]:
         f = floor_row(model, rate, row) if row else None
         if f is None:
             continue
-        cpu = (row.get("cpu") or {})
-        engines = cpu.get("by_role_s", {}).get("engines")
-        share = f"{engines / (cpu['wall_s'] * data.get('cores', 2)):.0%}" if engines and cpu.get("wall_s") else "—"
+        engines = shares_of_cores(row["cpu"], num_cores).get("engines") if row.get("cpu") else None
+        share = f"{engines:.0%}" if engines else "—"
         beyond = f["refused"] - f["floor"]
         if f["step_correction"] is None:  # a run from before the traces kept it
             correction = capacity = capacity_floor = beyond_capacity = "—"

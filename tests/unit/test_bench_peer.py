@@ -46,3 +46,15 @@ def test_the_same_config_again_is_reported_as_the_run_to_run_spread():
                                                                  "zeroqueue-again": {"4": again}}})
     assert "## configs/serve.yaml against `zeroqueue-again`" in lines
     assert "| 4 | 10 / 8 | 1.00× | 0.80× | 1.00× | 1.00× | 1.00× |" in lines
+
+
+def test_a_reports_cpu_shares_are_of_the_cores_the_run_measured_on(monkeypatch):
+    """A report rewritten on another machine (--report-only) divides by the run's own cores, kept in its JSON."""
+    from benchmarks import bench_peer
+
+    monkeypatch.setattr(bench_peer, "cores", lambda: 16)
+    row = {"served": 10, "cpu": {"wall_s": 10.0, "by_role_s": {"engines": 12.0, "load client": 4.0}}}
+    line = next(x for x in bench_peer._cpu_lines({"rates": [4], "cores": 2, "servers": {"zeroqueue": {"4": row}}})
+                if x.startswith("| zeroqueue"))
+    assert line.startswith("| zeroqueue | 4 | 80% | engines 60, load client 20 |")
+    assert bench_peer.run_cores({}) == 16  # a run from before the cores were kept: this machine's

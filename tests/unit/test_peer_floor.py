@@ -52,6 +52,6 @@ def test_a_rate_without_served_requests_has_no_floor_and_the_report_skips_it():
     assert peer_floor.floor_row(MODEL, 4, {"traces": None, "hold_mean_s": None, "failed": 1, "sent": 1}) is None
     data = {"rates": [4.0, 8.0], "floor_model": MODEL, "cores": 2,
             "servers": {"zeroqueue": {"4": _row(1.0, failed=0), "8": {"traces": None, "hold_mean_s": None}}}}
-    lines = peer_floor.report_lines(data)
+    lines = peer_floor.report_lines(data, num_cores=2)
     assert [line.split("|")[1].strip() for line in lines if line.startswith("| 4")] == ["4"]
     assert "| met |" in lines[-1] and not any(line.startswith("| 8") for line in lines)
