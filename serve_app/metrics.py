@@ -105,8 +105,8 @@ class IngressMetrics:
         self.dispatch_latency.observe(seconds, tags={"model": model})
         self._recent_dispatch_us.append(seconds * 1e6)
 
-    def observe_density(self, model: str, tier: str, density: float, step_rows: float,
-                        step_threads: float = 0.0) -> None:
+    def observe_density(self, model: str, tier: str, density: float, step_rows: float, step_threads: float) -> None:
+        """One request's density, mean step rows and mean step threads (0: its actor did not say)."""
         self.compute_density.observe(density, tags={"model": model, "tier": tier})
         self.step_rows.observe(step_rows, tags={"model": model})
         if step_threads > 0:
