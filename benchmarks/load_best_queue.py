@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.load_apps import BOUNDED, ONGOING_PREFIX, UNBOUNDED, ZEROQUEUE
 from benchmarks.load_goals import Goal, Points, f_, pct
-from benchmarks.load_stats import Record, window_completions
+from benchmarks.load_stats import Record, output_tokens_per_s, window_completions
 from benchmarks.load_sweep import UNDERLOAD_MAX
 
 MAX_SHORT_TTFT_SPREAD = 2.0  # short requests' TTFT P99/P50 at <= 0.7x
@@ -37,12 +37,12 @@ def best_queue(points: Points, capacity: Mapping[str, Any]) -> tuple[str | None,
     return (max(sums, key=sums.get) if sums else None), sums
 
 
-def output_tokens_per_s(cap: Mapping[str, Any]) -> float | None:
+def closed_loop_tokens_per_s(cap: Mapping[str, Any]) -> float | None:
     """Output tokens of the requests a closed loop completed in its window, per second of it (None: no records)."""
     if not cap.get("records"):
         return None
     done = window_completions([Record(**r) for r in cap["records"]], cap["warmup_s"], cap["window_s"])
-    return sum(r.output_tokens for r in done) / cap["window_s"]
+    return output_tokens_per_s(done, cap["window_s"])
 
 
 def judge(points: Points, capacity: Mapping[str, Any], max_batch: int) -> tuple[list[Goal], list[str]]:
@@ -58,7 +58,7 @@ def judge(points: Points, capacity: Mapping[str, Any], max_batch: int) -> tuple[
     zq = rps.get(ZEROQUEUE)
     if zq is not None and UNBOUNDED in rps and best is not None:
         vs_u, vs_b = zq / rps[UNBOUNDED], zq / rps[best]
-        tokens = {s: output_tokens_per_s(capacity[s]) for s in (ZEROQUEUE, UNBOUNDED, best)}
+        tokens = {s: closed_loop_tokens_per_s(capacity[s]) for s in (ZEROQUEUE, UNBOUNDED, best)}
         in_tokens = (f"; in output tokens {tokens[ZEROQUEUE] / tokens[UNBOUNDED]:.2f}× and "
                      f"{tokens[ZEROQUEUE] / tokens[best]:.2f}× (the requests completed differ by class: the capacity "
                      "table)") if all(tokens.values()) else ""

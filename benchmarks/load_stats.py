@@ -278,6 +278,11 @@ def closed_loop_rate(records: Sequence[Record], warmup_s: float, window_s: float
     return n, n / window_s
 
 
+def output_tokens_per_s(done: Sequence[Record], window_s: float) -> float:
+    """The output tokens of `done` (a window's completions) per second of the window."""
+    return sum(r.output_tokens for r in done) / window_s
+
+
 def window_completions(records: Sequence[Record], warmup_s: float, window_s: float) -> list[Record]:
     """The requests a closed loop completed in its measured window.
 

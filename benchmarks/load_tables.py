@@ -8,7 +8,7 @@ from typing import Any
 from benchmarks.load_apps import SYSTEMS, ZEROQUEUE
 from benchmarks.load_goals import f_, pct
 from benchmarks.load_scenarios import CLASSES
-from benchmarks.load_stats import Record, Summary, Tail, by_class, window_completions
+from benchmarks.load_stats import Record, Summary, Tail, by_class, output_tokens_per_s, window_completions
 
 # label (a load, or a scenario's name) -> system -> class (and "all") -> Summary
 Table = Mapping[Any, Mapping[str, Mapping[str, Summary]]]
@@ -101,7 +101,7 @@ def capacity_table(capacity: Mapping[str, Mapping[str, Any]], slo, service: Mapp
         counted = window_completions(records, cap["warmup_s"], cap["window_s"])
         done, rps = len(counted), len(counted) / cap["window_s"]  # closed_loop_rate's figures
         mix = " / ".join(str(sum(r.cls == c for r in counted)) for c in CLASSES)
-        tokens_per_s = sum(r.output_tokens for r in counted) / cap["window_s"]
+        tokens_per_s = output_tokens_per_s(counted, cap["window_s"])
         lines.append(
             f"| {s} | {cap['clients']} | {cap['warmup_s']:g} + {cap['window_s']:g} | {done} | {mix} | {rps:.2f} | "
             f"{f_(rps / reference_rps if reference_rps else float('nan'), 2)} | {tokens_per_s:.0f} | "
