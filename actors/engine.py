@@ -200,7 +200,9 @@ class Engine:
         if not self._rows:
             return
         progress = [self._progress(r) for r in self._rows]
-        plan = plan_step(progress, self._prefill_budget(progress))
+        # A cold actor's prompts run whole while no row decodes: its layers compute as they become resident.
+        is_whole = wait_layer is not None and all(p.is_prefilling for p in progress)
+        plan = plan_step(progress, None if is_whole else self._prefill_budget(progress))
         predicted_s = self._predict(progress, plan)
         threads = torch.get_num_threads()  # what this step computes on: fewer while the node is busy
         clock = self._clock
@@ -263,7 +265,7 @@ class Engine:
         return self.step_check.correction * self.step_cost.step_s(num_rows, num_extra_prompt_tokens, num_kv_tokens,
                                                                   self._kv_bytes_per_token)
 
-    def _prefill_budget(self, progress: list[RowProgress]) -> int:
+    def _prefill_budget(self, progress: list[RowProgress]) -> int | None:
         token_s = self.step_check.correction * self.step_cost.prefill_token_s(self._kv_bytes_per_token)
         return prefill_budget(progress, self.prefill_chunk_tokens, self._rule_step_s, token_s)
 

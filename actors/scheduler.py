@@ -6,8 +6,8 @@ advances by a chunk of it. The rule:
 
 - Every row advances every step: a decoding row by 1 token, a prefilling row by at
   least 1 prompt token. No row is ever skipped, so none can starve.
-- While some row is decoding, the prefill tokens of one step are bounded by
-  `prefill_budget` and shared among the prompts (so a step holds at most
+- While some row is decoding (and while none is, last bullet), the prefill tokens of one
+  step are bounded by `prefill_budget` and shared among the prompts (so a step holds at most
   max(prefill_budget, rows) prompt tokens): each prefilling row gets one token, and the
   rest is water-filled, the prompt with the fewest tokens left served first, none given
   more than a prompt with more left (a tie goes to the earlier joiner). A short prompt is
@@ -37,9 +37,14 @@ advances by a chunk of it. The rule:
   `MAX_STEP_STRETCH` times the target: one long step is a visible stall in a stream. A
   joiner's prompt thus goes in a few large chunks rather than many small ones, and every
   chunk's step reads the weights once for many more prompt tokens.
-- While no row is decoding, nothing is waiting on the step: each prefilling row runs
-  its whole remaining prompt at once (one pass reads every weight once, which is also
-  what lets a cold actor compute layer i as soon as layer i is resident).
+- While no row is decoding yet, the step is what a joiner arriving now would wait for, so
+  it is bounded as a decoding row with all the slack it may spend would bound it: predicted
+  within `MAX_STEP_STRETCH` times the tightest TPOT target of the prompts it carries, at most
+  the cap, shared as above. A 4,000-token prompt on an idle actor is then a few steps a
+  joiner can join between, not seconds of a step that holds every later request back; each
+  further chunk costs one more pass over the weights. Two cases run the prompts whole, as
+  one pass: no row states a target (no one says how long a step may be), and a cold actor's
+  steps (the caller passes no budget), which compute layer i as soon as layer i is resident.
 """
 
 from __future__ import annotations
@@ -68,6 +73,13 @@ def max_step_s(tpot_target_s: float | None, num_out: int, decode_elapsed_s: floa
     return min(MAX_STEP_STRETCH * tpot_target_s, tpot_target_s + (SLACK_SHARE * slack if slack > 0 else slack))
 
 
+def idle_step_limit_s(tpot_target_s: float) -> float:
+    """The longest step while no row decodes yet, for prompts whose tightest TPOT target is `tpot_target_s`: what
+    a decoding row with all the slack it may spend accepts (`max_step_s`). The router bounds a joiner's wait for
+    such a step by it too (serve_app/scorer.py)."""
+    return MAX_STEP_STRETCH * tpot_target_s
+
+
 @dataclass(frozen=True)
 class RowProgress:
     """What the scheduler needs of one row, in join order."""
@@ -93,13 +105,18 @@ class RowProgress:
         return self.num_remaining > 0
 
 
-def plan_step(rows: Sequence[RowProgress], prefill_budget: int) -> list[tuple[int, int]]:
-    """(row_id, num_tokens) for every row, in the rows' order; see the module docstring."""
+def plan_step(rows: Sequence[RowProgress], prefill_budget: int | None) -> list[tuple[int, int]]:
+    """(row_id, num_tokens) for every row, in the rows' order; see the module docstring.
+
+    `prefill_budget`: the most prompt tokens the step carries (at least one per prefilling row);
+    None: every prompt whole (no row is decoding, and nothing bounds the step)."""
+    if prefill_budget is None:
+        if any(not r.is_prefilling for r in rows):
+            raise ValueError("a batch with a decoding row needs a prefill budget")
+        return [(r.row_id, r.num_remaining) for r in rows]
     if prefill_budget < 1:
         raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
     prefilling = [r for r in rows if r.is_prefilling]
-    if len(prefilling) == len(rows):  # nobody decoding: nothing waits on this step
-        return [(r.row_id, r.num_remaining) for r in rows]
     chunk = {r.row_id: 1 for r in prefilling}  # every row advances
     left = prefill_budget - len(prefilling)
     # Water-filling: the prompts by tokens left, fewest first (join order among equals); each takes an even
@@ -119,8 +136,9 @@ def plan_step(rows: Sequence[RowProgress], prefill_budget: int) -> list[tuple[in
 
 
 def prefill_budget(rows: Sequence[RowProgress], max_chunk_tokens: int, predict_step_s: PredictStep,
-                   prefill_token_s: float) -> int:
-    """Prompt tokens the next step may carry while rows decode (module docstring).
+                   prefill_token_s: float) -> int | None:
+    """Prompt tokens the next step may carry (module docstring); None: the prompts whole (no row decodes
+    and none states a target).
 
     `predict_step_s` prices a step, `prefill_token_s` what one more prompt token adds to it.
     Never below one token per prefilling row (every row advances), never above the cap.
@@ -129,9 +147,14 @@ def prefill_budget(rows: Sequence[RowProgress], max_chunk_tokens: int, predict_s
         raise ValueError(f"max_chunk_tokens must be >= 1 and prefill_token_s > 0, got {max_chunk_tokens}, "
                          f"{prefill_token_s}")
     decoding = [r for r in rows if not r.is_prefilling]
-    targets = [r.step_limit_s for r in decoding if r.step_limit_s is not None]
-    if not targets:
-        return max_chunk_tokens
+    if decoding:
+        targets = [r.step_limit_s for r in decoding if r.step_limit_s is not None]
+        if not targets:
+            return max_chunk_tokens
+    else:  # the step a joiner would wait for: no longer than any of these rows will accept once it decodes
+        targets = [idle_step_limit_s(r.tpot_target_s) for r in rows if r.tpot_target_s is not None]
+        if not targets:
+            return None
     num_prefilling = len(rows) - len(decoding)
     # The shortest step: every row one token (a decoding row's, a prefilling row's next prompt token),
     # each reading its cache and that position; what is left of the target buys further prompt tokens.

@@ -16,13 +16,17 @@ model predictions are malformed:
                          (actors/step_cost.py: the engine plans its steps with the same rule)
     prefill_s = decode_s_per_token + (input_tokens - 1) / prefill_tokens_per_s
                 (the weights' pass, then each further prompt token: actors/step_cost.py)
-    hot:  tpot = step_s(1, request tokens);                 ttft = prefill_s
+    hot:  tpot = step_s(1, request tokens);                 ttft = prefill_s + chunk passes
+          (a request with a TPOT target has its prompt run in chunks whose steps stay within twice
+          the target, actors/scheduler.py: each chunk past the first one more pass over the weights,
+          decode_s_per_token; a warm actor holding every layer too)
     join: tpot = step_s(rows + 1, batch tokens + request's);
           ttft = tpot + prefill_s + pending / prefill_tokens_per_s
           (the next step boundary, then the prompt tokens computed before its own are done and its
           own; the batch keeps decoding beside it). A batch whose every row is still in its prompt runs
-          them whole in one step (no row waits on it): the join waits for that step's prompt tokens
-          too, + step_prompt / prefill_tokens_per_s (ActorView.prompt_tokens_in_step). Where the
+          them in one step: the join waits for that step's prompt tokens too, + step_prompt /
+          prefill_tokens_per_s (ActorView.prompt_tokens_in_step), a wait at most twice the rows'
+          tightest TPOT target where they state one (the engine chunks the prompts so). Where the
           batch's rows state a TPOT target, the engine feeds the prompts in chunks that keep the
           rows' mean time per token within it (actors/scheduler.py),
           predicted as no more than the target each step: chunk = (target - tpot) / prefill token's cost,
@@ -68,6 +72,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from actors.scheduler import idle_step_limit_s
 from actors.step_cost import StepCost
 
 if TYPE_CHECKING:
@@ -188,6 +193,8 @@ class RuleScorer:
                 tpot = k * self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
                 # The step it waits for (a whole-prompt step's prompts too), then the prompts' tokens and its own.
                 wait = tpot + k * c.batch_step_prompt_tokens / self.prefill_tokens_per_s
+                if c.batch_step_prompt_tokens and c.batch_tpot_target_s is not None:
+                    wait = min(wait, max(tpot, idle_step_limit_s(c.batch_tpot_target_s)))  # the engine bounds it
                 pending_s = c.batch_pending_prompt_tokens / self.prefill_tokens_per_s
                 ttft = wait + (self.overhead_s + k * (compute_s + pending_s)
                                if c.batch_tpot_target_s is None
@@ -195,13 +202,26 @@ class RuleScorer:
                                                             tpot, c.batch_tpot_target_s, per_token, k))
             elif c.kind == "warm":
                 to_load = max(0.0, 1.0 - c.resident_fraction) * features.weight_bytes
-                tpot, ttft = alone, self.contention(c) * to_load / self.load_bytes_per_s + prefill_s
+                # Holding every layer, it plans its steps as a hot actor does; holding fewer, it runs the prompt whole.
+                chunks_s = self._chunk_passes_s(features, 1.0) if to_load == 0 else 0.0
+                tpot, ttft = alone, self.contention(c) * to_load / self.load_bytes_per_s + prefill_s + chunks_s
             elif c.kind == "hot":
-                tpot, ttft = k * alone, self.overhead_s + k * compute_s
+                tpot, ttft = k * alone, self.overhead_s + k * compute_s + self._chunk_passes_s(features, k)
             else:
                 tpot, ttft = alone, self.contention(c) * start_s + prefill_s
             out.append(Prediction(ttft, ttft + features.max_tokens * tpot, tpot))
         return out
+
+    def _chunk_passes_s(self, features: RequestFeatures, correction: float) -> float:
+        """A prompt alone on an actor with every layer resident runs in chunks whose steps stay within the idle step
+        limit of its TPOT target (actors/scheduler.py): each chunk beyond the first reads the weights once more.
+        0 without a target (the engine runs it whole)."""
+        if features.tpot_target_s is None:
+            return 0.0
+        pass_s = correction * self._cost.decode_s_per_token  # a one-row step: the weights' pass
+        token_s = correction * self._cost.prefill_token_s(features.kv_bytes_per_token)
+        chunk = 1 + max(0, int((idle_step_limit_s(features.tpot_target_s) - pass_s) / token_s))
+        return pass_s * (-(-features.input_tokens // chunk) - 1)
 
     def _chunked_prefill_s(self, input_tokens: int, pending_tokens: int, tpot: float, target_s: float,
                            kv_bytes_per_token: int, correction: float = 1.0) -> float:

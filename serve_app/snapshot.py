@@ -135,9 +135,9 @@ class ActorView:
     @property
     def prompt_tokens_in_step(self) -> int:
         """Prompt tokens of the step a joiner waits for, as far as known. While every row is still in its prompt
-        nobody waits on a step, so the engine runs the prompts whole (actors/scheduler.py): a joiner waits for all
-        of them. Once a row decodes, steps are bounded by its TPOT target: the wait is one such step (the rule's
-        `tpot` term). A row whose pending prompt is unknown (0) counts as decoding."""
+        the step carries all of them, at most what twice the rows' tightest TPOT target allows (actors/scheduler.py;
+        the scorer bounds the wait so). Once a row decodes, steps are bounded by its TPOT target: the wait is one
+        such step (the rule's `tpot` term). A row whose pending prompt is unknown (0) counts as decoding."""
         if not self.rows or any(r.pending_prompt_tokens == 0 for r in self.rows):
             return 0
         return self.pending_prompt_tokens

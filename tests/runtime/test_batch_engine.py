@@ -336,3 +336,42 @@ def test_steps_on_another_thread_count_are_checked_apart(parts, monkeypatch):
     finally:
         torch.set_num_threads(1)  # this module's tests compute on one thread (conftest)
     assert on_one.correction > 1.5 * on_two.correction > 1.5
+
+
+def test_a_long_prompt_alone_is_chunked_by_its_target_so_a_joiner_answers_first_and_a_cold_step_runs_it_whole(
+        parts, monkeypatch):
+    # The rule prices a step at 10 ms of decode plus 1 ms per prompt token, and the clock agrees with it exactly
+    # (the correction stays 1): with a 20 ms TPOT target, a step while nobody decodes may take twice that, 40 ms,
+    # which is the weights' 10 ms and 30 prompt tokens more, 31 in all.
+    cost = StepCost(decode_s_per_token=0.01, batch_row_cost=0.0, prefill_tokens_per_s=1000.0,
+                    kv_read_bytes_per_s=1e15)
+    reference = make_engine(parts)
+    long_prompt = prompt_ids(reference, PROMPTS[3]) * 3  # ~350 tokens
+    short_prompt = prompt_ids(reference, PROMPTS[0])
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    expected_long, expected_short = alone(reference, long_prompt, params), alone(reference, short_prompt, params)
+    engine = Engine(*parts, max_batch=4, prefill_chunk_tokens=256, step_cost=cost)
+    engine.eos_token_ids = frozenset()
+    predicted: list[float] = []
+    real_predict = engine._predict
+    monkeypatch.setattr(engine, "_predict", lambda *a: predicted.append(real_predict(*a)) or predicted[-1])
+    monkeypatch.setattr(engine_module._StepClock, "seconds", lambda self: predicted[-1])
+    order: list[str] = []  # whose token came, in the order the engine delivered them
+    long_rec, short_rec = Recorder(), Recorder()
+
+    def tagged(name, recorder):
+        return lambda event: (order.append(name) if isinstance(event, TokenEvent) else None, recorder(event))
+
+    long_row = engine.add(long_prompt, params, tagged("long", long_rec), tpot_target_s=0.02)
+    engine.step()
+    assert 1 < long_row.num_prefilled <= 31  # one bounded chunk (the KV term, ~0, can take one off), not all
+    engine.add(short_prompt, params, tagged("short", short_rec), tpot_target_s=0.02)  # joins at the boundary
+    while engine.has_work:
+        engine.step()
+    assert max(predicted) <= 0.04 + 1e-9  # no step was planned past twice the target
+    assert order.index("short") < order.index("long")  # the joiner was not held behind the long prompt
+    assert (long_rec.tokens, short_rec.tokens) == (expected_long, expected_short)  # chunks change when, not what
+    # A cold actor's step (its weights gated layer by layer) runs the prompt whole: layer i computes once resident.
+    cold = engine.add(long_prompt, params, Recorder(), tpot_target_s=0.02)
+    engine.step(wait_layer=lambda layer: None)
+    assert cold.num_prefilled == len(long_prompt)

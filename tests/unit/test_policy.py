@@ -416,9 +416,10 @@ def test_a_short_join_beside_a_long_pending_prompt_waits_for_its_own_length_of_i
     assert isinstance(decide(_features(input_tokens=600, ttft_target_s=0.6), snap, POLICY, rule), Reject)
 
 
-def test_a_join_waits_for_a_whole_prompt_step_in_progress_and_so_prefers_a_batch_that_decodes():
-    """While every row of a batch is still in its prompt the engine runs the prompts whole in one step: a joiner
-    waits for all of it. Once a row decodes, steps are bounded by its TPOT target."""
+def test_a_join_waits_for_the_prompt_step_in_progress_and_so_prefers_a_batch_that_decodes():
+    """While every row of a batch is still in its prompt the step carries their prompts: a joiner waits for it,
+    at most twice the rows' tightest TPOT target (the engine chunks the prompts so), the whole step where they
+    state none. Once a row decodes, steps are bounded by its TPOT target."""
     rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, kv_read_bytes_per_s=1e15)
     in_prompt = ActorView("a", "m", "a", "busy", "short", True, 1000, (RowView(700, 700, 0.2, 0.0, 600),))
     decoding = ActorView("b", "m", "b", "busy", "short", True, 1000,
@@ -430,10 +431,31 @@ def test_a_join_waits_for_a_whole_prompt_step_in_progress_and_so_prefers_a_batch
     snap = _snap([_busy_slot("a", reserved=2000), _busy_slot("b", reserved=2000)], [in_prompt, decoding])
     d = decide(short, snap, POLICY, rule)
     assert isinstance(d, Join) and d.actor_name == "b"
-    # Beside the whole 600-token step alone: that step's 0.6 s, then its own chunk (0.1 + 0.1 + 0.047 s).
+    # Beside the 600-token prompt alone: the step in progress, 0.1 + 0.6 s whole but at most twice the row's
+    # 0.2 s target, then its own chunk (0.1 + 0.1 + 0.047 s).
     only_in_prompt = _snap([_busy_slot("a", reserved=2000)], [in_prompt])
     d = decide(short, only_in_prompt, POLICY, rule)
+    assert isinstance(d, Join) and d.prediction.ttft_s == pytest.approx(0.4 + 0.1 + 0.047)
+    # A row with no target bounds nothing: the engine runs its prompt whole, and the joiner waits for all of it.
+    untargeted = dataclasses.replace(in_prompt, rows=(RowView(700, 700, None, 0.0, 600),))
+    d = decide(short, _snap([_busy_slot("a", reserved=2000)], [untargeted]), POLICY, rule)
     assert isinstance(d, Join) and d.prediction.ttft_s == pytest.approx(0.1 + 0.6 + 0.1 + 0.047)
+
+
+def test_a_long_prompt_dispatched_alone_pays_a_pass_over_the_weights_for_each_chunk_its_target_cuts_it_into():
+    """Alone on an actor, a prompt runs in steps of at most twice its TPOT target (actors/scheduler.py): with a
+    0.2 s target, the 0.1 s pass and 300 prompt tokens at 1 ms fill a 0.4 s step, so 600 tokens take two."""
+    rule = RuleScorer(prefill_tokens_per_s=1000, decode_s_per_token=0.1, batch_row_cost=0.0, kv_read_bytes_per_s=1e15)
+    hot, warm = Candidate("hot", "c", "y", 1, 1, 0, 0), Candidate("warm", "c", "w", 1, 1, 0, 0, resident_fraction=1.0)
+    targeted = _features(input_tokens=600, kv_bytes_per_token=0, tpot_target_s=0.2)
+    untargeted = dataclasses.replace(targeted, tpot_target_s=None)
+    (p_hot, p_warm), (p_whole, _) = rule.predict(targeted, [hot, warm]), rule.predict(untargeted, [hot, warm])
+    assert p_whole.ttft_s == pytest.approx(0.1 + 0.599)  # no target: one step, the prompt whole
+    assert p_hot.ttft_s == pytest.approx(0.1 + 0.599 + 0.1)  # a second chunk: one more pass
+    assert p_warm.ttft_s == pytest.approx(p_hot.ttft_s)  # a warm actor holding every layer plans the same
+    # One holding only some of them runs the prompt whole as its layers arrive.
+    (p_partial,) = rule.predict(targeted, [dataclasses.replace(warm, resident_fraction=0.5)])
+    assert p_partial.ttft_s == pytest.approx(0.5 * targeted.weight_bytes / rule.load_bytes_per_s + 0.1 + 0.599)
 
 
 def test_a_join_or_dispatch_is_priced_by_the_actors_own_step_correction():

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.scheduler import MAX_STEP_STRETCH, RowProgress, max_step_s, plan_step, prefill_budget
+from actors.scheduler import (
+    MAX_STEP_STRETCH,
+    RowProgress,
+    idle_step_limit_s,
+    max_step_s,
+    plan_step,
+    prefill_budget,
+)
 from actors.step_cost import StepCost
 
 rows_strategy = st.lists(
@@ -30,13 +39,20 @@ def test_every_row_advances_every_step_within_its_prompt(rows, budget):
 
 @settings(max_examples=500, deadline=None)
 @given(rows=rows_strategy, budget=st.integers(1, 1024))
-def test_while_a_row_decodes_prefill_work_per_step_is_bounded(rows, budget):
+def test_a_budget_bounds_a_steps_prefill_work_whether_or_not_a_row_decodes(rows, budget):
     plan = plan_step(rows, budget)
     prefill = [n for r, (_, n) in zip(rows, plan, strict=True) if r.is_prefilling]
-    if len(prefill) < len(rows):  # someone is decoding: the step's prompt tokens are bounded
-        assert sum(prefill) <= max(budget, len(prefill))
-    else:  # nobody waits: whole prompts at once
-        assert prefill == [r.num_remaining for r in rows]
+    assert sum(prefill) <= max(budget, len(prefill))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=rows_strategy)
+def test_without_a_budget_the_prompts_run_whole_and_only_while_no_row_decodes(rows):
+    if all(r.is_prefilling for r in rows):
+        assert plan_step(rows, None) == [(r.row_id, r.num_remaining) for r in rows]
+    else:
+        with pytest.raises(ValueError, match="decoding row"):
+            plan_step(rows, None)
 
 
 @settings(max_examples=200, deadline=None)
@@ -151,6 +167,41 @@ def test_a_planned_step_keeps_every_decoding_row_within_its_target_where_any_ste
         assert _planned_s(rows, plan, cost) <= min(targets) * (1 + 1e-9)
     else:  # the target was broken at admission: the step is the shortest one
         assert plan == shortest
+
+
+@settings(max_examples=500, deadline=None)
+@given(rows=targeted_rows, cap=st.integers(1, 1024), cost=costs)
+def test_while_no_row_decodes_a_joiners_wait_is_bounded_by_the_rows_tightest_target(rows, cap, cost):
+    """The step a joiner arriving now waits for: within twice the prompts' tightest TPOT target where any step
+    could be, at most the cap; the prompts whole where none states a target."""
+    prefilling = [dataclasses.replace(r, num_prefilled=min(r.num_prefilled, r.num_prompt_tokens - 1),
+                                      num_cached=min(r.num_prefilled, r.num_prompt_tokens - 1)) for r in rows]
+    targets = [r.tpot_target_s for r in prefilling if r.tpot_target_s is not None]
+    budget = _budget(prefilling, cap, cost)
+    plan = plan_step(prefilling, budget)
+    if not targets:
+        assert budget is None and plan == [(r.row_id, r.num_remaining) for r in prefilling]
+        return
+    assert sum(n for _, n in plan) <= max(cap, len(prefilling))
+    shortest = plan_step(prefilling, 1)
+    limit = idle_step_limit_s(min(targets))
+    assert limit == MAX_STEP_STRETCH * min(targets)
+    if _planned_s(prefilling, shortest, cost) <= limit:
+        assert _planned_s(prefilling, plan, cost) <= limit * (1 + 1e-9)
+    else:  # one token per prompt is already past it: the shortest step
+        assert plan == shortest
+
+
+def test_a_long_prompt_alone_runs_in_steps_a_joiner_can_join_between():
+    cost = StepCost(decode_s_per_token=0.02, batch_row_cost=0.0, prefill_tokens_per_s=1000.0,
+                    kv_read_bytes_per_s=1e12)
+    long = RowProgress(0, 4000, 0, 0, tpot_target_s=0.1)
+    # Twice the 0.1 s target, less the step's 0.02 s pass over the weights, buys 180 prompt tokens at 1 ms each:
+    # a 4,000-token prompt goes in 23 steps of at most 0.2 s, not one of 4 s.
+    assert _budget([long], 256, cost) == 180
+    assert plan_step([long], 180) == [(0, 180)]
+    assert _budget([long], 100, cost) == 100  # never past the cap
+    assert _budget([dataclasses.replace(long, tpot_target_s=None)], 256, cost) is None  # nobody bounds it: whole
 
 
 @settings(max_examples=200, deadline=None)
