@@ -21,7 +21,6 @@ giving it no budget in that case).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import shlex
@@ -31,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import cores, cpu_features, cpu_model, load_average, python_version, version_of
+from benchmarks.common import cpu_features, load_average, machine, write_report
 from benchmarks.load_setup import app_args, model_facts
 
 log = logging.getLogger("bench_idle_steps")
@@ -228,13 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_idle_steps", *(argv or sys.argv[1:])])
     load, t0 = load_average(), time.monotonic()
     data = measure(repeats, seconds)
-    data |= {"command": command, "elapsed_s": time.monotonic() - t0, "load_before": load, "repeats": repeats,
-             "seconds": seconds, "cores": cores(), "cpu": cpu_model(), "cpu_features": cpu_features(),
-             "python": python_version(), "torch": version_of("torch")}
-    (out / "idle_steps.json").write_text(json.dumps(data, indent=1))
-    text = report(data)
-    (out / "idle_steps.md").write_text(text)
-    print(text)
+    data |= ({"command": command, "elapsed_s": time.monotonic() - t0, "load_before": load, "repeats": repeats,
+              "seconds": seconds} | machine("torch") | {"cpu_features": cpu_features()})
+    write_report(out, "idle_steps", data, report(data))
     return 0
 
 

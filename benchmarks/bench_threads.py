@@ -19,7 +19,6 @@ Contexts are visited in rotation `--repeats` times; each figure is the median ov
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
@@ -29,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import cores, cpu_features, cpu_model, load_average, python_version, version_of
+from benchmarks.common import cpu_features, load_average, machine, write_report
 
 log = logging.getLogger("bench_threads")
 PROMPT_TOKENS = 128
@@ -193,13 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_threads", *(argv or sys.argv[1:])])
     load, t0 = load_average(), time.monotonic()
     data = measure(args.zqs, repeats, num_steps, settle_s)
-    data |= {"command": command, "elapsed_s": time.monotonic() - t0, "load_before": load, "repeats": repeats,
-             "cores": cores(), "cpu": cpu_model(), "cpu_features": cpu_features(), "python": python_version(),
-             "torch": version_of("torch")}
-    (out / "threads.json").write_text(json.dumps(data, indent=1))
-    text = report(data)
-    (out / "threads.md").write_text(text)
-    print(text)
+    data |= ({"command": command, "elapsed_s": time.monotonic() - t0, "load_before": load, "repeats": repeats}
+             | machine("torch") | {"cpu_features": cpu_features()})
+    write_report(out, "threads", data, report(data))
     return 0
 
 

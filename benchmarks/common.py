@@ -9,6 +9,7 @@ machine (`was_busy`, one rule for every report).
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import signal
@@ -105,6 +106,13 @@ def versions(*packages: str) -> dict[str, str]:
 def machine(*packages: str) -> dict[str, Any]:
     """What a run records of its machine: cores, CPU, memory (GiB), Python's and each package's version."""
     return {"cores": cores(), "cpu": cpu_model(), "mem_gib": mem_gib(), **versions(*packages)}
+
+
+def write_report(out: Path, name: str, data: dict, text: str) -> None:
+    """A benchmark's results under `out`: its data as `name`.json and its report as `name`.md, the report printed."""
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{name}.md").write_text(text)
+    print(text)
 
 
 def make_serve_env(root: Path = Path(".")) -> dict[str, str]:
