@@ -31,7 +31,9 @@ def _wait_ready(ray, handles, timeout_s=60.0):
 
 
 def _kill_and_wait(ray, handles, namespace, timeout_s=10.0):
-    """Kill the agents and wait until their names are free, so no later test sees them."""
+    """Kill the agents and wait until their names are free, so no later test sees them, and until a call on each
+    handle fails: Ray frees the name before the process is gone, and a call sent in between is still answered
+    (a full suite once saw a "dead" agent's snapshot)."""
     for handle in handles.values():
         ray.kill(handle)
     deadline = time.monotonic() + timeout_s
@@ -43,6 +45,17 @@ def _kill_and_wait(ray, handles, namespace, timeout_s=10.0):
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"agent {agent_name(node_id)} still registered after {timeout_s} s")
+            time.sleep(0.05)
+    for node_id, handle in handles.items():
+        while True:
+            try:
+                ray.get(handle.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agent {agent_name(node_id)} still answers after {timeout_s} s")
             time.sleep(0.05)
 
 
