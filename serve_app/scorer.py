@@ -72,7 +72,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from actors.scheduler import idle_step_limit_s
+from actors.scheduler import RowProgress, idle_step_limit_s, prefill_budget
 from actors.step_cost import StepCost
 
 if TYPE_CHECKING:
@@ -214,14 +214,16 @@ class RuleScorer:
 
     def _chunk_passes_s(self, features: RequestFeatures, correction: float) -> float:
         """A prompt alone on an actor with every layer resident runs in chunks whose steps stay within the idle step
-        limit of its TPOT target (actors/scheduler.py): each chunk beyond the first reads the weights once more.
-        0 without a target (the engine runs it whole)."""
-        if features.tpot_target_s is None:
+        limit of its TPOT target: the engine's own budget (actors/scheduler.py, the actor's cap aside, which the
+        router does not know). Each chunk beyond the first reads the weights once more. 0 without a target (the
+        engine runs it whole)."""
+        n, per_token = features.input_tokens, features.kv_bytes_per_token
+        chunk = prefill_budget([RowProgress(0, n, 0, 0, features.tpot_target_s)], max(1, n),
+                               lambda rows, extra, kv: correction * self._cost.step_s(rows, extra, kv, per_token),
+                               correction * self._cost.prefill_token_s(per_token))
+        if chunk is None:
             return 0.0
-        pass_s = correction * self._cost.decode_s_per_token  # a one-row step: the weights' pass
-        token_s = correction * self._cost.prefill_token_s(features.kv_bytes_per_token)
-        chunk = 1 + max(0, int((idle_step_limit_s(features.tpot_target_s) - pass_s) / token_s))
-        return pass_s * (-(-features.input_tokens // chunk) - 1)
+        return correction * self._cost.decode_s_per_token * (-(-n // chunk) - 1)  # a one-row step: the weights' pass
 
     def _chunked_prefill_s(self, input_tokens: int, pending_tokens: int, tpot: float, target_s: float,
                            kv_bytes_per_token: int, correction: float = 1.0) -> float:
