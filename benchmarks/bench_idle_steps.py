@@ -31,13 +31,12 @@ import time
 from pathlib import Path
 
 from benchmarks.common import cpu_features, load_average, machine, write_report
+from benchmarks.load_scenarios import CLASSES, MIXED, RequestClass
 from benchmarks.load_setup import app_args, model_facts
 
 log = logging.getLogger("bench_idle_steps")
 CONFIG = "benchmarks/load.yaml"
 PLANNERS = ("bounded", "whole")
-# bench_load's classes (benchmarks/load.yaml's mix): (share, prompt tokens, output tokens)
-MIX = ((0.4, 24, 4), (0.5, 96, 12), (0.1, 600, 64))
 JOIN_AFTER_S = 0.05
 LOOP_ROWS = (3, 12)
 
@@ -102,8 +101,8 @@ def behind_a_long_prompt(bench: _Bench, planner: str, rng: random.Random) -> dic
         arrived[name] = time.perf_counter()
         engine.add(prompt, _params(num_out), emit, tpot_target_s=bench.tpot_target_s)
 
-    add("long", 600, 4)
-    joiner = threading.Timer(JOIN_AFTER_S, add, ("short", 24, 4))
+    add("long", CLASSES["long"].input_tokens, 4)
+    joiner = threading.Timer(JOIN_AFTER_S, add, ("short", CLASSES["short"].input_tokens, 4))
     joiner.start()
     while len(first) < 2:
         if engine.has_work:
@@ -114,14 +113,9 @@ def behind_a_long_prompt(bench: _Bench, planner: str, rng: random.Random) -> dic
     return {name: first[name] - arrived[name] for name in ("long", "short")}
 
 
-def _draw_class(rng: random.Random) -> tuple[int, int]:
-    """(prompt tokens, output tokens) of one of MIX's classes, drawn by its share."""
-    draw, total = rng.random(), 0.0
-    for share, num_prompt, num_out in MIX:
-        total += share
-        if draw <= total:
-            return num_prompt, num_out
-    return MIX[-1][1], MIX[-1][2]
+def _draw_class(rng: random.Random) -> RequestClass:
+    """One of bench_load's classes, drawn by its share of the mix, as its schedules draw them."""
+    return CLASSES[rng.choices([name for name, _ in MIXED], [share for _, share in MIXED])[0]]
 
 
 def closed_loop(bench: _Bench, planner: str, num_rows: int, seconds: float, rng: random.Random) -> dict:
@@ -132,7 +126,8 @@ def closed_loop(bench: _Bench, planner: str, num_rows: int, seconds: float, rng:
     ended: list[int] = []
 
     def submit() -> None:
-        num_prompt, num_out = _draw_class(rng)
+        cls = _draw_class(rng)
+        num_prompt, num_out = cls.input_tokens, cls.output_tokens
         prompt = [rng.randrange(100, 30_000) for _ in range(num_prompt)]
         engine.add(prompt, _params(num_out), lambda e, n=num_out: ended.append(n) if isinstance(e, FinishEvent)
                    else None, tpot_target_s=bench.tpot_target_s)
@@ -193,7 +188,8 @@ def report(data: dict) -> str:
              f"one-row step, {cost['prefill_tokens_per_s']:g} prompt tokens a second) times the engine's correction, "
              f"its measured ÷ predicted steps ({data['correction']:.2f} at the end: the bound holds "
              f"~{data['idle_budget_tokens']} prompt tokens a step alone).", "",
-             f"## 1. A short request {1e3 * JOIN_AFTER_S:.0f} ms behind a 600-token one on an idle engine", "",
+             f"## 1. A short request {1e3 * JOIN_AFTER_S:.0f} ms behind a {CLASSES['long'].input_tokens}-token one on an "
+             "idle engine", "",
              f"TTFT from each request's arrival, the median (min–max) of {data['repeats']}.", "",
              "| planner | short request's TTFT s | long request's TTFT s |", "|---|---|---|"]
     for planner in PLANNERS:

@@ -7,14 +7,15 @@ import random
 from collections import Counter
 
 from benchmarks import bench_idle_steps as bench
+from benchmarks.load_scenarios import MIXED
 
 
 def test_classes_are_drawn_by_their_share_of_the_mix():
     rng = random.Random(5)
-    counts = Counter(bench._draw_class(rng) for _ in range(20_000))
-    assert set(counts) == {(n_in, n_out) for _, n_in, n_out in bench.MIX}
-    for share, n_in, n_out in bench.MIX:
-        assert abs(counts[(n_in, n_out)] / 20_000 - share) < 0.02
+    counts = Counter(bench._draw_class(rng).name for _ in range(20_000))
+    assert set(counts) == {name for name, _ in MIXED}
+    for name, share in MIXED:
+        assert abs(counts[name] / 20_000 - share) < 0.02
 
 
 def test_the_report_gives_each_planners_median_and_the_ratio_to_whole():
