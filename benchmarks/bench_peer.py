@@ -86,6 +86,15 @@ def two_slots_of_one_thread(config: dict) -> dict:
     return config
 
 
+def two_governed_slots(config: dict) -> dict:
+    """`make serve`'s config on two CPU slots, a hot actor on each, each actor's steps on one or two threads as
+    its governor finds the node (actors/thread_governor.py): two while the other slot's actor and the rest of
+    the node leave the second core free, one while they do not."""
+    args = two_slots_of_one_thread(config)["applications"][0]["args"]
+    args["actor"] |= {"compute_threads": 2, "min_compute_threads": 1}
+    return config
+
+
 def fixed_threads(config: dict) -> dict:
     """`make serve`'s config with its actors always on `compute_threads`, however busy the node's other processes."""
     actor = config["applications"][0]["args"]["actor"]
@@ -104,6 +113,11 @@ VARIANTS = {
     "zeroqueue-2x1": (two_slots_of_one_thread,
                       "two CPU slots of one thread: `slots.num_cpu_slots: 2`, `actor.num_cpus`, `compute_threads` "
                       "and `load_threads: 1`, and `policy.max_hot_short_actors: 2`"),
+    "zeroqueue-2slots-governed": (two_governed_slots,
+                                  "two CPU slots, a hot actor on each (`slots.num_cpu_slots: 2`, `actor.num_cpus` "
+                                  "and `load_threads: 1`, `policy.max_hot_short_actors: 2`), each actor's steps on "
+                                  "two threads while the node leaves the second core free and on one while it does "
+                                  "not (`compute_threads: 2`, `min_compute_threads: 1`)"),
     "zeroqueue-fixed-threads": (fixed_threads,
                                 "its actors always on `compute_threads`: `actor.min_compute_threads` equal to it, "
                                 "so that no step drops to fewer threads while other processes use the cores "
