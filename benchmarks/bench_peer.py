@@ -95,6 +95,16 @@ def two_governed_slots(config: dict) -> dict:
     return config
 
 
+def one_slot_of_two_threads(config: dict) -> dict:
+    """`make serve`'s config on one CPU slot of both cores, one hot actor on it (its layout before commit
+    503c5d4's run, peer_2slots.md), whose steps govern their threads as `make serve`'s do."""
+    args = config["applications"][0]["args"]
+    args["slots"]["num_cpu_slots"] = 1
+    args["actor"] |= {"num_cpus": 2, "load_threads": 2}
+    args["policy"]["max_hot_short_actors"] = 1
+    return config
+
+
 def fixed_threads(config: dict) -> dict:
     """`make serve`'s config with its actors always on `compute_threads`, however busy the node's other processes."""
     actor = config["applications"][0]["args"]["actor"]
@@ -113,6 +123,11 @@ VARIANTS = {
     "zeroqueue-2x1": (two_slots_of_one_thread,
                       "two CPU slots of one thread: `slots.num_cpu_slots: 2`, `actor.num_cpus`, `compute_threads` "
                       "and `load_threads: 1`, and `policy.max_hot_short_actors: 2`"),
+    "zeroqueue-1x2": (one_slot_of_two_threads,
+                      "one CPU slot of both cores and one hot actor on it (`slots.num_cpu_slots: 1`, `actor.num_cpus` "
+                      "and `load_threads: 2`, `policy.max_hot_short_actors: 1`): `make serve`'s layout before "
+                      "peer_2slots.md"),
+    # configs/serve.yaml's own layout since peer_2slots.md, which it was measured as: kept for that command.
     "zeroqueue-2slots-governed": (two_governed_slots,
                                   "two CPU slots, a hot actor on each (`slots.num_cpu_slots: 2`, `actor.num_cpus` "
                                   "and `load_threads: 1`, `policy.max_hot_short_actors: 2`), each actor's steps on "

@@ -19,9 +19,11 @@ places the targets allow + 2 points". Per rate:
 
 Erlang-B counts places, not CPU: c rows that the targets allow on paper may be more than the
 host's cores can step within them once the arrivals' prompts take their share. So beside it,
-the capacity floor: 1 - X / rate, X = 1 / the engine seconds one request takes in a full batch of
-c rows (the rule times the same correction: its prompt, and its share of its decode steps). No
-admission policy completes more than X a second on these cores, so none refuses less than that.
+the capacity floor: 1 - X / rate, X = the engines that compute side by side (one a CPU slot that keeps a
+hot actor) / the engine seconds one request takes in a full batch of c rows (the rule times the same
+correction: its prompt, and its share of its decode steps). The correction is what the steps took at
+the threads they had, so two engines on a core each count their own one-thread speed. No admission
+policy completes more than X a second on these cores, so none refuses less than that.
 What zeroqueue refuses beyond it is its admission's margin (a TTFT target is a tail's, and a
 batch near capacity has prompts queued ahead of a joiner's) and what the engines did not use.
 """
@@ -63,6 +65,7 @@ def floor_model(args: dict[str, Any]) -> dict[str, Any]:
     return {"rule": dataclasses.asdict(config.rule_scorer),
             "ttft_target_s": model.ttft_target_s, "tpot_target_s": model.tpot_target_s,
             "max_batch": policy.max_batch, "num_actors": policy.max_hot_short_actors + policy.num_warm_short_actors,
+            "num_engines": max(1, min(config.slots.num_cpu_slots, policy.max_hot_short_actors)),
             "kv_bytes_per_token": kv_bytes_per_token}
 
 
@@ -87,7 +90,9 @@ def floor_row(model: dict[str, Any], rate: float, row: dict[str, Any]) -> dict[s
     per_actor = places_per_actor(rule, features, model["max_batch"], correction or 1.0)
     places = per_actor * model["num_actors"]
     offered = rate * row["hold_mean_s"]
-    capacity = None if correction is None else 1.0 / engine_s_per_request(rule, features, per_actor, correction)
+    # A run from before the engines were kept: one slot, one engine.
+    engines = model.get("num_engines", 1)
+    capacity = None if correction is None else engines / engine_s_per_request(rule, features, per_actor, correction)
     return {"places": places, "per_actor": per_actor, "step_correction": correction, "offered_erlangs": offered,
             "floor": erlang_b(places, offered), "capacity_per_s": capacity,
             "capacity_floor": None if capacity is None else max(0.0, 1.0 - capacity / rate),
@@ -105,9 +110,10 @@ def report_lines(data: dict[str, Any], num_cores: int) -> list[str]:
              f"router's step correction, P50 over the rate's admissions), at most max_batch {model['max_batch']}, times "
              f"{model['num_actors']} actors (hot and warm); A = rate x the mean time a served request held its row "
              "(GuideLLM's request latency). Issue 23's goal: refused <= B(c, A) + 2 points. Beside it the capacity "
-             "floor, 1 - X / rate: X = the requests a second the engine completes at that correction, every request "
-             "in a full batch (the rule's engine seconds a request), what no admission policy can beat on these "
-             "cores.", "",
+             "floor, 1 - X / rate: X = the requests a second its "
+             f"{model.get('num_engines', 1)} engine(s) complete side by side at that correction, every request in a "
+             "full batch (the rule's engine seconds a request), what no admission policy can beat on these cores.",
+             "",
              "| rate (req/s) | step correction P50 | places c | hold (s) | A (Erlangs) | Erlang-B floor | capacity X "
              "(req/s) | capacity floor | refused | beyond the Erlang-B floor | beyond the capacity floor | "
              "engines' share of the cores | goal |",

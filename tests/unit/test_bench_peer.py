@@ -58,3 +58,28 @@ def test_a_reports_cpu_shares_are_of_the_cores_the_run_measured_on(monkeypatch):
                 if x.startswith("| zeroqueue"))
     assert line.startswith("| zeroqueue | 4 | 80% | engines 60, load client 20 |")
     assert bench_peer.run_cores({}) == 16  # a run from before the cores were kept: this machine's
+
+
+def test_each_layout_variant_changes_make_serves_config_only_where_it_says():
+    """`zeroqueue-1x2` is make serve's config on one slot of both cores, and `zeroqueue-2slots-governed` (the
+    layout it was measured as before it became make serve's) leaves make serve's config as it is."""
+    from pathlib import Path
+
+    import yaml
+
+    from actors.actor_config import ActorConfig
+    from benchmarks import bench_peer
+
+    def load() -> dict:
+        return yaml.safe_load(Path("configs/serve.yaml").read_text())
+
+    base = load()["applications"][0]["args"]
+    one = bench_peer.VARIANTS["zeroqueue-1x2"][0](load())["applications"][0]["args"]
+    assert (one["slots"]["num_cpu_slots"], one["policy"]["max_hot_short_actors"]) == (1, 1)
+    assert (one["actor"]["num_cpus"], one["actor"]["compute_threads"], one["actor"]["min_compute_threads"]) == (2, 2, 1)
+    assert {k: v for k, v in one.items() if k not in ("slots", "actor", "policy")} == {
+        k: v for k, v in base.items() if k not in ("slots", "actor", "policy")}
+    ActorConfig(**one["actor"])  # a valid actor config
+    assert bench_peer.VARIANTS["zeroqueue-2slots-governed"][0](load())["applications"][0]["args"] == base
+    assert (base["slots"]["num_cpu_slots"], base["actor"]["num_cpus"], base["actor"]["compute_threads"],
+            base["actor"]["min_compute_threads"]) == (2, 1, 2, 1)

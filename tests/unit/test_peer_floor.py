@@ -55,3 +55,18 @@ def test_a_rate_without_served_requests_has_no_floor_and_the_report_skips_it():
     lines = peer_floor.report_lines(data, num_cores=2)
     assert [line.split("|")[1].strip() for line in lines if line.startswith("| 4")] == ["4"]
     assert "| met |" in lines[-1] and not any(line.startswith("| 8") for line in lines)
+
+
+def test_engines_side_by_side_multiply_the_capacity_and_a_run_without_the_count_has_one():
+    """Two slots, a hot actor computing on each: twice what one engine completes at the same correction."""
+    one = peer_floor.floor_row(MODEL, 8, _row(2.0))
+    two = peer_floor.floor_row(MODEL | {"num_engines": 2}, 8, _row(2.0))
+    assert two["capacity_per_s"] == pytest.approx(2 * one["capacity_per_s"])
+    assert two["capacity_floor"] == pytest.approx(max(0.0, 1 - two["capacity_per_s"] / 8))
+
+
+def test_make_serves_config_counts_an_engine_per_slot_with_a_hot_actor():
+    from benchmarks.bench_peer import app_args
+
+    model = peer_floor.floor_model(app_args("configs/serve.yaml"))
+    assert model["num_engines"] == 2 and model["num_actors"] == 3
