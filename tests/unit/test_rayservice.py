@@ -30,6 +30,10 @@ MiB = 1 << 20
 GPU_OVERRIDES: dict[tuple[str | int, ...], Any] = {
     ("args", "slots", "kind"): "gpu",  # one slot per GPU, never CPU slots
     ("args", "actor", "num_gpus"): 1,  # a request actor owns its GPU
+    # serve.yaml splits a 2-core host into a CPU slot per core; a GPU's actor keeps two cores for its host side.
+    ("args", "slots", "num_cpu_slots"): 1,
+    ("args", "actor", "num_cpus"): 2,
+    ("args", "actor", "load_threads"): 2,
     ("args", "policy", "actor_overhead_bytes"): 512 * MiB,  # a CUDA context, not a CPU process
     # Baked into the image (Dockerfile): the same bytes at the same absolute path on every pod,
     # where the ingress (head) checks the file and actors on the GPU workers open it.
