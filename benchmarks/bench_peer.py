@@ -175,7 +175,7 @@ def traced(config: dict, path: Path) -> dict:
     return config
 
 
-def _start(server: Server, log_path: Path) -> subprocess.Popen:
+def start_server(server: Server, log_path: Path) -> subprocess.Popen:
     with log_path.open("w") as out:
         # Its own session: whatever it starts (a local Ray cluster) goes when it is stopped.
         proc = subprocess.Popen(server.command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -345,7 +345,7 @@ def measure(args: argparse.Namespace) -> dict:
     data: dict = {"rates": args.rates, "servers": {}, "targets": serve_targets(), "cpu_features": cpu_features(),
                   "cores": cores(), "floor_model": peer_floor.floor_model(app_args("configs/serve.yaml"))}
     for server in servers(args):
-        proc = _start(server, PEER_DIR / f"{server.name}.log")
+        proc = start_server(server, PEER_DIR / f"{server.name}.log")
         try:
             # One short run first: what a first request pays (actor start, page faults) is not a rate's.
             _guidellm(server, 1, 10, tokenizer, PEER_DIR / f"warmup-{server.name}.json", args.guidellm)
