@@ -33,7 +33,7 @@ import httpx
 import yaml
 
 from actors.actor_config import ActorConfig
-from benchmarks.bench_peer import MODEL, PEER_DIR, Server, start_server
+from benchmarks.bench_peer import MODEL, PEER_DIR, Server, same_config, start_server, two_slots_of_one_thread
 from benchmarks.common import load_average, machine, make_serve_env, stop_session, write_report
 from benchmarks.cpu_share import cpu_by_role, cpu_times
 
@@ -46,13 +46,9 @@ PAUSE_S = 0.3  # between requests: the actors idle, as between a light load's ar
 ENGINE_STEPS = 60
 
 
-def one_thread(config: dict) -> dict:
-    """`make serve`'s config with its actors on one thread, whatever the node leaves free."""
-    config["applications"][0]["args"]["actor"]["compute_threads"] = 1
-    return config
-
-
-LAYOUTS = {"configs/serve.yaml": lambda config: config, "one thread": one_thread}
+# make serve's config as it is, and on one thread whatever the node leaves free (bench_peer's 2x1 variant: its
+# two slots with `compute_threads: 1`).
+LAYOUTS = {"configs/serve.yaml": same_config, "one thread": two_slots_of_one_thread}
 
 
 def decode_of(times: list[float], counts: list[int]) -> float | None:
@@ -146,8 +142,9 @@ def report(data: dict) -> str:
              "| | threads | decode a token, P50 (min–max) ms | ÷ the engine alone | TTFT P50 ms | served steps' mean "
              "threads |", "|---|---|--:|--:|--:|--:|"]
     alone = data["engine_alone_s"]
+    summaries = {name: summary(app) for name, app in data["apps"].items()}
     for name, app in data["apps"].items():
-        s = summary(app)
+        s = summaries[name]
         threads = "1" if name == "one thread" else "1–2, governed"
         ref = alone["1"] if name == "one thread" else alone["2"]
         lines.append(f"| served: {name} | {threads} | {s['decode_p50_s'] * 1e3:.1f} ({s['decode_min_s'] * 1e3:.1f}–"
@@ -158,8 +155,7 @@ def report(data: dict) -> str:
     lines += ["", "## What else computed while the app served", "",
               "CPU time per role over the timed requests (cpu_share.py), a token and as a share of one core:", "",
               "| app | role: ms a token (share of a core) |", "|---|---|"]
-    for name, app in data["apps"].items():
-        s = summary(app)
+    for name, s in summaries.items():
         cells = ", ".join(f"{role} {ms:.2f} ({s['cores_busy'][role]:.0%})"
                           for role, ms in sorted(s["cpu_ms_per_token"].items(), key=lambda kv: -kv[1]) if ms >= 0.05)
         lines.append(f"| {name} | {cells} |")

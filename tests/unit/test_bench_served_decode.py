@@ -15,12 +15,13 @@ def test_decode_a_token_is_the_deltas_span_over_the_tokens_the_usage_counted_bet
 
 
 def test_one_thread_changes_only_the_actors_compute_threads():
+    """On make serve's two slots, bench_peer's 2x1 variant is its actors on one thread and nothing else."""
     from pathlib import Path
 
     import yaml
 
     config = yaml.safe_load(Path("configs/serve.yaml").read_text())
-    changed = bench.one_thread(yaml.safe_load(Path("configs/serve.yaml").read_text()))
+    changed = bench.LAYOUTS["one thread"](yaml.safe_load(Path("configs/serve.yaml").read_text()))
     assert changed["applications"][0]["args"]["actor"].pop("compute_threads") == 1
     config["applications"][0]["args"]["actor"].pop("compute_threads")
     assert changed == config
