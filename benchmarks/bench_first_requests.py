@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import load_text, machine, stop_session
+from benchmarks.common import load_text, machine, serve_run_command, stop_session
 from benchmarks.load_stats import percentile
 from benchmarks.run_files import measure_and_report
 
@@ -97,11 +97,10 @@ def _wait_ready(app: subprocess.Popen, timeout_s: float = 300) -> float:
 
 
 def _one_run(index: int, log_dir: Path) -> dict[str, Any]:
-    serve = Path(sys.executable).with_name("serve")
     log_path = log_dir / f"serve-{index}.log"
     with log_path.open("w") as out:
         # Its own session: the whole local cluster it starts goes when it is stopped.
-        app = subprocess.Popen([str(serve), "run", CONFIG], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        app = subprocess.Popen(serve_run_command(CONFIG), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         ready_s = _wait_ready(app)
         load_before = os.getloadavg()

@@ -51,6 +51,7 @@ from benchmarks.common import (
     cpu_model,
     load_average,
     make_serve_env,
+    serve_run_command,
     stop_session,
     version_of,
 )
@@ -138,7 +139,6 @@ SERVER_NAMES = ("zeroqueue", *VARIANTS, "llama.cpp")
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
-    serve = Path(sys.executable).with_name("serve")
     layouts = {"zeroqueue": yaml.safe_load(Path("configs/serve.yaml").read_text())}  # as `make serve` runs it
     for name in args.variant:
         layouts[name] = VARIANTS[name][0](yaml.safe_load(Path("configs/serve.yaml").read_text()))
@@ -146,7 +146,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
     for name, layout in layouts.items():
         path = PEER_DIR / f"serve-{name}.yaml"
         path.write_text(yaml.safe_dump(traced(layout, trace_path(name)), sort_keys=False))
-        out.append(Server(name, "http://127.0.0.1:8000", [str(serve), "run", str(path)],
+        out.append(Server(name, "http://127.0.0.1:8000", serve_run_command(path),
                           client_nice=ActorConfig().cpu_nice, env=make_serve_env()))
     out.append(Server("llama.cpp", "http://127.0.0.1:8090",
                       [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", "8090",

@@ -34,7 +34,14 @@ import yaml
 
 from actors.actor_config import ActorConfig
 from benchmarks.bench_peer import MODEL, PEER_DIR, Server, same_config, start_server, two_slots_of_one_thread
-from benchmarks.common import load_average, machine, make_serve_env, stop_session, write_report
+from benchmarks.common import (
+    load_average,
+    machine,
+    make_serve_env,
+    serve_run_command,
+    stop_session,
+    write_report,
+)
 from benchmarks.cpu_share import cpu_by_role, cpu_times
 
 log = logging.getLogger("bench_served_decode")
@@ -84,7 +91,7 @@ def serve_app(name: str, config: dict, requests: int, tokens: int) -> dict:
     path = PEER_DIR / f"served-decode-{re.sub(r'[^a-z0-9]+', '-', name)}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    server = Server(name, "http://127.0.0.1:8000", [str(Path(sys.executable).with_name("serve")), "run", str(path)],
+    server = Server(name, "http://127.0.0.1:8000", serve_run_command(path),
                     client_nice=ActorConfig().cpu_nice, env=make_serve_env())
     proc = start_server(server, path.with_suffix(".log"))
     try:

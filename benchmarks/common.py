@@ -14,6 +14,7 @@ import os
 import platform
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from importlib import import_module
 from importlib.metadata import version as distribution_version
@@ -117,8 +118,15 @@ def write_report(out: Path, name: str, data: dict, text: str) -> None:
 
 def make_serve_env(root: Path = Path(".")) -> dict[str, str]:
     """The environment the Makefile's `serve` target sets before `serve run` (direct ingress, HAProxy)."""
-    line = next(line for line in (root / "Makefile").read_text().splitlines() if "serve run configs/serve.yaml" in line)
+    line = next(line for line in (root / "Makefile").read_text().splitlines()
+                if "serve_app.launcher configs/serve.yaml" in line)
     return dict(word.split("=", 1) for word in line.split() if "=" in word and word.startswith("RAY_"))
+
+
+def serve_run_command(config: str | Path) -> list[str]:
+    """`serve run config` as `make serve` runs it: through serve_app/launcher.py, which a SIGTERM stops as
+    Ctrl-C does, leaving nothing of it behind (its HAProxy once held :8000 against the next server)."""
+    return [sys.executable, "-m", "serve_app.launcher", str(config)]
 
 
 def stop_session(proc: subprocess.Popen, timeout_s: float = 120) -> None:

