@@ -154,7 +154,8 @@ def _kernels(threads: int, barrier=None) -> dict:
     }
 
 
-def _in_process(args: tuple) -> dict:
+def measure_in_process(args: tuple) -> dict:
+    """`_measure(*args)`, for a process pool (bench_served_decode's engine-alone step uses it too)."""
     return _measure(*args)
 
 
@@ -163,7 +164,7 @@ def _run(pool_args: list[tuple]) -> list[dict]:
     ctx = mp.get_context("spawn")
     barrier = ctx.Manager().Barrier(len(pool_args)) if len(pool_args) > 1 else None
     with ctx.Pool(len(pool_args)) as pool:
-        return pool.map(_in_process, [(*a, barrier) for a in pool_args])
+        return pool.map(measure_in_process, [(*a, barrier) for a in pool_args])
 
 
 def measure(zqs: str, batches: list[int], steps: int, repeats: int) -> dict:

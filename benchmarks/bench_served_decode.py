@@ -116,12 +116,12 @@ def serve_app(name: str, config: dict, requests: int, tokens: int) -> dict:
 def engine_alone(threads: int) -> float:
     """The engine's one-row decode step, median seconds, in a fresh process at the actors' priority."""
     from actors.compute_dtype import compute_dtype_for
-    from benchmarks.bench_engine import _in_process
+    from benchmarks.bench_engine import measure_in_process
 
     dtype = compute_dtype_for("auto", "bfloat16", "cpu")  # as the actors compute the bf16 file here
     ctx = mp.get_context("spawn")
     with ctx.Pool(1, initializer=os.nice, initargs=(ActorConfig().cpu_nice,)) as pool:
-        [out] = pool.map(_in_process, [(ZQS, dtype, threads, [1], ENGINE_STEPS, False, None)])
+        [out] = pool.map(measure_in_process, [(ZQS, dtype, threads, [1], ENGINE_STEPS, False, None)])
     return out["step_s"]["1"]
 
 

@@ -90,13 +90,17 @@ def floor_row(model: dict[str, Any], rate: float, row: dict[str, Any]) -> dict[s
     per_actor = places_per_actor(rule, features, model["max_batch"], correction or 1.0)
     places = per_actor * model["num_actors"]
     offered = rate * row["hold_mean_s"]
-    # A run from before the engines were kept: one slot, one engine.
-    engines = model.get("num_engines", 1)
+    engines = num_engines(model)
     capacity = None if correction is None else engines / engine_s_per_request(rule, features, per_actor, correction)
     return {"places": places, "per_actor": per_actor, "step_correction": correction, "offered_erlangs": offered,
             "floor": erlang_b(places, offered), "capacity_per_s": capacity,
             "capacity_floor": None if capacity is None else max(0.0, 1.0 - capacity / rate),
             "refused": row["failed"] / row["sent"] if row["sent"] else 0.0}
+
+
+def num_engines(model: dict[str, Any]) -> int:
+    """The engines the floor model counts: one for a run kept from before it counted them (one slot, one engine)."""
+    return model.get("num_engines", 1)
 
 
 def report_lines(data: dict[str, Any], num_cores: int) -> list[str]:
@@ -111,7 +115,7 @@ def report_lines(data: dict[str, Any], num_cores: int) -> list[str]:
              f"{model['num_actors']} actors (hot and warm); A = rate x the mean time a served request held its row "
              "(GuideLLM's request latency). Issue 23's goal: refused <= B(c, A) + 2 points. Beside it the capacity "
              "floor, 1 - X / rate: X = the requests a second its "
-             f"{model.get('num_engines', 1)} engine(s) complete side by side at that correction, every request in a "
+             f"{num_engines(model)} engine(s) complete side by side at that correction, every request in a "
              "full batch (the rule's engine seconds a request), what no admission policy can beat on these cores.",
              "",
              "| rate (req/s) | step correction P50 | places c | hold (s) | A (Erlangs) | Erlang-B floor | capacity X "
