@@ -198,9 +198,12 @@ class IncrementalCluster:
         need = features.dispatch_bytes
         # decide() keeps the first `limit` idle actors with room, short lane first for a short request,
         # then the least loaded `limit` of the busy hot actors of the request's lane with a free row and
-        # room: every one of those is listed, so it finds the same ones.
+        # room: every one of those is listed, so it finds the same ones. A long request that nothing else can take
+        # looks at the first `limit` idle short-lane actors with room too.
         lists = [self.idle["short"], self.idle["long"]] if lane == "short" else [self.idle["long"]]
-        for group, cap in ((lists, limit), ([self.joinable[lane]] if policy.max_batch > 1 else [], math.inf)):
+        groups = [(lists, limit), *([([self.idle["short"]], limit)] if lane == "long" else []),
+                  ([self.joinable[lane]] if policy.max_batch > 1 else [], math.inf)]
+        for group, cap in groups:
             found = 0
             for seqs in group:
                 for seq in seqs:

@@ -13,8 +13,9 @@ and the simulator all call the same code.
    - hot: idle actors of the model whose slot has `dispatch_bytes` free (the weights are
      already resident; the request adds its KV cache and workspace). A short request
      takes a short-lane actor first, then an idle long-lane one (it is idle, so nothing
-     waits on it, and it skips a cold start). A long request never takes a short-lane
-     actor: that is the isolation the short lane exists for.
+     waits on it, and it skips a cold start). A long request takes a short-lane actor only
+     where it would otherwise be refused (step 3): the short lane exists for isolation, not
+     to turn requests away from an idle server.
    - join: busy hot actors of the model *and of the request's lane* with fewer than
      `max_batch` rows (a safety cap: targets, below, set a batch's size), whose slot has
      `dispatch_bytes` free — the `max_candidates` least loaded of them (fewest rows, then
@@ -40,7 +41,9 @@ and the simulator all call the same code.
    join that meets the targets is taken before any warm bind or spawn, however much faster:
    such a bind costs a process start to refill the pool, and a spawn one now, on the cores or
    the device the running batches share, for every request that could have joined. The
-   decision carries the chosen candidate and its prediction. Predictions that are malformed (wrong count, NaN, negative, ttft >
+   decision carries the chosen candidate and its prediction. A long request that nothing of its
+   lane can take within its targets (nor a warm or warming actor of the other lane) is dispatched
+   to an idle short-lane actor that meets them, before it is refused. Predictions that are malformed (wrong count, NaN, negative, ttft >
    total) or a scorer that raises fall back to the rule scorer for this decision: a
    scorer only ranks what is feasible.
 4. No candidate: eviction, if a slot held only by idle hot or warm actors would fit a
@@ -223,6 +226,18 @@ def decide(
             if i is not None:
                 return Bind(fallback[i].actor_name, fallback[i].slot_id, lane, keep_new_hot, features.dispatch_bytes,
                             fallback[i], fallback_predictions[i])
+    if best is None and lane == "long":
+        # Better than a refusal: an idle short-lane actor (nothing waits on it). Only here, where the long lane has
+        # nothing within the targets — a request with no max_tokens is long, and a fresh actor for it on a CPU is
+        # predicted past a 1 s TTFT, so every such request to an idle `make serve` was refused.
+        idle, _ = _hot_candidates(features, "short", snapshot, policy.max_candidates, lanes=("short",))
+        if idle:
+            idle_predictions = predict(scorer, features, idle)
+            i = _fastest(features, idle_predictions, [None] * len(idle))
+            if i is not None:
+                keep_hot = snapshot.hot_count(model, "short") <= policy.max_hot(model, "short")
+                return Dispatch(idle[i].actor_name, idle[i].slot_id, lane, keep_hot, features.dispatch_bytes, idle[i],
+                                idle_predictions[i])
     if not candidates:
         return _evict_or_reject(features, snapshot, policy, keep_new_hot, scorer)
     if best is None:
@@ -263,22 +278,24 @@ def candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | Non
 
 
 def _hot_candidates(
-    features: RequestFeatures, lane: Lane, snapshot: ClusterSnapshot, limit: int
+    features: RequestFeatures, lane: Lane, snapshot: ClusterSnapshot, limit: int,
+    lanes: tuple[Lane, ...] | None = None,
 ) -> tuple[list[Candidate], list[Lane]]:
-    """Idle actors of the model whose slot has room for the request, and each one's lane."""
+    """Idle actors of the model whose slot has room for the request, and each one's lane (of `lanes`: by default
+    the ones a request of `lane` takes)."""
     need = features.dispatch_bytes
     candidates: list[Candidate] = []
-    lanes: list[Lane] = []
-    for actor_lane in _hot_lanes(lane):
+    actor_lanes: list[Lane] = []
+    for actor_lane in lanes or _hot_lanes(lane):
         for actor in snapshot.idle_actors(features.model, actor_lane):
             slot = snapshot.slot(actor.slot_id)
             if slot is None or slot.free_bytes < need:
                 continue
             candidates.append(candidate("hot", snapshot, slot, actor))
-            lanes.append(actor_lane)
+            actor_lanes.append(actor_lane)
             if len(candidates) == limit:
-                return candidates, lanes
-    return candidates, lanes
+                return candidates, actor_lanes
+    return candidates, actor_lanes
 
 
 def _join_candidates(features: RequestFeatures, lane: Lane, snapshot: ClusterSnapshot,

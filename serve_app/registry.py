@@ -248,6 +248,15 @@ class RegistryState:
             snapshot = self.snapshot()  # a row other replicas left free may take it
             decision = decide(features, snapshot, policy, scorer)
             self.counters["recalled"] += 1
+        if (isinstance(decision, Reject) and decision.retry_after_s is not None
+                and policy.lane(features.input_tokens, features.max_tokens) == "long"
+                and self.leases.recall_idle_actor(features.model, "short", features.dispatch_bytes, now)):
+            # A short-lane actor that runs nothing but whose rows are leased is busy for the books; idle once they
+            # are back, it serves a long request the policy would otherwise refuse (an OpenAI request without
+            # max_tokens, on an idle `make serve`).
+            snapshot = self.snapshot()
+            decision = decide(features, snapshot, policy, scorer)
+            self.counters["recalled_actor"] += 1
         if isinstance(decision, Reject):
             self.counters["reject"] += 1
             ready_in = None

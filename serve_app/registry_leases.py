@@ -178,6 +178,25 @@ class LeaseBooks:
                     return True
         return False
 
+    def recall_idle_actor(self, model: str, lane: str, need: int, now: float) -> bool:
+        """Take back every row of one hot actor of `model` and `lane` that runs nothing — all its rows free leases,
+        whichever replica holds them — where `need` bytes would fit once they are gone: idle for the books, it may
+        take a request of the other lane that would otherwise be refused (policy.py). True if one was.
+
+        Its holders are told as with `recall_free_row`; one that places a request there before its next exchange
+        joins the batch the actor now runs, which never exceeds `max_batch` rows."""
+        for a in self.books.actors.values():
+            if (a.model != model or a.lane != lane or not a.is_hot or a.start_lease or not a.rows
+                    or a.slot_id in self.books.draining or not all(r.is_free_lease for r in a.rows.values())):
+                continue
+            if self.books.slots[a.slot_id].free_bytes + sum(r.request_bytes for r in a.rows.values()) < need:
+                continue
+            for r in list(a.rows.values()):
+                self.recalled.setdefault(r.replica_id, set()).add(r.request_id)
+                self._finish(a.name, r.request_id, "cancelled", now)
+            return True
+        return False
+
     def take_back_free(self, is_leaving: Callable[[ActorRecord], bool], now: float) -> int:
         """Free leased rows on the actors `is_leaving` names (their node is being drained) return; how many."""
         leaving = [(a, r.request_id) for a, r in self.books.leased_rows()

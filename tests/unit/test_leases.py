@@ -559,3 +559,25 @@ def test_a_slow_path_decision_sees_the_prompts_the_replica_placed_on_its_leases_
     held = reg.books.leased_to("A")
     assert held[row.row_id][1].pending_prompt_tokens == 10 and held[row.row_id][1].num_tokens == 20
     reg.check_invariants()
+
+
+def test_a_long_request_the_policy_would_refuse_recalls_a_short_lane_actor_that_runs_nothing():
+    # An idle `make serve` holds its hot short-lane actors' rows in its replica's leases: busy for the registry's
+    # books. A long request (an OpenAI one with no max_tokens) had only a fresh actor, predicted past its TTFT
+    # target, and was refused on an idle server.
+    reg = _registry(num_hot=1, slot_bytes=3_000)  # room for no second actor: the long lane has nothing
+    a = LeaseBook(LeaseConfig(headroom_rows=2), "A", POLICY.max_batch, heartbeat_s=1.0)
+    _slow_path(reg, a, "A-0", 0.0)
+    _exchanged(reg, a, now=0.5)
+    a.release("A-0")
+    _exchanged(reg, a, now=1.0)
+    assert a.num_rows >= 1 and a.num_free == a.num_rows  # leased, all free: the actor runs nothing
+    long = dataclasses.replace(_features(100), ttft_target_s=1.0)
+    d = reg.admit(long, POLICY, "unused", "L-0", 1.5, replica_id="A", lease=SlowPathLease(5.0))
+    assert isinstance(d, Dispatch) and d.actor_name == "hot0" and d.lane == "long", d
+    assert reg.counters["recalled_actor"] == 1 and reg.leases.recalled["A"]
+    reg.check_invariants()
+    # An actor running a request is never recalled: a second long request is refused.
+    assert reg.admit(long, POLICY, "unused", "L-1", 1.6, replica_id="A",
+                     lease=SlowPathLease(5.0)).reason in ("no_capacity", "latency_target")
+    assert reg.counters["recalled_actor"] == 1

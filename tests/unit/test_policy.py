@@ -178,17 +178,34 @@ def test_reject_too_large_when_no_slot_could_ever_hold_it():
 # ---------------------------------------------------------------- lanes and hot counts
 
 
-def test_long_requests_never_take_a_short_lane_hot_actor_and_are_not_kept_hot():
+def test_long_requests_take_a_short_lane_hot_actor_only_where_nothing_else_can_and_are_not_kept_hot():
     long = _features(input_tokens=500)
     snap = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b")], [_actor("short-hot", "a")])
     d = decide(long, snap, POLICY)
     assert d == Spawn("b", "long", False, long.spawn_bytes, long.resident_bytes)
-    # Nowhere to spawn: never placed on the short lane's actor, which is retired for it instead.
+    # Nowhere to spawn: the idle short-lane actor serves it (and stays hot, in its lane) rather than being
+    # retired for a fresh actor of the long lane, which would cost the short lane its actor and a process start.
     snap = _snap([_slot("a", reserved=1000, num_actors=1)], [_actor("short-hot", "a")])
-    assert decide(long, snap, POLICY) == Spawn("a", "long", False, long.spawn_bytes, long.resident_bytes,
-                                               evict=("short-hot",))
+    d = decide(long, snap, POLICY)
+    assert isinstance(d, Dispatch) and (d.actor_name, d.lane, d.keep_hot) == ("short-hot", "long", True)
     busy = _snap([_slot("a", reserved=1100, num_actors=1)], [_actor("short-busy", "a", state="busy", rows=1)])
-    assert decide(long, busy, POLICY).reason == "no_capacity"  # a running actor is never evicted
+    assert decide(long, busy, POLICY).reason == "no_capacity"  # a running actor is never evicted, nor joined
+
+
+def test_a_long_request_a_fresh_actor_would_serve_past_its_ttft_target_takes_an_idle_short_lane_actor():
+    # What an OpenAI request without max_tokens (long: the rest of the context) met on an idle `make serve`:
+    # its own actor's process start is predicted past the 1 s TTFT target, so it was refused on an idle server.
+    rule = RuleScorer(decode_s_per_token=0.01, prefill_tokens_per_s=1500, actor_start_s=1.6, overhead_s=0.03)
+    long = _features(input_tokens=550, max_tokens=7000, ttft_target_s=1.0)
+    slots = [_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1), _slot("c")]
+    idle = _snap(slots, [_actor("short-busy", "a", state="busy", rows=1), _actor("short-idle", "b")])
+    d = decide(long, idle, POLICY, rule)
+    assert isinstance(d, Dispatch) and d.actor_name == "short-idle" and d.prediction.ttft_s <= 1.0
+    # A fresh actor within the target keeps the lanes apart.
+    assert isinstance(decide(dataclasses.replace(long, ttft_target_s=3.0), idle, POLICY, rule), Spawn)
+    # Every short-lane actor busy: never joined; refused, honestly.
+    busy = _snap(slots, [_actor("short-busy", "a", state="busy", rows=1), _actor("short-busy-2", "b", state="busy")])
+    assert decide(long, busy, POLICY, rule).reason == "latency_target"
 
 
 def test_short_requests_prefer_short_lane_actors_then_take_an_idle_long_lane_one():

@@ -107,11 +107,16 @@ def test_a_replica_batches_exactly_as_an_actor_and_queues_the_rest():
     assert out.is_joined.tolist() == [False, True, True, True] and not out.is_rejected.any()
 
 
-def test_long_requests_never_take_a_short_lane_actor():
+def test_a_long_request_takes_an_idle_short_lane_actor_only_where_it_would_be_refused():
     policy = _policy(max_hot_short_actors=1)
     cluster = IncrementalCluster([2 * GiB], policy, _resident(policy), num_prewarmed=1)
     out = run_zero_queue(_workload([0.0], inputs=3000, outputs=700), _service(1), cluster, NUMBERS)
-    assert out.is_rejected.tolist() == [True]  # the only slot holds an idle short-lane actor
+    # The only slot holds an idle short-lane actor: it serves the request (once refused) with no process start.
+    assert out.is_rejected.tolist() == [False] and out.is_cold.tolist() == [False]
+    # Room for a fresh actor of the long lane: that one, not the short lane's.
+    cluster = IncrementalCluster([2 * GiB, 2 * GiB], policy, _resident(policy), num_prewarmed=1)
+    out = run_zero_queue(_workload([0.0], inputs=3000, outputs=700), _service(1), cluster, NUMBERS)
+    assert out.is_rejected.tolist() == [False] and out.is_cold.tolist() == [True]
 
 
 def test_one_replica_queue_is_fifo_with_exact_waits():
