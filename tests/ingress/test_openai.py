@@ -212,3 +212,24 @@ def test_guidellm_with_its_default_body_and_health_check_gets_no_error(zq, tiny_
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     totals = json.loads(out.read_text())["benchmarks"][0]["metrics"]["request_totals"]
     assert (totals["successful"], totals["errored"], totals["incomplete"]) == (5, 0, 0)
+
+
+AIPERF = Path(__file__).parents[2] / ".cache/peer/aiperf/bin/aiperf"
+
+
+@pytest.mark.skipif(not AIPERF.exists(), reason="AIPerf is not installed here (bash benchmarks/peer/setup.sh "
+                                                 "installs it in a venv of its own, 1.2 GB the suite does not need)")
+def test_aiperf_with_its_default_profile_and_readiness_probe_gets_no_error(zq, tiny_checkpoint, tmp_path):
+    # Its default chat body: streamed, ~550 prompt tokens and no max_tokens (the rest of the context: a long
+    # request). Waiting for the model is its own probe of the endpoint. One request at a time: the module's
+    # single row never refuses one (a 503 would count as an error).
+    out = tmp_path / "aiperf"
+    run = subprocess.run(
+        [str(AIPERF), "profile", "-m", MODEL, "-u", zq, "--endpoint-type", "chat", "--streaming", "--api-key", KEY,
+         "--tokenizer", str(tiny_checkpoint), "--request-count", "3", "--concurrency", "1",
+         "--wait-for-model-timeout", "60", "--output-artifact-dir", str(out), "--ui-type", "none"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and [r.get("error") for r in records] == [None] * 3, records[:1]
+
