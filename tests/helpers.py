@@ -106,6 +106,16 @@ def feasible(features, snap, policy):
     return hot, joins, cold
 
 
+def idle_short_lane_for_long(features, snap):
+    """Idle short-lane actors of the model that fit a *long* request: its last resort before a refusal or an
+    eviction (none for a short request, which finds them among `feasible`'s hot ones)."""
+    if (features.input_tokens <= SCENARIO_SHORT_MAX_TOKENS and features.max_tokens <= SCENARIO_SHORT_MAX_TOKENS):
+        return []
+    free = {s.slot_id: s.total_bytes - s.reserved_bytes for s in snap.slots}
+    return [a.name for a in snap.actors if a.lane == "short" and a.model == features.model and a.state == "idle"
+            and free[a.slot_id] >= features.dispatch_bytes]
+
+
 def warm_and_evictable(features, snap, policy):
     """Warm, then warming, actors of the model that fit (any lane), and slots whose idle or warm actors could
     all be retired."""
@@ -133,25 +143,30 @@ def check_feasible(d, features, snap, policy):
     warm, evictable = warm_and_evictable(features, snap, policy)
     has_targets = any(t is not None for t in (features.ttft_target_s, features.total_target_s, features.tpot_target_s))
     usable_warm = [] if has_targets else warm  # a warm actor predicted to miss the request's targets is passed by
+    last_resort = idle_short_lane_for_long(features, snap)
+    usable_last_resort = [] if has_targets else last_resort
     if isinstance(d, Bind):
         placed = next(a for a in snap.actors if a.name == d.actor_name)
         assert d.actor_name in warm and d.slot_id == placed.slot_id and d.reserve_bytes == features.dispatch_bytes
     elif isinstance(d, Spawn) and d.evict:
-        assert not hot and not joins and not cold and not usable_warm, "evicted with a place to go"
+        assert not hot and not joins and not cold and not usable_warm and not usable_last_resort, (
+            "evicted with a place to go")
         assert evictable.get(d.slot_id) == d.evict and d.reserve_bytes == features.spawn_bytes
     elif isinstance(d, Dispatch):
         placed = next(a for a in snap.actors if a.name == d.actor_name)
-        assert d.actor_name in hot and d.slot_id == placed.slot_id and d.reserve_bytes == features.dispatch_bytes
+        assert d.slot_id == placed.slot_id and d.reserve_bytes == features.dispatch_bytes
+        if d.actor_name not in hot:  # a long request's last resort: nothing else of any kind could take it
+            assert d.actor_name in last_resort and (has_targets or not (joins or cold or warm)), d
     elif isinstance(d, Join):
         placed = next(a for a in snap.actors if a.name == d.actor_name)
         assert placed in joins and d.slot_id == placed.slot_id and d.reserve_bytes == features.dispatch_bytes
     elif isinstance(d, Spawn):
         assert d.slot_id in cold and d.reserve_bytes == features.spawn_bytes
     elif d.reason == "latency_target":  # only a running row's TPOT target can refuse with no target of its own
-        assert joins and not hot and not cold and not usable_warm
+        assert joins and not hot and not cold and not usable_warm and not usable_last_resort
     else:
-        assert not hot and not joins and not cold and not usable_warm and not evictable, (
-            f"rejected ({d.reason}) with feasible {hot} {joins} {cold} {warm} {evictable}")
+        assert not hot and not joins and not cold and not usable_warm and not evictable and not usable_last_resort, (
+            f"rejected ({d.reason}) with feasible {hot} {joins} {cold} {warm} {evictable} {last_resort}")
         is_too_large = bool(snap.slots) and features.spawn_bytes > max(s.total_bytes for s in snap.slots)
         assert d.reason == ("too_large" if is_too_large else "no_capacity")
     return hot, joins, cold

@@ -224,11 +224,14 @@ def test_aiperf_with_its_default_profile_and_readiness_probe_gets_no_error(zq, t
     # request). Waiting for the model is its own probe of the endpoint. One request at a time: the module's
     # single row never refuses one (a 503 would count as an error).
     out = tmp_path / "aiperf"
+    # Hugging Face's offline switches off (a test before may have set them): with them on, AIPerf 0.13 resolves any
+    # tokenizer name as a hub repo id and refuses a local directory; the directory it is given needs no hub.
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     run = subprocess.run(
         [str(AIPERF), "profile", "-m", MODEL, "-u", zq, "--endpoint-type", "chat", "--streaming", "--api-key", KEY,
          "--tokenizer", str(tiny_checkpoint), "--request-count", "3", "--concurrency", "1",
          "--wait-for-model-timeout", "60", "--output-artifact-dir", str(out), "--ui-type", "none"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines()]
     assert len(records) == 3 and [r.get("error") for r in records] == [None] * 3, records[:1]
