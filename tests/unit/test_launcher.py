@@ -4,6 +4,7 @@ stops the real `serve run` through it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,16 +39,30 @@ LAUNCHER = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); f
             "timeout = float(sys.argv.pop(1)); sys.exit(run(sys.argv[1:], stop_timeout_s=timeout, grace_s=2.0, poll_s=0.05))")
 
 
-def _launch(tmp_path: Path, mode: str, stop_timeout_s: float) -> tuple[subprocess.Popen, int]:
+@contextlib.contextmanager
+def _launched(tmp_path: Path, mode: str, stop_timeout_s: float):
+    """The launcher running the stand-in, once the stand-in has started its grandchild: (launcher, grandchild's
+    pid); both killed on the way out, whatever the test did."""
     (tmp_path / "stand_in.py").write_text(SERVE_RUN_STAND_IN)
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(stop_timeout_s), sys.executable,
                                  str(tmp_path / "stand_in.py"), str(tmp_path), mode],
                                 cwd=Path(__file__).parents[2])
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "grandchild").exists():
-        assert launcher.poll() is None and time.monotonic() < deadline, "the stand-in did not start"
-        time.sleep(0.05)
-    return launcher, int((tmp_path / "grandchild").read_text())
+    grandchild = None
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "grandchild").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "the stand-in did not start"
+            time.sleep(0.05)
+        grandchild = int((tmp_path / "grandchild").read_text())
+        yield launcher, grandchild
+    finally:
+        for pid in (launcher.pid, grandchild):
+            try:
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait()
 
 
 def _is_gone(pid: int) -> bool:
@@ -65,37 +80,28 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 
 def test_sigterm_stops_serve_run_as_ctrl_c_does_and_ends_what_it_left(tmp_path):
-    launcher, grandchild = _launch(tmp_path, "graceful", stop_timeout_s=30)
-    try:
+    with _launched(tmp_path, "graceful", stop_timeout_s=30) as (launcher, grandchild):
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(20) == 0  # serve run's own status: it stopped on the SIGINT it was sent
         assert (tmp_path / "sigint").read_text() == "heard"
         assert _wait_gone(grandchild), "the process serve run left behind outlived the launcher"
-    finally:
-        _cleanup(launcher, grandchild)
 
 
 def test_serve_run_that_does_not_stop_is_killed_after_the_timeout(tmp_path):
-    launcher, grandchild = _launch(tmp_path, "stubborn", stop_timeout_s=1)
-    try:
+    with _launched(tmp_path, "stubborn", stop_timeout_s=1) as (launcher, grandchild):
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(20) == 128 + signal.SIGKILL
         assert not (tmp_path / "sigint").exists()
         assert _wait_gone(grandchild)
-    finally:
-        _cleanup(launcher, grandchild)
 
 
 def test_a_second_signal_kills_at_once(tmp_path):
-    launcher, grandchild = _launch(tmp_path, "stubborn", stop_timeout_s=600)
-    try:
+    with _launched(tmp_path, "stubborn", stop_timeout_s=600) as (launcher, grandchild):
         launcher.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(20) == 128 + signal.SIGKILL
         assert _wait_gone(grandchild)
-    finally:
-        _cleanup(launcher, grandchild)
 
 
 def test_ending_a_session_with_nothing_left_signals_nobody():
@@ -123,11 +129,3 @@ def test_ending_a_session_terms_then_kills(ignores_term):
             proc.kill()
             proc.wait()
 
-
-def _cleanup(launcher: subprocess.Popen, grandchild: int) -> None:
-    for pid in (launcher.pid, grandchild):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    launcher.wait()
