@@ -43,7 +43,8 @@ and the simulator all call the same code.
    the device the running batches share, for every request that could have joined. The
    decision carries the chosen candidate and its prediction. A long request that nothing of its
    lane can take within its targets (nor a warm or warming actor of the other lane) is dispatched
-   to an idle short-lane actor that meets them, before it is refused. Predictions that are malformed (wrong count, NaN, negative, ttft >
+   to an idle short-lane actor that meets them, before it is refused, or else binds the short lane's warm actor,
+   which then stays hot in the short lane where that lane has room. Predictions that are malformed (wrong count, NaN, negative, ttft >
    total) or a scorer that raises fall back to the rule scorer for this decision: a
    scorer only ranks what is feasible.
 4. No candidate: eviction, if a slot held only by idle hot or warm actors would fit a
@@ -213,6 +214,19 @@ def decide(
         best = None if keep_new_hot else _fastest(features, predictions[:num_resident], limits[:num_resident])
         if best is None:
             best = _fastest(features, predictions, limits)
+    if best is None and lane == "long":
+        # Better than a refusal: an idle short-lane actor (nothing waits on it), before a warm one, whose pool would
+        # refill with a process start. Only where the long lane has nothing within the targets: a request with no
+        # max_tokens is long, and a fresh actor for it on a CPU is predicted past a 1 s TTFT, so such requests to
+        # an idle `make serve` were refused.
+        idle, _ = _hot_candidates(features, "short", snapshot, policy.max_candidates, lanes=("short",))
+        if idle:
+            idle_predictions = predict(scorer, features, idle)
+            i = _fastest(features, idle_predictions, [None] * len(idle))
+            if i is not None:
+                keep_hot = snapshot.hot_count(model, "short") <= policy.max_hot(model, "short")
+                return Dispatch(idle[i].actor_name, idle[i].slot_id, lane, keep_hot, features.dispatch_bytes, idle[i],
+                                idle_predictions[i])
     if best is None or candidates[best].kind == "cold":
         # Better than a process start or a refusal: the other lane's warm actors, then a warming one
         # (its process is starting already: further along than a fresh actor, if not yet warm).
@@ -224,20 +238,16 @@ def decide(
             fallback_predictions = predict(scorer, features, fallback)
             i = _fastest(features, fallback_predictions, [None] * len(fallback))
             if i is not None:
-                return Bind(fallback[i].actor_name, fallback[i].slot_id, lane, keep_new_hot, features.dispatch_bytes,
-                            fallback[i], fallback_predictions[i])
-    if best is None and lane == "long":
-        # Better than a refusal: an idle short-lane actor (nothing waits on it). Only here, where the long lane has
-        # nothing within the targets — a request with no max_tokens is long, and a fresh actor for it on a CPU is
-        # predicted past a 1 s TTFT, so every such request to an idle `make serve` was refused.
-        idle, _ = _hot_candidates(features, "short", snapshot, policy.max_candidates, lanes=("short",))
-        if idle:
-            idle_predictions = predict(scorer, features, idle)
-            i = _fastest(features, idle_predictions, [None] * len(idle))
-            if i is not None:
-                keep_hot = snapshot.hot_count(model, "short") <= policy.max_hot(model, "short")
-                return Dispatch(idle[i].actor_name, idle[i].slot_id, lane, keep_hot, features.dispatch_bytes, idle[i],
-                                idle_predictions[i])
+                bind_lane, keep_hot = lane, keep_new_hot
+                actor_lane = next(a.lane for a in snapshot.actors if a.name == fallback[i].actor_name)
+                if not keep_hot and actor_lane != lane and snapshot.hot_count(model, actor_lane) < policy.max_hot(
+                        model, actor_lane):
+                    # The request's lane keeps no more hot actors, the actor's does: it stays hot in its own lane
+                    # (a long request on the short lane's warm actor), where it would have exited after this
+                    # request and left the next one nothing but a process start.
+                    bind_lane, keep_hot = actor_lane, True
+                return Bind(fallback[i].actor_name, fallback[i].slot_id, bind_lane, keep_hot,
+                            features.dispatch_bytes, fallback[i], fallback_predictions[i])
     if not candidates:
         return _evict_or_reject(features, snapshot, policy, keep_new_hot, scorer)
     if best is None:

@@ -155,8 +155,8 @@ def check_feasible(d, features, snap, policy):
     elif isinstance(d, Dispatch):
         placed = next(a for a in snap.actors if a.name == d.actor_name)
         assert d.slot_id == placed.slot_id and d.reserve_bytes == features.dispatch_bytes
-        if d.actor_name not in hot:  # a long request's last resort: nothing else of any kind could take it
-            assert d.actor_name in last_resort and (has_targets or not (joins or cold or warm)), d
+        if d.actor_name not in hot:  # a long request's last resort (before a warm actor, whose pool would refill)
+            assert d.actor_name in last_resort and (has_targets or not (joins or cold)), d
     elif isinstance(d, Join):
         placed = next(a for a in snap.actors if a.name == d.actor_name)
         assert placed in joins and d.slot_id == placed.slot_id and d.reserve_bytes == features.dispatch_bytes

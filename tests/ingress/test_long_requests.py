@@ -1,8 +1,9 @@
 """Requests of the long lane — an OpenAI request without max_tokens asks for the rest of the context — sent one
-after another to an idle app with configs/serve.yaml's policy, targets and rule: every one is served. Before the
-config kept a hot actor for the long lane, each took the warm actor, which exited after it, and the next one,
-a fresh actor's start predicted past the 1 s TTFT target, was refused on an idle server (aiperf's default
-profile: 2 of 5 refused). Over HTTP on the in-process cluster, the tiny model in place of SmolLM2."""
+after another to an idle app with configs/serve.yaml's policy, targets and rule: every one is served, the first
+on the warm actor, which stays hot in the short lane, the others on it. Before, each took the warm actor, which
+exited after it, and the next one, a fresh actor's start predicted past the 1 s TTFT target, was refused on an
+idle server (aiperf's default profile: 2 of 5 refused). Over HTTP on the in-process cluster, the tiny model in
+place of SmolLM2."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_requests_without_max_tokens_one_after_another_are_all_served(tiny_zqs):
                 "model": MODEL, "seed": i, "messages": [{"role": "user", "content": f"Tell me a story, {i}."}]})
             endings.append((r.status_code, r.headers.get("x-request-tier"), r.text[:300]))
         assert [status for status, *_ in endings] == [200, 200, 200], endings
-        # The first took the warm actor, which stays hot for the long lane: the others found it there.
+        # The first took the warm actor, which stays hot in the short lane: the others found it idle there.
         assert [tier for _, tier, _ in endings] == ["warm", "hot", "hot"], endings
         assert_nothing_left(server)
     finally:

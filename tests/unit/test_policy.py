@@ -203,6 +203,15 @@ def test_a_long_request_a_fresh_actor_would_serve_past_its_ttft_target_takes_an_
     assert isinstance(d, Dispatch) and d.actor_name == "short-idle" and d.prediction.ttft_s <= 1.0
     # A fresh actor within the target keeps the lanes apart.
     assert isinstance(decide(dataclasses.replace(long, ttft_target_s=3.0), idle, POLICY, rule), Spawn)
+    # No idle short-lane actor but the short lane's warm one: bound, and it stays hot in the short lane while that
+    # lane has room (were it a long-lane actor that exits, the next long request would have nothing again).
+    warm = _snap(slots, [_actor("short-busy", "a", state="busy", rows=1), _actor("w", "b", state="warm", is_hot=False)])
+    d = decide(long, warm, POLICY, rule)
+    assert isinstance(d, Bind) and (d.actor_name, d.lane, d.keep_hot) == ("w", "short", True), d
+    full = _snap(slots, [_actor("short-busy", "a", state="busy", rows=1), _actor("short-busy-2", "c", state="busy"),
+                         _actor("w", "b", state="warm", is_hot=False)])
+    d = decide(long, full, POLICY, rule)  # the short lane at its 2 hot actors: the long request's, exiting after
+    assert isinstance(d, Bind) and (d.actor_name, d.lane, d.keep_hot) == ("w", "long", False), d
     # Every short-lane actor busy: never joined; refused, honestly.
     busy = _snap(slots, [_actor("short-busy", "a", state="busy", rows=1), _actor("short-busy-2", "b", state="busy")])
     assert decide(long, busy, POLICY, rule).reason == "latency_target"
