@@ -248,12 +248,12 @@ class RegistryState:
             snapshot = self.snapshot()  # a row other replicas left free may take it
             decision = decide(features, snapshot, policy, scorer)
             self.counters["recalled"] += 1
-        if (isinstance(decision, Reject) and decision.retry_after_s is not None
-                and policy.lane(features.input_tokens, features.max_tokens) == "long"
+        if (policy.lane(features.input_tokens, features.max_tokens) == "long" and self._is_last_resort(decision, "long")
                 and self.leases.recall_idle_actor(features.model, "short", features.dispatch_bytes, now)):
             # A short-lane actor that runs nothing but whose rows are leased is busy for the books; idle once they
-            # are back, it serves a long request the policy would otherwise refuse (an OpenAI request without
-            # max_tokens, on an idle `make serve`).
+            # are back, it serves a long request the policy would otherwise refuse or put on a warm or warming
+            # actor (an OpenAI request without max_tokens on an idle `make serve`: bound to the pool's warming
+            # actor, one waited 14 s for its first token).
             snapshot = self.snapshot()
             decision = decide(features, snapshot, policy, scorer)
             self.counters["recalled_actor"] += 1
@@ -297,6 +297,14 @@ class RegistryState:
             self.counters["evicted"] += len(decision.evict)
             self.counters["spawn_with_warm_available"] += bool(warm_candidates(features, LANES, snapshot, 1))
         return decision
+
+    def _is_last_resort(self, decision: Decision, lane: str) -> bool:
+        """A refusal with a retry, or a bind of a warming actor or of a warm one of another lane than the request's
+        `lane`: what `decide` falls back to where that lane has nothing within the request's targets."""
+        if isinstance(decision, Reject):
+            return decision.retry_after_s is not None
+        actor = self.books.actors.get(decision.actor_name) if isinstance(decision, Bind) else None
+        return actor is not None and (actor.state == "warming" or actor.lane != lane)
 
     def exchange_leases(self, report: LeaseReport, now: float) -> LeaseGrant:
         """One replica's lease heartbeat (registry_leases.py), with the registry's counts for its gauges: those

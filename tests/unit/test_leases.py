@@ -581,3 +581,22 @@ def test_a_long_request_the_policy_would_refuse_recalls_a_short_lane_actor_that_
     assert reg.admit(long, POLICY, "unused", "L-1", 1.6, replica_id="A",
                      lease=SlowPathLease(5.0)).reason in ("no_capacity", "latency_target")
     assert reg.counters["recalled_actor"] == 1
+
+
+def test_a_long_request_takes_the_leased_idle_short_lane_actor_before_the_pools_warm_one():
+    # The pool's warm actor would refill with a process start, and a warming one is seconds from a token: a
+    # short-lane actor that runs nothing is the better place, its leased rows taken back for it.
+    reg = _registry(num_hot=1, slot_bytes=3_000)
+    reg.register_slots([SlotSpec("w0", "n", 3_000)])
+    assert reg.warm.try_warm(WarmFill("m", "short", "w0", RESIDENT), "warm0", 0.0)
+    reg.warm_ready("warm0", 1.0)
+    a = LeaseBook(LeaseConfig(headroom_rows=2), "A", POLICY.max_batch, heartbeat_s=1.0)
+    _slow_path(reg, a, "A-0", 0.0)
+    a.release("A-0")
+    _exchanged(reg, a, now=1.0)
+    long = dataclasses.replace(_features(100), ttft_target_s=1.0)
+    assert isinstance(decide(long, reg.snapshot(), POLICY), Bind)  # what the books alone would choose
+    d = reg.admit(long, POLICY, "unused", "L-0", 1.5, replica_id="A", lease=SlowPathLease(5.0))
+    assert isinstance(d, Dispatch) and d.actor_name == "hot0", d
+    assert next(x for x in reg.snapshot().actors if x.name == "warm0").state == "warm"  # the pool keeps it
+    reg.check_invariants()
