@@ -52,6 +52,9 @@ def end_session(sid: int, grace_s: float = 10.0, poll_s: float = 0.1) -> list[in
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if not (members := session_members(sid)):
             break
+        for pid in members:
+            if pid not in signalled:
+                log.info("%s to %d (%s), left behind by serve run", signal.Signals(sig).name, pid, _name(pid))
         signalled += [pid for pid in members if pid not in signalled]
         for pid in members:
             try:
@@ -62,6 +65,13 @@ def end_session(sid: int, grace_s: float = 10.0, poll_s: float = 0.1) -> list[in
         while time.monotonic() < deadline and session_members(sid):
             time.sleep(poll_s)
     return signalled
+
+
+def _name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return "gone"
 
 
 def run(command: list[str], *, stop_timeout_s: float = 60.0, grace_s: float = 10.0, poll_s: float = 0.1) -> int:
