@@ -11,9 +11,14 @@ whole process group left one HAProxy holding :8000, and the next `make serve` fa
 
 So this runs `serve run` in a session of its own and turns SIGTERM, SIGHUP and a Ctrl-C into the
 one SIGINT that `serve run` handles; a second signal, or `stop_timeout_s` without an exit, kills it at
-once. Once it has exited, whatever is left of its session is ended — SIGTERM, then SIGKILL after
-`grace_s` — by session, not process group: Ray puts each worker in a group of its own, and HAProxy in
-its manager's. It exits with `serve run`'s status.
+once. Once it has exited, whatever of its session is still running `settle_s` later is ended — SIGTERM,
+then SIGKILL after `grace_s` — by session, not process group: Ray puts each worker in a group of its own,
+and HAProxy in its manager's. It exits with `serve run`'s status.
+
+After a Ctrl-C, `serve run` exits before the Ray dashboard's module processes do: they notice their
+parent's end within a second or two (by hand: 6-9 of them still there the instant `serve run` had
+exited, none a few seconds later; nothing on :8000 or :8265). `settle_s` lets them go on their own, so
+what the log names as left behind is what would have stayed.
 """
 
 from __future__ import annotations
@@ -45,9 +50,12 @@ def session_members(sid: int) -> list[int]:
     return out
 
 
-def end_session(sid: int, grace_s: float = 10.0, poll_s: float = 0.1) -> list[int]:
-    """SIGTERM to every live process of session `sid`, SIGKILL to those still there `grace_s` later; the pids
-    that had to be signalled (none where the session had already gone)."""
+def end_session(sid: int, grace_s: float = 10.0, poll_s: float = 0.1, settle_s: float = 0.0) -> list[int]:
+    """SIGTERM to every live process of session `sid` still there `settle_s` from now, SIGKILL to those still
+    there `grace_s` later; the pids that had to be signalled (none where the session went on its own)."""
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline and session_members(sid):
+        time.sleep(poll_s)
     signalled: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if not (members := session_members(sid)):
@@ -74,7 +82,8 @@ def _name(pid: int) -> str:
         return "gone"
 
 
-def run(command: list[str], *, stop_timeout_s: float = 60.0, grace_s: float = 10.0, poll_s: float = 0.1) -> int:
+def run(command: list[str], *, stop_timeout_s: float = 60.0, grace_s: float = 10.0, poll_s: float = 0.1,
+        settle_s: float = 5.0) -> int:
     """`command` in a session of its own, stopped as the module says; its exit status."""
     stop_asked_at: list[float] = []
     is_killed = False
@@ -113,7 +122,7 @@ def run(command: list[str], *, stop_timeout_s: float = 60.0, grace_s: float = 10
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if left := end_session(child.pid, grace_s, poll_s):
+    if left := end_session(child.pid, grace_s, poll_s, settle_s):
         log.info("ended %d process(es) serve run left behind: %s", len(left), left)
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
 

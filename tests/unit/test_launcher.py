@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -36,7 +37,8 @@ SERVE_RUN_STAND_IN = textwrap.dedent("""
 
 # The launcher with SIGINT ignored, as a shell starts a background job: it must still reach the stand-in.
 LAUNCHER = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); from serve_app.launcher import run; "
-            "timeout = float(sys.argv.pop(1)); sys.exit(run(sys.argv[1:], stop_timeout_s=timeout, grace_s=2.0, poll_s=0.05))")
+            "timeout = float(sys.argv.pop(1)); sys.exit(run(sys.argv[1:], stop_timeout_s=timeout, grace_s=2.0, poll_s=0.05, "
+            "settle_s=0.5))")
 
 
 @contextlib.contextmanager
@@ -109,6 +111,25 @@ def test_ending_a_session_with_nothing_left_signals_nobody():
     proc.wait()
     assert session_members(proc.pid) == []
     assert end_session(proc.pid, grace_s=0.1) == []
+
+
+def test_a_process_that_ends_on_its_own_while_the_session_settles_is_not_signalled():
+    # As the Ray dashboard's modules do after a Ctrl-C: they go a moment after serve run has exited.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while proc.pid not in session_members(proc.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        reaper = threading.Thread(target=proc.wait)  # reaped as its parent would, so it is gone, not a zombie
+        reaper.start()
+        assert end_session(proc.pid, grace_s=0.5, poll_s=0.05, settle_s=60) == []
+        reaper.join(5)
+        assert proc.returncode == 0  # it ended by itself, not by a signal
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("ignores_term", [False, True])
