@@ -52,7 +52,7 @@ class Segment:
     caches: Sequence[KVCache] | None
 
 
-def _decode_kernel(dtype: torch.dtype):
+def decode_kernel(dtype: torch.dtype):
     """The loaded kernel that attends decoding rows of `dtype`, or None: bf16 on AVX512-BF16, fp32 on AVX2."""
     if (ext := cpu_kernels.loaded_for(dtype)) is None:
         return None
@@ -98,7 +98,7 @@ class Attention(nn.Module):
         if len(decoding) == seq_len and self.fused_in is not None and self.q_norm is None:
             # Every token is a row's one decoding token: the projections in one kernel call, then RoPE, the
             # cache writes and attention in another; y: [R, H, D].
-            y = _decode_kernel(x.dtype)(self.fused_in.joined(x[0]), self.num_heads, self.num_kv_heads,
+            y = decode_kernel(x.dtype)(self.fused_in.joined(x[0]), self.num_heads, self.num_kv_heads,
                                         *self._rows(segments, layer), *rope)
             return self.o_proj(y.view(bsz, seq_len, self.num_heads * self.head_dim))
         q, k, v = self.fused_in(x) if self.fused_in is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
@@ -123,7 +123,7 @@ class Attention(nn.Module):
         """The segments that decode one token against a one-row cache, where a kernel for `x`'s dtype runs here."""
         if not self.is_decode_batched or x.device.type != "cpu" or x.shape[0] != 1 or self.head_dim % 16:
             return []
-        if _decode_kernel(x.dtype) is None:  # loaded by packing: a step never loads (or builds) them
+        if decode_kernel(x.dtype) is None:  # loaded by packing: a step never loads (or builds) them
             return []
         return [i for i, s in enumerate(segments) if decodes_alone(s)]
 
@@ -138,7 +138,7 @@ class Attention(nn.Module):
             index = torch.tensor([s.offset for s in rows], device=q.device)
             heads = (t[0].index_select(1, index).transpose(0, 1) for t in (q, k, v))
         qkv = torch.cat([t.reshape(len(rows), -1) for t in heads], dim=1)  # [R, (H + 2 H_kv) D], roped
-        out = _decode_kernel(q.dtype)(qkv, self.num_heads, self.num_kv_heads, *self._rows(rows, layer))  # [R, H, D]
+        out = decode_kernel(q.dtype)(qkv, self.num_heads, self.num_kv_heads, *self._rows(rows, layer))  # [R, H, D]
         if len(rows) == len(segments):
             return out.transpose(0, 1).unsqueeze(0)  # [1, H, R, D]: the tokens in order
         parts, j = [], 0

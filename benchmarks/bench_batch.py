@@ -5,9 +5,9 @@
 
 The demo model (`small`: ~100M parameters, bf16, the serving default), the actors' engine
 (`actors/engine.py`) on the torch threads make serve's actors compute with (configs/serve.yaml). For each batch size B and
-context length, B rows are added, stepped until every row decodes, then `--steps` decode
-steps are timed; the sizes are visited in rotation, `--repeats` times, so a noisy
-neighbour slows every size alike, and each figure is the median over repeats.
+context length, an engine of its own takes B rows and steps them until every row decodes;
+then the sizes' decode steps take turns, one of each, so a noisy neighbour slows every
+size alike; each figure is the median over the plan's repeats.
 
 - decode tokens/s = B / step time; per-row TPOT = the step time; both as ratios to B = 1
   at the same context (the issue's goals: tokens/s at 8 >= 4x batch 1, TPOT <= 1.5x).
@@ -18,7 +18,10 @@ neighbour slows every size alike, and each figure is the median over repeats.
 - A joiner's stall: the longest step the running rows see while a long prompt joins
   them, with the prompt chunked (`prefill_chunk_tokens`) and whole.
 - Packed linear weights (`actors/packed_weights.py`, the actors' default) against the plain
-  kernels: every step size timed with both, in the same rotation.
+  kernels: every step size timed with both, in the same repeat.
+- Where the largest batch's step goes at the longest context: the decode-attention kernel alone
+  (every layer, random caches of the model's shape) against the whole step, and what the
+  TPOT goal would leave it for its KV bytes.
 - The two CPU kernel choices the runtime makes (actors/layers.py, actors/attention.py):
   one bf16 row through `torch.mv` against `F.linear` on the model's MLP weight, and one
   decode query's attention over 1,024 cached positions with SDPA's `enable_gqa` against
@@ -33,6 +36,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +44,7 @@ import torch
 
 from actors import bf16_linear, cpu_kernels
 from actors.actor_config import ActorConfig
+from actors.attention import decode_kernel
 from actors.engine import Engine
 from actors.layer_loader import load_zqs
 from actors.layers import packed_linear
@@ -79,23 +84,33 @@ def raise_errors(event) -> None:
         raise event
 
 
-def step_time(engine: Engine, batch: int, context: int, steps: int) -> float:
-    """Median seconds of one decode step with `batch` rows of `context` prompt tokens each."""
+def step_times(engines: dict[int, Engine], context: int, steps: int,
+               probes: dict[str, Callable[[], None]] | None = None) -> dict:
+    """Median seconds of one decode step for each batch size B (`engines[B]` holding B rows of `context` prompt
+    tokens each), and of each of `probes`. The sizes' steps are interleaved, one of each in turn, the probes among
+    them: this host's memory bandwidth drifts with its neighbours over seconds (batch 1's step took 5.6 ms in one
+    run and 7.8 ms in the next, as contiguous blocks of steps), and a ratio between sizes must not measure the
+    drift."""
+    probes = probes or {}
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
-    rows = [engine.add(random_prompt(context, i), params, raise_errors) for i in range(batch)]
-    while any(r.num_prefilled < len(r.prompt) for r in rows) or any(r.num_out == 0 for r in rows):
-        engine.step()
-    engine.step()  # one decode step untimed: first-touch of this size's buffers
-    times = []
+    rows = {b: [e.add(random_prompt(context, i), params, raise_errors) for i in range(b)] for b, e in engines.items()}
+    for b, e in engines.items():
+        while any(r.num_prefilled < len(r.prompt) for r in rows[b]) or any(r.num_out == 0 for r in rows[b]):
+            e.step()
+        e.step()  # one decode step untimed: first-touch of this size's buffers
+    turns: dict = {**{b: e.step for b, e in engines.items()}, **probes}
+    times: dict = {key: [] for key in turns}
     for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    for r in rows:
-        engine.cancel(r)
-    engine.step()
-    assert not engine.has_work
-    return statistics.median(times)
+        for key, run in turns.items():
+            t0 = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - t0)
+    for b, e in engines.items():
+        for r in rows[b]:
+            e.cancel(r)
+        e.step()
+        assert not e.has_work
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def join_stall(engine: Engine, prompt: int, running: int, steps_before: int = 3) -> float:
@@ -156,6 +171,25 @@ def kernels(model) -> dict[str, float]:
     }
 
 
+def attention_probe(model, batch: int, context: int) -> Callable[[], None] | None:
+    """One step's decode attention for `batch` rows with `context` cached positions each, every layer, through the
+    kernel alone (random caches of the model's shape); None where no kernel attends this dtype here."""
+    if (kernel := decode_kernel(model.dtype)) is None:
+        return None
+    attn = model.model.layers[0].self_attn
+    h, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    # Per layer: the rows' key caches, then their value caches, [1, H_kv, context + 1, D] each.
+    caches = [[torch.randn(1, h_kv, context + 1, d).to(model.dtype) for _ in range(2 * batch)]
+              for _ in model.model.layers]
+    qkv = torch.randn(batch, (h + 2 * h_kv) * d).to(model.dtype)
+    pos, start = [context] * batch, [0] * batch
+
+    def step() -> None:
+        for layer in caches:
+            kernel(qkv, h, h_kv, layer[:batch], layer[batch:], pos, start, None, None)
+    return step
+
+
 def measure(plan: Plan, zqs: Path) -> dict:
     torch.set_num_threads(served_threads())  # as make serve's actors compute
     actor = ActorConfig()  # what the actors run: the main table (in fp32 on a CPU without bf16 arithmetic)
@@ -168,21 +202,31 @@ def measure(plan: Plan, zqs: Path) -> dict:
                  "kv_bytes_per_token": model.config.kv_bytes_per_token(str(model.dtype).removeprefix("torch."))}
     engines = {chunk: Engine(model, tokenizer, max_batch=max(plan.batch_sizes), prefill_chunk_tokens=chunk)
                for chunk in (plan.chunk, 1_000_000)}
-    engine = engines[plan.chunk]
-    # The plain kernels beside the packed ones, in the same rotation (nothing to compare when they are the same).
-    plain_engine = Engine(plain, tokenizer, max_batch=max(plan.batch_sizes), prefill_chunk_tokens=plan.chunk)
+    # One engine per batch size, packed and (where packing is on) plain, so that their steps can take turns.
+    sized = {b: Engine(model, tokenizer, max_batch=b, prefill_chunk_tokens=plan.chunk) for b in plan.batch_sizes}
+    plain_sized = ({b: Engine(plain, tokenizer, max_batch=b, prefill_chunk_tokens=plan.chunk)
+                    for b in plan.batch_sizes} if is_packed else {})
     out["kernels"] = kernels(plain)
-    for e in (engine, plain_engine):
-        step_time(e, 1, 32, 4)  # warm-up
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in plain.parameters())
+    long, top = max(plan.contexts), max(plan.batch_sizes)
+    # The top batch's attention beside its steps at the longest context, timed in the same turns.
+    probes = {f"attention/{b}": probe for b in (1, top) if (probe := attention_probe(model, b, long)) is not None}
+    for e in (sized, plain_sized):
+        if e:
+            step_times(e, 32, 4)  # warm-up
     for repeat in range(plan.repeats):
         for context in plan.contexts:
-            for batch in plan.batch_sizes:
-                t = step_time(engine, batch, context, plan.steps)
-                out["steps"].setdefault(f"{context}/{batch}", []).append(t)
-                if is_packed:
-                    out["plain_steps"].setdefault(f"{context}/{batch}", []).append(
-                        step_time(plain_engine, batch, context, plan.steps))
-                log.info("repeat %d: context %d, batch %d: %.1f ms a step", repeat, context, batch, t * 1e3)
+            for name, group in (("steps", sized), ("plain_steps", plain_sized)):
+                if not group:
+                    continue
+                timed = step_times(group, context, plan.steps, probes if name == "steps" and context == long else None)
+                for key, t in timed.items():
+                    if isinstance(key, int):
+                        out[name].setdefault(f"{context}/{key}", []).append(t)
+                    else:
+                        out.setdefault("probes", {}).setdefault(key, []).append(t)
+            log.info("repeat %d: context %d: %s ms a step", repeat, context,
+                     ", ".join(f"batch {b} {out['steps'][f'{context}/{b}'][-1] * 1e3:.1f}" for b in plan.batch_sizes))
         for chunk, e in engines.items():
             stall = join_stall(e, plan.join_prompt, running=max(plan.batch_sizes) - 1)
             out["stall"].setdefault(str(chunk), []).append(stall)
@@ -207,18 +251,19 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
         "Model: the demo's `small` preset (100M parameters, 12 layers, hidden 768, 12 heads / 4 KV heads, vocab "
         f"32000, tied embeddings), stored bf16, computed in {data.get('dtype', 'bfloat16')} (`actor.compute_dtype: "
         "auto` on this CPU), through the actors' engine (`actors/engine.py`). Each row is the median "
-        f"of {plan.repeats} repeats of the median of {plan.steps} timed decode steps; the batch sizes are "
-        "visited in rotation, so a slowed-down machine slows all of them alike.",
+        f"of {plan.repeats} repeats of the median of {plan.steps} timed decode steps; each batch size has an "
+        "engine of its own and their steps take turns, one of each, so a host whose memory bandwidth drifts with "
+        "its neighbours slows every size at the same moments; the ratios to batch 1 are the medians of each "
+        "repeat's own ratio.",
         "",
         "| context (tokens per row) | batch | step (ms) = per-row TPOT | TPOT / batch 1 | decode tokens/s | tokens/s / batch 1 |",
         "|--:|--:|--:|--:|--:|--:|",
     ]
     for context in plan.contexts:
-        one = med[f"{context}/1"]
         for batch in plan.batch_sizes:
-            t = med[f"{context}/{batch}"]
-            lines.append(f"| {context} | {batch} | {t * 1e3:.1f} | {t / one:.2f} | {batch / t:.1f} | "
-                         f"{batch / t / (1 / one):.2f} |")
+            t, ratio = med[f"{context}/{batch}"], statistics.median(_ratios(data, context, batch))
+            lines.append(f"| {context} | {batch} | {t * 1e3:.1f} | {ratio:.2f} | {batch / t:.1f} | "
+                         f"{batch / ratio:.2f} |")
     short, long = min(plan.contexts), max(plan.contexts)
     row_cost = statistics.median((med[f"{short}/{b}"] / med[f"{short}/1"] - 1) / (b - 1)
                                  for b in plan.batch_sizes if b > 1)
@@ -227,11 +272,13 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
     top = max(plan.batch_sizes)
     goals = []
     for context in plan.contexts:
-        one, full = med[f"{context}/1"], med[f"{context}/{top}"]
-        speedup, tpot = top * one / full, full / one
+        per_repeat = sorted(_ratios(data, context, top))
+        tpot = statistics.median(per_repeat)
+        speedup = top / tpot
         goals.append(f"- context {context}: tokens/s at batch {top} = **{speedup:.2f}x** batch 1 "
                      f"(goal >= 4: {'met' if speedup >= 4 else 'missed'}); per-row TPOT **{tpot:.2f}x** "
-                     f"(goal <= 1.5: {'met' if tpot <= 1.5 else 'missed'}).")
+                     f"(goal <= 1.5: {'met' if tpot <= 1.5 else 'missed'}); TPOT ratio per repeat "
+                     f"{per_repeat[0]:.2f}-{per_repeat[-1]:.2f}.")
     stall = {k: statistics.median(v) for k, v in data["stall"].items()}
     kern = data["kernels"]
     whole = stall[str(1_000_000)]
@@ -277,12 +324,59 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
         "once per process and keeps the faster (which one wins depends on the CPU); decode attention always folds.",
         "",
         *_packed_table(plan, data),
+        *_attention_split(plan, data, med),
     ]
     return "\n".join(lines)
 
 
+def _ratios(data: dict, context: int, batch: int) -> list[float]:
+    """Each repeat's step at `batch` rows over its step at one row: the ratios the tables and goals take the median
+    of. Paired within a repeat, since batch 1's step streams the weights and follows the host's memory bandwidth
+    while batch 8's computes more and follows it less: medians taken apart would pair different moments."""
+    return [b / o for b, o in zip(data["steps"][f"{context}/{batch}"], data["steps"][f"{context}/1"], strict=True)]
+
+
+def _attention_split(plan: Plan, data: dict, med: dict[str, float]) -> list[str]:
+    """The largest batch's step at the longest context: its attention against the rest, and the goal's budget."""
+    long, top = max(plan.contexts), max(plan.batch_sizes)
+    probes = data.get("probes", {})
+    if "attention/1" not in probes or f"attention/{top}" not in probes:
+        return []
+    lines = [f"## Where batch {top}'s step goes at context {long}", "",
+             "The decode-attention kernel alone (every layer, random caches of the model's shape), timed in turn "
+             "with the steps above; the rest is the linear layers, norms and the engine's own work (each repeat's "
+             "step less its attention, the median).", "",
+             "| batch | step (ms) | attention (ms) | KV it reads (MB) | KV read rate (GB/s) | the rest (ms) |",
+             "|--:|--:|--:|--:|--:|--:|"]
+    rest = {}
+    for b in (1, top):
+        att = probes[f"attention/{b}"]
+        steps = data["steps"][f"{long}/{b}"]
+        a, kv = statistics.median(att), b * (long + 1) * data["kv_bytes_per_token"]
+        rest[b] = statistics.median(s - x for s, x in zip(steps, att, strict=True))
+        lines.append(f"| {b} | {med[f'{long}/{b}'] * 1e3:.1f} | {a * 1e3:.2f} | {kv / 1e6:.0f} | {kv / a / 1e9:.1f} | "
+                     f"{rest[b] * 1e3:.1f} |")
+    # Per repeat: the top batch's rest over batch 1's whole step, and what a 1.5x TPOT leaves its attention.
+    shares = sorted(r / o for r, o in zip((s - x for s, x in zip(data["steps"][f"{long}/{top}"],
+                                                                    probes[f"attention/{top}"], strict=True)),
+                                          data["steps"][f"{long}/1"], strict=True))
+    share = statistics.median(shares)
+    one = statistics.median(data["steps"][f"{long}/1"])
+    kv_top = top * (long + 1) * data["kv_bytes_per_token"]
+    budget = (1.5 - share) * one
+    need = (f"{budget * 1e3:.1f} ms for its {kv_top / 1e6:.0f} MB of KV: **{kv_top / budget / 1e9:.0f} GB/s**"
+            if budget > 0 else "nothing: the rest alone breaks it")
+    lines += ["", f"Without its attention, batch {top}'s step is already **{share:.2f}x** batch 1's whole step "
+              f"(per repeat {shares[0]:.2f}-{shares[-1]:.2f}: its linear layers multiply {top} rows, where one row "
+              f"only streams the weights). A per-row TPOT of 1.5x batch 1's leaves its attention {need}, where it "
+              f"reads them at {kv_top / statistics.median(probes[f'attention/{top}']) / 1e9:.0f} GB/s and batch 1's "
+              f"step streams the model's {data['weight_bytes'] / 1e6:.0f} MB of weights at "
+              f"{data['weight_bytes'] / one / 1e9:.0f} GB/s.", ""]
+    return lines
+
+
 def _packed_table(plan: Plan, data: dict) -> list[str]:
-    """The actors' packed linear weights against the plain kernels, step for step in the same rotation."""
+    """The actors' packed linear weights against the plain kernels, step for step in the same repeat."""
     if not data["plain_steps"]:
         return []
     how = ({"onednn": "into oneDNN's layout; tokens are bit for bit the same (tests/runtime/test_packed_weights.py)",
@@ -312,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_batch", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     plan = (Plan((1, 8), (128,), 8, 1, 600, 256) if args.quick
-            else Plan((1, 2, 4, 8), (128, 1024), 24, 3, 600, 256))
+            else Plan((1, 2, 4, 8), (128, 1024), 24, 5, 600, 256))
     out = Path(args.out or (".cache/bench/batch/batch.md" if args.quick else "benchmarks/results/batch.md"))
     started, load0 = time.time(), load_average()[0]
     data = measure(plan, demo_model(".cache/demo", "small"))
