@@ -66,7 +66,7 @@ class Admission:
         self.scorer = scorer
         # Measured ÷ predicted TTFT per placement kind, learned from this replica's requests: the scorer's
         # predictions are corrected by it, here and in the registry's slow path (ttft_check.py).
-        self.ttft_check = TtftCheck()
+        self.ttft_check = TtftCheck(config.ttft_check)
         self.leases = LeaseBook(config.leases, replica_id, config.policy.max_batch, config.registry_heartbeat_s,
                                 config.rule_scorer.node_cpus)
         # Per model: the places this replica's refusals were told, and how fast its rows end (retry_line.py).

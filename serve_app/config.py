@@ -33,6 +33,7 @@ from serve_app.policy import PolicyConfig
 from serve_app.registry import RegistryConfig
 from serve_app.scorer import RuleScorer
 from serve_app.traces import TraceConfig
+from serve_app.ttft_check import TtftCheckConfig
 from weights_tool.demo import resolve_zqs
 
 GiB = 1 << 30
@@ -151,6 +152,8 @@ class AppArgs(_Strict):
     # request starts there) and each placement kind's measured over predicted TTFT (serve_app/ttft_check.py).
     # Off: every prediction is the scorer's own, from its constants alone.
     is_prediction_corrected: bool = True
+    # How the correction learns, and the margin a TTFT target is checked with (serve_app/ttft_check.py).
+    ttft_check: TtftCheckConfig = TtftCheckConfig()
     traces: TraceArgs = TraceArgs()
 
     @field_validator("actor", mode="before")
@@ -252,6 +255,7 @@ class IngressConfig:
     telemetry: TelemetryConfig
     rule_scorer: RuleScorer
     is_prediction_corrected: bool
+    ttft_check: TtftCheckConfig
     api_key: str | None
     traces: TraceConfig | None  # None: off
     scorer_path: str | None

@@ -108,23 +108,45 @@ def corrected(scorer: Scorer, correction: TtftCorrection | None) -> Scorer:
             else scorer)
 
 
+@dataclass(frozen=True)
+class TtftCheckConfig:
+    """How the factor learns and how wide the margin is (module doc); `AppArgs.ttft_check` in YAML."""
+
+    weight: float = 0.2
+    half_life_s: float = 20.0
+    min_factor: float = 0.5
+    max_factor: float = 4.0
+    # The margin: this quantile of a kind's last `window` measured ÷ predicted TTFTs within `horizon_s`, once
+    # there are `min_samples`, at most `max_margin`. A higher quantile holds admitted TTFTs to the target further
+    # into the tail, and refuses more (benchmarks/results/peer_margin.md).
+    quantile: float = 0.9
+    window: int = 64
+    min_samples: int = 8
+    horizon_s: float = 300.0
+    max_margin: float = 1.5
+    max_sample_ratio: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight <= 1 or not self.half_life_s > 0 or not 0 < self.min_factor <= 1 <= self.max_factor:
+            raise ValueError(f"ttft_check needs 0 < weight <= 1, half_life_s > 0 and min <= 1 <= max factor, got "
+                             f"{self.weight}, {self.half_life_s}, {self.min_factor}, {self.max_factor}")
+        if (not 0.5 <= self.quantile < 1 or not 1 <= self.min_samples <= self.window or not self.horizon_s > 0
+                or not self.max_margin >= 1):
+            raise ValueError(f"ttft_check needs 0.5 <= quantile < 1, 1 <= min_samples <= window, horizon_s > 0 and "
+                             f"max_margin >= 1, got {self.quantile}, {self.min_samples}, {self.window}, "
+                             f"{self.horizon_s}, {self.max_margin}")
+        if not self.max_sample_ratio > 1:
+            raise ValueError(f"ttft_check needs max_sample_ratio > 1, got {self.max_sample_ratio}")
+
+
 class TtftCheck:
-    def __init__(self, weight: float = 0.2, half_life_s: float = 20.0, min_factor: float = 0.5,
-                 max_factor: float = 4.0, quantile: float = 0.9, window: int = 64, min_samples: int = 8,
-                 horizon_s: float = 300.0, max_margin: float = 1.5, max_sample_ratio: float = 2.0) -> None:
-        if not 0 < weight <= 1 or not half_life_s > 0 or not 0 < min_factor <= 1 <= max_factor:
-            raise ValueError(f"TtftCheck needs 0 < weight <= 1, half_life_s > 0 and min <= 1 <= max factor, got "
-                             f"{weight}, {half_life_s}, {min_factor}, {max_factor}")
-        if not 0.5 <= quantile < 1 or not 1 <= min_samples <= window or not horizon_s > 0 or not max_margin >= 1:
-            raise ValueError(f"TtftCheck needs 0.5 <= quantile < 1, 1 <= min_samples <= window, horizon_s > 0 and "
-                             f"max_margin >= 1, got {quantile}, {min_samples}, {window}, {horizon_s}, {max_margin}")
-        self.weight, self.half_life_s = weight, half_life_s
-        self._lo, self._hi = math.log(min_factor), math.log(max_factor)
-        self.quantile, self.window, self.min_samples, self.horizon_s = quantile, window, min_samples, horizon_s
-        self.max_margin = max_margin
-        if not max_sample_ratio > 1:
-            raise ValueError(f"TtftCheck needs max_sample_ratio > 1, got {max_sample_ratio}")
-        self._max_log_sample = math.log(max_sample_ratio)
+    def __init__(self, config: TtftCheckConfig = TtftCheckConfig(), **overrides: float) -> None:
+        c = replace(config, **overrides)
+        self.weight, self.half_life_s = c.weight, c.half_life_s
+        self._lo, self._hi = math.log(c.min_factor), math.log(c.max_factor)
+        self.quantile, self.window, self.min_samples, self.horizon_s = c.quantile, c.window, c.min_samples, c.horizon_s
+        self.max_margin = c.max_margin
+        self._max_log_sample = math.log(c.max_sample_ratio)
         # (model, kind) -> (log factor, when last set): one entry per model and kind served, never more
         self._log_factor: dict[tuple[str, str], tuple[float, float]] = {}
         # (model, kind) -> (when, measured ÷ predicted) of its last `window` requests, for the margin

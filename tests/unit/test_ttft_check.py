@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
+from serve_app.config import AppArgs, ingress_config
 from serve_app.decisions import Join, Reject, Spawn
 from serve_app.registry import SlotSpec
 from serve_app.scorer import Candidate, Prediction, RuleScorer
 from serve_app.shared_registry import SharedRegistry
-from serve_app.ttft_check import CorrectedScorer, TtftCheck, TtftCorrection, corrected
+from serve_app.ttft_check import CorrectedScorer, TtftCheck, TtftCheckConfig, TtftCorrection, corrected
 from tests.helpers import features as _features
 from tests.helpers import policy
 
@@ -108,6 +110,22 @@ def test_the_margin_is_the_ninetieth_percentile_of_recent_ratios_and_a_target_is
     assert p.ttft_high_s == pytest.approx(p.ttft_s * 1.5)
     assert policy_meets(p, ttft_target_s=p.ttft_s * 1.2) is False  # the average is within it, the tail is not
     assert policy_meets(p, ttft_target_s=p.ttft_s * 1.6) is True
+
+
+def test_the_margin_quantile_is_config_and_a_higher_one_reaches_further_into_the_tail():
+    # 100 joins: 97 as predicted, 2 a fifth longer, 1 a third longer. The 90th percentile sees none of the slow
+    # ones; the 99th (the largest of 100) the slowest.
+    ratios = [1.0] * 97 + [1.2, 1.2, 1.33]
+    checks = {q: TtftCheck(TtftCheckConfig(quantile=q, window=100, half_life_s=1e9)) for q in (0.9, 0.99)}
+    for check in checks.values():
+        for i, r in enumerate(ratios):
+            check.observe("m", "join", r, 1.0, now=float(i))
+    assert checks[0.9].margin("m", "join", now=100.0) == 1.0
+    assert checks[0.99].margin("m", "join", now=100.0) == pytest.approx(1.33)
+    args = AppArgs.model_validate({"models": [{"id": "m", "demo_preset": "tiny"}], "ttft_check": {"quantile": 0.99}})
+    assert ingress_config(args).ttft_check == TtftCheckConfig(quantile=0.99)
+    with pytest.raises(ValidationError, match="quantile"):
+        AppArgs.model_validate({"models": [{"id": "m", "demo_preset": "tiny"}], "ttft_check": {"quantile": 1.0}})
 
 
 def test_ratios_under_the_prediction_give_no_margin_below_one():
