@@ -592,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.report_only:
         return _write(resummarise(json.loads((RESULTS / f"{args.out}.json").read_text()), args.out), args.out)
-    missing = [p for p in (args.zqs, args.gguf, args.llama_server, args.guidellm) if not p.exists()]
+    needed = (args.zqs, args.guidellm, *((args.gguf, args.llama_server) if "llama.cpp" in args.servers else ()))
+    missing = [p for p in needed if not p.exists()]
     if missing:
         print(f"missing: {', '.join(map(str, missing))}; `make serve` packs the model and "
               "`bash benchmarks/peer/setup.sh` installs the tools", file=sys.stderr)
