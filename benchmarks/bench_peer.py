@@ -400,8 +400,11 @@ def report(data: dict) -> str:
     zq, peer = data["servers"].get("zeroqueue"), data["servers"].get("llama.cpp")
     command, elapsed_s = data["command"], data["elapsed_s"]
     targets = data.get("targets") or serve_targets()  # (a run from before they were kept: the config's now)
+    title = ("# zeroqueue against llama.cpp's server: the same model, machine and GuideLLM profile, in one run" if peer
+             else "# zeroqueue's configurations against each other: the same model, machine and GuideLLM profile, in "
+                  "one run (llama.cpp's server not run)")
     lines = [
-        "# zeroqueue against llama.cpp's server: the same model, machine and GuideLLM profile, in one run",
+        title,
         "",
         f"Command: `{command}`",
         "",
@@ -413,14 +416,15 @@ def report(data: dict) -> str:
         "Model: SmolLM2-135M-Instruct. zeroqueue: `serve run configs/serve.yaml` as `make serve` runs it (direct "
         "ingress, HAProxy; its .zqs packed bf16, computed as `actor.compute_dtype: auto` decides; the default "
         f"targets TTFT {targets['ttft_target_s']:g} s, TPOT {targets['tpot_target_s']:g} s: a request predicted past "
-        "them is refused). llama.cpp: `llama-server` on "
-        "the wheel's GGUF converted to BF16, "
-        "8 parallel slots, 2 threads, its queue unbounded.",
+        "them is refused)."
+        + (" llama.cpp: `llama-server` on the wheel's GGUF converted to BF16, 8 parallel slots, 2 threads, its queue "
+           "unbounded." if peer else ""),
         "",
         f"Load: GuideLLM {data['guidellm_version']}, constant rate, {data['seconds']} s per rate, streamed chat "
         "completions, ~128 prompt tokens, 16 output tokens, its default body (`ignore_eos`, continuous usage). "
-        + ("Each rate's synthetic prompts have a seed of their own, the same for both servers: no prompt is sent "
-           "twice in a run (llama.cpp's server computes one token of a prompt it has seen)." if _is_seeded(data) else
+        + ("Each rate's synthetic prompts have a seed of their own, the same for every server: no prompt is sent "
+           "twice in a run" + (" (llama.cpp's server computes one token of a prompt it has seen)." if peer else ".")
+           if _is_seeded(data) else
            "Every rate's synthetic prompts came from GuideLLM's default seed: each rate sent the previous rates' "
            "prompts again, and llama.cpp's server computes one token of a prompt it has seen."),
         "",
