@@ -142,11 +142,8 @@ class TtftCheckConfig:
 
 class TtftCheck:
     def __init__(self, config: TtftCheckConfig = TtftCheckConfig(), **overrides: float) -> None:
-        c = replace(config, **overrides)
-        self.weight, self.half_life_s = c.weight, c.half_life_s
+        self.config = c = replace(config, **overrides)
         self._lo, self._hi = math.log(c.min_factor), math.log(c.max_factor)
-        self.quantile, self.window, self.min_samples, self.horizon_s = c.quantile, c.window, c.min_samples, c.horizon_s
-        self.max_margin = c.max_margin
         self._max_log_sample = math.log(c.max_sample_ratio)
         # (model, kind) -> (log factor, when last set): one entry per model and kind served, never more
         self._log_factor: dict[tuple[str, str], tuple[float, float]] = {}
@@ -158,21 +155,21 @@ class TtftCheck:
         if not (measured_s > 0 and predicted_s > 0):
             return
         log_r = min(self._max_log_sample, max(-self._max_log_sample, math.log(measured_s / predicted_s)))
-        log_f = self._decayed((model, kind), now) + self.weight * log_r
+        log_f = self._decayed((model, kind), now) + self.config.weight * log_r
         self._log_factor[(model, kind)] = (min(self._hi, max(self._lo, log_f)), now)
-        self._ratios.setdefault((model, kind), deque(maxlen=self.window)).append((now, measured_s / predicted_s))
+        self._ratios.setdefault((model, kind), deque(maxlen=self.config.window)).append((now, measured_s / predicted_s))
 
     def margin(self, model: str, kind: str, now: float) -> float:
         """The `quantile` of the kind's recent measured ÷ predicted TTFTs (within `horizon_s`), within [1,
         max_margin], faded toward 1 since the last of them; 1 with fewer than `min_samples`. Each ratio is against
         the corrected prediction as the decision had it, so the margin is what the factor leaves: the scatter
         about the average, not its level."""
-        recent = [(at, r) for at, r in self._ratios.get((model, kind), ()) if now - at <= self.horizon_s]
-        if len(recent) < self.min_samples:
+        recent = [(at, r) for at, r in self._ratios.get((model, kind), ()) if now - at <= self.config.horizon_s]
+        if len(recent) < self.config.min_samples:
             return 1.0
         ratios = sorted(r for _, r in recent)
-        tail = min(self.max_margin, max(1.0, ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]))
-        return 1.0 + faded(tail - 1.0, now - max(at for at, _ in recent), self.half_life_s)
+        tail = min(self.config.max_margin, max(1.0, ratios[min(len(ratios) - 1, int(self.config.quantile * len(ratios)))]))
+        return 1.0 + faded(tail - 1.0, now - max(at for at, _ in recent), self.config.half_life_s)
 
     def factor(self, model: str, kind: str, now: float) -> float:
         return math.exp(self._decayed((model, kind), now))
@@ -185,4 +182,4 @@ class TtftCheck:
 
     def _decayed(self, key: tuple[str, str], now: float) -> float:
         log_f, at = self._log_factor.get(key, (0.0, now))
-        return faded(log_f, now - at, self.half_life_s)
+        return faded(log_f, now - at, self.config.half_life_s)
