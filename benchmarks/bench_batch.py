@@ -85,12 +85,11 @@ def raise_errors(event) -> None:
 
 
 def step_times(engines: dict[int, Engine], context: int, steps: int,
-               probes: dict[str, Callable[[], None]] | None = None) -> dict:
+               probes: dict[str, Callable[[], None]] | None = None) -> tuple[dict[int, float], dict[str, float]]:
     """Median seconds of one decode step for each batch size B (`engines[B]` holding B rows of `context` prompt
-    tokens each), and of each of `probes`. The sizes' steps are interleaved, one of each in turn, the probes among
-    them: this host's memory bandwidth drifts with its neighbours over seconds (batch 1's step took 5.6 ms in one
-    run and 7.8 ms in the next, as contiguous blocks of steps), and a ratio between sizes must not measure the
-    drift."""
+    tokens each), and of one call of each of `probes`. The sizes' steps are interleaved, one of each in turn, the
+    probes among them: this host's memory bandwidth drifts with its neighbours over seconds (the per-repeat ratios
+    batch.md reports), and a ratio between sizes must not measure the drift."""
     probes = probes or {}
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
     rows = {b: [e.add(random_prompt(context, i), params, raise_errors) for i in range(b)] for b, e in engines.items()}
@@ -110,7 +109,8 @@ def step_times(engines: dict[int, Engine], context: int, steps: int,
             e.cancel(r)
         e.step()
         assert not e.has_work
-    return {key: statistics.median(t) for key, t in times.items()}
+    medians = {key: statistics.median(t) for key, t in times.items()}
+    return {b: medians[b] for b in engines}, {name: medians[name] for name in probes}
 
 
 def join_stall(engine: Engine, prompt: int, running: int, steps_before: int = 3) -> float:
@@ -219,12 +219,12 @@ def measure(plan: Plan, zqs: Path) -> dict:
             for name, group in (("steps", sized), ("plain_steps", plain_sized)):
                 if not group:
                     continue
-                timed = step_times(group, context, plan.steps, probes if name == "steps" and context == long else None)
-                for key, t in timed.items():
-                    if isinstance(key, int):
-                        out[name].setdefault(f"{context}/{key}", []).append(t)
-                    else:
-                        out.setdefault("probes", {}).setdefault(key, []).append(t)
+                steps, probed = step_times(group, context, plan.steps,
+                                           probes if name == "steps" and context == long else None)
+                for batch, t in steps.items():
+                    out[name].setdefault(f"{context}/{batch}", []).append(t)
+                for probe, t in probed.items():
+                    out.setdefault("probes", {}).setdefault(probe, []).append(t)
             log.info("repeat %d: context %d: %s ms a step", repeat, context,
                      ", ".join(f"batch {b} {out['steps'][f'{context}/{b}'][-1] * 1e3:.1f}" for b in plan.batch_sizes))
         for chunk, e in engines.items():
@@ -348,21 +348,20 @@ def _attention_split(plan: Plan, data: dict, med: dict[str, float]) -> list[str]
              "step less its attention, the median).", "",
              "| batch | step (ms) | attention (ms) | KV it reads (MB) | KV read rate (GB/s) | the rest (ms) |",
              "|--:|--:|--:|--:|--:|--:|"]
-    rest = {}
+
+    def kv_bytes(b: int) -> float:
+        return b * (long + 1) * data["kv_bytes_per_token"]
+
+    def rests(b: int) -> list[float]:  # each repeat's step less its attention
+        return [s - a for s, a in zip(data["steps"][f"{long}/{b}"], probes[f"attention/{b}"], strict=True)]
+
     for b in (1, top):
-        att = probes[f"attention/{b}"]
-        steps = data["steps"][f"{long}/{b}"]
-        a, kv = statistics.median(att), b * (long + 1) * data["kv_bytes_per_token"]
-        rest[b] = statistics.median(s - x for s, x in zip(steps, att, strict=True))
-        lines.append(f"| {b} | {med[f'{long}/{b}'] * 1e3:.1f} | {a * 1e3:.2f} | {kv / 1e6:.0f} | {kv / a / 1e9:.1f} | "
-                     f"{rest[b] * 1e3:.1f} |")
+        a = statistics.median(probes[f"attention/{b}"])
+        lines.append(f"| {b} | {med[f'{long}/{b}'] * 1e3:.1f} | {a * 1e3:.2f} | {kv_bytes(b) / 1e6:.0f} | "
+                     f"{kv_bytes(b) / a / 1e9:.1f} | {statistics.median(rests(b)) * 1e3:.1f} |")
     # Per repeat: the top batch's rest over batch 1's whole step, and what a 1.5x TPOT leaves its attention.
-    shares = sorted(r / o for r, o in zip((s - x for s, x in zip(data["steps"][f"{long}/{top}"],
-                                                                    probes[f"attention/{top}"], strict=True)),
-                                          data["steps"][f"{long}/1"], strict=True))
-    share = statistics.median(shares)
-    one = statistics.median(data["steps"][f"{long}/1"])
-    kv_top = top * (long + 1) * data["kv_bytes_per_token"]
+    shares = sorted(r / o for r, o in zip(rests(top), data["steps"][f"{long}/1"], strict=True))
+    share, one, kv_top = statistics.median(shares), med[f"{long}/1"], kv_bytes(top)
     budget = (1.5 - share) * one
     need = (f"{budget * 1e3:.1f} ms for its {kv_top / 1e6:.0f} MB of KV: **{kv_top / budget / 1e9:.0f} GB/s**"
             if budget > 0 else "nothing: the rest alone breaks it")
