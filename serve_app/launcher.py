@@ -53,9 +53,7 @@ def session_members(sid: int) -> list[int]:
 def end_session(sid: int, grace_s: float = 10.0, poll_s: float = 0.1, settle_s: float = 0.0) -> list[int]:
     """SIGTERM to every live process of session `sid` still there `settle_s` from now, SIGKILL to those still
     there `grace_s` later; the pids that had to be signalled (none where the session went on its own)."""
-    deadline = time.monotonic() + settle_s
-    while time.monotonic() < deadline and session_members(sid):
-        time.sleep(poll_s)
+    _wait_gone(sid, settle_s, poll_s)
     signalled: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if not (members := session_members(sid)):
@@ -69,10 +67,15 @@ def end_session(sid: int, grace_s: float = 10.0, poll_s: float = 0.1, settle_s: 
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and session_members(sid):
-            time.sleep(poll_s)
+        _wait_gone(sid, grace_s, poll_s)
     return signalled
+
+
+def _wait_gone(sid: int, timeout_s: float, poll_s: float) -> None:
+    """Until session `sid` has no live process, or `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and session_members(sid):
+        time.sleep(poll_s)
 
 
 def _name(pid: int) -> str:
