@@ -11,7 +11,7 @@ namespace {
 
 constexpr int64_t kCols = 16;  // output columns per block: one zmm of fp32 sums
 
-// NB column blocks x MB input rows: NB * MB accumulators, each MB broadcast of x reused NB times.
+// NB column blocks x MB input rows: NB * MB accumulators, each weight vector reused MB times.
 template <int NB, int MB>
 inline void tile(const at::BFloat16* x, int64_t K, const int32_t* w, int64_t Kp, const at::BFloat16* bias,
                  at::BFloat16* y, int64_t N, int64_t nb0, int64_t rows) {
@@ -21,15 +21,18 @@ inline void tile(const at::BFloat16* x, int64_t K, const int32_t* w, int64_t Kp,
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) acc[b][m] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < Kp; ++kp) {
-    __m512i xb[MB];
+    // The NB weight vectors held, each row's pair broadcast as it is used (VDPBF16PS's embedded broadcast): NB * MB
+    // sums, NB weights and one broadcast in registers, so NB = 3 fits eight rows (28 of the 32).
+    __m512i wv[NB];
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m)
-      xb[m] = _mm512_set1_epi32(m < rows ? *reinterpret_cast<const int32_t*>(x + m * K + 2 * kp) : 0);
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(w + ((nb0 + b) * Kp + kp) * kCols);
 #pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) {
-      const __m512i wv = _mm512_loadu_si512(w + ((nb0 + b) * Kp + kp) * kCols);
+    for (int m = 0; m < MB; ++m) {
+      // Rows past `rows` repeat the last one; their sums are not stored.
+      const int64_t row = m < rows ? m : rows - 1;
+      const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + row * K + 2 * kp));
 #pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) acc[b][m] = _mm512_dpbf16_ps(acc[b][m], (__m512bh)wv, (__m512bh)xb[m]);
+      for (int b = 0; b < NB; ++b) acc[b][m] = _mm512_dpbf16_ps(acc[b][m], (__m512bh)wv[b], (__m512bh)xb);
     }
   }
 #pragma GCC unroll 8
@@ -86,8 +89,8 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
       blocks<4, 1>(xp, M, K, wp, bp, yp, N, b0, b1);
     } else if (M <= 4) {
       blocks<4, 4>(xp, M, K, wp, bp, yp, N, b0, b1);
-    } else {
-      blocks<2, 8>(xp, M, K, wp, bp, yp, N, b0, b1);
+    } else {  // 3 x 8: 24 sums per 3 weight loads (2 x 8 did 16 per 2; batch 8 steps: benchmarks/results/batch.md)
+      blocks<3, 8>(xp, M, K, wp, bp, yp, N, b0, b1);
     }
   });
   return y;
