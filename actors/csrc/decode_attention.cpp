@@ -8,6 +8,13 @@
 // [R, D], each row's RoPE tables (rope.py's), or none where q and k come roped.
 // Row r attends to positions [start[r], pos[r]]. Scores, softmax and the weighted sum in fp32; out [R, H, D] bf16,
 // rounded once. Built with -mavx512bf16 by actors/cpu_kernels.py; called only where the CPU has it.
+//
+// Each (row, KV head) is one pass over its keys and values where its query heads' sums fit the registers (up to 4
+// query heads a KV head and D up to 64: SmolLM2's and the demo's shapes; `attend_online`), two passes otherwise
+// (all the scores first, then the values; `attend`). One pass streams the keys and the values together while each
+// block computes, where the two passes computed on the keys, then on the values, with the memory idle between: 11%
+// off the kernel's time for 8 rows at 1,024 positions (benchmarks/results/batch.md's attention split, against the
+// same table before it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -142,10 +149,110 @@ const WeighValues WEIGH_VALUES[MAX_NG][MAX_NB] = {
     {weigh_values<4, 1>, weigh_values<4, 2>, weigh_values<4, 3>, weigh_values<4, 4>},
 };
 
+// One KV head of one row in one pass over its span: each block of KB keys is scored for all NG query heads (the
+// keys from the L1 cache after the first head), each head's running max and sum updated (what it has summed so far
+// rescaled where the max grew), then the block's values weighed in for every head. NB = D / 16: each head's NB sums
+// of 16 features stay in registers (NG * NB <= 16). The values are widened 32 features a load, the even ones in
+// one vector and the odd in the next (vb[b], vb[b + 1]), and interleaved back once at the end.
+template <int NG, int NB>
+void attend_online(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, int64_t t0, int64_t t1,
+                   float scale, at::BFloat16* out) {
+  constexpr int64_t D = 16 * NB;
+  const int64_t T = t1 - t0;
+  __m512 acc[NG][NB], sum[NG];
+  float max_s[NG];
+  for (int g = 0; g < NG; ++g) {
+    for (auto& a : acc[g]) a = _mm512_setzero_ps();
+    sum[g] = _mm512_setzero_ps();
+    max_s[g] = -INFINITY;
+  }
+  alignas(64) float p[NG][KB];
+  alignas(64) at::BFloat16 k_tail[KB * D];
+  for (int64_t t = 0; t < T; t += KB) {
+    const int64_t n = std::min<int64_t>(KB, T - t);
+    const __mmask16 keep = n == KB ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    const at::BFloat16* kb = k + (t0 + t) * D;
+    if (n < KB) {  // a short last block: scored from a copy padded with zeros, the padding's scores masked
+      std::memset(k_tail, 0, sizeof(k_tail));
+      std::memcpy(k_tail, kb, n * D * sizeof(at::BFloat16));
+      kb = k_tail;
+    }
+    for (int g = 0; g < NG; ++g) {
+      __m512 dots[KB];
+      for (auto& a : dots) a = _mm512_setzero_ps();
+      for (int64_t d = 0; d + 32 <= D; d += 32) {
+        const __m512 qd = loadbh(q + g * D + d);
+        for (int64_t j = 0; j < KB; ++j) dots[j] = dot_pairs(dots[j], qd, loadbh(kb + j * D + d));
+      }
+      if (D % 32) {
+        const __m512 qd = loadbh_half(q + g * D + D - 16);
+        for (int64_t j = 0; j < KB; ++j) dots[j] = dot_pairs(dots[j], qd, loadbh_half(kb + j * D + D - 16));
+      }
+      const __m512 st = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,  // the padding's scores: -inf
+                                           _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)));
+      const float block_max = _mm512_reduce_max_ps(st);
+      if (block_max > max_s[g]) {  // rescale what was summed against the old max (exp(-inf) = 0 at the start)
+        const __m512 c = _mm512_set1_ps(std::exp(max_s[g] - block_max));
+        for (auto& a : acc[g]) a = _mm512_mul_ps(a, c);
+        sum[g] = _mm512_mul_ps(sum[g], c);
+        max_s[g] = block_max;
+      }
+      // exp16 clamps -inf to ~1e-38, not 0: the padding's weights are zeroed here.
+      const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(st, _mm512_set1_ps(max_s[g]))));
+      sum[g] = _mm512_add_ps(sum[g], e);
+      _mm512_store_ps(p[g], e);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const at::BFloat16* vt = v + (t0 + t + j) * D;
+      __m512 vb[NB];
+      for (int b = 0; b + 1 < NB; b += 2) {
+        const __m512i raw = _mm512_loadu_si512(vt + 16 * b);
+        vb[b] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // features 16b, 16b + 2, ...: each low half
+        vb[b + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(0xFFFF0000)));  // the odd: high halves
+      }
+      if (NB % 2) vb[NB - 1] = load16(vt + 16 * (NB - 1));
+      for (int g = 0; g < NG; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g][j]);
+        for (int b = 0; b < NB; ++b) acc[g][b] = _mm512_fmadd_ps(w, vb[b], acc[g][b]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum[g]));
+    for (int b = 0; b + 1 < NB; b += 2) {  // even and odd features interleaved back: 16b .. 16b + 15, then the next 16
+      const __m512 ev = _mm512_mul_ps(acc[g][b], inv), od = _mm512_mul_ps(acc[g][b + 1], inv);
+      const __m512 lo = _mm512_permutex2var_ps(
+          ev, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), od);
+      const __m512 hi = _mm512_permutex2var_ps(
+          ev, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), od);
+      _mm256_storeu_si256((__m256i*)(out + g * D + 16 * b), (__m256i)_mm512_cvtneps_pbh(lo));
+      _mm256_storeu_si256((__m256i*)(out + g * D + 16 * b + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+    }
+    if (NB % 2) {
+      _mm256_storeu_si256((__m256i*)(out + g * D + 16 * (NB - 1)),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][NB - 1], inv)));
+    }
+  }
+}
+
+using AttendOnline = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, float,
+                              at::BFloat16*);
+const AttendOnline ATTEND_ONLINE[4][4] = {
+    {attend_online<1, 1>, attend_online<1, 2>, attend_online<1, 3>, attend_online<1, 4>},
+    {attend_online<2, 1>, attend_online<2, 2>, attend_online<2, 3>, attend_online<2, 4>},
+    {attend_online<3, 1>, attend_online<3, 2>, attend_online<3, 3>, attend_online<3, 4>},
+    {attend_online<4, 1>, attend_online<4, 2>, attend_online<4, 3>, attend_online<4, 4>},
+};
+
 // One KV head of one row: its G query heads [G, D] against keys [t0, t1) of k [S, D], v [S, D] (D % 16 == 0) into
-// out [G, D]. scores: scratch, resized to G rows of the span's keys.
+// out [G, D]: in one pass where attend_online's registers hold it, else all G heads' scores first (scores: scratch,
+// resized to G rows of the span's keys), then the values.
 void attend(const at::BFloat16* q, int64_t G, const at::BFloat16* k, const at::BFloat16* v, int64_t t0, int64_t t1,
             int64_t D, float scale, at::BFloat16* out, std::vector<float>& scores) {
+  if (G <= 4 && D <= 64) {
+    ATTEND_ONLINE[G - 1][D / 16 - 1](q, k, v, t0, t1, scale, out);
+    return;
+  }
   const int64_t T = t1 - t0, stride = (T + KB - 1) / KB * KB;
   scores.resize(G * stride);
   std::vector<float> inv(G);

@@ -124,6 +124,32 @@ def test_the_kernel_caches_each_rows_new_key_and_attends_within_one_rounding_of_
             assert error <= (sdpa.double().reshape(h, d) - exact.reshape(h, d)).abs().max()
 
 
+def test_the_one_pass_kernel_rescales_its_sums_where_a_later_block_holds_the_largest_score():
+    # Up to 4 query heads a KV head and D up to 64, one pass keeps a running max: scores rising block by block
+    # rescale everything summed before each block, and one key far above the rest at the end leaves the earlier
+    # blocks' weights ~0. Against the exact softmax, for the one-pass shapes (G 3, D 64; G 1, D 48) and a two-pass one
+    # (G 5, D 64).
+    torch.manual_seed(2)
+    ext = cpu_kernels.extension()
+    for d, h, h_kv in ((64, 9, 3), (48, 1, 1), (64, 10, 2)):
+        n = 100
+        q = torch.randn(1, h, d).to(torch.bfloat16)
+        k_new, v_new = (torch.randn(1, h_kv, d).to(torch.bfloat16) for _ in range(2))
+        direction = q[0].float().view(h_kv, h // h_kv, d).mean(1)  # [H_kv, D]: a key along it scores high for all
+        rising = torch.linspace(-2, 2, n)[None, :, None] * direction[:, None, :]  # [H_kv, n, D]
+        spiked = torch.randn(h_kv, n, d) * 0.1
+        spiked[:, -2] = 8 * direction
+        for keys in (rising, spiked):
+            k_cache = keys.unsqueeze(0).to(torch.bfloat16)
+            v_cache = torch.randn(1, h_kv, n, d).to(torch.bfloat16)
+            k0, v0 = k_cache.clone(), v_cache.clone()
+            out = ext.decode_attention(_joined(q, k_new, v_new), h, h_kv, [k_cache], [v_cache], [n - 1], [0])
+            k0[0, :, n - 1], v0[0, :, n - 1] = k_new[0], v_new[0]
+            exact = torch.softmax(q[0].double().view(h_kv, h // h_kv, d) @ k0[0].double().transpose(1, 2) / d ** 0.5,
+                                  -1) @ v0[0].double()
+            torch.testing.assert_close(out[0].double(), exact.reshape(h, d), rtol=2**-8, atol=2e-3)
+
+
 def test_the_kernel_gives_the_same_bits_on_one_thread_or_two():
     torch.manual_seed(1)
     lengths, h, h_kv, d = [3, 70, 300], 9, 3, 64
