@@ -4,6 +4,7 @@
     decode_attention   every decoding row of a batch attends in one call (attention.py)
     rms_norm           RMSNorm of bf16 rows in one pass (layers.py)
     argmax_rows        greedy sampling's argmax over every row's fp32 logits in one call (sampling.py)
+    silu_mul           the MLP's silu(gate) * up in one pass (model.py)
     DecodeLayers       every decoder layer of a decode-only step in one call (decode_layers.py)
 
 and one for CPUs with AVX2 and FMA, which compute a bf16 file in fp32 (compute_dtype.py) where there is no
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "bf16_linear.cpp", "decode_attention.cpp", "rms_norm.cpp",
-                                      "argmax.cpp"))
+                                      "argmax.cpp", "silu_mul.cpp"))
 AVX2_SOURCES = tuple(CSRC / f for f in ("avx2_bindings.cpp", "bf16_weight_linear.cpp", "rms_norm_f32.cpp",
                                          "decode_attention_f32.cpp"))
 # -fopenmp: at::parallel_for is an OpenMP pragma inlined from torch's headers; compiled without it, the

@@ -70,6 +70,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, h, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_in is not None and self.fused_in.kernel is bf16_linear.linear:  # bf16 rows: one kernel pass
+            return self.down_proj(bf16_linear.silu_mul(self.fused_in.joined(x)))
         if self.fused_in is not None:  # views of one new [..., 2I] tensor: overwritten in place, no more memory
             gate, up = self.fused_in(x)
             return self.down_proj(F.silu(gate, inplace=True).mul_(up))

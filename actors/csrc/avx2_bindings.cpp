@@ -26,6 +26,12 @@ struct Avx2Kernels {
     return rms_norm_f32(x, w, eps);
   }
   static constexpr auto attention = decode_attention_f32;
+  // As MLP.forward computes fp32 rows: silu(gate) in place, times up in place; contiguous for the down projection.
+  static torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t I) {
+    torch::Tensor gate = gate_up.narrow(1, 0, I);
+    at::silu_(gate).mul_(gate_up.narrow(1, I, I));
+    return gate.contiguous();
+  }
 };
 
 // Built with OpenMP, as the AVX512 kernels (bindings.cpp): at::parallel_for then uses torch's intra-op threads.

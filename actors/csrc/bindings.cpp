@@ -13,6 +13,7 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
                                const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 // The kernels decode_layers.h's layer loop calls: bf16 rows.
 struct Bf16Kernels {
@@ -23,6 +24,7 @@ struct Bf16Kernels {
   }
   static torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, double eps) { return rms_norm(x, w, eps); }
   static constexpr auto attention = decode_attention;
+  static torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t) { return ::silu_mul(gate_up); }
 };
 
 // Built with OpenMP: at::parallel_for then splits a kernel over torch's intra-op threads (else it runs on one).
@@ -52,5 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest fp32 logit", NoGil(),
         pybind11::arg("logits"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of bf16 [M, 2I] gate and up side by side: [M, I]", NoGil(),
+        pybind11::arg("gate_up"));
   decode_layers::bind<Bf16Kernels>(m);
 }

@@ -24,11 +24,12 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
-inline __m512 load16(const at::BFloat16* p) {  // 16 bf16 -> 16 fp32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+using vec_math::exp16;
+using vec_math::load16;
 
 constexpr int64_t KB = 16;  // keys a block: one vector of their scores
 
@@ -58,22 +59,6 @@ inline __m512 sum_lanes16(const __m512* v) {
   // z: element e of 128-bit lane l = the sum of v[4e + l]; put it at 4e + l.
   const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
-}
-
-// exp(x) of 16 lanes, x <= 0 here (scores less their max): Cephes' expf, 2^n times a degree-7 polynomial of the
-// rest, within about one fp32 rounding of the exact value.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below, exp is under 2^-126: ~0 against the max's 1
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Scores of query head q [D] against keys [t0, t1) of k [S, D], times scale, into s [t1 - t0]; returns their max.

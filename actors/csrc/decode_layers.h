@@ -3,8 +3,8 @@
 // overhead. The same kernels and ATen ops in the same order as actors/model.py's layers with packed weights
 // (bf16_linear.Fused, the decode-attention kernel): the same bits (tests/runtime/test_decode_layers.py).
 //
-// A template over the extension's kernels (`Kernels`: linear, norm, attention and the dtype they compute in),
-// instantiated by bindings.cpp (bf16 rows, AVX512-BF16) and avx2_bindings.cpp (fp32 rows over bf16 weights).
+// A template over the extension's kernels (`Kernels`: linear, norm, attention, silu_mul and the dtype they compute
+// in), instantiated by bindings.cpp (bf16 rows, AVX512-BF16) and avx2_bindings.cpp (fp32 rows over bf16 weights).
 //
 // x: [R, hidden], one token a row; k_caches[l][r], v_caches[l][r]: layer l's cache of row r, [1, H_kv, S_r, D];
 // pos, start, cos, sin: as the attention kernel takes them. Returns x after the last layer, [R, hidden].
@@ -60,12 +60,10 @@ class DecodeLayers {
                                                 (H_ + 2 * Hkv_) * D_, qkv_bias_[l]);
       const torch::Tensor y = Kernels::attention(qkv, H_, Hkv_, k_caches[l], v_caches[l], pos, start, cos, sin);
       const torch::Tensor h = x + Kernels::linear(y.view({R, H_ * D_}), o_[l], hidden_, o_bias_[l]);
-      // As MLP.forward with gate and up joined: silu(gate) in place, times up in place, then down.
+      // As MLP.forward with gate and up joined: silu(gate) * up, then down.
       const torch::Tensor gate_up = Kernels::linear(Kernels::norm(h, post_norms_[l], eps_), gate_up_[l], 2 * I_,
                                                     gate_up_bias_[l]);
-      torch::Tensor gate = gate_up.narrow(1, 0, I_);
-      at::silu_(gate).mul_(gate_up.narrow(1, I_, I_));
-      x = h + Kernels::linear(gate.contiguous(), down_[l], hidden_, down_bias_[l]);
+      x = h + Kernels::linear(Kernels::silu_mul(gate_up, I_), down_[l], hidden_, down_bias_[l]);
     }
     return x;
   }
