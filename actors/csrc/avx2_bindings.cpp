@@ -22,6 +22,10 @@ struct Avx2Kernels {
                               const c10::optional<torch::Tensor>& bias) {
     return bf16_weight_linear(x, packed, N, bias);
   }
+  static torch::Tensor linear_add(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                                  const c10::optional<torch::Tensor>& bias, const torch::Tensor& residual) {
+    return residual + bf16_weight_linear(x, packed, N, bias);
+  }
   static torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
     return rms_norm_f32(x, w, eps);
   }

@@ -6,7 +6,7 @@
 #include "decode_layers.h"
 
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                          const c10::optional<torch::Tensor>& bias);
+                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
 torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
                                const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                                const std::vector<int64_t>& pos, const std::vector<int64_t>& start,
@@ -20,7 +20,12 @@ struct Bf16Kernels {
   static constexpr at::ScalarType dtype = at::kBFloat16;
   static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                               const c10::optional<torch::Tensor>& bias) {
-    return bf16_linear(x, packed, N, bias);
+    return bf16_linear(x, packed, N, bias, c10::nullopt);
+  }
+  // residual + linear(x): the add in the linear's own epilogue, no tensor of its own.
+  static torch::Tensor linear_add(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                                  const c10::optional<torch::Tensor>& bias, const torch::Tensor& residual) {
+    return bf16_linear(x, packed, N, bias, residual);
   }
   static torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, double eps) { return rms_norm(x, w, eps); }
   static constexpr auto attention = decode_attention;
@@ -43,8 +48,10 @@ using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("is_parallel", &is_parallel, "the kernels split their work over torch's intra-op threads");
-  m.def("bf16_linear", &bf16_linear, "x [M, K] bf16 @ W.T (+ bias) with W packed as [N/16, K/2, 16] int32 pairs", NoGil(),
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none());
+  m.def("bf16_linear", &bf16_linear,
+        "x [M, K] bf16 @ W.T (+ bias) (+ residual [M, N]) with W packed as [N/16, K/2, 16] int32 pairs", NoGil(),
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("residual") = pybind11::none());
   m.def("decode_attention", &decode_attention, "every decoding row's new key and value cached, and its query attended",
         NoGil(),
         pybind11::arg("qkv"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("k_caches"),

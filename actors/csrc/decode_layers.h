@@ -3,8 +3,11 @@
 // overhead. The same kernels and ATen ops in the same order as actors/model.py's layers with packed weights
 // (bf16_linear.Fused, the decode-attention kernel): the same bits (tests/runtime/test_decode_layers.py).
 //
-// A template over the extension's kernels (`Kernels`: linear, norm, attention, silu_mul and the dtype they compute
-// in), instantiated by bindings.cpp (bf16 rows, AVX512-BF16) and avx2_bindings.cpp (fp32 rows over bf16 weights).
+// A template over the extension's kernels (`Kernels`: linear, linear_add (a residual added to the product), norm,
+// attention, silu_mul and the dtype they compute in), instantiated by bindings.cpp (bf16 rows, AVX512-BF16) and
+// avx2_bindings.cpp (fp32 rows over bf16 weights). The bf16 kernels add the residual and compute the activation
+// in their own passes, with torch's bits for its ops (but for results below fp32's normal range, which their
+// conversion flushes to 0).
 //
 // x: [R, hidden], one token a row; k_caches[l][r], v_caches[l][r]: layer l's cache of row r, [1, H_kv, S_r, D];
 // pos, start, cos, sin: as the attention kernel takes them. Returns x after the last layer, [R, hidden].
@@ -59,11 +62,11 @@ class DecodeLayers {
       const torch::Tensor qkv = Kernels::linear(Kernels::norm(x, input_norms_[l], eps_), qkv_[l],
                                                 (H_ + 2 * Hkv_) * D_, qkv_bias_[l]);
       const torch::Tensor y = Kernels::attention(qkv, H_, Hkv_, k_caches[l], v_caches[l], pos, start, cos, sin);
-      const torch::Tensor h = x + Kernels::linear(y.view({R, H_ * D_}), o_[l], hidden_, o_bias_[l]);
+      const torch::Tensor h = Kernels::linear_add(y.view({R, H_ * D_}), o_[l], hidden_, o_bias_[l], x);
       // As MLP.forward with gate and up joined: silu(gate) * up, then down.
       const torch::Tensor gate_up = Kernels::linear(Kernels::norm(h, post_norms_[l], eps_), gate_up_[l], 2 * I_,
                                                     gate_up_bias_[l]);
-      x = h + Kernels::linear(Kernels::silu_mul(gate_up, I_), down_[l], hidden_, down_bias_[l]);
+      x = Kernels::linear_add(Kernels::silu_mul(gate_up, I_), down_[l], hidden_, down_bias_[l], h);
     }
     return x;
   }

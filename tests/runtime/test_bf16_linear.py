@@ -1,5 +1,6 @@
 """The bf16 linear kernel (actors/bf16_linear.py): F.linear's products up to one rounding, for any row
-count and any output count (a partial last block of 16 columns), with and without a bias; the pair layout
+count and any output count (a partial last block of 16 columns), with and without a bias, a residual added as
+torch adds it; the pair layout
 exactly as documented; a tied table's rows read back from its pairs bit for bit."""
 
 from __future__ import annotations
@@ -33,6 +34,21 @@ def test_the_products_are_f_linears_up_to_one_rounding(rows, out_features, in_fe
     # fp32's own summation error on unit-scale data; F.linear's bf16 output is held to the same bound.
     for y in (got, F.linear(x, w, bias)):
         torch.testing.assert_close(y.double(), exact, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_a_residual_is_added_as_torch_adds_it_to_the_product(rows):
+    # The decode layers' `h = x + o_proj(y)` in the kernel's epilogue: the product rounded to bf16, the residual
+    # added in fp32 and rounded again, torch's bf16 add of the two; a partial last block of columns (40).
+    torch.manual_seed(rows)
+    w = torch.randn(40, 64).to(torch.bfloat16)
+    bias = torch.randn(40).to(torch.bfloat16)
+    x, residual = torch.randn(rows, 64).to(torch.bfloat16), torch.randn(rows, 40).to(torch.bfloat16)
+    packed = bf16_linear.pack(w)
+    got = cpu_kernels.extension().bf16_linear(x, packed, 40, bias, residual)
+    assert torch.equal(got, residual + bf16_linear.linear(x, packed, 40, bias))
+    with pytest.raises(RuntimeError, match="residual"):
+        cpu_kernels.extension().bf16_linear(x, packed, 40, bias, residual[:, :39].contiguous())
 
 
 def test_a_non_contiguous_input_gives_the_same_products():
