@@ -8,19 +8,11 @@
 
 #include <cmath>
 
-namespace {
+#include "vec_math.h"
 
-inline __mmask16 tail(int64_t k, int64_t K) { return k + 16 <= K ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1); }
-
-inline __m512 load16(const at::BFloat16* p, __mmask16 m) {  // 16 bf16 -> fp32 (exact); masked lanes 0
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-inline __m512 round_bf16(__m512 v) {  // RNE to bf16 and back, as a torch bf16 tensor would hold it
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-}  // namespace
+using vec_math::load16;
+using vec_math::round_bf16;
+using vec_math::tail;
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() >= 1, "x: contiguous bf16 [..., K]");

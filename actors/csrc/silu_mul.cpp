@@ -11,17 +11,9 @@
 
 #include "vec_math.h"
 
-namespace {
-
-inline __m512 round_bf16(__m512 v) {  // RNE to bf16 and back, as a torch bf16 tensor would hold it
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-inline __m512 load_masked(const at::BFloat16* p, __mmask16 m) {  // masked lanes 0
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-}  // namespace
+using vec_math::load16;
+using vec_math::round_bf16;
+using vec_math::tail;
 
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
@@ -35,13 +27,13 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
       const at::BFloat16* gate = gp + m * 2 * I;
       const at::BFloat16* up = gate + I;
       for (int64_t i = 0; i < I; i += 16) {
-        const __mmask16 mask = i + 16 <= I ? 0xFFFF : (__mmask16)((1u << (I - i)) - 1);
-        const __m512 g = load_masked(gate + i, mask);
+        const __mmask16 mask = tail(i, I);
+        const __m512 g = load16(gate + i, mask);
         // silu(g) = g / (1 + exp(-g)), as torch's kernel computes it in fp32
         const __m512 e = vec_math::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
         const __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
         _mm256_mask_storeu_epi16(yp + m * I + i, mask,
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, load_masked(up + i, mask))));
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, load16(up + i, mask))));
       }
     }
   });

@@ -1,4 +1,4 @@
-// Vector helpers the AVX512-BF16 kernels share (decode_attention.cpp, silu_mul.cpp).
+// Vector helpers the AVX512-BF16 kernels share (decode_attention.cpp, rms_norm.cpp, silu_mul.cpp).
 #pragma once
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -7,6 +7,16 @@ namespace vec_math {
 
 inline __m512 load16(const at::BFloat16* p) {  // 16 bf16 -> 16 fp32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline __mmask16 tail(int64_t k, int64_t K) { return k + 16 <= K ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1); }
+
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) {  // as above, masked lanes 0
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+inline __m512 round_bf16(__m512 v) {  // RNE to bf16 and back, as a torch bf16 tensor would hold it
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
 // exp(x) of 16 lanes: Cephes' expf, 2^n times a degree-7 polynomial of the rest, within about one fp32 rounding of
