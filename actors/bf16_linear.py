@@ -62,13 +62,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return y.view(*x.shape[:-1], out_features)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] bf16, the MLP's gate and up side by side -> silu(gate) * up [..., I] (csrc/silu_mul.cpp)."""
-    rows = gate_up.reshape(-1, gate_up.shape[-1])
-    y = cpu_kernels.extension().silu_mul(rows if rows.is_contiguous() else rows.contiguous())
-    return y.view(*gate_up.shape[:-1], y.shape[-1])
-
-
 def rows_of(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows `index` [...] of the weight `packed` holds, as bf16 [..., K]: a tied head's table read as embeddings."""
     # Row t is column t % 16 of block t // 16, two features per int32: the same bf16 values.

@@ -4,7 +4,7 @@
     decode_attention   every decoding row of a batch attends in one call (attention.py)
     rms_norm           RMSNorm of bf16 rows in one pass (layers.py)
     argmax_rows        greedy sampling's argmax over every row's fp32 logits in one call (sampling.py)
-    silu_mul           the MLP's silu(gate) * up in one pass (model.py)
+    silu_mul           the MLP's silu(gate) * up in one pass (layers.py)
     DecodeLayers       every decoder layer of a decode-only step in one call (decode_layers.py)
 
 and one for CPUs with AVX2 and FMA, which compute a bf16 file in fp32 (compute_dtype.py) where there is no

@@ -1,4 +1,5 @@
-"""The model's building blocks beside attention: a linear layer whose CPU kernel is chosen by speed, and RMSNorm."""
+"""The model's building blocks beside attention: a linear layer whose CPU kernel is chosen by speed, RMSNorm, and
+the MLP's activation on the actors' kernel."""
 
 from __future__ import annotations
 
@@ -84,6 +85,14 @@ class Linear(nn.Linear):
                 return bf16_weight_linear.linear(x, self.packed_weight, self.out_features, self.bias)
             return packed_linear(x, self.packed_weight, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] bf16, the MLP's gate and up side by side -> silu(gate) * up [..., I] in one pass of the
+    actors' kernel (csrc/silu_mul.cpp), loaded wherever bf16_linear's weights are packed."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    y = cpu_kernels.extension().silu_mul(rows if rows.is_contiguous() else rows.contiguous())
+    return y.view(*gate_up.shape[:-1], y.shape[-1])
 
 
 def fuse_rms_norms(model: nn.Module, enabled: bool = True) -> None:

@@ -41,7 +41,7 @@ from actors import bf16_linear, decode_layers
 from actors.arena import move_parameters_to_huge_pages
 from actors.attention import Attention, AttentionSpan, Segment
 from actors.kv_cache import KVCache
-from actors.layers import Linear, RMSNorm, linear
+from actors.layers import Linear, RMSNorm, linear, silu_mul
 from actors.rope import rope_inv_freq, rope_tables
 from weights_tool.architecture import ModelConfig
 from weights_tool.groups import EMBEDDINGS_GROUP, group_index
@@ -71,7 +71,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_in is not None and self.fused_in.kernel is bf16_linear.linear:  # bf16 rows: one kernel pass
-            return self.down_proj(bf16_linear.silu_mul(self.fused_in.joined(x)))
+            return self.down_proj(silu_mul(self.fused_in.joined(x)))
         if self.fused_in is not None:  # views of one new [..., 2I] tensor: overwritten in place, no more memory
             gate, up = self.fused_in(x)
             return self.down_proj(F.silu(gate, inplace=True).mul_(up))
