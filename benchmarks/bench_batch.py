@@ -20,8 +20,10 @@ size alike; each figure is the median over the plan's repeats.
 - Packed linear weights (`actors/packed_weights.py`, the actors' default) against the plain
   kernels: every step size timed with both, in the same repeat.
 - Where the largest batch's step goes at the longest context: the decode-attention kernel alone
-  (every layer, random caches of the model's shape) against the whole step, and what the
-  TPOT goal would leave it for its KV bytes.
+  (every layer, random caches of the model's shape) against the whole step, what the TPOT goal
+  would leave it for its KV bytes, and a plain fp32 sum over as many bytes (what reading them
+  costs at all), in the same turns.
+- The MLP's activation on 8 rows and on a 256-token chunk: torch's ops against csrc/silu_mul.cpp.
 - The two CPU kernel choices the runtime makes (actors/layers.py, actors/attention.py):
   one bf16 row through `torch.mv` against `F.linear` on the model's MLP weight, and one
   decode query's attention over 1,024 cached positions with SDPA's `enable_gqa` against
@@ -47,7 +49,7 @@ from actors.actor_config import ActorConfig
 from actors.attention import decode_kernel
 from actors.engine import Engine
 from actors.layer_loader import load_zqs
-from actors.layers import packed_linear
+from actors.layers import packed_linear, silu_mul
 from actors.packed_weights import pack, packed_kernel_of
 from actors.sampling import SamplingParams
 from benchmarks.common import (
@@ -163,6 +165,19 @@ def kernels(model) -> dict[str, float]:
     if cpu_kernels.is_available():
         pairs = bf16_linear.pack(weight)
         out["pairs_us"] = _call_us(lambda: bf16_linear.linear(row.view(1, -1), pairs, weight.shape[0]))
+        # The MLP's activation on its joined gate and up, [rows, 2I]: torch's ops as MLP.forward made them (in
+        # place on the joined output, then the copy that makes the down projection's input contiguous) and
+        # csrc/silu_mul.cpp's one pass; 8 decoding rows and a 256-token prompt chunk.
+        inter = weight.shape[0]
+        for rows in (8, 256):
+            gate_up = torch.randn(rows, 2 * inter).to(weight.dtype)
+
+            def torch_ops(gate_up=gate_up) -> torch.Tensor:
+                joined = gate_up.clone()  # the ops write in place: on a copy, its cost timed below and taken off
+                return F.silu(joined[:, :inter], inplace=True).mul_(joined[:, inter:]).contiguous()
+            clone_us = _call_us(gate_up.clone)
+            out[f"silu_torch_{rows}_us"] = _call_us(torch_ops) - clone_us
+            out[f"silu_kernel_{rows}_us"] = _call_us(lambda gate_up=gate_up: silu_mul(gate_up))
     return out | {
         "mv_us": _call_us(lambda: torch.mv(weight, row)),
         "linear_us": _call_us(lambda: F.linear(row.view(1, -1), weight)),
@@ -211,6 +226,9 @@ def measure(plan: Plan, zqs: Path) -> dict:
     long, top = max(plan.contexts), max(plan.batch_sizes)
     # The top batch's attention beside its steps at the longest context, timed in the same turns.
     probes = {f"attention/{b}": probe for b in (1, top) if (probe := attention_probe(model, b, long)) is not None}
+    if probes:  # what reading that many bytes costs at all: one fp32 sum over them, on the same threads
+        plain = torch.randn(top * (long + 1) * out["kv_bytes_per_token"] // 4)
+        probes["read"] = plain.sum
     for e in (sized, plain_sized):
         if e:
             step_times(e, 32, 4)  # warm-up
@@ -317,6 +335,11 @@ def report(plan: Plan, data: dict, command: str, elapsed_s: float, load: tuple[f
            f"{'this' if data.get('packed_kernel') == 'onednn' else ''} |"] if "packed_us" in kern else []),
         *([f"| the same, the weight in pairs for `actors/bf16_linear.py`'s kernel | {kern['pairs_us']:.0f} | "
            f"{'this' if data.get('packed_kernel') == 'bf16_linear' else ''} |"] if "pairs_us" in kern else []),
+        *(line for rows in (8, 256) if f"silu_torch_{rows}_us" in kern for line in (
+            f"| silu(gate) * up of {rows} rows, torch's `silu_`, `mul_` and the copy to contiguous | "
+            f"{kern[f'silu_torch_{rows}_us']:.0f} | |",
+            f"| the same, `csrc/silu_mul.cpp` in one pass | {kern[f'silu_kernel_{rows}_us']:.0f} | "
+            f"{'this' if data.get('packed_kernel') == 'bf16_linear' else ''} |")),
         f"| one decode query over 1,024 positions, SDPA `enable_gqa` | {kern['sdpa_gqa_us']:.0f} | |",
         f"| the same, query heads folded onto their KV head | {kern['sdpa_folded_us']:.0f} | this |",
         "",
@@ -370,7 +393,9 @@ def _attention_split(plan: Plan, data: dict, med: dict[str, float]) -> list[str]
               f"only streams the weights). A per-row TPOT of 1.5x batch 1's leaves its attention {need}, where it "
               f"reads them at {kv_top / statistics.median(probes[f'attention/{top}']) / 1e9:.0f} GB/s and batch 1's "
               f"step streams the model's {data['weight_bytes'] / 1e6:.0f} MB of weights at "
-              f"{data['weight_bytes'] / one / 1e9:.0f} GB/s.", ""]
+              f"{data['weight_bytes'] / one / 1e9:.0f} GB/s"
+              + (f"; torch's fp32 sum over as many bytes in one tensor, in the same turns, reads "
+                 f"{kv_top / statistics.median(probes['read']) / 1e9:.0f} GB/s." if "read" in probes else "."), ""]
     return lines
 
 

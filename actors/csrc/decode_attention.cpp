@@ -12,9 +12,9 @@
 // Each (row, KV head) is one pass over its keys and values where its query heads' sums fit the registers (up to 4
 // query heads a KV head and D up to 64: SmolLM2's and the demo's shapes; `attend_online`), two passes otherwise
 // (all the scores first, then the values; `attend`). One pass streams the keys and the values together while each
-// block computes, where the two passes computed on the keys, then on the values, with the memory idle between: 11%
-// off the kernel's time for 8 rows at 1,024 positions (benchmarks/results/batch.md's attention split, against the
-// same table before it).
+// block computes, where the two passes computed on the keys, then on the values, with the memory idle between:
+// 3.33 ms against 3.72 for 8 rows at 1,024 positions (benchmarks/results/batch.md's attention split as of commits
+// c2a72e4 and 137e319).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

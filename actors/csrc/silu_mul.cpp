@@ -1,9 +1,9 @@
 // The MLP's activation on its joined gate and up projections: silu(gate) * up in one pass, as torch computes
 // F.silu(gate, inplace=True).mul_(up) on bf16 (each result in fp32, rounded to bf16: silu first, then the
-// product), into a new contiguous tensor: torch's two ops and the copy that makes the down projection's input
-// contiguous were 20 µs a layer at 8 rows against this kernel's 8 (by hand; 581 against 225 µs for a 256-token
-// prompt chunk). The same bits as torch's but for products below fp32's normal range (~1e-38), which the
-// conversion instruction flushes to 0 where torch keeps them (tests/runtime/test_silu_mul.py).
+// product), into a new contiguous tensor, in fewer µs than torch's two ops and the copy that makes the down
+// projection's input contiguous (benchmarks/results/batch.md's kernel table: 8 rows and a 256-token prompt
+// chunk of the demo model's MLP). The same bits as torch's but for products below fp32's normal range (~1e-38),
+// which the conversion instruction flushes to 0 where torch keeps them (tests/runtime/test_silu_mul.py).
 // gate_up: [M, 2I] bf16, contiguous, gate then up; returns [M, I]. Built with -mavx512bf16 by actors/cpu_kernels.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
