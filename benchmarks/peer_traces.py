@@ -3,8 +3,10 @@
 GuideLLM sees a request's TTFT from outside; the app's traces (serve_app/traces.py) say where
 the request went and what admission predicted for it: its tier (hot, join, warm, cold) and
 predicted TTFT, its measured TTFT (the ingress's arrival to the actor's first token), and each
-refusal's reason, and the threads its steps computed on (the mean over them: the thread governor
-drops to one while the node's other processes are busy). Per rate, `summarise` counts them, and
+refusal's reason, the threads its steps computed on (the mean over them: the thread governor
+drops to one while the node's other processes are busy), and how long the first token took from the
+actor's sampling it to the ingress's receiving it (`ttft_seen_s - ttft_s`: the actor's event loop and
+Ray's stream, which the measured TTFT leaves out and a client waits for). Per rate, `summarise` counts them, and
 names the admitted requests whose measured TTFT passed the served model's TTFT target: admission
 let each in on a prediction within the target (issue 23: no admission into seconds of waiting),
 so each is a prediction that missed, and the report says by how much and where.
@@ -38,7 +40,7 @@ def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
     per reason, and the admitted requests past the TTFT target, worst first."""
     tiers: dict[str, list[tuple[float, float]]] = {}
     refused: Counter = Counter()
-    late, corrections, threads = [], [], []
+    late, corrections, threads, delivery = [], [], [], []
     for r in records:
         decision, outcome = r.get("decision") or {}, r.get("outcome") or {}
         if decision.get("kind") == "reject":
@@ -49,6 +51,8 @@ def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
         measured, predicted = outcome.get("ttft_s"), (decision.get("predicted") or {}).get("ttft_s")
         if outcome.get("ok") and outcome.get("mean_step_threads"):
             threads.append(outcome["mean_step_threads"])
+        if outcome.get("ok") and measured is not None and outcome.get("ttft_seen_s") is not None:
+            delivery.append(outcome["ttft_seen_s"] - measured)
         if not outcome.get("ok") or measured is None or not predicted:
             continue
         tier = decision.get("tier") or "?"
@@ -69,7 +73,9 @@ def summarise(records: list[dict], ttft_target_s: float | None) -> dict:
                          "ttft_p99_s": percentile([m for m, _ in pairs], 99)}
     return {"tiers": by_tier, "refused": dict(refused), "num_late": len(late), "late": late[:MAX_LISTED],
             "step_correction_p50": percentile(corrections, 50) if corrections else None,
-            "step_threads_mean": sum(threads) / len(threads) if threads else None}
+            "step_threads_mean": sum(threads) / len(threads) if threads else None,
+            "delivery_p50_s": percentile(delivery, 50) if delivery else None,
+            "delivery_p99_s": percentile(delivery, 99) if delivery else None}
 
 
 def report_lines(data: dict) -> list[str]:
@@ -84,18 +90,22 @@ def report_lines(data: dict) -> list[str]:
              "From the app's request traces (serve_app/traces.py), per rate: admitted requests per tier with "
              "their TTFT measured ÷ predicted (P50 / P90) and measured TTFT P99 (the ingress's arrival to the "
              f"actor's first token, which GuideLLM's adds its own side to), refusals per reason, the threads the "
-             f"served requests' steps computed on (their mean; actors/thread_governor.py), and the admitted "
+             f"served requests' steps computed on (their mean; actors/thread_governor.py), the first token's "
+             "delivery from the actor's sampling it to the ingress's receiving it (P50 / P99: not in the measured "
+             "TTFT, in GuideLLM's), and the admitted "
              f"requests whose measured TTFT passed the {target:g} s target: each was admitted on a prediction "
              "within it.", "",
              "| server | rate (req/s) | admitted per tier: n, ratio P50 / P90, TTFT P99 | refused | threads a step "
-             "| past the target |",
-             "|---|--:|---|---|--:|--:|"]
+             "| first token to the ingress (ms) | past the target |",
+             "|---|--:|---|---|--:|--:|--:|"]
     for name, rate, t in rows:
         tiers = "; ".join(f"{tier} {s['count']}, {s['ratio_p50']:.2f} / {s['ratio_p90']:.2f}, "
                           f"{s['ttft_p99_s'] * 1e3:.0f} ms" for tier, s in t["tiers"].items())
         refused = ", ".join(f"{reason} {n}" for reason, n in sorted(t["refused"].items())) or "0"
         threads = "—" if t.get("step_threads_mean") is None else f"{t['step_threads_mean']:.2f}"
-        lines.append(f"| {name} | {rate:g} | {tiers or '—'} | {refused} | {threads} | {t['num_late']} |")
+        delivery = ("—" if t.get("delivery_p50_s") is None
+                    else f"{t['delivery_p50_s'] * 1e3:.0f} / {t['delivery_p99_s'] * 1e3:.0f}")
+        lines.append(f"| {name} | {rate:g} | {tiers or '—'} | {refused} | {threads} | {delivery} | {t['num_late']} |")
     late = [(name, rate, x) for name, rate, t in rows for x in t["late"]]
     if late:
         lines += ["", f"The admitted requests past the target (at most {MAX_LISTED} a rate, worst first):", "",

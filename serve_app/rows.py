@@ -75,6 +75,9 @@ class Admitted:
     decided_at: float = 0.0
     started_at: float = 0.0
     answered_at: float = 0.0
+    # Its first TextChunk received here: the actor sampled the token at `Completion.timings.first_token`, and
+    # what lies between (the actor's event loop, Ray's stream, this replica's loop) the client waits for too.
+    first_token_at: float = 0.0
     started: Started | None = None
     completion: Completion | None = None
     num_chunks: int = 0
@@ -123,12 +126,13 @@ class Rows:
             self._leases.note_step_correction(admitted.actor_name, started.step_correction, started.step_baseline)
 
     def first_token(self, admitted: Admitted) -> None:
+        now = admitted.first_token_at = time.time()
         if admitted.lease_row is not None:  # its prompt is computed: a joiner's no longer waits behind it
             self._leases.prompt_done(admitted.lease_row)
         predicted = getattr(admitted.decision, "prediction", None)
         candidate = getattr(admitted.decision, "candidate", None)
         if self._ttft_check is not None and predicted is not None and candidate is not None:
-            now = time.time()  # its kind's next predictions learn from it at once, not when it ends
+            # Its kind's next predictions learn from it at once, not when it ends.
             self._ttft_check.observe(admitted.model_id, candidate.kind, now - admitted.arrival, predicted.ttft_s, now)
         if admitted.tier == "hot":
             return
@@ -150,6 +154,9 @@ class Rows:
                 self._metrics.observe_ttft_ratio(model, admitted.tier, ttft / predicted.ttft_s)
             if admitted.tier == "cold":
                 self._metrics.cold_start.observe(t.first_token - t.actor_start, tags={"model": model})
+            if admitted.first_token_at:
+                self._metrics.first_token_delivery.observe(max(0.0, admitted.first_token_at - t.first_token),
+                                                           tags={"model": model})
         if t.last_token is not None and done.output_tokens > 1:
             self._metrics.tpot.observe((t.last_token - t.first_token) / (done.output_tokens - 1),
                                        tags={"model": model})
@@ -184,7 +191,7 @@ class Rows:
             ok = outcome == "complete"
             record = traces.outcome_record(admitted.arrival, admitted.dispatch_time,
                                            admitted.decision.reserve_bytes, admitted.completion if ok else None,
-                                           None if ok else outcome)
+                                           None if ok else outcome, first_token_seen_at=admitted.first_token_at)
             self.trace(admitted.request_id, admitted.model_id, admitted.arrival, admitted.features,
                        admitted.decision, record)
 

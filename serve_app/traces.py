@@ -18,15 +18,18 @@ the ingress; `null` where a value does not apply):
                   "candidate": {Candidate's fields, batch_rows, batch_tokens and resident_fraction included},
                   "predicted": {"ttft_s", "total_s", "tpot_s", "ttft_high_s" (the TTFT bound a target was
                   checked against, ttft_check.py; null: ttft_s)}},
-     "outcome": null for refusals, else {"ok", "error", "dispatch_s", "load_s", "ttft_s", "total_s", "tpot_s",
-                "output_tokens", "stop_reason", "is_cold", "first_layers", "reserved_bytes", "peak_bytes",
+     "outcome": null for refusals, else {"ok", "error", "dispatch_s", "load_s", "ttft_s", "ttft_seen_s", "total_s",
+                "tpot_s", "output_tokens", "stop_reason", "is_cold", "first_layers", "reserved_bytes", "peak_bytes",
                 "mean_step_threads"}}
 
 `ok` is true for a completed request; otherwise `error` is how it ended ("cancelled",
 "failed") and no timings follow. `tpot_s` is the measured time per output token once
 decoding, (last token - first token) / (output tokens - 1): for a row of a batch, the
 batch's step time as that row saw it. It is null with fewer than 2 output tokens (no step
-after the first token was timed). `load_s` is actor start to all layers resident (cold
+after the first token was timed). `ttft_s` ends where the actor sampled the first token,
+`ttft_seen_s` where the ingress received it: what lies between (the actor's event loop, Ray's
+stream, the ingress's loop) a client waits for too (null in lines written before it was recorded;
+across nodes it holds the two clocks' offset). `load_s` is actor start to all layers resident (cold
 requests only). `peak_bytes` is the request's peak as the actor measured it
 (actors/peak_memory.py: the CUDA allocator's peak, or the CPU process's peak resident
 set); `reserved_bytes` is what the registry reserved for the request, which the ingress
@@ -208,11 +211,12 @@ def decision_record(decision: Any) -> dict[str, Any]:
 
 
 def outcome_record(arrival: float, dispatch_time: float, reserved_bytes: int, completion: Any | None,
-                   error: str | None = None) -> dict[str, Any]:
+                   error: str | None = None, first_token_seen_at: float = 0.0) -> dict[str, Any]:
     """What was measured for an admitted request.
 
     `completion` is the actor's `Completion` when the request completed; `error` is None
-    then, else how it ended ("cancelled", "failed").
+    then, else how it ended ("cancelled", "failed"). `first_token_seen_at`: when the ingress
+    received the first token (0: it did not).
     """
     out: dict[str, Any] = {"ok": completion is not None and error is None, "error": error,
                            "dispatch_s": dispatch_time - arrival, "reserved_bytes": reserved_bytes}
@@ -223,6 +227,7 @@ def outcome_record(arrival: float, dispatch_time: float, reserved_bytes: int, co
         load_s=(t.all_layers_resident - t.actor_start
                 if completion.is_cold and t.all_layers_resident is not None else None),
         ttft_s=None if t.first_token is None else t.first_token - arrival,
+        ttft_seen_s=first_token_seen_at - arrival if first_token_seen_at else None,
         total_s=None if t.last_token is None else t.last_token - arrival,
         tpot_s=tpot_s(t.first_token, t.last_token, completion.output_tokens),
         output_tokens=completion.output_tokens, stop_reason=completion.stop_reason,

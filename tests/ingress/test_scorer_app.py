@@ -58,6 +58,7 @@ def test_requests_are_decided_by_the_xgboost_scorer_and_traced(app):
         out = line["outcome"]
         assert out["ok"] and out["is_cold"] is is_cold and out["output_tokens"] == 4
         assert 0 < out["dispatch_s"] < out["ttft_s"] <= out["total_s"]
+        assert out["ttft_s"] <= out["ttft_seen_s"]  # the ingress received the first token after the actor sampled it
         assert out["reserved_bytes"] == line["decision"]["reserve_bytes"]
         assert line["features"]["total_target_s"] == 600  # the model's default
     assert cold["outcome"]["load_s"] > 0 and hot["outcome"]["load_s"] is None

@@ -205,7 +205,7 @@ def test_metrics_are_exported_for_prometheus(zq, ray_cluster):
     assert _post(zq, _body(max_tokens=2), headers={"x-zq-ttft-target-s": "0.000001"}).status_code == 503
     port = metrics_export_port(ray_cluster)
     wanted = ("ray_zq_decisions_total", "ray_zq_rejections_total", "ray_zq_dispatch_latency_seconds_bucket",
-              "ray_zq_ttft_seconds_bucket",
+              "ray_zq_ttft_seconds_bucket", "ray_zq_first_token_delivery_seconds_bucket",
               "ray_zq_time_per_output_token_seconds_bucket", "ray_zq_cold_start_seconds_bucket",
               "ray_zq_batch_rows_bucket")
     seen: set[str] = set()

@@ -48,7 +48,7 @@ def _writer(tmp_path, **kw) -> TraceWriter:
 
 def test_a_finished_request_leaves_its_features_decision_and_outcome(tmp_path):
     w = _writer(tmp_path)
-    outcome = outcome_record(100.0, 100.25, SPAWN.reserve_bytes, _completion())
+    outcome = outcome_record(100.0, 100.25, SPAWN.reserve_bytes, _completion(), first_token_seen_at=103.625)
     assert w.write(trace_record("req_1", "m", 100.0, FEATURES, SPAWN, outcome))
     assert w.write(trace_record("req_2", "m", 101.0, FEATURES, Reject("no_capacity", 1.0, "full"), None))
     assert w.flush()
@@ -64,7 +64,7 @@ def test_a_finished_request_leaves_its_features_decision_and_outcome(tmp_path):
     assert Candidate(**d["candidate"]) == CANDIDATE
     assert first["outcome"] == pytest.approx({
         "ok": True, "error": None, "dispatch_s": 0.25, "reserved_bytes": 1200, "load_s": 2.0, "ttft_s": 3.5,
-        "total_s": 4.25, "tpot_s": 0.75 / 7, "output_tokens": 8, "stop_reason": "max_tokens", "is_cold": True,
+        "ttft_seen_s": 3.625, "total_s": 4.25, "tpot_s": 0.75 / 7, "output_tokens": 8, "stop_reason": "max_tokens", "is_cold": True,
         "first_layers": 2, "peak_bytes": None, "mean_step_threads": None})  # the actor did not say
     assert second["decision"] == {"kind": "reject", "reason": "no_capacity", "retry_after_s": 1.0, "message": "full"}
     assert second["outcome"] is None
@@ -92,6 +92,7 @@ def test_a_joined_request_records_the_batch_it_joined_and_its_measured_step_time
 def test_tpot_is_none_with_fewer_than_two_output_tokens(output_tokens):
     out = outcome_record(100.0, 100.25, 5, _completion(output_tokens=output_tokens))
     assert out["ok"] and out["ttft_s"] == 3.5 and out["tpot_s"] is None
+    assert out["ttft_seen_s"] is None  # the ingress did not say when it received the first token
     assert tpot_s(1.0, None, 5) is None and tpot_s(None, 2.0, 5) is None and tpot_s(1.0, 2.0, 3) == 0.5
 
 
