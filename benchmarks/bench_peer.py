@@ -73,7 +73,10 @@ class Server:
     # The load generator shares the 2 cores with the server: it runs at the priority the server
     # computes at, so that it takes its CPU from each server's compute alike. (zeroqueue's actors
     # compute at nice 19 and llama.cpp at 0; GuideLLM at 0 beside actors at 19 would take its CPU,
-    # most of a core, from zeroqueue's compute alone.)
+    # most of a core, from zeroqueue's compute alone.) That holds where the kernel schedules threads
+    # alone; with autogroup on (`cpu_sharing`), each session is a group of its own: the server (in its
+    # own session) and GuideLLM (in this one) split the cores evenly whenever both are busy, whatever
+    # either's nice, which then orders threads only within a session.
     client_nice: int
     env: dict[str, str] | None = None  # beside the environment's own
 
@@ -263,7 +266,7 @@ def _keep(path: Path) -> Path:
 
 
 # A rate's first seconds share the host with GuideLLM's own start: each of its processes imports torch and
-# transformers (3.3 CPU-seconds, timed by hand) beside the server, at the priority the server computes at.
+# transformers (3.3 CPU-seconds, timed by hand) beside the server (with autogroup on, up to half the cores).
 # The report gives each rate's TTFT also without the requests sent in that window.
 SETTLE_S = 10.0
 
@@ -345,7 +348,8 @@ def _children_cpu_s() -> float:
 def measure(args: argparse.Namespace) -> dict:
     tokenizer = _tokenizer_dir(args.zqs, PEER_DIR / "tokenizer")
     data: dict = {"rates": args.rates, "servers": {}, "targets": serve_targets(), "cpu_features": cpu_features(),
-                  "cores": cores(), "floor_model": peer_floor.floor_model(app_args("configs/serve.yaml"))}
+                  "cores": cores(), "floor_model": peer_floor.floor_model(app_args("configs/serve.yaml")),
+                  "is_autogroup": is_autogroup()}
     for server in servers(args):
         proc = start_server(server, PEER_DIR / f"{server.name}.log")
         try:
@@ -370,6 +374,30 @@ def measure(args: argparse.Namespace) -> dict:
             stop_session(proc)
         time.sleep(5)  # the last server's processes gone before the next one starts
     return data
+
+
+def is_autogroup(path: Path = Path("/proc/sys/kernel/sched_autogroup_enabled")) -> bool | None:
+    """Whether the kernel shares the CPU between sessions first (autogroup); None where it does not say."""
+    try:
+        return path.read_text().strip() == "1"
+    except OSError:
+        return None
+
+
+def cpu_sharing(is_grouped: bool | None) -> str:
+    """The report's sentence on how GuideLLM and the server shared the cores in the run."""
+    nice = ("GuideLLM runs at the CPU priority each server computes at (nice 19 beside zeroqueue's actors, 0 beside "
+            "llama.cpp)")
+    if is_grouped is False:
+        return f"{nice}, so it takes its CPU from both alike."
+    grouped = ("each server runs in a session of its own and GuideLLM in the benchmark's, and with the kernel's "
+               "autogroup on the scheduler shares the cores between sessions first: whenever both are busy, GuideLLM "
+               "and the server split them evenly whatever their nice, which orders threads only within a session "
+               "(zeroqueue's actors at 19 below its ingress and Ray's processes): it takes up to half the cores from either "
+               "server alike")
+    if is_grouped:
+        return f"{nice}; but {grouped}."
+    return f"{nice}. This run did not record the kernel's autogroup setting; where it is on, {grouped}."
 
 
 def serve_targets(path: Path = Path("configs/serve.yaml")) -> dict[str, float]:
@@ -428,8 +456,7 @@ def report(data: dict) -> str:
            "Every rate's synthetic prompts came from GuideLLM's default seed: each rate sent the previous rates' "
            "prompts again, and llama.cpp's server computes one token of a prompt it has seen."),
         "",
-        "GuideLLM shares the machine with each server, at the CPU priority that server computes at (nice 19 "
-        "beside zeroqueue's actors, 0 beside llama.cpp), so it takes its CPU from both alike.",
+        cpu_sharing(data.get("is_autogroup")),
         "",
         f"Goodput: served requests with TTFT <= {data['slo_ttft_s']:g} s, per second of the run.",
         "",

@@ -83,3 +83,19 @@ def test_each_layout_variant_changes_make_serves_config_only_where_it_says():
     assert bench_peer.VARIANTS["zeroqueue-2slots-governed"][0](load())["applications"][0]["args"] == base
     assert (base["slots"]["num_cpu_slots"], base["actor"]["num_cpus"], base["actor"]["compute_threads"],
             base["actor"]["min_compute_threads"]) == (2, 1, 2, 1)
+
+
+def test_the_report_says_how_guidellm_and_the_server_shared_the_cores(tmp_path):
+    """With autogroup on, nice orders threads only within a session: the report says so rather than claim the nice
+    the benchmark sets decides GuideLLM's share."""
+    from benchmarks import bench_peer
+
+    flag = tmp_path / "sched_autogroup_enabled"
+    flag.write_text("1\n")
+    assert bench_peer.is_autogroup(flag) is True
+    flag.write_text("0\n")
+    assert bench_peer.is_autogroup(flag) is False
+    assert bench_peer.is_autogroup(tmp_path / "absent") is None
+    assert "split them evenly whatever their nice" in bench_peer.cpu_sharing(True)
+    assert bench_peer.cpu_sharing(False).endswith("so it takes its CPU from both alike.")
+    assert "did not record" in bench_peer.cpu_sharing(None)  # a run from before the setting was kept
