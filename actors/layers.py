@@ -91,7 +91,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] bf16, the MLP's gate and up side by side -> silu(gate) * up [..., I] in one pass of the
     actors' kernel (csrc/silu_mul.cpp), loaded wherever bf16_linear's weights are packed."""
     rows = gate_up.reshape(-1, gate_up.shape[-1])
-    y = cpu_kernels.extension().silu_mul(rows if rows.is_contiguous() else rows.contiguous())
+    y = cpu_kernels.extension().silu_mul(rows.contiguous())  # no copy where it already is
     return y.view(*gate_up.shape[:-1], y.shape[-1])
 
 

@@ -61,27 +61,33 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
 
+// Query head q [D] dotted with the 16 keys kt[j] [D]: lane j = q . kt[j], fp32 sums of the bf16 products. Each key's
+// products summed in its own vector, the sixteen reduced together.
+inline __m512 block_dots(const at::BFloat16* q, const at::BFloat16* const* kt, int64_t D) {
+  __m512 acc[KB];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {  // 32 features: 16 pairs a VDPBF16PS
+    const __m512 qd = loadbh(q + d);
+    for (int64_t j = 0; j < KB; ++j) acc[j] = dot_pairs(acc[j], qd, loadbh(kt[j] + d));
+  }
+  if (d < D) {  // the last 16 features (D = 16, 48, 80, ...)
+    const __m512 qd = loadbh_half(q + d);
+    for (int64_t j = 0; j < KB; ++j) acc[j] = dot_pairs(acc[j], qd, loadbh_half(kt[j] + d));
+  }
+  return sum_lanes16(acc);
+}
+
 // Scores of query head q [D] against keys [t0, t1) of k [S, D], times scale, into s [t1 - t0]; returns their max.
-// Sixteen keys at a time, each key's products summed in its own vector, the sixteen reduced together.
+// Sixteen keys at a time (block_dots).
 float score(const at::BFloat16* q, const at::BFloat16* k, int64_t t0, int64_t t1, int64_t D, float scale, float* s) {
   const int64_t T = t1 - t0;
   __m512 max_s = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < T; t += KB) {
     const at::BFloat16* kt[KB];
     for (int64_t j = 0; j < KB; ++j) kt[j] = k + (t0 + std::min(t + j, T - 1)) * D;  // a short block repeats its last
-    __m512 acc[KB];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 32 <= D; d += 32) {  // 32 features: 16 pairs a VDPBF16PS
-      const __m512 qd = loadbh(q + d);
-      for (int64_t j = 0; j < KB; ++j) acc[j] = dot_pairs(acc[j], qd, loadbh(kt[j] + d));
-    }
-    if (d < D) {  // the last 16 features (D = 16, 48, 80, ...)
-      const __m512 qd = loadbh_half(q + d);
-      for (int64_t j = 0; j < KB; ++j) acc[j] = dot_pairs(acc[j], qd, loadbh_half(kt[j] + d));
-    }
     const __mmask16 keep = T - t >= KB ? 0xFFFF : (__mmask16)((1u << (T - t)) - 1);
-    const __m512 st = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
+    const __m512 st = _mm512_mul_ps(block_dots(q, kt, D), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(s + t, keep, st);
     max_s = _mm512_mask_max_ps(max_s, keep, max_s, st);
   }
@@ -162,19 +168,11 @@ void attend_online(const at::BFloat16* q, const at::BFloat16* k, const at::BFloa
       std::memcpy(k_tail, kb, n * D * sizeof(at::BFloat16));
       kb = k_tail;
     }
+    const at::BFloat16* kt[KB];
+    for (int64_t j = 0; j < KB; ++j) kt[j] = kb + j * D;
     for (int g = 0; g < NG; ++g) {
-      __m512 dots[KB];
-      for (auto& a : dots) a = _mm512_setzero_ps();
-      for (int64_t d = 0; d + 32 <= D; d += 32) {
-        const __m512 qd = loadbh(q + g * D + d);
-        for (int64_t j = 0; j < KB; ++j) dots[j] = dot_pairs(dots[j], qd, loadbh(kb + j * D + d));
-      }
-      if (D % 32) {
-        const __m512 qd = loadbh_half(q + g * D + D - 16);
-        for (int64_t j = 0; j < KB; ++j) dots[j] = dot_pairs(dots[j], qd, loadbh_half(kb + j * D + D - 16));
-      }
       const __m512 st = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,  // the padding's scores: -inf
-                                           _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)));
+                                           _mm512_mul_ps(block_dots(q + g * D, kt, D), _mm512_set1_ps(scale)));
       const float block_max = _mm512_reduce_max_ps(st);
       if (block_max > max_s[g]) {  // rescale what was summed against the old max (exp(-inf) = 0 at the start)
         const __m512 c = _mm512_set1_ps(std::exp(max_s[g] - block_max));
