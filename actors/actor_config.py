@@ -40,6 +40,10 @@ class ActorConfig:
     # chunked so that running rows wait at most one step of this size, and less where a decoding
     # row's TPOT target needs shorter steps (actors/scheduler.py).
     prefill_chunk_tokens: int = 256
+    # A prompt gets at least the tokens a step that keep its first token within its request's TTFT target, however
+    # little the decoding rows' TPOT targets leave (actors/scheduler.py, tokens_due). Off: those targets alone bound
+    # a step's prefill, and a joiner beside rows past their target is fed one token a step.
+    is_prefill_paced_by_ttft: bool = True
     # What a step costs (actors/step_cost.py): the ingress sets it from the app's `rule_scorer`,
     # the same constants its admission predicts with.
     step_cost: StepCost = StepCost()

@@ -84,10 +84,12 @@ class BatchRunner:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams, tpot_target_s: float | None = None) -> RowStream:
-        """Add a row (call on the event loop that reads it); raises BatchFullError when the batch is full."""
+    def submit(self, prompt: list[int], params: SamplingParams, tpot_target_s: float | None = None,
+               first_token_due: float | None = None) -> RowStream:
+        """Add a row (call on the event loop that reads it); raises BatchFullError when the batch is full.
+        The targets as `Engine.add` takes them."""
         stream = RowStream(self.engine, asyncio.get_running_loop())
-        stream.row = self.engine.add(prompt, params, stream._emit, tpot_target_s)
+        stream.row = self.engine.add(prompt, params, stream._emit, tpot_target_s, first_token_due)
         self._wake.set()
         return stream
 

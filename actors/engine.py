@@ -67,6 +67,7 @@ class Row:
     emit: Emit
     added_at: float
     tpot_target_s: float | None = None  # bounds its mean time per token, so the prefill work of steps beside it
+    first_token_due: float | None = None  # epoch s: its TTFT target's end, so the least prefill work a step gives it
     is_cancelled: bool = False
     caches: list[KVCache] | None = None  # allocated when the row joins
     slot: int | None = None  # its slot of the compiled step's slabs (actors/compiled_step.py), where it has one
@@ -147,11 +148,13 @@ class Engine:
     # ---- membership (any thread) ------------------------------------------------------
 
     def add(self, prompt: list[int], params: SamplingParams, emit: Emit,
-            tpot_target_s: float | None = None) -> Row:
+            tpot_target_s: float | None = None, first_token_due: float | None = None) -> Row:
         """Queue a row to join at the next step boundary; raises BatchFullError when the batch is full.
 
         `tpot_target_s`: once the row decodes, no step is planned that would take its mean time per
         token past this (actors/scheduler.py: slack it has left may lengthen a step, to twice the target).
+        `first_token_due` (epoch s): while it prefills, every step carries at least the prompt tokens that keep
+        its first token due by then at the steps' pace, whatever the decoding rows' targets (scheduler.tokens_due).
 
         Cancelled rows still in the batch do not count: they leave at the next boundary.
         """
@@ -163,7 +166,7 @@ class Engine:
         with self._lock:
             if self.num_rows >= self.max_batch:
                 raise BatchFullError(f"the batch already runs {self.max_batch} rows")
-            row = Row(self._next_id, list(prompt), params, emit, time.time(), tpot_target_s)
+            row = Row(self._next_id, list(prompt), params, emit, time.time(), tpot_target_s, first_token_due)
             self._next_id += 1
             self._inbox.append(row)
         return row
@@ -199,7 +202,7 @@ class Engine:
             self._leave(row, "cancelled", None)
         if not self._rows:
             return
-        progress = [self._progress(r) for r in self._rows]
+        progress = [self._progress(r, now) for r in self._rows]
         # A cold actor's prompts run whole while no row decodes: its layers compute as they become resident.
         is_whole = wait_layer is not None and all(p.is_prefilling for p in progress)
         plan = plan_step(progress, None if is_whole else self._prefill_budget(progress))
@@ -255,11 +258,14 @@ class Engine:
                 and compiled.is_compiled_for(len(self._rows), max(r.position for r in self._rows)))
 
     @staticmethod
-    def _progress(row: Row) -> RowProgress:
+    def _progress(row: Row, now: float) -> RowProgress:
         # The step clock, not the wall clock, measures its time per token: what the steps cost is what the
-        # planner answers for (the host's few ms between steps are not), and what the checks predict.
+        # planner answers for (the host's few ms between steps are not), and what the checks predict. Its first
+        # token's due time is the wall clock's: the client's wait is.
         limit = max_step_s(row.tpot_target_s, row.num_out, row.decode_s) if row.first_time is not None else None
-        return RowProgress(row.id, len(row.prompt), row.num_prefilled, row.position, row.tpot_target_s, limit)
+        due = row.first_token_due
+        return RowProgress(row.id, len(row.prompt), row.num_prefilled, row.position, row.tpot_target_s, limit,
+                           None if due is None or row.num_prefilled >= len(row.prompt) else due - now)
 
     def _rule_step_s(self, num_rows: int, num_extra_prompt_tokens: int, num_kv_tokens: int) -> float:
         return self.step_check.correction * self.step_cost.step_s(num_rows, num_extra_prompt_tokens, num_kv_tokens,

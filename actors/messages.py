@@ -39,6 +39,10 @@ class ActorRequest:
     # The request's TPOT target: while it decodes, its batch's steps carry no more prompt work
     # than keeps them within it (actors/scheduler.py). None: only the configured chunk cap.
     tpot_target_s: float | None = None
+    # When its first token is due (epoch s): its arrival at the ingress and its TTFT target. While its prompt
+    # runs, every step carries enough of it to keep the first token due by then (scheduler.tokens_due). The
+    # ingress's clock: across nodes their offset moves it, as it does the TTFT the traces measure. None: no target.
+    first_token_due: float | None = None
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,8 @@ class RequestActor:
             if self._engine.num_rows == 0:
                 self._peak.reset()
                 self._idle_trimmer.request_started()
-            stream = self._runner.submit(list(request.prompt_ids), request.sampling, request.tpot_target_s)
+            due = request.first_token_due if self.config.is_prefill_paced_by_ttft else None
+            stream = self._runner.submit(list(request.prompt_ids), request.sampling, request.tpot_target_s, due)
             self._keep_hot = request.keep_hot
             async for item in self._relay(request, stream, arrival, is_cold):
                 yield item

@@ -45,6 +45,16 @@ advances by a chunk of it. The rule:
   further chunk costs one more pass over the weights. Two cases run the prompts whole, as
   one pass: no row states a target (no one says how long a step may be), and a cold actor's
   steps (the caller passes no budget), which compute layer i as soon as layer i is resident.
+- A prompt whose first token is due by a time (its request's TTFT target, `first_token_in_s`)
+  gets at least the tokens that keep it due at this step's pace (`tokens_due`), whatever the
+  decoding rows accept: the prompts due first, each with those due before it, spread evenly
+  over the steps that fit before it is due, and all of it in this step where not two do. The
+  TPOT bound alone starves a joiner once the decoding rows have no slack left (steps slower
+  than the router priced them: a busy host): one token a step, so its first token waited for
+  the whole batch to end. bench_peer's traces showed exactly that, joins predicted 0.3-0.8 s
+  whose first tokens came 3-5 s later, each as the rows before it finished. A row past its TPOT
+  target loses a little more of its mean to a larger chunk; the joiner kept waiting would lose
+  its whole TTFT target, which the ingress promised when it admitted it.
 """
 
 from __future__ import annotations
@@ -91,6 +101,8 @@ class RowProgress:
     tpot_target_s: float | None = None  # its mean time per output token once decoding, at most
     # The longest next step it accepts (`max_step_s`: its target and the slack its steps left); None: the target.
     max_step_s: float | None = None
+    # A prompt's: seconds left until its first token is due (<= 0: overdue); None: no TTFT target.
+    first_token_in_s: float | None = None
 
     @property
     def step_limit_s(self) -> float | None:
@@ -160,4 +172,24 @@ def prefill_budget(rows: Sequence[RowProgress], max_chunk_tokens: int, predict_s
     # each reading its cache and that position; what is left of the target buys further prompt tokens.
     base_s = predict_step_s(len(rows), 0, sum(r.num_cached + 1 for r in rows))
     fits = num_prefilling + int((min(targets) - base_s) / prefill_token_s)
-    return max(num_prefilling, 1, min(max_chunk_tokens, fits))
+    return max(num_prefilling, 1, min(max_chunk_tokens, max(fits, tokens_due(rows, base_s, prefill_token_s))))
+
+
+def tokens_due(rows: Sequence[RowProgress], base_s: float, prefill_token_s: float) -> int:
+    """The fewest prompt tokens this step must carry for every prompt with a due first token to stay on time, at
+    this step's pace: `base_s` a step (every row one token), `prefill_token_s` each further prompt token.
+
+    Earliest due first, each prompt's remaining tokens and those of prompts due before it (`ahead`) spread evenly
+    over the steps that fit in its time left once they are paid for; all of them now where fewer than two steps
+    fit (so an overdue prompt runs whole). Each step planned so leaves the next one at least one step fewer to
+    fit, so a prompt that could be done on time when it was planned stays so (tests/unit/test_scheduler.py).
+    Prompts share a step shortest first (`plan_step`): a shorter prompt due later may take its share before a
+    longer one due sooner, and is done the sooner for it."""
+    due = sorted((r for r in rows if r.is_prefilling and r.first_token_in_s is not None),
+                 key=lambda r: r.first_token_in_s)
+    needed = ahead = 0
+    for r in due:
+        ahead += r.num_remaining
+        num_steps = int((r.first_token_in_s - ahead * prefill_token_s) / base_s) if base_s > 0 else 1
+        needed = max(needed, ahead if num_steps < 2 else -(-ahead // num_steps))
+    return needed

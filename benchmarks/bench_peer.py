@@ -114,6 +114,13 @@ def p99_margin(config: dict) -> dict:
     return config
 
 
+def unpaced_prefill(config: dict) -> dict:
+    """`make serve`'s config with a prompt fed only as the decoding rows' TPOT targets allow, not also as its own
+    TTFT target needs (actors/scheduler.py, tokens_due): the scheduler before that rule."""
+    config["applications"][0]["args"]["actor"]["is_prefill_paced_by_ttft"] = False
+    return config
+
+
 def same_config(config: dict) -> dict:
     """`make serve`'s config as it is: a second run of it in the same benchmark, for the run-to-run spread."""
     return config
@@ -143,6 +150,9 @@ VARIANTS = {
     "zeroqueue-p99-margin": (p99_margin,
                              "a TTFT target checked with the 99th percentile of each placement kind's measured ÷ "
                              "predicted TTFTs instead of the 90th: `ttft_check.quantile: 0.99`"),
+    "zeroqueue-unpaced": (unpaced_prefill,
+                          "a prompt fed only as the decoding rows' TPOT targets allow, not also as its own TTFT target "
+                          "needs: `actor.is_prefill_paced_by_ttft: false` (actors/scheduler.py, tokens_due)"),
     "zeroqueue-again": (same_config,
                         "nothing at all: it is configs/serve.yaml again, run after it, so its ratios are the spread "
                         "between two runs of one config on this machine, which any other variant's must exceed to "

@@ -261,7 +261,9 @@ class Admission:
         rows = decision.candidate.batch_rows + 1 if decision.candidate is not None else 1
         self.metrics.batch_rows.observe(rows, tags={"model": model.id})
         self.metrics.admissions.inc(tags={"model": model.id, "tier": _tier(decision)})
-        actor_request = dataclasses.replace(actor_request, keep_hot=decision.keep_hot)
+        # The TTFT target goes with it: the engine feeds its prompt no slower than keeps its first token due.
+        due = None if features.ttft_target_s is None else arrival + features.ttft_target_s
+        actor_request = dataclasses.replace(actor_request, keep_hot=decision.keep_hot, first_token_due=due)
         name = spawn_name if isinstance(decision, Spawn) else decision.actor_name
         new = NewActor(model.zqs_path, decision.node_id, decision.evict) if isinstance(decision, Spawn) else None
         for taken in (decision.evict if new is not None else (name,)):

@@ -36,8 +36,9 @@ model predictions are malformed:
           the engine shares each step's prompt tokens among the prompts, the shortest first
           (actors/scheduler.py), so a joiner waits for none of a longer prompt beyond its own length. A
           batch near its target takes a prompt a few tokens a step: that join is predicted slow
-          (slower than the engine, which may spend rows' slack on a larger chunk: the join's
-          measured ÷ predicted TTFT corrects it, serve_app/ttft_check.py).
+          (slower than the engine, which may spend rows' slack on a larger chunk, and feeds a prompt no
+          slower than keeps its first token within the request's TTFT target, whatever the rows accept:
+          the join's measured ÷ predicted TTFT corrects it, serve_app/ttft_check.py).
     hot and join, on an actor whose engine said its steps run `step_correction` times the rule's
     (its StartEvent: a busy host, another machine): every step and prompt term above times it,
     as the engine's own planner does (actors/step_cost.py, StepCheck).

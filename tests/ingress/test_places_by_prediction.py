@@ -7,14 +7,16 @@ predictions are known here: a step is 10 ms plus 5 ms per extra row, prompts and
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from serve_app.latency_targets import TPOT_HEADER
+from actors.request_actor import RequestActor
+from serve_app.latency_targets import TPOT_HEADER, TTFT_HEADER
 from serve_app.local_cluster import LocalClusterSpec
-from tests.ingress.local import BASE_ARGS, MODEL, LocalServer, assert_nothing_left
+from tests.ingress.local import BASE_ARGS, MODEL, LocalServer, assert_nothing_left, serve_locally
 from tests.reliability.faults import FaultyActor
 from tests.reliability.harness import assert_documented_error, body, call
 from tests.serve.waiting import wait_for
@@ -114,3 +116,44 @@ def test_a_newcomer_whose_own_target_a_join_would_break_is_refused_not_slowed(ca
     health = httpx.get(f"{server.base}/health", timeout=30).json()
     assert health["step_time_ratio"]["count"] >= 3 and health["step_time_ratio"]["p50"] > 0, health
     assert health["ttft_ratio"]["hot"]["count"] >= 2 and health["ttft_ratio"]["hot"]["p50"] > 0, health
+
+
+class _TargetRecorder(RequestActor):
+    """Records the due time of each request's first token as the actor got it, and as its row was given it."""
+
+    seen: list[tuple[float | None, float | None]] = []
+
+    async def generate(self, request):
+        submit = self._runner.submit
+
+        def recorded(prompt, params, tpot_target_s=None, first_token_due=None):
+            _TargetRecorder.seen.append((request.first_token_due, first_token_due))
+            return submit(prompt, params, tpot_target_s, first_token_due)
+
+        self._runner.submit = recorded
+        try:
+            async for item in super().generate(request):
+                yield item
+        finally:
+            self._runner.submit = submit
+
+
+@pytest.mark.parametrize("is_paced", [True, False])
+def test_a_requests_ttft_target_goes_to_its_actor_as_the_due_time_of_its_first_token(tiny_zqs, is_paced):
+    """A request's arrival and TTFT target bound how slowly the engine may feed its prompt (actors/scheduler.py,
+    tokens_due), unless the actors' config turns that off; a request with no target brings none."""
+    _TargetRecorder.seen = []
+    server = serve_locally(str(tiny_zqs), _TargetRecorder,
+                           actor=BASE_ARGS["actor"] | {"is_prefill_paced_by_ttft": is_paced})
+    try:
+        sent = time.time()
+        assert call(server.base, body("with a target"), headers={TTFT_HEADER: "5"}).is_complete
+        answered = time.time()
+        assert call(server.base, body("without one")).is_complete
+        (sent_due, row_due), (no_sent_due, no_row_due) = _TargetRecorder.seen
+        assert sent + 5.0 <= sent_due <= answered + 5.0
+        assert row_due == (sent_due if is_paced else None)
+        assert no_sent_due is None and no_row_due is None
+        assert_nothing_left(server)
+    finally:
+        server.stop()

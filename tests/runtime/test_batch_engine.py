@@ -7,6 +7,7 @@ re-drawn at a larger std so that greedy choices are far from ties.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -336,6 +337,35 @@ def test_steps_on_another_thread_count_are_checked_apart(parts, monkeypatch):
     finally:
         torch.set_num_threads(1)  # this module's tests compute on one thread (conftest)
     assert on_one.correction > 1.5 * on_two.correction > 1.5
+
+
+def test_a_joiners_due_first_token_is_fed_beside_rows_past_their_target_and_tokens_stay_the_same(parts):
+    # A decoding row whose 1 ms TPOT target no step can keep (a busy host, steps slower than the router priced):
+    # its bound alone feeds a joiner one prompt token a step, so the joiner's first token would wait for the row to
+    # end. A joiner whose TTFT target is already spent gets its prompt whole, at the cap a step, instead.
+    cost = StepCost(decode_s_per_token=0.01, batch_row_cost=0.0, prefill_tokens_per_s=1000.0,
+                    kv_read_bytes_per_s=1e15)
+    reference = make_engine(parts)
+    long_prompt = prompt_ids(reference, PROMPTS[3]) * 3  # ~350 tokens: two steps at the cap of 256
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    expected = alone(reference, long_prompt, params)
+    prefilled = {}
+    for name, due in (("no due", None), ("overdue", time.time() - 1.0)):
+        engine = Engine(*parts, max_batch=4, prefill_chunk_tokens=256, step_cost=cost)
+        engine.eos_token_ids = frozenset()
+        engine.add(prompt_ids(engine, PROMPTS[0]), SamplingParams(max_tokens=200, temperature=0.0), Recorder(),
+                   tpot_target_s=0.001)
+        engine.step()
+        joined = Recorder()
+        joiner = engine.add(long_prompt, params, joined, first_token_due=due)
+        engine.step()
+        engine.step()
+        prefilled[name] = joiner.num_prefilled
+        if due is not None:
+            while joiner.num_out < params.max_tokens:
+                engine.step()
+            assert joined.tokens == expected  # the chunks change when tokens are computed, not which
+    assert prefilled == {"no due": 2, "overdue": len(long_prompt)}
 
 
 def test_a_long_prompt_alone_is_chunked_by_its_target_so_a_joiner_answers_first_and_a_cold_step_runs_it_whole(

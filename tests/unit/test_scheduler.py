@@ -269,3 +269,69 @@ def test_a_decoding_row_with_slack_lets_a_joiner_take_a_larger_chunk():
     rested = RowProgress(0, 10, 10, 10, tpot_target_s=0.07, max_step_s=0.14)  # its steps ran at 20 ms
     assert _budget([fresh, joiner], 256, cost) == 50
     assert _budget([rested, joiner], 256, cost) == 120  # 0.12 s left beyond the 20 ms decode step
+
+
+# ---- a prompt's first token due: the TTFT target the ingress admitted it with
+
+def _broken_batch():
+    """A decoding row already past its TPOT target (a busy host): the TPOT bound alone gives a joiner one token a
+    step. The cost: 20 ms a step, 1 ms a further prompt token, KV reads ~free."""
+    cost = StepCost(decode_s_per_token=0.02, batch_row_cost=0.0, prefill_tokens_per_s=1000.0,
+                    kv_read_bytes_per_s=1e15)
+    return cost, RowProgress(0, 10, 10, 10, tpot_target_s=0.07, max_step_s=-0.1)
+
+
+def test_an_overdue_prompt_runs_whole_beside_rows_past_their_target():
+    cost, decoding = _broken_batch()
+    joiner = RowProgress(1, 150, 0, 0)
+    assert _budget([decoding, joiner], 256, cost) == 1  # no due: one token a step, the batch's end its first token
+    assert _budget([decoding, dataclasses.replace(joiner, first_token_in_s=0.0)], 256, cost) == 150
+    assert _budget([decoding, dataclasses.replace(joiner, first_token_in_s=-1.0)], 100, cost) == 100  # the cap holds
+
+
+def test_a_prompt_due_later_is_spread_over_the_steps_that_fit_before_it_is_due():
+    cost, decoding = _broken_batch()
+    # 600 tokens cost 0.6 s; the 0.41 s left fit 20 steps of 20 ms: 30 tokens a step.
+    joiner = RowProgress(1, 600, 0, 0, first_token_in_s=1.01)
+    assert _budget([decoding, joiner], 256, cost) == 30
+    # Rows that accept more than the due needs keep their larger chunk.
+    rested = dataclasses.replace(decoding, max_step_s=0.14)
+    assert _budget([rested, joiner], 256, cost) == 120
+    # Two prompts: the one due later counts the tokens of the one due first.
+    first = RowProgress(2, 100, 0, 0, first_token_in_s=0.51)  # (0.51 - 0.1) / 0.02: 20 steps, 5 tokens a step
+    later = RowProgress(1, 600, 0, 0, first_token_in_s=1.11)  # (1.11 - 0.7) / 0.02: 20 steps, 700 / 20 = 35
+    assert _budget([decoding, later, first], 256, cost) == 35
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=targeted_rows, n=st.integers(1, 2000), slack=st.floats(0.0, 5.0), cost=costs)
+def test_a_prompt_that_can_be_done_by_its_due_is_whatever_the_decoding_rows_targets(rows, n, slack, cost):
+    """Steps run as predicted: a joiner whose whole prompt in one step beside the batch would be done by its due
+    is done by it, however tight (or broken) the decoding rows' targets, in steps planned one at a time."""
+    cost = dataclasses.replace(cost, kv_read_bytes_per_s=1e15)  # no KV growth between steps: each as planned
+    decoding = [dataclasses.replace(r, num_prefilled=r.num_prompt_tokens) for r in rows]
+    whole = _planned_s([*decoding, RowProgress(99, n, 0, 0)], [*[(r.row_id, 1) for r in decoding], (99, n)], cost)
+    due = whole * (1 + slack)
+    state = [*decoding, RowProgress(99, n, 0, 0, first_token_in_s=due)]
+    elapsed = 0.0
+    for _ in range(n):
+        plan = plan_step(state, _budget(state, n, cost))
+        elapsed += _planned_s(state, plan, cost)
+        joiner, chunk = state[-1], plan[-1][1]
+        state[-1] = dataclasses.replace(joiner, num_prefilled=joiner.num_prefilled + chunk,
+                                        num_cached=joiner.num_cached + chunk, first_token_in_s=due - elapsed)
+        if not state[-1].is_prefilling:
+            break
+    assert not state[-1].is_prefilling
+    assert elapsed <= due * (1 + 1e-9) + 1e-12
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=targeted_rows, cap=st.integers(1, 1024), cost=costs, due=st.floats(-1.0, 10.0))
+def test_a_due_never_shrinks_a_steps_prefill_nor_passes_the_cap(rows, cap, cost, due):
+    with_due = [dataclasses.replace(r, first_token_in_s=due) if r.is_prefilling else r for r in rows]
+    budget, plain = _budget(with_due, cap, cost), _budget(rows, cap, cost)
+    if plain is None:  # nobody bounds the step: the prompts whole, due or not
+        assert budget is None
+        return
+    assert plain <= budget <= max(cap, sum(r.is_prefilling for r in rows), 1)
