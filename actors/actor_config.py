@@ -44,6 +44,10 @@ class ActorConfig:
     # little the decoding rows' TPOT targets leave (actors/scheduler.py, tokens_due). Off: those targets alone bound
     # a step's prefill, and a joiner beside rows past their target is fed one token a step.
     is_prefill_paced_by_ttft: bool = True
+    # The engine prices its steps by the rule times the mean of measured ÷ predicted, or by the median of this many
+    # last steps' ratios where that is more (actors/step_cost.py, StepCheck): a host turned slower is priced so within
+    # a few steps, by the planner and by the router, which hears it with each row's start. 0: the mean alone.
+    step_check_recent_steps: int = 3
     # What a step costs (actors/step_cost.py): the ingress sets it from the app's `rule_scorer`,
     # the same constants its admission predicts with.
     step_cost: StepCost = StepCost()
@@ -122,6 +126,8 @@ class ActorConfig:
         if self.max_batch < 1 or self.prefill_chunk_tokens < 1 or self.warm_prompt_tokens < 1:
             raise ValueError(f"ActorConfig needs max_batch, prefill_chunk_tokens and warm_prompt_tokens >= 1, "
                              f"got {self.max_batch}, {self.prefill_chunk_tokens}, {self.warm_prompt_tokens}")
+        if self.step_check_recent_steps < 0:
+            raise ValueError(f"ActorConfig.step_check_recent_steps must be >= 0, got {self.step_check_recent_steps}")
 
     def actor_options(self, name: str) -> dict:
         from actors.priority import runtime_env_for

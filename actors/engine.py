@@ -102,8 +102,9 @@ class Row:
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, *, max_context: int | None = None, max_batch: int = 1,
                  prefill_chunk_tokens: int = 256, step_cost: StepCost | None = None,
-                 compiled: CompiledDecode | None = None):
-        """`compiled`: decode-only steps of rows in its slots run through it, where their bucket is compiled."""
+                 compiled: CompiledDecode | None = None, step_check_recent_steps: int = 3):
+        """`compiled`: decode-only steps of rows in its slots run through it, where their bucket is compiled.
+        `step_check_recent_steps`: StepCheck's `recent_steps` (actors/step_cost.py)."""
         if max_batch < 1 or prefill_chunk_tokens < 1:
             raise ValueError(f"max_batch and prefill_chunk_tokens must be >= 1, got {max_batch}, "
                              f"{prefill_chunk_tokens}")
@@ -126,6 +127,7 @@ class Engine:
         # correction would chase anew at every change).
         self._step_checks: dict[int, StepCheck] = {}
         self._last_check: StepCheck | None = None  # the count's check the last step used: a new count's seed
+        self._step_check_recent_steps = step_check_recent_steps
         self._kv_bytes_per_token = model.config.kv_bytes_per_token(model_dtype(model.dtype))
         self.compiled = compiled
 
@@ -136,7 +138,8 @@ class Engine:
         threads = torch.get_num_threads()
         check = self._step_checks.get(threads)
         if check is None:
-            check = StepCheck.seeded_from(self._last_check) if self._last_check is not None else StepCheck()
+            check = (StepCheck.seeded_from(self._last_check) if self._last_check is not None
+                     else StepCheck(recent_steps=self._step_check_recent_steps))
             self._step_checks[threads] = check
         self._last_check = check
         return check

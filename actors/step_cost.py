@@ -72,7 +72,10 @@ class StepCheck:
 
     `correction` is an exponentially weighted mean of measured ÷ rule-predicted (`weight` per
     step), within [min_correction, max_correction] so that one step stalled by the machine
-    cannot make the planner believe every step takes seconds. The bound is 8: SmolLM2 in fp32 on
+    cannot make the planner believe every step takes seconds; or, where more, the median of the
+    last `recent_steps` ratios: a host that turns several times slower (a load generator starting
+    beside the server) is priced so within two steps, not after the tens of steps the mean takes
+    to follow, while one stalled step among them moves nothing. 0: the mean alone. The bound is 8: SmolLM2 in fp32 on
     an AVX2 host steps 4-5x the rule fitted on AVX512-BF16; with a bound of 4 the corrections sat
     at it and steps ran 1.09-1.28x the prediction (benchmarks/results/peer_avx2.md, step ratio
     P50). `baseline` is the same ratio's mean over many more steps (`baseline_weight`), from the first step measured (1 before any):
@@ -81,15 +84,16 @@ class StepCheck:
     """
 
     def __init__(self, weight: float = 0.1, window: int = 256, min_correction: float = 0.25,
-                 max_correction: float = 8.0, baseline_weight: float = 0.01) -> None:
-        if (not 0 < weight <= 1 or not 0 < baseline_weight <= 1 or window < 1
+                 max_correction: float = 8.0, baseline_weight: float = 0.01, recent_steps: int = 3) -> None:
+        if (not 0 < weight <= 1 or not 0 < baseline_weight <= 1 or window < 1 or recent_steps < 0
                 or not 0 < min_correction <= 1 <= max_correction):
-            raise ValueError(f"StepCheck needs 0 < weight, baseline_weight <= 1, window >= 1 and min <= 1 <= max "
-                             f"correction, got {weight}, {baseline_weight}, {window}, {min_correction}, "
-                             f"{max_correction}")
+            raise ValueError(f"StepCheck needs 0 < weight, baseline_weight <= 1, window >= 1, recent_steps >= 0 and "
+                             f"min <= 1 <= max correction, got {weight}, {baseline_weight}, {window}, {recent_steps}, "
+                             f"{min_correction}, {max_correction}")
         self.weight, self.min_correction, self.max_correction = weight, min_correction, max_correction
         self.baseline_weight = baseline_weight
-        self.correction = 1.0
+        self.mean = 1.0  # the exponentially weighted mean of the ratios
+        self.recent: deque[float] = deque(maxlen=recent_steps)  # the last ratios, bounded as the mean's are
         self.baseline = 1.0
         self.num_steps = 0
         self.recent_errors: deque[float] = deque(maxlen=window)
@@ -98,9 +102,17 @@ class StepCheck:
     def seeded_from(cls, other: StepCheck) -> StepCheck:
         """A check starting at `other`'s correction and baseline, with none of its steps counted."""
         check = cls(other.weight, other.recent_errors.maxlen or 1, other.min_correction, other.max_correction,
-                    other.baseline_weight)
-        check.correction, check.baseline = other.correction, other.baseline
+                    other.baseline_weight, other.recent.maxlen or 0)
+        check.mean, check.baseline = other.correction, other.baseline
         return check
+
+    @property
+    def correction(self) -> float:
+        """What the planner multiplies the rule by: the mean, or the recent steps' median where more (class doc)."""
+        recent = self.recent
+        if recent.maxlen and len(recent) == recent.maxlen:
+            return max(self.mean, statistics.median(recent))
+        return self.mean
 
     def observe(self, rule_s: float, measured_s: float) -> None:
         """One measured step whose rule prediction (before correction) was `rule_s`."""
@@ -108,7 +120,8 @@ class StepCheck:
             return
         self.recent_errors.append(abs(measured_s / (rule_s * self.correction) - 1.0))
         ratio = min(self.max_correction, max(self.min_correction, measured_s / rule_s))
-        self.correction = (1 - self.weight) * self.correction + self.weight * ratio
+        self.mean = (1 - self.weight) * self.mean + self.weight * ratio
+        self.recent.append(ratio)
         # A plain mean of the steps so far until there are 1 / baseline_weight of them: from the first step the
         # baseline is the measured level (the constants may be far off), and no single first step dominates it.
         w = max(self.baseline_weight, 1.0 / (self.num_steps + 1))

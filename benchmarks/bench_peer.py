@@ -121,6 +121,13 @@ def unpaced_prefill(config: dict) -> dict:
     return config
 
 
+def mean_correction(config: dict) -> dict:
+    """`make serve`'s config with its engines' steps priced by the mean of measured ÷ predicted alone, not also by the
+    last steps' median where more (actors/step_cost.py, StepCheck): the correction before that rule."""
+    config["applications"][0]["args"]["actor"]["step_check_recent_steps"] = 0
+    return config
+
+
 def same_config(config: dict) -> dict:
     """`make serve`'s config as it is: a second run of it in the same benchmark, for the run-to-run spread."""
     return config
@@ -153,6 +160,10 @@ VARIANTS = {
     "zeroqueue-unpaced": (unpaced_prefill,
                           "a prompt fed only as the decoding rows' TPOT targets allow, not also as its own TTFT target "
                           "needs: `actor.is_prefill_paced_by_ttft: false` (actors/scheduler.py, tokens_due)"),
+    "zeroqueue-mean-correction": (mean_correction,
+                                  "its steps priced by the mean of measured ÷ predicted alone, not also by the last "
+                                  "three steps' median where more: `actor.step_check_recent_steps: 0` "
+                                  "(actors/step_cost.py, StepCheck)"),
     "zeroqueue-again": (same_config,
                         "nothing at all: it is configs/serve.yaml again, run after it, so its ratios are the spread "
                         "between two runs of one config on this machine, which any other variant's must exceed to "

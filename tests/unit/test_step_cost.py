@@ -85,3 +85,27 @@ def test_a_seeded_check_starts_at_the_others_figures_and_counts_only_its_own_ste
     assert seeded.num_steps == 0 and not seeded.recent_errors
     seeded.observe(0.01, 0.05)  # its own first step sets its baseline: a plain mean of its own steps
     assert seeded.baseline == pytest.approx(5.0) and other.baseline == pytest.approx(3.0)
+
+
+def test_a_host_turned_slower_is_priced_so_within_a_few_steps_and_one_stalled_step_moves_nothing():
+    check = StepCheck(weight=0.1, recent_steps=3)
+    for _ in range(50):
+        check.observe(0.01, 0.02)  # 2x the rule, as usual here
+    before = check.mean
+    check.observe(0.01, 0.5)  # one step stalled (50x): the median of the last three is still 2x
+    assert check.correction == pytest.approx(0.9 * before + 0.1 * 8.0)  # the mean's bounded move alone
+    for _ in range(3):
+        check.observe(0.01, 0.02)
+    for _ in range(2):
+        check.observe(0.01, 0.06)  # a load generator starts beside the server: 6x
+    assert check.correction == pytest.approx(6.0)  # two steps on
+    assert check.mean < 4.0  # the mean alone lags far behind
+    for _ in range(2):
+        check.observe(0.01, 0.02)  # it ends: two steps on, the median is back, the mean decays as it would
+    assert check.correction == pytest.approx(check.mean) and check.mean > 2.0
+    unlifted = StepCheck(weight=0.1, recent_steps=0)
+    for _ in range(2):
+        unlifted.observe(0.01, 0.06)
+    assert unlifted.correction == unlifted.mean < 2.0
+    seeded = StepCheck.seeded_from(check)
+    assert seeded.recent.maxlen == 3 and not seeded.recent and seeded.correction == check.correction
