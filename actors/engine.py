@@ -46,7 +46,7 @@ from actors.events import BatchFullError, Emit, Event, FinishEvent, StartEvent, 
 from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, greedy, make_generator, mask_tokens, sample
-from actors.scheduler import RowProgress, max_step_s, plan_step, prefill_budget
+from actors.scheduler import RowProgress, max_step_s, paced_due, plan_step, prefill_budget
 from actors.step_cost import StepCheck, StepCost
 from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
@@ -67,7 +67,7 @@ class Row:
     emit: Emit
     added_at: float
     tpot_target_s: float | None = None  # bounds its mean time per token, so the prefill work of steps beside it
-    first_token_due: float | None = None  # epoch s: its TTFT target's end, so the least prefill work a step gives it
+    first_token_due: float | None = None  # epoch s: when its first token is planned (scheduler.paced_due)
     is_cancelled: bool = False
     caches: list[KVCache] | None = None  # allocated when the row joins
     slot: int | None = None  # its slot of the compiled step's slabs (actors/compiled_step.py), where it has one
@@ -156,8 +156,9 @@ class Engine:
 
         `tpot_target_s`: once the row decodes, no step is planned that would take its mean time per
         token past this (actors/scheduler.py: slack it has left may lengthen a step, to twice the target).
-        `first_token_due` (epoch s): while it prefills, every step carries at least the prompt tokens that keep
-        its first token due by then at the steps' pace, whatever the decoding rows' targets (scheduler.tokens_due).
+        `first_token_due` (epoch s): while it prefills, every step carries at least the prompt tokens that keep its
+        first token due by a share of the way to then (scheduler.paced_due) at the steps' pace, whatever the decoding
+        rows' targets (scheduler.tokens_due).
 
         Cancelled rows still in the batch do not count: they leave at the next boundary.
         """
@@ -169,7 +170,9 @@ class Engine:
         with self._lock:
             if self.num_rows >= self.max_batch:
                 raise BatchFullError(f"the batch already runs {self.max_batch} rows")
-            row = Row(self._next_id, list(prompt), params, emit, time.time(), tpot_target_s, first_token_due)
+            now = time.time()
+            planned = None if first_token_due is None else paced_due(now, first_token_due)
+            row = Row(self._next_id, list(prompt), params, emit, now, tpot_target_s, planned)
             self._next_id += 1
             self._inbox.append(row)
         return row

@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from actors.scheduler import (
     MAX_STEP_STRETCH,
+    PACE_SHARE,
     RowProgress,
     idle_step_limit_s,
     max_step_s,
+    paced_due,
     plan_step,
     prefill_budget,
 )
@@ -301,6 +303,12 @@ def test_a_prompt_due_later_is_spread_over_the_steps_that_fit_before_it_is_due()
     first = RowProgress(2, 100, 0, 0, first_token_in_s=0.51)  # (0.51 - 0.1) / 0.02: 20 steps, 5 tokens a step
     later = RowProgress(1, 600, 0, 0, first_token_in_s=1.11)  # (1.11 - 0.7) / 0.02: 20 steps, 700 / 20 = 35
     assert _budget([decoding, later, first], 256, cost) == 35
+
+
+def test_a_prompt_plans_its_first_token_a_share_of_the_way_to_its_due_fixed_when_it_joins():
+    assert PACE_SHARE == 0.5
+    assert paced_due(100.0, 101.0) == 100.5  # a 1 s target: planned for half a second after joining
+    assert paced_due(100.0, 99.0) == 100.0  # already past: at once
 
 
 @settings(max_examples=300, deadline=None)
