@@ -32,7 +32,7 @@ from pathlib import Path
 
 from benchmarks.common import cpu_features, load_average, machine, write_report
 from benchmarks.load_scenarios import CLASSES, MIXED, RequestClass
-from benchmarks.load_setup import app_args, model_facts
+from benchmarks.load_setup import ServedEngine
 
 log = logging.getLogger("bench_idle_steps")
 CONFIG = "benchmarks/load.yaml"
@@ -41,38 +41,15 @@ JOIN_AFTER_S = 0.05
 LOOP_ROWS = (3, 12)
 
 
-class _Bench:
-    """One engine as bench_load's actors run it, and its planner switchable between bounded and whole."""
+class _Bench(ServedEngine):
+    """bench_load's engine, its planner switchable between bounded and whole."""
 
     def __init__(self) -> None:
-        import torch
+        super().__init__(CONFIG)
+        self.tpot_target_s = self.targets.tpot_target_s
 
-        from actors.engine import Engine
-        from actors.layer_loader import load_zqs
-        from serve_app.config import AppArgs, ingress_config
-
-        args = app_args(CONFIG)
-        parsed = AppArgs.model_validate(args)
-        config = ingress_config(parsed)
-        _, path, self.facts, _ = model_facts(args)
-        actor = config.actor  # as the ingress configures its actors
-        torch.set_num_threads(actor.compute_threads)
-        self.threads = actor.compute_threads
-        model, tokenizer = load_zqs(path, num_threads=actor.compute_threads, compute_dtype=actor.compute_dtype,
-                                    is_weight_packed=actor.is_weight_packed)
-        self.tpot_target_s = parsed.models[0].tpot_target_s
-        self.step_cost = config.rule_scorer.step_cost()
-        self.dtype = str(model.dtype).removeprefix("torch.")
-        # Every engine shares one set of step checks, so each plans with the correction the runs before it measured,
-        # as a hot actor's engine carries its own from request to request (a fresh one would plan by the constants).
-        self._step_checks: dict = {}
-        self._new = lambda: Engine(model, tokenizer, max_batch=actor.max_batch,
-                                   prefill_chunk_tokens=actor.prefill_chunk_tokens, step_cost=self.step_cost)
-
-    def engine(self, planner: str):
-        engine = self._new()
-        engine._step_checks = self._step_checks
-        engine.eos_token_ids = frozenset()  # every row runs to max_tokens, as bench_load's requests are asked to
+    def engine(self, planner: str):  # every row runs to max_tokens, as bench_load's requests are asked to
+        engine = super().engine()
         if planner == "whole":
             bounded = engine._prefill_budget
             engine._prefill_budget = lambda rows: None if all(r.is_prefilling for r in rows) else bounded(rows)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import cpu_features, load_average, machine, write_report
-from benchmarks.load_setup import app_args, model_facts
+from benchmarks.load_setup import ServedEngine
 
 log = logging.getLogger("bench_paced_prefill")
 CONFIG = "configs/serve.yaml"
@@ -36,37 +36,7 @@ NUM_RUNNING = 4  # rows decoding when the newcomer joins
 PROMPT_TOKENS = 158  # bench_peer's GuideLLM requests: ~128 prompt tokens and the chat template
 RUNNING_OUT = 1000  # enough that the running rows outlast an unpaced newcomer's prompt
 PAST_TARGET_S = 0.001  # the running rows' TPOT target: below any step, so they never have slack
-
-
-class _Bench:
-    def __init__(self) -> None:
-        import torch
-
-        from actors.engine import Engine
-        from actors.layer_loader import load_zqs
-        from serve_app.config import AppArgs, ingress_config
-
-        args = app_args(CONFIG)
-        parsed = AppArgs.model_validate(args)
-        config = ingress_config(parsed)
-        _, path, self.facts, _ = model_facts(args)
-        actor = config.actor
-        self.threads = actor.min_compute_threads
-        torch.set_num_threads(self.threads)
-        model, tokenizer = load_zqs(path, num_threads=self.threads, compute_dtype=actor.compute_dtype,
-                                    is_weight_packed=actor.is_weight_packed)
-        self.ttft_target_s, self.tpot_target_s = parsed.models[0].ttft_target_s, parsed.models[0].tpot_target_s
-        self.step_cost = config.rule_scorer.step_cost()
-        self.dtype = str(model.dtype).removeprefix("torch.")
-        self._step_checks: dict = {}  # shared: each engine plans with what the runs before it measured
-        self._new = lambda: Engine(model, tokenizer, max_batch=actor.max_batch,
-                                   prefill_chunk_tokens=actor.prefill_chunk_tokens, step_cost=self.step_cost)
-
-    def engine(self):
-        engine = self._new()
-        engine._step_checks = self._step_checks
-        engine.eos_token_ids = frozenset()  # every row runs to max_tokens
-        return engine
+THREADS = 1  # configs/serve.yaml's actor.min_compute_threads: its actors' steps while the node is busy
 
 
 def _params(max_tokens: int):
@@ -75,7 +45,7 @@ def _params(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
-def join_beside_rows_past_their_target(bench: _Bench, mode: str, rng: random.Random) -> dict:
+def join_beside_rows_past_their_target(bench: ServedEngine, mode: str, rng: random.Random) -> dict:
     """The newcomer's TTFT and steps to its first token; the running rows' mean step while it waited."""
     from actors.events import TokenEvent
 
@@ -90,9 +60,9 @@ def join_beside_rows_past_their_target(bench: _Bench, mode: str, rng: random.Ran
         engine.step()
     first: list[float] = []
     arrival = time.time()
-    due = arrival + bench.ttft_target_s if mode == "paced" else None
+    due = arrival + bench.targets.ttft_target_s if mode == "paced" else None
     engine.add(prompt(), _params(4), lambda e: first.append(time.time()) if isinstance(e, TokenEvent) else None,
-               tpot_target_s=bench.tpot_target_s, first_token_due=due)
+               tpot_target_s=bench.targets.tpot_target_s, first_token_due=due)
     out_before, num_steps = running[0].num_out, 0
     while not first and running[0].num_out < RUNNING_OUT:
         engine.step()
@@ -106,9 +76,9 @@ def join_beside_rows_past_their_target(bench: _Bench, mode: str, rng: random.Ran
 
 
 def measure(repeats: int) -> dict:
-    bench = _Bench()
+    bench = ServedEngine(CONFIG, threads=THREADS)
     out: dict = {"facts": bench.facts, "threads": bench.threads, "dtype": bench.dtype,
-                 "ttft_target_s": bench.ttft_target_s, "tpot_target_s": bench.tpot_target_s,
+                 "ttft_target_s": bench.targets.ttft_target_s, "tpot_target_s": bench.targets.tpot_target_s,
                  "step_cost": vars(bench.step_cost), "runs": {m: [] for m in MODES}}
     join_beside_rows_past_their_target(bench, "paced", random.Random(-1))  # pages touched, the step check learns
     for i in range(repeats):

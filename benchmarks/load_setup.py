@@ -129,3 +129,41 @@ def run_data(report_only: str | None, measure_run, bench: str) -> dict[str, Any]
     raw.write_text(json.dumps(data))
     logging.getLogger(__name__).info("raw results: %s", raw)
     return data
+
+
+class ServedEngine:
+    """An app config's first model, loaded in this process as its actors load it, and fresh engines built as they
+    build theirs: for benchmarks of the engine alone (bench_idle_steps, bench_paced_prefill). `threads`: torch's
+    count here (None: the actors' `compute_threads`). Every engine shares one set of step checks, so each plans with
+    the correction the runs before it measured, as a hot actor's engine carries its own from request to request (a
+    fresh one would plan by the constants)."""
+
+    def __init__(self, config_path: str, threads: int | None = None) -> None:
+        import torch
+
+        from actors.layer_loader import load_zqs
+        from serve_app.config import AppArgs, ingress_config
+
+        args = app_args(config_path)
+        parsed = AppArgs.model_validate(args)
+        config = ingress_config(parsed)
+        _, path, self.facts, _ = model_facts(args)
+        self.actor = config.actor
+        self.threads = threads or self.actor.compute_threads
+        torch.set_num_threads(self.threads)
+        self.model, self.tokenizer = load_zqs(path, num_threads=self.threads, compute_dtype=self.actor.compute_dtype,
+                                              is_weight_packed=self.actor.is_weight_packed)
+        self.targets = parsed.models[0]  # its ttft_target_s, tpot_target_s
+        self.step_cost = config.rule_scorer.step_cost()
+        self.dtype = str(self.model.dtype).removeprefix("torch.")
+        self._step_checks: dict = {}
+
+    def engine(self):
+        """A fresh engine, every row running to its max_tokens (no end-of-sequence token)."""
+        from actors.engine import Engine
+
+        engine = Engine(self.model, self.tokenizer, max_batch=self.actor.max_batch,
+                        prefill_chunk_tokens=self.actor.prefill_chunk_tokens, step_cost=self.step_cost)
+        engine._step_checks = self._step_checks
+        engine.eos_token_ids = frozenset()
+        return engine
