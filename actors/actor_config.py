@@ -40,9 +40,9 @@ class ActorConfig:
     # chunked so that running rows wait at most one step of this size, and less where a decoding
     # row's TPOT target needs shorter steps (actors/scheduler.py).
     prefill_chunk_tokens: int = 256
-    # A prompt gets at least the tokens a step that keep its first token within its request's TTFT target, however
-    # little the decoding rows' TPOT targets leave (actors/scheduler.py, tokens_due). Off: those targets alone bound
-    # a step's prefill, and a joiner beside rows past their target is fed one token a step.
+    # A prompt gets at least the tokens a step that bring its first token half way to its request's TTFT target,
+    # however little the decoding rows' TPOT targets leave (actors/scheduler.py, tokens_due, paced_due). Off: those
+    # targets alone bound a step's prefill, and a joiner beside rows past their target is fed one token a step.
     is_prefill_paced_by_ttft: bool = True
     # The engine prices its steps by the rule times the mean of measured ÷ predicted, or by the median of this many
     # last steps' ratios where that is more (actors/step_cost.py, StepCheck): a host turned slower is priced so within

@@ -40,8 +40,9 @@ class ActorRequest:
     # than keeps them within it (actors/scheduler.py). None: only the configured chunk cap.
     tpot_target_s: float | None = None
     # When its first token is due (epoch s): its arrival at the ingress and its TTFT target. While its prompt
-    # runs, every step carries enough of it to keep the first token due by then (scheduler.tokens_due). The
-    # ingress's clock: across nodes their offset moves it, as it does the TTFT the traces measure. None: no target.
+    # runs, every step carries enough of it to bring the first token half way from its joining to then
+    # (scheduler.tokens_due, paced_due). The ingress's clock: across nodes their offset moves it, as it does the
+    # TTFT the traces measure. None: no target.
     first_token_due: float | None = None
 
 
