@@ -67,7 +67,7 @@ class Row:
     emit: Emit
     added_at: float
     tpot_target_s: float | None = None  # bounds its mean time per token, so the prefill work of steps beside it
-    first_token_due: float | None = None  # epoch s: when its first token is planned (scheduler.paced_due)
+    first_token_planned: float | None = None  # epoch s: when its prompt is paced to end (scheduler.paced_due)
     is_cancelled: bool = False
     caches: list[KVCache] | None = None  # allocated when the row joins
     slot: int | None = None  # its slot of the compiled step's slabs (actors/compiled_step.py), where it has one
@@ -269,9 +269,9 @@ class Engine:
         # planner answers for (the host's few ms between steps are not), and what the checks predict. Its first
         # token's due time is the wall clock's: the client's wait is.
         limit = max_step_s(row.tpot_target_s, row.num_out, row.decode_s) if row.first_time is not None else None
-        due = row.first_token_due
+        planned = row.first_token_planned
         return RowProgress(row.id, len(row.prompt), row.num_prefilled, row.position, row.tpot_target_s, limit,
-                           None if due is None or row.num_prefilled >= len(row.prompt) else due - now)
+                           None if planned is None or row.num_prefilled >= len(row.prompt) else planned - now)
 
     def _rule_step_s(self, num_rows: int, num_extra_prompt_tokens: int, num_kv_tokens: int) -> float:
         return self.step_check.correction * self.step_cost.step_s(num_rows, num_extra_prompt_tokens, num_kv_tokens,

@@ -53,8 +53,10 @@ advances by a chunk of it. The rule:
   (`paced_due`): replanned at each step, a share of the time left would recede with it. The
   TPOT bound alone starves a joiner once the decoding rows have no slack left (steps slower
   than the router priced them: a busy host): one token a step, so its first token waited for
-  the whole batch to end. bench_peer's traces showed exactly that, joins predicted 0.3-0.8 s
-  whose first tokens came 3-5 s later, each as the rows before it finished. A row past its TPOT
+  the whole batch to end: benchmarks/results/peer_margin_again.md lists joins at 8 req/s
+  predicted at 0.28 and 0.76 s whose first tokens came 5.2 and 4.9 s after their arrival (their
+  traces: each as the rows before it on that actor finished), and paced_prefill.md puts an
+  engine in that state on purpose (3.7 s unpaced, 0.5 s paced). A row past its TPOT
   target loses a little more of its mean to a larger chunk; the joiner kept waiting would lose
   its whole TTFT target, which the ingress promised when it admitted it.
 """
@@ -70,9 +72,8 @@ PredictStep = Callable[[int, int, int], float]
 MAX_STEP_STRETCH = 2.0  # no step planned past twice a row's TPOT target, whatever slack it has
 SLACK_SHARE = 0.9  # of a row's slack, what one step may spend (the rest covers the host's time between steps)
 # Of the time from a prompt's joining to its first token's due, what its pace plans to use (`paced_due`): the rest is
-# for what the plan cannot see: the token's way to the client, steps slower than priced, joiners due sooner. Planned
-# to the due itself, a paced first token came at 0.99 s of a 1 s target in bench_paced_prefill's setup: a client
-# would have seen it past the target.
+# for what the plan cannot see: the token's way to the client, steps slower than priced, joiners due sooner. Paced to
+# the due itself, a first token would come at the due by construction, and a client would see it past the target.
 PACE_SHARE = 0.5
 
 
