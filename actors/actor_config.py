@@ -74,11 +74,15 @@ class ActorConfig:
     # imports are already below them; Ray runs other workers' main threads at nice 15, so
     # 19 puts the actors below all of Ray's own.
     cpu_nice: int = 19
-    # After the first token, at most one chunk per interval is sent (tokens sampled meanwhile
-    # ride together); 0 sends every token on its own. Each chunk is a Ray object to the
-    # ingress and an SSE event on to the proxy, whose handling competes with the batch's
-    # steps on a CPU node; a longer interval delays a request's last token by up to as much.
+    # After the first token, a row sends at most one chunk per interval (tokens sampled meanwhile
+    # ride together): at least `stream_interval_s` (0: every token on its own while the rows'
+    # share allows), and while n rows run, n / `max_stream_chunks_per_s` (0: no share), at most
+    # `max_stream_interval_s` (actors/stream_chunks.py). Each chunk is a Ray object to the
+    # ingress and an SSE event on to the proxy, whose handling competes with the batch's steps
+    # on a CPU node; a longer interval delays a request's last token by up to as much.
     stream_interval_s: float = 0.02
+    max_stream_chunks_per_s: float = 50.0
+    max_stream_interval_s: float = 0.2
     # Keep activation memory freed inside a request for the next layer, on huge pages
     # (actors/heap.py); a hot actor gives it back once idle this long, so back-to-back
     # requests do not page-fault their working set in again.
@@ -126,6 +130,10 @@ class ActorConfig:
         if self.max_batch < 1 or self.prefill_chunk_tokens < 1 or self.warm_prompt_tokens < 1:
             raise ValueError(f"ActorConfig needs max_batch, prefill_chunk_tokens and warm_prompt_tokens >= 1, "
                              f"got {self.max_batch}, {self.prefill_chunk_tokens}, {self.warm_prompt_tokens}")
+        if min(self.stream_interval_s, self.max_stream_chunks_per_s, self.max_stream_interval_s) < 0:
+            raise ValueError(f"ActorConfig needs stream_interval_s, max_stream_chunks_per_s and max_stream_interval_s "
+                             f">= 0, got {self.stream_interval_s}, {self.max_stream_chunks_per_s}, "
+                             f"{self.max_stream_interval_s}")
         if self.step_check_recent_steps < 0:
             raise ValueError(f"ActorConfig.step_check_recent_steps must be >= 0, got {self.step_check_recent_steps}")
 

@@ -34,7 +34,7 @@ class ActorRequest:
     sampling: SamplingParams
     keep_hot: bool = False
     # Every token its own chunk, sent the moment it is sampled (X-Stream-Mode: low-latency); else
-    # tokens sampled within `ActorConfig.stream_interval_s` of the previous chunk ride together.
+    # tokens sampled within the row's chunk interval of the previous chunk ride together (actors/stream_chunks.py).
     is_low_latency: bool = False
     # The request's TPOT target: while it decodes, its batch's steps carry no more prompt work
     # than keeps them within it (actors/scheduler.py). None: only the configured chunk cap.

@@ -69,6 +69,7 @@ from actors.messages import (
 )
 from actors.peak_memory import PeakMemory
 from actors.priority import lower_threads
+from actors.stream_chunks import chunk_interval_s, coalesce
 from actors.telemetry_agent import NO_REPORTER, AgentReporter
 from weights_tool.groups import EMBEDDINGS_GROUP
 
@@ -255,10 +256,10 @@ class RequestActor:
 
     async def _relay(self, request: ActorRequest, stream: RowStream, arrival: float, is_cold: bool):
         """The row's engine events as the actor's stream items: `Started` and the first token at once,
-        later tokens coalesced into one chunk per `stream_interval_s` — or each on its own, at once,
-        for a low-latency request."""
-        interval = 0.0 if request.is_low_latency else self.config.stream_interval_s
-        coalesce = (lambda items: items) if request.is_low_latency else _coalesce
+        later tokens coalesced into one chunk per interval (stream_chunks.py: longer while more rows
+        share the actor's chunks a second) — or each on its own, at once, for a low-latency request."""
+        is_low_latency = request.is_low_latency
+        merge = (lambda items: items) if is_low_latency else coalesce
         loop = asyncio.get_running_loop()
         next_send = 0.0  # loop time before which no further chunk leaves
         has_sent_token = False
@@ -268,13 +269,15 @@ class RequestActor:
             if wait > 0 and not isinstance(items[0], FinishEvent):
                 await asyncio.sleep(wait)
             items += stream.get_ready()
-            for item in coalesce([self._item(request, event, arrival, is_cold) for event in items]):
+            for item in merge([self._item(request, event, arrival, is_cold) for event in items]):
                 yield item
                 if isinstance(item, Completion):
                     return
                 has_sent_token |= isinstance(item, TextChunk)
-            if has_sent_token:  # the first token went out as it came; later ones wait their turn
-                next_send = loop.time() + interval
+            if has_sent_token and not is_low_latency:  # the first token went out as it came; later ones wait
+                config = self.config
+                next_send = loop.time() + chunk_interval_s(self._engine.num_rows, config.stream_interval_s,
+                                                           config.max_stream_chunks_per_s, config.max_stream_interval_s)
 
     def _item(self, request: ActorRequest, event, arrival: float, is_cold: bool):
         if isinstance(event, StartEvent):
@@ -507,19 +510,6 @@ class RequestActor:
         self._runner.close()
         self._reporter.forget()
         self._streamed.close()
-
-
-def _coalesce(items: list) -> list:
-    """Merge runs of consecutive TextChunks into one; every other item keeps its place."""
-    out: list = []
-    for item in items:
-        prev = out[-1] if out else None
-        if isinstance(item, TextChunk) and isinstance(prev, TextChunk):
-            out[-1] = TextChunk(prev.token_ids + item.token_ids, prev.text + item.text,
-                                item.num_output_tokens, item.time)
-        else:
-            out.append(item)
-    return out
 
 
 def spawn(zqs_path: str, config: ActorConfig, name: str, warm_layers: int | None = None):

@@ -128,6 +128,13 @@ def mean_correction(config: dict) -> dict:
     return config
 
 
+def per_token_stream(config: dict) -> dict:
+    """`make serve`'s config with every row's chunks at most `stream_interval_s` apart however many rows share the
+    actor (actors/stream_chunks.py): the streaming before the actor's chunks a second were shared."""
+    config["applications"][0]["args"]["actor"]["max_stream_chunks_per_s"] = 0
+    return config
+
+
 def same_config(config: dict) -> dict:
     """`make serve`'s config as it is: a second run of it in the same benchmark, for the run-to-run spread."""
     return config
@@ -164,6 +171,10 @@ VARIANTS = {
                                   "its steps priced by the mean of measured ÷ predicted alone, not also by the last "
                                   "three steps' median where more: `actor.step_check_recent_steps: 0` "
                                   "(actors/step_cost.py, StepCheck)"),
+    "zeroqueue-per-token": (per_token_stream,
+                            "each row's tokens streamed as they come (at most one chunk per 20 ms) however many rows "
+                            "share its actor, not within the rows' share of 50 chunks a second: "
+                            "`actor.max_stream_chunks_per_s: 0` (actors/stream_chunks.py)"),
     "zeroqueue-again": (same_config,
                         "nothing at all: it is configs/serve.yaml again, run after it, so its ratios are the spread "
                         "between two runs of one config on this machine, which any other variant's must exceed to "

@@ -383,7 +383,7 @@ class Ingress:
 
 def _stream_mode(headers: Mapping[str, str]) -> str:
     """`X-Stream-Mode`: `low-latency` sends every token as it is sampled; `coalesced` (the default)
-    lets tokens sampled within the actor's `stream_interval_s` ride in one event."""
+    lets tokens sampled within the row's chunk interval ride in one event (actors/stream_chunks.py)."""
     mode = headers.get("x-stream-mode", COALESCED).strip().lower()
     if mode not in (LOW_LATENCY, COALESCED):
         raise errors.invalid_request(f"x-stream-mode: must be {LOW_LATENCY!r} or {COALESCED!r}, got {mode!r}")

@@ -24,6 +24,7 @@ from actors.messages import ActorRequest, Completion, Phase, Started, TextChunk
 from actors.request_actor import RequestActor
 from actors.sampling import SamplingParams
 from actors.shard_header import open_zqs
+from actors.stream_chunks import chunk_interval_s
 from actors.tokenizer import Message
 from serve_app.cluster import StreamBusy, StreamFailed
 from serve_app.local_cluster import LocalStream
@@ -356,6 +357,40 @@ def test_a_low_latency_request_gets_every_token_alone_and_a_default_one_gets_the
         await asyncio.wait_for(actor.exited.wait(), 10)  # the second asked not to stay hot
 
     asyncio.run(scenario())
+
+
+def test_rows_sharing_an_actor_share_its_chunks_a_second_and_a_low_latency_row_still_gets_every_token(
+        tiny_zqs, monkeypatch):
+    from actors import request_actor
+
+    rows_seen = []
+
+    def recording(num_rows, *args):
+        rows_seen.append(num_rows)
+        return chunk_interval_s(num_rows, *args)
+
+    monkeypatch.setattr(request_actor, "chunk_interval_s", recording)
+    # No per-row minimum: only the share spaces the chunks, 1 s apart while two rows run, 0.5 s for one.
+    config = replace(CONFIG, stream_interval_s=0.0, max_stream_chunks_per_s=2.0, max_stream_interval_s=10.0)
+
+    async def scenario():
+        actor = Actor(tiny_zqs, config)
+        await actor.consume(_request(tiny_zqs, max_tokens=2, seed=9, keep_hot=True))  # the cold one: loads alone
+        pair = [_request(tiny_zqs, max_tokens=16, seed=s, keep_hot=True, temperature=0) for s in (1, 2)]
+        both = await asyncio.gather(*(actor.consume(r) for r in pair))
+        fast = replace(_request(tiny_zqs, max_tokens=16, seed=3, keep_hot=True, temperature=0), is_low_latency=True)
+        alone = await actor.consume(fast)
+        actor.close()
+        return both, alone
+
+    both, (fast_chunks, fast_done) = asyncio.run(scenario())
+    assert 2 in rows_seen  # a row's interval was its share while both ran
+    for chunks, done in both:
+        assert len(_token_ids(chunks)) == done.output_tokens == 16
+        # The first token alone, then at most one chunk per 0.5 s of its decode (1 s while both ran), and the last.
+        decode_s = done.timings.last_token - done.timings.first_token
+        assert len(chunks) <= 3 + decode_s / 0.5, (len(chunks), decode_s)
+    assert [len(c.token_ids) for c in fast_chunks] == [1] * fast_done.output_tokens == [1] * 16
 
 
 @pytest.fixture(scope="module")
