@@ -33,12 +33,20 @@ class RowStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.row = None
         self.is_done = False  # a FinishEvent or an exception was read
+        # A FinishEvent or an exception was delivered: nothing follows it. A reader holding tokens back to
+        # send them together waits on this too, so that a row's last tokens leave as soon as it ends.
+        self.has_ended = asyncio.Event()
 
     def _emit(self, event: Event | BaseException) -> None:  # on the stepping thread
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._deliver, event)
         except RuntimeError:  # the loop has closed: nobody is reading any more
             pass
+
+    def _deliver(self, event: Event | BaseException) -> None:  # on the loop
+        self._queue.put_nowait(event)
+        if isinstance(event, (FinishEvent, BaseException)):
+            self.has_ended.set()
 
     async def get(self) -> Event:
         """The next event; raises the row's error."""

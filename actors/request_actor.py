@@ -43,6 +43,7 @@ peak measured since the batch last started from empty (`actors/peak_memory.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -267,7 +268,9 @@ class RequestActor:
             items = [await stream.get()]
             wait = next_send - loop.time()
             if wait > 0 and not isinstance(items[0], FinishEvent):
-                await asyncio.sleep(wait)
+                # Until the next chunk may leave, or the row ends: its last tokens are not held back.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stream.has_ended.wait(), wait)
             items += stream.get_ready()
             for item in merge([self._item(request, event, arrival, is_cold) for event in items]):
                 yield item
