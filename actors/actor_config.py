@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.compute_dtype import check_setting
-from actors.step_cost import StepCost
+from actors.step_cost import RECENT_STEPS, StepCost
 
 # actor.packed_kernel's settings (actors/packed_weights.py): "auto" is the actors' own kernels where the CPU runs them.
 PACKED_KERNELS = ("auto", "onednn")
@@ -47,7 +47,7 @@ class ActorConfig:
     # The engine prices its steps by the rule times the mean of measured ÷ predicted, or by the median of this many
     # last steps' ratios where that is more (actors/step_cost.py, StepCheck): a host turned slower is priced so within
     # a few steps, by the planner and by the router, which hears it with each row's start. 0: the mean alone.
-    step_check_recent_steps: int = 3
+    step_check_recent_steps: int = RECENT_STEPS
     # What a step costs (actors/step_cost.py): the ingress sets it from the app's `rule_scorer`,
     # the same constants its admission predicts with.
     step_cost: StepCost = StepCost()

@@ -47,7 +47,7 @@ from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, greedy, make_generator, mask_tokens, sample
 from actors.scheduler import RowProgress, max_step_s, paced_due, plan_step, prefill_budget
-from actors.step_cost import StepCheck, StepCost
+from actors.step_cost import RECENT_STEPS, StepCheck, StepCost
 from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
 from weights_tool.dtypes import model_dtype
@@ -102,7 +102,7 @@ class Row:
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, *, max_context: int | None = None, max_batch: int = 1,
                  prefill_chunk_tokens: int = 256, step_cost: StepCost | None = None,
-                 compiled: CompiledDecode | None = None, step_check_recent_steps: int = 3):
+                 compiled: CompiledDecode | None = None, step_check_recent_steps: int = RECENT_STEPS):
         """`compiled`: decode-only steps of rows in its slots run through it, where their bucket is compiled.
         `step_check_recent_steps`: StepCheck's `recent_steps` (actors/step_cost.py)."""
         if max_batch < 1 or prefill_chunk_tokens < 1:

@@ -67,6 +67,9 @@ class StepCost:
         return 1.0 / self.prefill_tokens_per_s + kv_bytes_per_token / self.kv_read_bytes_per_s
 
 
+RECENT_STEPS = 3  # StepCheck's default `recent_steps`: a slower host priced so within two steps
+
+
 class StepCheck:
     """Measured step times against predicted ones: the correction the planner applies, and the error it makes.
 
@@ -84,7 +87,7 @@ class StepCheck:
     """
 
     def __init__(self, weight: float = 0.1, window: int = 256, min_correction: float = 0.25,
-                 max_correction: float = 8.0, baseline_weight: float = 0.01, recent_steps: int = 3) -> None:
+                 max_correction: float = 8.0, baseline_weight: float = 0.01, recent_steps: int = RECENT_STEPS) -> None:
         if (not 0 < weight <= 1 or not 0 < baseline_weight <= 1 or window < 1 or recent_steps < 0
                 or not 0 < min_correction <= 1 <= max_correction):
             raise ValueError(f"StepCheck needs 0 < weight, baseline_weight <= 1, window >= 1, recent_steps >= 0 and "
@@ -93,6 +96,9 @@ class StepCheck:
         self.weight, self.min_correction, self.max_correction = weight, min_correction, max_correction
         self.baseline_weight = baseline_weight
         self.mean = 1.0  # the exponentially weighted mean of the ratios
+        # What the planner multiplies the rule by: the mean, or the recent steps' median where more (class doc). Set
+        # once a step, by `observe`: the planner reads it for every step size it tries.
+        self.correction = 1.0
         self.recent: deque[float] = deque(maxlen=recent_steps)  # the last ratios, bounded as the mean's are
         self.baseline = 1.0
         self.num_steps = 0
@@ -103,16 +109,9 @@ class StepCheck:
         """A check starting at `other`'s correction and baseline, with none of its steps counted."""
         check = cls(other.weight, other.recent_errors.maxlen or 1, other.min_correction, other.max_correction,
                     other.baseline_weight, other.recent.maxlen or 0)
-        check.mean, check.baseline = other.correction, other.baseline
+        check.mean = check.correction = other.correction
+        check.baseline = other.baseline
         return check
-
-    @property
-    def correction(self) -> float:
-        """What the planner multiplies the rule by: the mean, or the recent steps' median where more (class doc)."""
-        recent = self.recent
-        if recent.maxlen and len(recent) == recent.maxlen:
-            return max(self.mean, statistics.median(recent))
-        return self.mean
 
     def observe(self, rule_s: float, measured_s: float) -> None:
         """One measured step whose rule prediction (before correction) was `rule_s`."""
@@ -121,7 +120,10 @@ class StepCheck:
         self.recent_errors.append(abs(measured_s / (rule_s * self.correction) - 1.0))
         ratio = min(self.max_correction, max(self.min_correction, measured_s / rule_s))
         self.mean = (1 - self.weight) * self.mean + self.weight * ratio
-        self.recent.append(ratio)
+        recent = self.recent
+        recent.append(ratio)
+        is_recent_full = recent.maxlen and len(recent) == recent.maxlen
+        self.correction = max(self.mean, statistics.median(recent)) if is_recent_full else self.mean
         # A plain mean of the steps so far until there are 1 / baseline_weight of them: from the first step the
         # baseline is the measured level (the constants may be far off), and no single first step dominates it.
         w = max(self.baseline_weight, 1.0 / (self.num_steps + 1))

@@ -163,7 +163,8 @@ class ServedEngine:
         from actors.engine import Engine
 
         engine = Engine(self.model, self.tokenizer, max_batch=self.actor.max_batch,
-                        prefill_chunk_tokens=self.actor.prefill_chunk_tokens, step_cost=self.step_cost)
+                        prefill_chunk_tokens=self.actor.prefill_chunk_tokens, step_cost=self.step_cost,
+                        step_check_recent_steps=self.actor.step_check_recent_steps)
         engine._step_checks = self._step_checks
         engine.eos_token_ids = frozenset()
         return engine
