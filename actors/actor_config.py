@@ -13,6 +13,7 @@ from actors.step_cost import RECENT_STEPS, StepCost
 
 # actor.packed_kernel's settings (actors/packed_weights.py): "auto" is the actors' own kernels where the CPU runs them.
 PACKED_KERNELS = ("auto", "onednn")
+KV_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class ActorConfig:
     # except on a CPU without native 16-bit arithmetic, where a bf16 model computes several
     # times slower than in fp32 (benchmarks/results/engine.md) and is widened, at 2x its memory.
     compute_dtype: str = "auto"
+    # Keys and values cached in the compute dtype ("auto"), or in 8 bits ("int8": an fp32 scale a position and KV
+    # head, actors/kv_cache.py): about half the bytes, so twice the rows' positions fit and a decoding row reads half
+    # as much a step (batch_int8.md), at a small error in attention (its quality figures there). Not with
+    # `is_compiled`.
+    kv_dtype: str = "auto"
     # Rows a hot actor runs at most (the policy's max_batch, a safety cap: the ingress sets both from one value).
     max_batch: int = 32
     # The most prompt tokens one step may add while other rows decode: a joiner's prompt is
@@ -109,6 +115,10 @@ class ActorConfig:
     compiled_slots: int = 8
     compiled_max_seq_len: int = 2048
 
+    @property
+    def is_kv_int8(self) -> bool:
+        return self.kv_dtype == "int8"
+
     def packs_weights_on(self, device_type: str) -> bool:
         """Whether an actor computing on `device_type` packs its weights once all are resident
         (actors/packed_weights.py): on a CPU, unless packing is off or the compiled step reads the plain ones."""
@@ -134,6 +144,10 @@ class ActorConfig:
             raise ValueError(f"ActorConfig needs stream_interval_s, max_stream_chunks_per_s and max_stream_interval_s "
                              f">= 0, got {self.stream_interval_s}, {self.max_stream_chunks_per_s}, "
                              f"{self.max_stream_interval_s}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"ActorConfig.kv_dtype must be {' or '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.is_kv_int8 and self.is_compiled:
+            raise ValueError("ActorConfig.kv_dtype int8 is not served by the compiled step: set is_compiled false")
         if self.step_check_recent_steps < 0:
             raise ValueError(f"ActorConfig.step_check_recent_steps must be >= 0, got {self.step_check_recent_steps}")
 

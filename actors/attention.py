@@ -59,6 +59,13 @@ def decode_kernel(dtype: torch.dtype):
     return ext.decode_attention if dtype == torch.bfloat16 else ext.decode_attention_f32
 
 
+def is_int8_served(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the decode kernel reads 8-bit caches (kv_cache.py) for rows of `dtype` with these heads on this CPU
+    (csrc/decode_attention_i8.cpp: bf16 rows, AVX512-VNNI, up to 4 query heads a KV head, head_dim up to 64)."""
+    return (dtype == torch.bfloat16 and cpu_kernels.is_cpu_supported() and num_heads // num_kv_heads <= 4
+            and head_dim <= 64 and head_dim % 16 == 0)
+
+
 def decodes_alone(segment: Segment) -> bool:
     """One token against the segment's own one-row cache, seeing its whole span: what the decode kernel computes."""
     return (segment.length == 1 and segment.caches is not None and segment.span.mask is None
@@ -125,7 +132,14 @@ class Attention(nn.Module):
             return []
         if decode_kernel(x.dtype) is None:  # loaded by packing: a step never loads (or builds) them
             return []
-        return [i for i, s in enumerate(segments) if decodes_alone(s)]
+        decoding = [i for i, s in enumerate(segments) if decodes_alone(s)]
+        if decoding and not self.kernel_reads(x.dtype, segments[decoding[0]].caches[layer]):
+            return []  # 8-bit caches the kernel does not read here: their spans dequantized, through SDPA
+        return decoding
+
+    def kernel_reads(self, dtype: torch.dtype, cache: KVCache) -> bool:
+        """Whether the decode kernel for rows of `dtype` reads caches like `cache` (an engine's are all alike)."""
+        return not cache.is_int8 or is_int8_served(dtype, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def _attend_decoding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment],
                          decoding: list[int], layer: int) -> torch.Tensor:
@@ -160,9 +174,9 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment, layer: int) -> torch.Tensor:
         # q: [B, H, n, D]; k, v: [B, H_kv, n, D], this segment's tokens
         if seg.caches is not None:
-            k_all, v_all = seg.caches[layer].update(seg.input_pos, k, v)
+            seg.caches[layer].update(seg.input_pos, k, v)
             # k, v: [B, H_kv, T, D], the cached positions this chunk may attend to.
-            k, v = k_all[:, :, seg.span.start : seg.span.end], v_all[:, :, seg.span.start : seg.span.end]
+            k, v = seg.caches[layer].span(seg.span.start, seg.span.end)
         if self.is_gqa and q.shape[2] == 1 and seg.span.mask is None:
             # One query sees every key of its span: each KV head's G query heads become G
             # queries of one head ([B, H, 1, D] -> [B, H_kv, G, D]), the same attention with no

@@ -48,20 +48,22 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "bf16_linear.cpp", "decode_attention.cpp", "rms_norm.cpp",
+SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "bf16_linear.cpp", "decode_attention.cpp",
+                                      "decode_attention_i8.cpp", "rms_norm.cpp",
                                       "argmax.cpp", "silu_mul.cpp"))
 AVX2_SOURCES = tuple(CSRC / f for f in ("avx2_bindings.cpp", "bf16_weight_linear.cpp", "rms_norm_f32.cpp",
                                          "decode_attention_f32.cpp"))
 # -fopenmp: at::parallel_for is an OpenMP pragma inlined from torch's headers; compiled without it, the
 # kernels run on one thread whatever torch.set_num_threads says. Linked by soname, libgomp.so.1 resolves to
 # the copy torch has already loaded: one thread pool, not two.
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp")
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 
 
 def is_cpu_supported() -> bool:
-    """This CPU has AVX512-BF16 (VDPBF16PS), the instruction both kernels are built on."""
-    return torch.cpu._is_avx512_bf16_supported()
+    """This CPU has AVX512-BF16 (VDPBF16PS), the instruction the kernels are built on, and AVX512-VNNI (VPDPBUSD,
+    8-bit caches' keys; every CPU with the first has it)."""
+    return torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported()
 
 
 def is_avx2_supported() -> bool:

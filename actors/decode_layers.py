@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from actors import bf16_linear, bf16_weight_linear, cpu_kernels
-from actors.attention import Segment, decodes_alone
+from actors.attention import Attention, Segment, decodes_alone
 
 
 def build(model):
@@ -55,10 +55,12 @@ def build(model):
 _LAYOUTS = {torch.bfloat16: ("bf16_linear", bf16_linear.linear), torch.float32: ("bf16_weights", bf16_weight_linear.linear)}
 
 
-def takes(x: torch.Tensor, segments: Sequence[Segment]) -> bool:
-    """Every token of the step is a row's one decoding token against its own one-row cache, seeing its whole span:
-    the step `DecodeLayers.run` computes (as Attention._decoding's kernel path, for every segment)."""
-    return x.shape[0] == 1 and len(segments) == x.shape[1] and all(decodes_alone(s) for s in segments)
+def takes(x: torch.Tensor, segments: Sequence[Segment], attention: Attention) -> bool:
+    """Every token of the step is a row's one decoding token against its own one-row cache, seeing its whole span,
+    in caches the kernel reads (`attention`: the first layer's): the step `DecodeLayers.run` computes (as
+    Attention._decoding's kernel path, for every segment)."""
+    return (x.shape[0] == 1 and len(segments) == x.shape[1] and all(decodes_alone(s) for s in segments)
+            and attention.kernel_reads(x.dtype, segments[0].caches[0]))
 
 
 def forward(decode_layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

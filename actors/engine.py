@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.attention import is_int8_served
 from actors.chat import GenerationRequest, build_prompt, check_context_window
 from actors.compiled_step import CompiledDecode
 from actors.events import BatchFullError, Emit, Event, FinishEvent, StartEvent, TokenEvent
@@ -102,12 +103,23 @@ class Row:
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, *, max_context: int | None = None, max_batch: int = 1,
                  prefill_chunk_tokens: int = 256, step_cost: StepCost | None = None,
-                 compiled: CompiledDecode | None = None, step_check_recent_steps: int = RECENT_STEPS):
+                 compiled: CompiledDecode | None = None, step_check_recent_steps: int = RECENT_STEPS,
+                 is_kv_int8: bool = False):
         """`compiled`: decode-only steps of rows in its slots run through it, where their bucket is compiled.
-        `step_check_recent_steps`: StepCheck's `recent_steps` (actors/step_cost.py)."""
+        `step_check_recent_steps`: StepCheck's `recent_steps` (actors/step_cost.py). `is_kv_int8`: rows cache
+        their keys and values in 8 bits (kv_cache.py)."""
         if max_batch < 1 or prefill_chunk_tokens < 1:
             raise ValueError(f"max_batch and prefill_chunk_tokens must be >= 1, got {max_batch}, "
                              f"{prefill_chunk_tokens}")
+        if is_kv_int8 and compiled is not None:
+            raise ValueError("8-bit KV caches are not served by the compiled step")
+        c = model.config
+        if is_kv_int8 and not (model.device.type == "cpu"
+                               and is_int8_served(model.dtype, c.num_heads, c.num_kv_heads, c.head_dim)):
+            log.warning("8-bit KV caches without their decode kernel here (a bf16 model on an AVX512-BF16/VNNI CPU, "
+                        "up to 4 query heads a KV head, head_dim <= 64): each decode step dequantizes its rows' "
+                        "spans, slower than the model's own dtype")
+        self.is_kv_int8 = is_kv_int8
         self.model = model
         self.tokenizer = tokenizer
         window = model.config.max_position_embeddings
@@ -128,7 +140,7 @@ class Engine:
         self._step_checks: dict[int, StepCheck] = {}
         self._last_check: StepCheck | None = None  # the count's check the last step used: a new count's seed
         self._step_check_recent_steps = step_check_recent_steps
-        self._kv_bytes_per_token = model.config.kv_bytes_per_token(model_dtype(model.dtype))
+        self._kv_bytes_per_token = model.config.kv_bytes_per_token(model_dtype(model.dtype), is_kv_int8)
         self.compiled = compiled
 
     @property
@@ -315,7 +327,7 @@ class Engine:
         if claimed is not None:
             row.slot, row.caches = claimed
         else:  # its own cache, sized for it: its steps run eagerly
-            row.caches = self.model.new_row_cache(num_positions)
+            row.caches = self.model.new_row_cache(num_positions, is_int8=self.is_kv_int8)
         row.generator = make_generator(p, self.device)
         row.decoder = StreamDecoder(self.tokenizer)
         row.stops = StopSequenceFilter(p.stop_sequences)

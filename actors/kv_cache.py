@@ -3,15 +3,37 @@
 Preallocated once per request at its final size (input tokens + max_tokens), so
 decoding never allocates and memory use is known before the request starts —
 which is what the router accounts for (`kv_cache_bytes`). New keys and values are
-written with `index_copy_` at their positions; readers slice the filled prefix.
+written with `index_copy_` at their positions; readers take the span they attend to (`span`).
+
+`kv_dtype: int8` (actor config) stores each position's key and value heads in 8 bits: D int8 values and one
+fp32 scale (absmax / 127, `quantize`) a position and head, about half of bf16's bytes. A decoding row's step
+reads its whole cache, which is what bounds its attention (batch.md): the decode kernel
+(csrc/decode_attention_i8.cpp) reads the 8-bit cache itself; every other reader gets its span dequantized to
+the model's dtype. The buffer is one int8 tensor [B, H_kv, S, D + 4]: each head's S x D values, then its S
+scales, so the kernels take it where they take a bf16 cache.
 """
 
 from __future__ import annotations
 
 import torch
 
+from weights_tool.architecture import KV_INT8_SCALE_BYTES as SCALE_BYTES
 from weights_tool.architecture import ModelConfig
 from weights_tool.dtypes import model_dtype
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> int8 values [..., D] and fp32 scales [...]: scale = absmax / 127 over D, values
+    round(x / scale) (to nearest even), all 0 where x is. The bits decode_attention_i8.cpp's `quantize` writes."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127
+    values = torch.round(xf / scale.unsqueeze(-1)).nan_to_num_(0.0).clamp_(-128, 127).to(torch.int8)
+    return values, scale
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 values [..., D] times their scales [...], in `dtype`."""
+    return (values.float() * scale.unsqueeze(-1)).to(dtype)
 
 
 class KVCache:
@@ -29,16 +51,19 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        is_int8: bool = False,
     ) -> None:
         if min(batch_size, max_seq_len, num_kv_heads, head_dim) <= 0:
             raise ValueError(
                 f"KVCache sizes must be positive, got batch_size={batch_size}, max_seq_len={max_seq_len}, "
                 f"num_kv_heads={num_kv_heads}, head_dim={head_dim}"
             )
-        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        # k_cache, v_cache: [B, H_kv, max_seq_len, D]; zeros so unread slots are harmless numbers.
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        width = head_dim + SCALE_BYTES if is_int8 else head_dim
+        shape = (batch_size, num_kv_heads, max_seq_len, width)
+        # k_cache, v_cache: [B, H_kv, max_seq_len, D] (or the int8 layout above); zeros so unread slots are harmless.
+        self.k_cache = torch.zeros(shape, dtype=torch.int8 if is_int8 else dtype, device=device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.dtype, self.is_int8, self.head_dim = dtype, is_int8, head_dim
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
 
@@ -51,28 +76,41 @@ class KVCache:
                              f"{list(k_cache.shape)} and {list(v_cache.shape)}")
         cache = cls.__new__(cls)
         cache.k_cache, cache.v_cache = k_cache, v_cache
+        cache.dtype, cache.is_int8, cache.head_dim = k_cache.dtype, False, k_cache.shape[3]
         cache.batch_size, cache.max_seq_len = k_cache.shape[0], k_cache.shape[2]
         return cache
 
-    def update(
-        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v at `input_pos` and return the whole buffers.
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v at `input_pos`. input_pos: [S] positions; k, v: [B, H_kv, S, D]."""
+        if not self.is_int8:
+            self.k_cache.index_copy_(2, input_pos, k)
+            self.v_cache.index_copy_(2, input_pos, v)
+            return
+        for cache, x in ((self.k_cache, k), (self.v_cache, v)):
+            values, scale = self._parts(cache)
+            q, s = quantize(x)
+            values.index_copy_(2, input_pos, q)
+            scale.index_copy_(2, input_pos, s)
 
-        input_pos: [S] positions; k, v: [B, H_kv, S, D]. Returns k_all, v_all:
-        [B, H_kv, max_seq_len, D]; positions this sequence has not written yet hold
-        zeros or an earlier sequence's values, so the caller slices or masks them out.
-        """
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
-        return self.k_cache, self.v_cache
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [start, end), [B, H_kv, end - start, D] each, in the model's dtype."""
+        if not self.is_int8:
+            return self.k_cache[:, :, start:end], self.v_cache[:, :, start:end]
+        return tuple(dequantize(values[:, :, start:end], scale[:, :, start:end], self.dtype)
+                     for values, scale in map(self._parts, (self.k_cache, self.v_cache)))
+
+    def _parts(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 buffer's values [B, H_kv, S, D] and scales [B, H_kv, S]: views, written in place."""
+        b, h, s, d = cache.shape[0], cache.shape[1], self.max_seq_len, self.head_dim
+        block = cache.view(b, h, s * (d + SCALE_BYTES))
+        return block[..., : s * d].view(b, h, s, d), block[..., s * d :].view(torch.float32)
 
     def nbytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
 
 
 def kv_cache_bytes(
-    config: ModelConfig, max_seq_len: int, dtype: torch.dtype | str, batch_size: int = 1
+    config: ModelConfig, max_seq_len: int, dtype: torch.dtype | str, batch_size: int = 1, is_int8: bool = False
 ) -> int:
     """Bytes the caches of every layer take for `max_seq_len` positions — exactly what `setup_cache` allocates."""
-    return config.kv_bytes_per_token(model_dtype(dtype)) * max_seq_len * batch_size
+    return config.kv_bytes_per_token(model_dtype(dtype), is_int8) * max_seq_len * batch_size

@@ -193,15 +193,16 @@ class Transformer(nn.Module):
         self.drop_cache()
         self.kv_caches = self.new_row_cache(max_seq_len, batch_size)
 
-    def new_row_cache(self, max_seq_len: int, batch_size: int = 1) -> list[KVCache]:
-        """One KVCache per layer for `max_seq_len` positions: a batch row's own cache (`forward_rows`)."""
+    def new_row_cache(self, max_seq_len: int, batch_size: int = 1, is_int8: bool = False) -> list[KVCache]:
+        """One KVCache per layer for `max_seq_len` positions: a batch row's own cache (`forward_rows`); 8-bit
+        keys and values where `is_int8` (kv_cache.py)."""
         if max_seq_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                 f"{self.config.max_position_embeddings}"
             )
         c = self.config
-        return [KVCache(batch_size, max_seq_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return [KVCache(batch_size, max_seq_len, c.num_kv_heads, c.head_dim, self.dtype, self.device, is_int8)
                 for _ in range(c.num_layers)]
 
     def drop_cache(self) -> None:
@@ -297,7 +298,7 @@ class Transformer(nn.Module):
         if wait_layer is not None:
             wait_layer(EMBEDDINGS_GROUP)
         x = self.embed(tokens)
-        if wait_layer is None and self.decode_layers is not None and decode_layers.takes(x, segments):
+        if wait_layer is None and self.decode_layers is not None and decode_layers.takes(x, segments, self.model.layers[0].self_attn):
             x = decode_layers.forward(self.decode_layers, x, rope, segments)  # every layer in one C++ call
         else:
             for i, layer in enumerate(self.model.layers):

@@ -151,7 +151,8 @@ class RequestActor:
                                       min(config.compiled_max_seq_len, self._model.config.max_position_embeddings))
         self._engine = Engine(self._model, self._streamed.tokenizer, max_batch=config.max_batch,
                               prefill_chunk_tokens=config.prefill_chunk_tokens, step_cost=config.step_cost,
-                              compiled=compiled, step_check_recent_steps=config.step_check_recent_steps)
+                              compiled=compiled, step_check_recent_steps=config.step_check_recent_steps,
+                              is_kv_int8=config.is_kv_int8)
         # A compiled step's kernels keep the thread count they were compiled for: its count stays fixed.
         threads = ThreadGovernor(config.compute_threads if config.is_compiled else config.min_compute_threads,
                                  config.compute_threads) if on_exit is None else None

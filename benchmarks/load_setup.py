@@ -164,7 +164,7 @@ class ServedEngine:
 
         engine = Engine(self.model, self.tokenizer, max_batch=self.actor.max_batch,
                         prefill_chunk_tokens=self.actor.prefill_chunk_tokens, step_cost=self.step_cost,
-                        step_check_recent_steps=self.actor.step_check_recent_steps)
+                        step_check_recent_steps=self.actor.step_check_recent_steps, is_kv_int8=self.actor.is_kv_int8)
         engine._step_checks = self._step_checks
         engine.eos_token_ids = frozenset()
         return engine

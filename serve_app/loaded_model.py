@@ -51,7 +51,7 @@ def load_model(spec: ModelSpec, actor: ActorConfig) -> LoadedModel:
     dtype = compute_dtype_for(actor.compute_dtype, config.dtype, device_type)
     return LoadedModel(
         id=spec.id, display_name=spec.display_name, zqs_path=str(path), tokenizer=tokenizer,
-        numbers=ModelNumbers.from_config(config, dtype), compute_dtype=dtype,
+        numbers=ModelNumbers.from_config(config, dtype, actor.is_kv_int8), compute_dtype=dtype,
         max_context=min(window, spec.max_context) if spec.max_context else window,
         created_at=path.stat().st_mtime, ttft_target_s=spec.ttft_target_s, total_target_s=spec.total_target_s,
         tpot_target_s=spec.tpot_target_s, warm_layers=min(num_warm, config.num_layers),

@@ -29,15 +29,16 @@ class ModelNumbers:
     dtype_bytes: int
 
     @classmethod
-    def from_config(cls, config: Any, dtype: str | None = None) -> ModelNumbers:
+    def from_config(cls, config: Any, dtype: str | None = None, is_kv_int8: bool = False) -> ModelNumbers:
         """From a `weights_tool.architecture.ModelConfig` (duck-typed: policy imports no model code).
 
-        `dtype`: the one the actors compute in (actors/compute_dtype.py); None: the file's.
+        `dtype`: the one the actors compute in (actors/compute_dtype.py); None: the file's. `is_kv_int8`: the
+        actors keep 8-bit KV caches (`kv_dtype: int8`).
         """
         kv_per_token = config.kv_bytes_per_token(dtype)
         return cls(
             weight_bytes=config.weight_bytes(dtype),
-            kv_bytes_per_token=kv_per_token,
+            kv_bytes_per_token=config.kv_bytes_per_token(dtype, is_kv_int8),
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
             num_heads=config.num_heads,

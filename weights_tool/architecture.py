@@ -17,6 +17,8 @@ from typing import Any
 
 from weights_tool.dtypes import MODEL_DTYPE_BYTES
 
+KV_INT8_SCALE_BYTES = 4  # an 8-bit KV cache's fp32 scale, one a position and KV head
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -209,8 +211,11 @@ class ModelConfig:
     def weight_bytes(self, dtype: str | None = None) -> int:
         return self.num_params() * MODEL_DTYPE_BYTES[dtype or self.dtype]
 
-    def kv_bytes_per_token(self, dtype: str | None = None) -> int:
-        # k and v, every layer: [H_kv, D] each.
+    def kv_bytes_per_token(self, dtype: str | None = None, is_int8: bool = False) -> int:
+        # k and v, every layer: [H_kv, D] each, in `dtype` (the model's), or 8-bit with an fp32 scale a head
+        # (actors/kv_cache.py, the actors' `kv_dtype: int8`).
+        if is_int8:
+            return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + KV_INT8_SCALE_BYTES)
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * MODEL_DTYPE_BYTES[dtype or self.dtype]
 
 

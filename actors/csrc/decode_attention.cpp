@@ -30,6 +30,8 @@ namespace {
 
 using vec_math::exp16;
 using vec_math::load16;
+using vec_math::rope;
+using vec_math::sum_lanes16;
 
 constexpr int64_t KB = 16;  // keys a block: one vector of their scores
 
@@ -39,26 +41,6 @@ inline __m512 loadbh_half(const at::BFloat16* p) {  // 16 bf16 in the low half, 
 }
 inline __m512 dot_pairs(__m512 acc, __m512 a, __m512 b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(a), (__m512bh)_mm512_castps_si512(b));
-}
-
-// The horizontal sums of 16 vectors in one: lane i = the sum of v[i]'s lanes, in a fixed order. A quarter of
-// the shuffles of one full reduction per vector.
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i) {  // w[i]: v[2i]'s 128-bit lanes {0+2, 1+3} in its lanes 0-1, v[2i+1]'s in 2-3
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {  // x[i]: 128-bit lane l holds four partial sums of v[4i + l]
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {  // y[i]: lane l holds two partial sums each of x[2i] and x[2i+1]'s lane l
-    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-  }
-  // z: element e of 128-bit lane l = the sum of v[4e + l]; put it at 4e + l.
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
 
 // Query head q [D] dotted with the 16 keys kt[j] [D]: lane j = q . kt[j], fp32 sums of the bf16 products. Each key's
@@ -252,27 +234,6 @@ void attend(const at::BFloat16* q, int64_t G, const at::BFloat16* k, const at::B
   }
 }
 
-// RoPE of one head as actors/rope.py's apply_rope computes it in bf16: x * cos rounded, then + roll(x) * signed_sin
-// rounded once (torch's bf16 addcmul sums in fp32). Sixteen features at a time where each half of the head is
-// whole blocks of 16 (D = 32, 64, 128, ...: a block's rolled partner is then one block too); one by one otherwise.
-inline void rope(const at::BFloat16* x, const at::BFloat16* cos, const at::BFloat16* ssin, int64_t D,
-                 at::BFloat16* out) {
-  const int64_t half = D / 2;
-  if (half % 16 == 0) {
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 xd = load16(x + d), rolled = load16(x + (d + half) % D);
-      const __m512 scaled = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(xd, load16(cos + d))));
-      const __m512 sum = _mm512_add_ps(scaled, _mm512_mul_ps(rolled, load16(ssin + d)));
-      _mm256_storeu_si256((__m256i*)(out + d), (__m256i)_mm512_cvtneps_pbh(sum));
-    }
-    return;
-  }
-  for (int64_t d = 0; d < D; ++d) {
-    const float scaled = (float)at::BFloat16((float)x[d] * (float)cos[d]);
-    out[d] = at::BFloat16(scaled + (float)x[(d + half) % D] * (float)ssin[d]);
-  }
-}
-
 // Where each row's query, new key and new value are: element offsets of row r's head h are
 // r * row_stride + {q, k, v}_offset + h * D.
 struct RowLayout {
@@ -282,14 +243,16 @@ struct RowLayout {
 
 void check_caches(const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                   const std::vector<int64_t>& pos, const std::vector<int64_t>& start, int64_t R, int64_t Hkv,
-                  int64_t D) {
+                  int64_t D, bool is_i8) {
   TORCH_CHECK((int64_t)k_caches.size() == R && (int64_t)v_caches.size() == R && (int64_t)pos.size() == R &&
               (int64_t)start.size() == R, "one cache, position and start per row");
+  const auto dtype = is_i8 ? at::kChar : at::kBFloat16;
   for (int64_t r = 0; r < R; ++r) {
     const auto& kc = k_caches[r];
-    TORCH_CHECK(kc.dim() == 4 && kc.size(0) == 1 && kc.size(1) == Hkv && kc.size(3) == D && kc.is_contiguous() &&
-                kc.scalar_type() == at::kBFloat16 && v_caches[r].sizes() == kc.sizes() && v_caches[r].is_contiguous() &&
-                v_caches[r].scalar_type() == at::kBFloat16, "caches: contiguous bf16 [1, H_kv, S, D]");
+    TORCH_CHECK(kc.dim() == 4 && kc.size(0) == 1 && kc.size(1) == Hkv && kc.size(3) == D + (is_i8 ? 4 : 0) &&
+                kc.is_contiguous() && kc.scalar_type() == dtype && v_caches[r].sizes() == kc.sizes() &&
+                v_caches[r].is_contiguous() && v_caches[r].scalar_type() == dtype,
+                "caches: contiguous bf16 [1, H_kv, S, D], or int8 [1, H_kv, S, D + 4], every one alike");
     TORCH_CHECK(0 <= start[r] && start[r] <= pos[r] && pos[r] < kc.size(2), "positions outside the cache");
   }
 }
@@ -326,6 +289,12 @@ void run(const RowLayout& in, int64_t R, int64_t H, int64_t Hkv, int64_t D, cons
 
 }  // namespace
 
+torch::Tensor decode_attention_i8(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
+                                  const std::vector<torch::Tensor>& k_caches,
+                                  const std::vector<torch::Tensor>& v_caches, const std::vector<int64_t>& pos,
+                                  const std::vector<int64_t>& start, const c10::optional<torch::Tensor>& cos,
+                                  const c10::optional<torch::Tensor>& sin);
+
 torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
                                const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                                const std::vector<int64_t>& pos, const std::vector<int64_t>& start,
@@ -333,15 +302,18 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t H, int64_t Hkv,
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(),
               "qkv: contiguous bf16 [R, (H + 2 H_kv) D]");
   TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && !k_caches.empty(), "H a multiple of H_kv, and rows");
-  const int64_t R = qkv.size(0), D = k_caches[0].size(-1), width = (H + 2 * Hkv) * D;
+  // 8-bit caches (kv_cache.py's kv_dtype int8) hold a position's D values and its 4-byte scale
+  const bool is_i8 = k_caches[0].scalar_type() == at::kChar;
+  const int64_t R = qkv.size(0), D = k_caches[0].size(-1) - (is_i8 ? 4 : 0), width = (H + 2 * Hkv) * D;
   TORCH_CHECK(D % 16 == 0 && qkv.size(1) == width, "D a multiple of 16, and qkv [R, (H + 2 H_kv) D]");
-  check_caches(k_caches, v_caches, pos, start, R, Hkv, D);
+  check_caches(k_caches, v_caches, pos, start, R, Hkv, D, is_i8);
   TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin together");
   for (const auto* t : {&cos, &sin}) {
     TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kBFloat16 && (*t)->is_contiguous() &&
                                     (*t)->dim() == 2 && (*t)->size(0) == R && (*t)->size(1) == D),
                 "cos, sin: contiguous bf16 [R, D], each row's position");
   }
+  if (is_i8) return decode_attention_i8(qkv, H, Hkv, k_caches, v_caches, pos, start, cos, sin);
   auto out = torch::empty({R, H, D}, qkv.options());
   const RowLayout in{qkv.data_ptr<at::BFloat16>(), width, 0, H * D, (H + Hkv) * D};
   run(in, R, H, Hkv, D, k_caches, v_caches, pos, start, cos ? cos->data_ptr<at::BFloat16>() : nullptr,

@@ -1,4 +1,5 @@
-// Vector helpers the AVX512-BF16 kernels share (decode_attention.cpp, rms_norm.cpp, silu_mul.cpp).
+// Vector helpers the AVX512-BF16 kernels share (decode_attention.cpp, decode_attention_i8.cpp, rms_norm.cpp,
+// silu_mul.cpp).
 #pragma once
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -34,6 +35,57 @@ inline __m512 exp16(__m512 x) {
   }
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// The horizontal sums of 16 vectors in one: lane i = the sum of v[i]'s lanes, in a fixed order. A quarter of
+// the shuffles of one full reduction per vector.
+// Add: how two lanes sum (fp32 sums, or int32 ones held in the same registers: the shuffles only move bits).
+struct AddPs {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
+};
+struct AddEpi32 {
+  __m512 operator()(__m512 a, __m512 b) const {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }
+};
+template <typename Add = AddPs>
+inline __m512 sum_lanes16(const __m512* v, Add add = Add()) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {  // w[i]: v[2i]'s 128-bit lanes {0+2, 1+3} in its lanes 0-1, v[2i+1]'s in 2-3
+    w[i] = add(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+               _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // x[i]: 128-bit lane l holds four partial sums of v[4i + l]
+    x[i] = add(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+               _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // y[i]: lane l holds two partial sums each of x[2i] and x[2i+1]'s lane l
+    y[i] = add(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  }
+  // z: element e of 128-bit lane l = the sum of v[4e + l]; put it at 4e + l.
+  const __m512 z = add(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+// RoPE of one head as actors/rope.py's apply_rope computes it in bf16: x * cos rounded, then + roll(x) * signed_sin
+// rounded once (torch's bf16 addcmul sums in fp32). Sixteen features at a time where each half of the head is
+// whole blocks of 16 (D = 32, 64, 128, ...: a block's rolled partner is then one block too); one by one otherwise.
+inline void rope(const at::BFloat16* x, const at::BFloat16* cos, const at::BFloat16* ssin, int64_t D,
+                 at::BFloat16* out) {
+  const int64_t half = D / 2;
+  if (half % 16 == 0) {
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 xd = load16(x + d), rolled = load16(x + (d + half) % D);
+      const __m512 scaled = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(xd, load16(cos + d))));
+      const __m512 sum = _mm512_add_ps(scaled, _mm512_mul_ps(rolled, load16(ssin + d)));
+      _mm256_storeu_si256((__m256i*)(out + d), (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const float scaled = (float)at::BFloat16((float)x[d] * (float)cos[d]);
+    out[d] = at::BFloat16(scaled + (float)x[(d + half) % D] * (float)ssin[d]);
+  }
 }
 
 }  // namespace vec_math
