@@ -86,15 +86,16 @@ def raise_errors(event) -> None:
         raise event
 
 
-def step_times(engines: dict[int, Engine], context: int, steps: int,
-               probes: dict[str, Callable[[], None]] | None = None) -> tuple[dict[int, float], dict[str, float]]:
-    """Median seconds of one decode step for each batch size B (`engines[B]` holding B rows of `context` prompt
-    tokens each), and of one call of each of `probes`. The sizes' steps are interleaved, one of each in turn, the
+def step_times(engines: dict, context: int, steps: int,
+               probes: dict[str, Callable[[], None]] | None = None) -> tuple[dict, dict[str, float]]:
+    """Median seconds of one decode step for each engine (keyed as given; each holding its `max_batch` rows of
+    `context` prompt tokens), and of one call of each of `probes`. The sizes' steps are interleaved, one of each in turn, the
     probes among them: this host's memory bandwidth drifts with its neighbours over seconds (the per-repeat ratios
     batch.md reports), and a ratio between sizes must not measure the drift."""
     probes = probes or {}
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
-    rows = {b: [e.add(random_prompt(context, i), params, raise_errors) for i in range(b)] for b, e in engines.items()}
+    rows = {b: [e.add(random_prompt(context, i), params, raise_errors) for i in range(e.max_batch)]
+            for b, e in engines.items()}
     for b, e in engines.items():
         while any(r.num_prefilled < len(r.prompt) for r in rows[b]) or any(r.num_out == 0 for r in rows[b]):
             e.step()
