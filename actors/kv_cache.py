@@ -9,17 +9,24 @@ written with `index_copy_` at their positions; readers take the span they attend
 fp32 scale (absmax / 127, `quantize`) a position and head, about half of bf16's bytes. A decoding row's step
 reads its whole cache, which is what bounds its attention (batch.md): the decode kernel
 (csrc/decode_attention_i8.cpp) reads the 8-bit cache itself; every other reader gets its span dequantized to
-the model's dtype. The buffer is one int8 tensor [B, H_kv, S, D + 4]: each head's S x D values, then its S
-scales, so the kernels take it where they take a bf16 cache.
+the model's dtype. The buffer is one int8 tensor [B, H_kv, S, D + 4], S rounded up to a multiple of 16: each
+head's S x D values, tiled for the kernel's instructions (`TILES`), then its S scales, so the kernels take it
+where they take a bf16 cache.
 """
 
 from __future__ import annotations
 
 import torch
 
+from weights_tool.architecture import KV_INT8_POSITION_MULTIPLE, ModelConfig
 from weights_tool.architecture import KV_INT8_SCALE_BYTES as SCALE_BYTES
-from weights_tool.architecture import ModelConfig
 from weights_tool.dtypes import model_dtype
+
+# How an 8-bit cache's values are tiled (csrc/decode_attention_i8.cpp): (positions, features) a tile, its
+# positions' features side by side in it. Keys [S / 16][D / 4][16][4]: 4 features of 16 positions a 64-byte row,
+# one VPDPBUSD against 4 of the query's; values [S / 2][D][2]: a feature's two positions a pair, one VPDPWSSD
+# against their two weights.
+TILES = {"k": (16, 4), "v": (2, 1)}
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +65,10 @@ class KVCache:
                 f"KVCache sizes must be positive, got batch_size={batch_size}, max_seq_len={max_seq_len}, "
                 f"num_kv_heads={num_kv_heads}, head_dim={head_dim}"
             )
-        width = head_dim + SCALE_BYTES if is_int8 else head_dim
-        shape = (batch_size, num_kv_heads, max_seq_len, width)
+        width, positions = head_dim, max_seq_len
+        if is_int8:
+            width, positions = head_dim + SCALE_BYTES, -(-max_seq_len // KV_INT8_POSITION_MULTIPLE) * KV_INT8_POSITION_MULTIPLE
+        shape = (batch_size, num_kv_heads, positions, width)
         # k_cache, v_cache: [B, H_kv, max_seq_len, D] (or the int8 layout above); zeros so unread slots are harmless.
         self.k_cache = torch.zeros(shape, dtype=torch.int8 if is_int8 else dtype, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -86,24 +95,33 @@ class KVCache:
             self.k_cache.index_copy_(2, input_pos, k)
             self.v_cache.index_copy_(2, input_pos, v)
             return
-        for cache, x in ((self.k_cache, k), (self.v_cache, v)):
-            values, scale = self._parts(cache)
-            q, s = quantize(x)
-            values.index_copy_(2, input_pos, q)
+        for kind, cache, x in (("k", self.k_cache, k), ("v", self.v_cache, v)):
+            values, scale = self._parts(kind, cache)
+            q, s = quantize(x)  # q: [B, H_kv, n, D]
+            positions, features = TILES[kind]
+            values[:, :, input_pos // positions, input_pos % positions] = q.unflatten(-1, (-1, features))
             scale.index_copy_(2, input_pos, s)
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [start, end), [B, H_kv, end - start, D] each, in the model's dtype."""
         if not self.is_int8:
             return self.k_cache[:, :, start:end], self.v_cache[:, :, start:end]
-        return tuple(dequantize(values[:, :, start:end], scale[:, :, start:end], self.dtype)
-                     for values, scale in map(self._parts, (self.k_cache, self.v_cache)))
+        out = []
+        for kind, cache in (("k", self.k_cache), ("v", self.v_cache)):
+            values, scale = self._parts(kind, cache)
+            b, h, s = scale.shape
+            values = values.reshape(b, h, s, self.head_dim)  # the tiles in position order: a copy
+            out.append(dequantize(values[:, :, start:end], scale[:, :, start:end], self.dtype))
+        return out[0], out[1]
 
-    def _parts(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 buffer's values [B, H_kv, S, D] and scales [B, H_kv, S]: views, written in place."""
-        b, h, s, d = cache.shape[0], cache.shape[1], self.max_seq_len, self.head_dim
+    def _parts(self, kind: str, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 buffer's values, [B, H_kv, S / P, P, D / F, F] for its tiles of P positions and F features (a
+        view of the tiles in position order, written in place), and its scales [B, H_kv, S]."""
+        b, h, s, d = cache.shape[0], cache.shape[1], cache.shape[2], self.head_dim
+        positions, features = TILES[kind]
         block = cache.view(b, h, s * (d + SCALE_BYTES))
-        return block[..., : s * d].view(b, h, s, d), block[..., s * d :].view(torch.float32)
+        tiles = block[..., : s * d].view(b, h, s // positions, d // features, positions, features)
+        return tiles.transpose(3, 4), block[..., s * d :].view(torch.float32)
 
     def nbytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
@@ -112,5 +130,8 @@ class KVCache:
 def kv_cache_bytes(
     config: ModelConfig, max_seq_len: int, dtype: torch.dtype | str, batch_size: int = 1, is_int8: bool = False
 ) -> int:
-    """Bytes the caches of every layer take for `max_seq_len` positions — exactly what `setup_cache` allocates."""
+    """Bytes the caches of every layer take for `max_seq_len` positions — exactly what `setup_cache` allocates (an
+    8-bit cache's positions rounded up to a multiple of 16)."""
+    if is_int8:
+        max_seq_len = -(-max_seq_len // KV_INT8_POSITION_MULTIPLE) * KV_INT8_POSITION_MULTIPLE
     return config.kv_bytes_per_token(model_dtype(dtype), is_int8) * max_seq_len * batch_size

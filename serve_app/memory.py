@@ -12,6 +12,7 @@ from typing import Any
 from actors.sampling_params import SamplingParams  # torch-free, as the policy modules must be
 from serve_app.policy import PolicyConfig
 from serve_app.snapshot import RequestFeatures
+from weights_tool.architecture import KV_INT8_POSITION_MULTIPLE
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class ModelNumbers:
     head_dim: int
     vocab_size: int
     dtype_bytes: int
+    # The most bytes a row's cache takes beyond kv_bytes_per_token x its tokens: an 8-bit cache rounds its positions
+    # up to a multiple of KV_INT8_POSITION_MULTIPLE (actors/kv_cache.py); counted with the request's workspace.
+    kv_pad_bytes: int = 0
 
     @classmethod
     def from_config(cls, config: Any, dtype: str | None = None, is_kv_int8: bool = False) -> ModelNumbers:
@@ -39,6 +43,7 @@ class ModelNumbers:
         return cls(
             weight_bytes=config.weight_bytes(dtype),
             kv_bytes_per_token=config.kv_bytes_per_token(dtype, is_kv_int8),
+            kv_pad_bytes=(KV_INT8_POSITION_MULTIPLE - 1) * config.kv_bytes_per_token(dtype, True) if is_kv_int8 else 0,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
             num_heads=config.num_heads,
@@ -69,7 +74,7 @@ def workspace_bytes(m: ModelNumbers, input_tokens: int) -> int:
     s, b, h = input_tokens, m.dtype_bytes, m.hidden_size
     attention = b * s * (3 * h + 4 * m.num_heads * m.head_dim + 3 * m.num_kv_heads * m.head_dim)
     mlp = b * s * (4 * h + 3 * m.intermediate_size)
-    return max(attention, mlp) + s * s + s * m.head_dim * (2 * b + 8) + m.vocab_size * (b + 32)
+    return max(attention, mlp) + s * s + s * m.head_dim * (2 * b + 8) + m.vocab_size * (b + 32) + m.kv_pad_bytes
 
 
 def request_features(

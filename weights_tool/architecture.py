@@ -18,6 +18,7 @@ from typing import Any
 from weights_tool.dtypes import MODEL_DTYPE_BYTES
 
 KV_INT8_SCALE_BYTES = 4  # an 8-bit KV cache's fp32 scale, one a position and KV head
+KV_INT8_POSITION_MULTIPLE = 16  # an 8-bit cache's positions, rounded up to its kernel's blocks of 16 keys
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

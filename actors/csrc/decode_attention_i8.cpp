@@ -1,16 +1,20 @@
 // decode_attention.cpp's step over 8-bit caches (actors/kv_cache.py, `kv_dtype: int8`): half the bytes a decoding
-// row reads from its cache, which is what bounds that kernel (batch.md: within ~11% of a bare read of its bytes).
+// row reads from its cache, which is what bounds that kernel at long contexts (batch.md).
 //
-// A cache is int8 [1, H_kv, S, D + 4]: each KV head's block of S (D + 4) bytes holds the S x D values, then the S
-// fp32 scales, one a position (absmax / 127 of that position's D features, symmetric, rounded to nearest even: the
-// values are round(x / scale)). kv_cache.py's `quantize` computes the same bits from torch.
-//
-// Keys: the query head is quantized the same way once a step, and each key's dot product is one VPDPBUSD of 64
-// int8 pairs (the keys made unsigned by + 128, whose share, 128 * sum(q), is taken off once a head); exact in
-// int32, then scaled by both scales in fp32. Values: widened to fp32 16 at a time, each weighed by its softmax
-// weight times its scale. Scores, softmax and the sums in fp32 as decode_attention.cpp's; out [R, H, D] bf16.
-// One pass over each (row, KV head) span (up to 4 query heads a KV head and D up to 64); `decode_attention`
-// dispatches here when its caches are int8, and actors/attention.py sends other shapes through torch.
+// A cache is int8 [1, H_kv, S, D + 4], S a multiple of 16. Each KV head's block of S (D + 4) bytes holds its S x D
+// values, then its S fp32 scales, one a position (absmax / 127 of that position's D features, symmetric; the values
+// round(x / scale), to nearest even). The values are tiled for the instruction that reads them (kv_cache.py's
+// `TILES`; its `quantize` computes the same bits from torch):
+//   keys   [S / 16][D / 4][16][4]: 16 positions' 4 features a 64-byte row, what one VPDPBUSD dots with 4 of the
+//          query's features broadcast: a vector of 16 keys' partial sums, with no horizontal sum;
+//   values [S / 2][D][2]: each feature's two positions side by side, what one VPDPWSSD weighs with the two
+//          positions' weights (in 16 bits, exact enough: 2^-15 of the block's largest) into 16 features.
+// Keys: the query head is quantized the same way once a step and the keys made unsigned by + 128, whose share,
+// 128 * sum(q), is taken off once a block; exact in int32, then scaled by both scales in fp32. Values: each block's
+// weights (softmax times the value's scale) in int16 against their largest, the block's int32 sums scaled back into
+// fp32 ones. Scores, softmax and the sums otherwise as decode_attention.cpp's; out [R, H, D] bf16. One pass over each
+// (row, KV head) span (up to 4 query heads a KV head, D up to 64); `decode_attention` dispatches here when its
+// caches are int8, and actors/attention.py sends other shapes through torch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,7 +32,6 @@ namespace {
 using vec_math::exp16;
 using vec_math::load16;
 using vec_math::rope;
-using vec_math::sum_lanes16;
 
 constexpr int64_t KB = 16;  // keys a block: one vector of their scores
 
@@ -48,22 +51,19 @@ inline void quantize(const at::BFloat16* x, int64_t D, int8_t* values, float* sc
   }
 }
 
-// One KV head of one row over keys [t0, t1): its NG query heads q [NG, D] (roped), values and scales of k and v
-// as laid out above, into out [NG, D] bf16. NB = D / 16.
+// One KV head of one row over keys [t0, t1): its NG query heads q [NG, D] (roped), the tiled values and the scales
+// of k and v as laid out above, into out [NG, D] bf16. NB = D / 16. Blocks of 16 positions from a multiple of 16;
+// positions outside the span weigh 0.
 template <int NG, int NB>
 void attend_online(const at::BFloat16* q, const int8_t* kv, const float* ks, const int8_t* vv, const float* vs,
                    int64_t t0, int64_t t1, float scale, at::BFloat16* out) {
   constexpr int64_t D = 16 * NB;
-  const int64_t T = t1 - t0;
-  // The query heads in int8, zero past D: q8[g] . (k + 128) = q8[g] . k + 128 * qsum[g].
-  alignas(64) int8_t q8[NG][64];
+  // The query heads in int8, as 4-feature words to broadcast: q8[g] . (k + 128) = q8[g] . k + 128 * qsum[g].
+  alignas(64) int8_t q8[NG][D];
   float q_scale[NG];
-  __m512i qv[NG];
   int32_t qsum[NG];
   for (int g = 0; g < NG; ++g) {
-    std::memset(q8[g], 0, 64);
     quantize(q + g * D, D, q8[g], &q_scale[g]);
-    qv[g] = _mm512_load_si512(q8[g]);
     int32_t s = 0;
     for (int64_t d = 0; d < D; ++d) s += q8[g][d];
     qsum[g] = s;
@@ -75,27 +75,26 @@ void attend_online(const at::BFloat16* q, const int8_t* kv, const float* ks, con
     sum[g] = _mm512_setzero_ps();
     max_s[g] = -INFINITY;
   }
-  const __mmask64 features = D == 64 ? ~0ULL : (1ULL << D) - 1;
-  alignas(64) uint8_t keys[KB][64];  // a block's keys + 128, zero-padded to 64 (times q8's zeros: 0)
-  alignas(64) float p[NG][KB];
-  for (int64_t t = 0; t < T; t += KB) {
-    const int64_t n = std::min<int64_t>(KB, T - t);
-    const __mmask16 keep = n == KB ? 0xFFFF : (__mmask16)((1u << n) - 1);
-    for (int64_t j = 0; j < KB; ++j) {  // a short last block repeats its last key; its scores are masked
-      const int8_t* kt = kv + (t0 + t + std::min(j, n - 1)) * D;
-      _mm512_store_si512(keys[j], _mm512_xor_si512(_mm512_maskz_loadu_epi8(features, kt),
-                                                    _mm512_maskz_set1_epi8(features, (char)0x80)));
-    }
-    const __m512 k_scale = _mm512_maskz_loadu_ps(keep, ks + t0 + t);
-    const __m512 v_scale = _mm512_maskz_loadu_ps(keep, vs + t0 + t);
-    for (int g = 0; g < NG; ++g) {
-      __m512 dots[KB];
-      for (int64_t j = 0; j < KB; ++j) {
-        dots[j] = _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(keys[j]), qv[g]));
+  alignas(64) int16_t w16[NG][KB];  // a block's weights in 16 bits: pairs of positions, broadcast as int32
+  float w_scale[NG];
+  for (int64_t t = t0 / KB * KB; t < t1; t += KB) {
+    const __mmask16 keep = (__mmask16)(((t1 - t >= KB ? 0xFFFFu : (1u << (t1 - t)) - 1)) &
+                                       (t0 > t ? ~((1u << (t0 - t)) - 1) : 0xFFFFu));
+    const int8_t* kb = kv + t * D;  // the block's keys: [D / 4][16][4]
+    __m512i dots[NG];
+    for (auto& d : dots) d = _mm512_setzero_si512();
+    for (int64_t i = 0; i < D / 4; ++i) {
+      const __m512i k4 = _mm512_xor_si512(_mm512_loadu_si512(kb + 64 * i), _mm512_set1_epi8((char)0x80));
+      for (int g = 0; g < NG; ++g) {
+        int32_t word;
+        std::memcpy(&word, q8[g] + 4 * i, 4);
+        dots[g] = _mm512_dpbusd_epi32(dots[g], k4, _mm512_set1_epi32(word));
       }
-      const __m512i exact = _mm512_sub_epi32(_mm512_castps_si512(sum_lanes16(dots, vec_math::AddEpi32())),
-                                             _mm512_set1_epi32(128 * qsum[g]));
-      const __m512 st = _mm512_mask_mov_ps(  // the padding's scores: -inf
+    }
+    const __m512 k_scale = _mm512_maskz_loadu_ps(keep, ks + t), v_scale = _mm512_maskz_loadu_ps(keep, vs + t);
+    for (int g = 0; g < NG; ++g) {
+      const __m512i exact = _mm512_sub_epi32(dots[g], _mm512_set1_epi32(128 * qsum[g]));
+      const __m512 st = _mm512_mask_mov_ps(  // positions outside the span: -inf
           _mm512_set1_ps(-INFINITY), keep,
           _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(k_scale, _mm512_set1_ps(q_scale[g] * scale))));
       const float block_max = _mm512_reduce_max_ps(st);
@@ -107,18 +106,29 @@ void attend_online(const at::BFloat16* q, const int8_t* kv, const float* ks, con
       }
       const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(st, _mm512_set1_ps(max_s[g]))));
       sum[g] = _mm512_add_ps(sum[g], e);
-      _mm512_store_ps(p[g], _mm512_mul_ps(e, v_scale));  // each value's weight, its scale folded in
+      const __m512 w = _mm512_mul_ps(e, v_scale);  // each value's weight, its scale folded in; >= 0
+      const float w_max = _mm512_reduce_max_ps(w);
+      w_scale[g] = w_max / 32767.f;
+      const __m512 wq = w_max > 0.f ? _mm512_mul_ps(w, _mm512_set1_ps(32767.f / w_max)) : _mm512_setzero_ps();
+      _mm256_store_si256((__m256i*)w16[g], _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(wq)));
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const int8_t* vt = vv + (t0 + t + j) * D;
-      __m512 vb[NB];
-      for (int b = 0; b < NB; ++b) {
-        vb[b] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(vt + 16 * b))));
-      }
+    // The block's values: sums of 16 products of at most 127 x 32767 a lane, well inside int32.
+    __m512i sums[NG][NB];
+    for (auto& row : sums) for (auto& a : row) a = _mm512_setzero_si512();
+    for (int64_t p = 0; p < KB / 2; ++p) {  // positions t + 2p and t + 2p + 1: [D][2]
+      const int8_t* vp = vv + (t + 2 * p) * D;
+      __m512i v2[NB];
+      for (int b = 0; b < NB; ++b) v2[b] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(vp + 32 * b)));
       for (int g = 0; g < NG; ++g) {
-        const __m512 w = _mm512_set1_ps(p[g][j]);
-        for (int b = 0; b < NB; ++b) acc[g][b] = _mm512_fmadd_ps(w, vb[b], acc[g][b]);
+        int32_t pair;
+        std::memcpy(&pair, w16[g] + 2 * p, 4);
+        const __m512i wp = _mm512_set1_epi32(pair);
+        for (int b = 0; b < NB; ++b) sums[g][b] = _mm512_dpwssd_epi32(sums[g][b], v2[b], wp);
       }
+    }
+    for (int g = 0; g < NG; ++g) {
+      const __m512 ws = _mm512_set1_ps(w_scale[g]);
+      for (int b = 0; b < NB; ++b) acc[g][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][b]), ws, acc[g][b]);
     }
   }
   for (int g = 0; g < NG; ++g) {
@@ -161,6 +171,9 @@ torch::Tensor decode_attention_i8(const torch::Tensor& qkv, int64_t H, int64_t H
   const int64_t R = qkv.size(0), D = k_caches[0].size(-1) - 4, G = H / Hkv;
   TORCH_CHECK(D > 0 && D % 16 == 0 && D <= 64 && G <= 4,
               "int8 caches: head_dim a multiple of 16 up to 64, and up to 4 query heads a KV head");
+  for (const auto* caches : {&k_caches, &v_caches}) {
+    for (const auto& c : *caches) TORCH_CHECK(c.size(2) % KB == 0, "int8 caches: positions a multiple of 16");
+  }
   auto out = torch::empty({R, H, D}, qkv.options());
   const at::BFloat16* base = qkv.data_ptr<at::BFloat16>();
   const at::BFloat16* cos_p = cos ? cos->data_ptr<at::BFloat16>() : nullptr;
@@ -182,8 +195,14 @@ torch::Tensor decode_attention_i8(const torch::Tensor& qkv, int64_t H, int64_t H
         k_new = k_roped.data();
         q = roped.data();
       }
-      quantize(k_new, D, k.values + pos[r] * D, k.scales + pos[r]);
-      quantize(row + (H + Hkv) * D + h * D, D, v.values + pos[r] * D, v.scales + pos[r]);
+      const int64_t t = pos[r];
+      alignas(64) int8_t k8[64], v8[64];
+      quantize(k_new, D, k8, k.scales + t);
+      quantize(row + (H + Hkv) * D + h * D, D, v8, v.scales + t);
+      int8_t* k_tile = k.values + t / KB * KB * D + t % KB * 4;  // key tile row i at + 64 i
+      for (int64_t i = 0; i < D / 4; ++i) std::memcpy(k_tile + 64 * i, k8 + 4 * i, 4);
+      int8_t* v_pair = v.values + t / 2 * 2 * D + t % 2;  // feature d at + 2 d
+      for (int64_t d = 0; d < D; ++d) v_pair[2 * d] = v8[d];
       ATTEND_ONLINE[G - 1][D / 16 - 1](q, k.values, k.scales, v.values, v.scales, start[r], pos[r] + 1, scale,
                                        out_p + (r * H + h * G) * D);
     }

@@ -20,7 +20,7 @@ from actors.model import RowInput
 from actors.packed_weights import pack
 from actors.sampling import SamplingParams
 from actors.tokenizer import Message, Tokenizer
-from serve_app.memory import ModelNumbers
+from serve_app.memory import ModelNumbers, workspace_bytes
 from tests.runtime.test_batch_engine import PROMPTS, run_schedule
 from weights_tool.synth import preset_config, synthesize
 
@@ -71,6 +71,11 @@ def test_an_int8_cache_reads_back_its_positions_and_takes_the_bytes_the_router_a
     numbers, wide = ModelNumbers.from_config(config, "bfloat16", True), ModelNumbers.from_config(config, "bfloat16")
     assert numbers.kv_bytes_per_token * 48 == allocated < wide.kv_bytes_per_token * 48
     assert numbers.dtype_bytes == wide.dtype_bytes == 2  # activations stay in the compute dtype
+    # Positions round up to the kernel's blocks of 16: 50 take 64, within what the router holds for a row of 50.
+    padded = sum(c.nbytes() for c in model.new_row_cache(50, is_int8=True))
+    assert padded == kv_cache_bytes(config, 50, torch.bfloat16, is_int8=True) == numbers.kv_bytes_per_token * 64
+    assert padded <= numbers.kv_bytes_per_token * 50 + numbers.kv_pad_bytes
+    assert workspace_bytes(numbers, 50) == workspace_bytes(wide, 50) + numbers.kv_pad_bytes and wide.kv_pad_bytes == 0
 
 
 def test_the_kv_dtype_setting_is_checked():
