@@ -10,9 +10,9 @@ Speed: the demo model (`small`, bf16, as bench_batch), the actors' engine on mak
 batch 1 are the medians of each repeat's own ratio, as in batch.md (issue goals: tokens/s >= 4x, TPOT <= 1.5x at
 1,024-token contexts). The decode-attention kernel alone is timed the same way for both caches.
 
-Tokens: SmolLM2-135M-Instruct's real weights (the zqs `make serve` fetches), greedy, the same prompts through three
-engines: fp32 compute (the reference), bf16 compute with bf16 caches (the default here), bf16 with 8-bit caches.
-For each prompt: how many tokens agree with the reference before the first that differs, and in all.
+Tokens: SmolLM2-135M-Instruct's real weights (the zqs `make serve` fetches). Each prompt's greedy text under fp32
+compute (the reference) is fed, teacher-forced, through bf16 compute with bf16 caches (the default here) and with
+8-bit caches: per step, the KL divergence of the next-token distribution from the reference's, and top-1 agreement.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from actors.engine import Engine
 from actors.events import TokenEvent
 from actors.kv_cache import KVCache
 from actors.layer_loader import load_zqs
+from actors.model import RowInput
 from actors.sampling import SamplingParams
 from actors.tokenizer import Message
 from benchmarks.bench_batch import raise_errors, step_times
@@ -113,38 +114,52 @@ def measure_speed(batches: tuple[int, ...], contexts: tuple[int, ...], steps: in
 
 
 def measure_tokens(zqs: Path, max_tokens: int, long_tokens: int) -> dict:
-    """Greedy tokens of each prompt through fp32 (the reference), bf16 and bf16 with 8-bit caches."""
+    """Each prompt's greedy continuation under fp32 (the reference), then that text fed token by token through bf16
+    compute with bf16 caches and with 8-bit ones (teacher-forced: every step sees the same history): per step, the
+    KL divergence of each one's next-token distribution from the reference's, and whether its top token is the
+    reference's."""
     prompts = [*PROMPTS, long_prompt(long_tokens)]
     reference, tokenizer = load_zqs(zqs, compute_dtype="float32", is_weight_packed=True)
     bf16 = load_zqs(zqs, compute_dtype="auto", is_weight_packed=True)[0]
-    engines = {"fp32": Engine(reference, tokenizer), "bf16": Engine(bf16, tokenizer),
-               "int8": Engine(bf16, tokenizer, is_kv_int8=True)}
+    runs = {"bf16": (bf16, False), "int8": (bf16, True)}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    engine = Engine(reference, tokenizer)
+    engine.eos_token_ids = frozenset()  # every prompt to max_tokens: as many steps to compare
     out: dict = {"dtype": str(bf16.dtype).removeprefix("torch."), "prompts": []}
     for prompt in prompts:
         ids = tokenizer.encode_chat([Message("user", prompt)])
-        got: dict[str, list[int]] = {}
-        for name, engine in engines.items():
-            engine.eos_token_ids = frozenset()  # every prompt to max_tokens: as many tokens to compare
-            got[name] = []
-            engine.add(ids, params, lambda e, out=got[name]: _collect(e, out))
-            while engine.has_work:
-                engine.step()
-        out["prompts"].append({"prompt_tokens": len(ids), "tokens": got})
-        log.info("%d-token prompt: %s", len(ids), {k: _agree(got["fp32"], v) for k, v in got.items()})
+        text: list[int] = []
+        engine.add(ids, params, lambda e, out=text: _collect(e, out))
+        while engine.has_work:
+            engine.step()
+        ref = _forced_logits(reference, ids, text, False)
+        row: dict = {"prompt_tokens": len(ids)}
+        for name, (model, is_int8) in runs.items():
+            logits = _forced_logits(model, ids, text, is_int8)
+            kl = torch.nn.functional.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                            reduction="none").sum(-1)  # [steps]: KL(reference || this)
+            row[name] = {"kl": kl.tolist(), "top1": (logits.argmax(-1) == ref.argmax(-1)).tolist()}
+        out["prompts"].append(row)
+        log.info("%d-token prompt: mean KL bf16 %.2e, int8 %.2e", len(ids), statistics.mean(row["bf16"]["kl"]),
+                 statistics.mean(row["int8"]["kl"]))
     return out
+
+
+@torch.inference_mode()
+def _forced_logits(model, prompt: list[int], text: list[int], is_int8: bool) -> torch.Tensor:
+    """The prompt prefilled, then `text` fed one token a step (decode steps, the kernels' path): the logits before
+    each of text's tokens, [len(text), V] fp32."""
+    caches = model.new_row_cache(len(prompt) + len(text), is_int8=is_int8)
+    logits = [model.forward_rows(torch.tensor(prompt), [RowInput(caches, 0, len(prompt))])[0]]
+    for i, token in enumerate(text[:-1]):
+        logits.append(model.forward_rows(torch.tensor([token]), [RowInput(caches, len(prompt) + i, 1)])[0])
+    return torch.stack(logits).float()
 
 
 def _collect(event, out: list[int]) -> None:
     raise_errors(event)
     if isinstance(event, TokenEvent):
         out.append(event.token_id)
-
-
-def _agree(ref: list[int], other: list[int]) -> tuple[int, int]:
-    """(tokens before the first that differs, tokens equal at the same position)."""
-    first = next((i for i, (a, b) in enumerate(zip(ref, other, strict=False)) if a != b), min(len(ref), len(other)))
-    return first, sum(a == b for a, b in zip(ref, other, strict=False))
 
 
 def _ratios(data: dict, context: int, kv: str, batch: int, top: int) -> list[float]:
@@ -191,20 +206,25 @@ def report(speed: dict, tokens: dict | None, batches, contexts, repeats, steps, 
         lines += ["", "## Tokens", "", f"Skipped: {SMOLLM2} is missing (`make serve` fetches it)."]
         return "\n".join(lines) + "\n"
     rows = tokens["prompts"]
-    n = len(rows[0]["tokens"]["fp32"])
+    n = len(rows[0]["bf16"]["kl"])
     lines += ["", "## Tokens", "",
-              f"SmolLM2-135M-Instruct, greedy, {n} tokens a prompt (end of sequence ignored), each prompt through "
-              f"fp32 compute (the reference), {tokens['dtype']} compute with its own caches, and with 8-bit caches. "
-              "Tokens equal to the reference's before the first that differs (and at the same position, in all):",
-              "", "| prompt tokens | bf16 KV | 8-bit KV | 8-bit KV against bf16 KV |", "|--:|--:|--:|--:|"]
+              f"SmolLM2-135M-Instruct's real weights. Each prompt's greedy continuation of {n} tokens under fp32 "
+              "compute (the reference), then the same text fed a token a step through "
+              f"{tokens['dtype']} compute with its own caches and with 8-bit caches, every step seeing the reference's "
+              "history (decode steps: the kernels' path). Per step, the KL divergence of the next-token distribution "
+              "from the reference's, and whether the top token is the reference's; the means over the steps:", "",
+              "| prompt tokens | bf16 KV: KL | 8-bit KV: KL | bf16 KV: top token as fp32 | 8-bit KV: top token as fp32 |",
+              "|--:|--:|--:|--:|--:|"]
     for r in rows:
-        t = r["tokens"]
-        cells = [_agree(t["fp32"], t["bf16"]), _agree(t["fp32"], t["int8"]), _agree(t["bf16"], t["int8"])]
-        lines.append(f"| {r['prompt_tokens']} | " + " | ".join(f"{f} ({s})" for f, s in cells) + " |")
-    total = {k: sum(_agree(r["tokens"]["fp32"], r["tokens"][k])[1] for r in rows) for k in DTYPES}
-    lines += ["", f"In all, of {n * len(rows)} tokens: bf16 KV equals the reference at {total['bf16']}, 8-bit KV at "
-              f"{total['int8']}. Greedy decoding amplifies any difference: once one token differs, the rest follow "
-              "another text; the first-difference column is the comparable figure."]
+        lines.append(f"| {r['prompt_tokens']} | {statistics.mean(r['bf16']['kl']):.2e} | "
+                     f"{statistics.mean(r['int8']['kl']):.2e} | {statistics.mean(r['bf16']['top1']):.1%} | "
+                     f"{statistics.mean(r['int8']['top1']):.1%} |")
+    every = {k: [x for r in rows for x in r[k]["kl"]] for k in DTYPES}
+    top1 = {k: statistics.mean([x for r in rows for x in r[k]["top1"]]) for k in DTYPES}
+    lines += ["", f"Over all {len(every['bf16'])} steps: mean KL **{statistics.mean(every['bf16']):.2e}** (bf16 caches) "
+              f"against **{statistics.mean(every['int8']):.2e}** (8-bit), the largest {max(every['bf16']):.2e} and "
+              f"{max(every['int8']):.2e}; the top token is the reference's at **{top1['bf16']:.1%}** and "
+              f"**{top1['int8']:.1%}** of the steps."]
     return "\n".join(lines) + "\n"
 
 
