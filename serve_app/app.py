@@ -264,6 +264,8 @@ class Ingress:
             "models": list(self.models),
             # What each model's actors compute in (actors/compute_dtype.py): fp32 on a CPU without bf16.
             "compute_dtype": {m.id: m.compute_dtype for m in self.models.values()},
+            # What their KV caches hold: the compute dtype, or int8 (actor.kv_dtype, actors/kv_cache.py).
+            "kv_dtype": {m.id: m.kv_dtype for m in self.models.values()},
             # Which replica answered, and what it holds: soak runs watch its memory across hours.
             "replica": {"id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
                         "running": self.admission.num_running, "threads": threading.active_count(),

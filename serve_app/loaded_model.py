@@ -26,6 +26,7 @@ class LoadedModel:
     max_context: int
     created_at: float
     compute_dtype: str  # what the actors compute in (actors/compute_dtype.py)
+    kv_dtype: str  # what their KV caches hold: compute_dtype, or "int8" (actor.kv_dtype)
     ttft_target_s: float | None = None
     total_target_s: float | None = None
     tpot_target_s: float | None = None
@@ -52,6 +53,7 @@ def load_model(spec: ModelSpec, actor: ActorConfig) -> LoadedModel:
     return LoadedModel(
         id=spec.id, display_name=spec.display_name, zqs_path=str(path), tokenizer=tokenizer,
         numbers=ModelNumbers.from_config(config, dtype, actor.is_kv_int8), compute_dtype=dtype,
+        kv_dtype="int8" if actor.is_kv_int8 else dtype,
         max_context=min(window, spec.max_context) if spec.max_context else window,
         created_at=path.stat().st_mtime, ttft_target_s=spec.ttft_target_s, total_target_s=spec.total_target_s,
         tpot_target_s=spec.tpot_target_s, warm_layers=min(num_warm, config.num_layers),

@@ -104,6 +104,7 @@ def test_health_reports_jitter_actors_and_slots(zq):
     assert h["dispatch_jitter_us"] == h["dispatch_latency_us"]["jitter"] >= 0
     assert h["replica"]["nice"] == 0  # ahead of the request actors for the CPU, not at Ray's default 15
     assert h["compute_dtype"] == {MODEL: "float32", SLOW_MODEL: "float32"}  # the tests' models are stored fp32
+    assert h["kv_dtype"] == h["compute_dtype"]  # caches in the compute dtype (actor.kv_dtype: auto)
     # Engine time over time in the system, of the request above (and any before it).
     density = h["compute_density"]
     assert density["count"] >= 1 and 0 < density["p10"] <= density["p50"] <= 1 and density["mean_step_rows"] >= 1

@@ -19,6 +19,8 @@ BASE = {"models": [{"id": "m", "zqs_path": "m.zqs"}], "namespace": "ns"}
     ("actor", {"namespace": "x"}, "actor.namespace is set from the top-level namespace"),
     ("actor", {"compute_dtype": "fp8"}, "compute_dtype must be one of auto, model, float32"),
     ("actor", {"packed_kernel": "amx"}, "packed_kernel must be auto or onednn"),
+    ("actor", {"kv_dtype": "fp8"}, "kv_dtype must be auto or int8"),
+    ("actor", {"kv_dtype": "int8", "is_compiled": True}, "kv_dtype int8 is not served by the compiled step"),
     ("actor", {"compute_threads": 2, "min_compute_threads": 3}, "1 <= min_compute_threads <= compute_threads"),
     ("actor", {"min_compute_threads": 0}, "1 <= min_compute_threads <= compute_threads"),
     ("registry", {"reconcile_interval_s": 0}, "reconcile_interval_s"),
