@@ -63,3 +63,24 @@ def test_rows_joining_at_different_steps_match_their_runs_alone(checkpoint: Path
         assert engine.kv_bytes() == 0
     else:  # the batch's decode-only steps (and the rows alone) ran through it, compiling nothing more
         assert compiled.num_steps > 32 and compiled.num_compiles == 6 and compiled.num_free == 4
+
+
+def test_int8_caches_on_cuda_decode_through_sdpa_and_a_batch_changes_no_token(checkpoint: Path) -> None:
+    # No kernel reads 8-bit caches on a GPU: every step dequantizes the rows' spans (actors/kv_cache.py) on the
+    # device; a row's tokens still do not depend on the rows beside it.
+    model, config = load_hf_checkpoint(checkpoint, dtype=torch.float32, device="cuda")
+    torch.manual_seed(0)
+    model.init_weights(std=0.15)
+    engine = Engine(model, Tokenizer.from_dir(checkpoint, eos_token_ids=config.eos_token_ids), max_batch=4,
+                    prefill_chunk_tokens=4, is_kv_int8=True)
+    engine.eos_token_ids = frozenset()
+    prompts = [engine.tokenizer.encode_chat([Message("user", p)]) for p in PROMPTS]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    alone = [[e.token_id for e in engine.generate(p, params) if isinstance(e, TokenEvent)] for p in prompts]
+    got: list[list[int]] = [[], [], []]
+    for i, p in enumerate(prompts):
+        engine.add(p, params, lambda e, i=i: got[i].append(e.token_id) if isinstance(e, TokenEvent) else None)
+    while engine.has_work:
+        engine.step()
+    assert got == alone and all(len(t) == 32 for t in got)
+    assert all(c.k_cache.dtype == torch.int8 for c in model.new_row_cache(8, is_int8=True))
