@@ -37,7 +37,7 @@ class ActorConfig:
     compute_dtype: str = "auto"
     # Keys and values cached in the compute dtype ("auto"), or in 8 bits ("int8": an fp32 scale a position and KV
     # head, actors/kv_cache.py): about half the bytes, so twice the rows' positions fit and a decoding row reads half
-    # as much a step (batch_int8.md), at a small error in attention (its quality figures there). Not with
+    # as much a step (benchmarks/results/kv_int8.md), at a small error in attention (its quality figures there). Not with
     # `is_compiled`.
     kv_dtype: str = "auto"
     # Rows a hot actor runs at most (the policy's max_batch, a safety cap: the ingress sets both from one value).

@@ -109,9 +109,12 @@ class KVCache:
         out = []
         for kind, cache in (("k", self.k_cache), ("v", self.v_cache)):
             values, scale = self._parts(kind, cache)
-            b, h, s = scale.shape
-            values = values.reshape(b, h, s, self.head_dim)  # the tiles in position order: a copy
-            out.append(dequantize(values[:, :, start:end], scale[:, :, start:end], self.dtype))
+            positions = TILES[kind][0]
+            first, last = start // positions, -(-end // positions)  # the tiles the span touches
+            b, h = scale.shape[:2]
+            values = values[:, :, first:last].reshape(b, h, (last - first) * positions, self.head_dim)  # a copy
+            skip = start - first * positions
+            out.append(dequantize(values[:, :, skip: skip + end - start], scale[:, :, start:end], self.dtype))
         return out[0], out[1]
 
     def _parts(self, kind: str, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

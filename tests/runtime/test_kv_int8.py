@@ -56,6 +56,9 @@ def test_an_int8_cache_reads_back_its_positions_and_takes_the_bytes_the_router_a
     cache.update(torch.tensor([1, 2, 6, 7]), k, v)
     keys, values = cache.span(0, 10)  # [2, 3, 10, 16] in bf16
     assert keys.dtype == torch.bfloat16 and keys.shape == (2, 3, 10, 16)
+    for start, end in ((3, 9), (7, 8), (0, 1)):  # spans within and across tiles read what the whole span holds there
+        assert all(torch.equal(part, whole[:, :, start:end]) for part, whole in zip(cache.span(start, end),
+                                                                                  (keys, values), strict=True))
     for got, want in ((keys, k), (values, v)):
         step = want.float().abs().amax(-1, keepdim=True) / 127
         written = got[:, :, [1, 2, 6, 7]].float()
