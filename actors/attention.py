@@ -59,11 +59,10 @@ def decode_kernel(dtype: torch.dtype):
     return ext.decode_attention if dtype == torch.bfloat16 else ext.decode_attention_f32
 
 
-def is_int8_served(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the decode kernel reads 8-bit caches (kv_cache.py) for rows of `dtype` with these heads on this CPU
-    (csrc/decode_attention_i8.cpp: bf16 rows, AVX512-VNNI, up to 4 query heads a KV head, head_dim up to 64)."""
-    return (dtype == torch.bfloat16 and cpu_kernels.is_cpu_supported() and num_heads // num_kv_heads <= 4
-            and head_dim <= 64 and head_dim % 16 == 0)
+def is_int8_served(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the decode kernel reads 8-bit caches (kv_cache.py) for rows of `dtype` with heads of `head_dim` on this
+    CPU (csrc/decode_attention_i8.cpp: bf16 rows, AVX512-VNNI, head_dim a multiple of 16 up to 128)."""
+    return dtype == torch.bfloat16 and cpu_kernels.is_cpu_supported() and head_dim <= 128 and head_dim % 16 == 0
 
 
 def decodes_alone(segment: Segment) -> bool:
@@ -139,7 +138,7 @@ class Attention(nn.Module):
 
     def kernel_reads(self, dtype: torch.dtype, cache: KVCache) -> bool:
         """Whether the decode kernel for rows of `dtype` reads caches like `cache` (an engine's are all alike)."""
-        return not cache.is_int8 or is_int8_served(dtype, self.num_heads, self.num_kv_heads, self.head_dim)
+        return not cache.is_int8 or is_int8_served(dtype, self.head_dim)
 
     def _attend_decoding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment],
                          decoding: list[int], layer: int) -> torch.Tensor:

@@ -113,12 +113,10 @@ class Engine:
                              f"{prefill_chunk_tokens}")
         if is_kv_int8 and compiled is not None:
             raise ValueError("8-bit KV caches are not served by the compiled step")
-        c = model.config
-        if is_kv_int8 and not (model.device.type == "cpu"
-                               and is_int8_served(model.dtype, c.num_heads, c.num_kv_heads, c.head_dim)):
+        if is_kv_int8 and not (model.device.type == "cpu" and is_int8_served(model.dtype, model.config.head_dim)):
             log.warning("8-bit KV caches without their decode kernel here (a bf16 model on an AVX512-BF16/VNNI CPU, "
-                        "up to 4 query heads a KV head, head_dim <= 64): each decode step dequantizes its rows' "
-                        "spans, slower than the model's own dtype")
+                        "head_dim up to 128): each decode step dequantizes its rows' spans, slower than the model's "
+                        "own dtype")
         self.is_kv_int8 = is_kv_int8
         self.model = model
         self.tokenizer = tokenizer

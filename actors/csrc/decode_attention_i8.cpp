@@ -13,8 +13,8 @@
 // 128 * sum(q), is taken off once a block; exact in int32, then scaled by both scales in fp32. Values: each block's
 // weights (softmax times the value's scale) in int16 against their largest, the block's int32 sums scaled back into
 // fp32 ones. Scores, softmax and the sums otherwise as decode_attention.cpp's; out [R, H, D] bf16. One pass over each
-// (row, KV head) span (up to 4 query heads a KV head, D up to 64); `decode_attention` dispatches here when its
-// caches are int8, and actors/attention.py sends other shapes through torch.
+// (row, KV head) span for up to 4 of its query heads (2 where D > 64), D up to 128; `decode_attention` dispatches
+// here when its caches are int8, and actors/attention.py sends larger heads through torch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -141,12 +141,15 @@ void attend_online(const at::BFloat16* q, const int8_t* kv, const float* ks, con
 
 using AttendOnline = void (*)(const at::BFloat16*, const int8_t*, const float*, const int8_t*, const float*, int64_t,
                               int64_t, float, at::BFloat16*);
-const AttendOnline ATTEND_ONLINE[4][4] = {
-    {attend_online<1, 1>, attend_online<1, 2>, attend_online<1, 3>, attend_online<1, 4>},
-    {attend_online<2, 1>, attend_online<2, 2>, attend_online<2, 3>, attend_online<2, 4>},
-    {attend_online<3, 1>, attend_online<3, 2>, attend_online<3, 3>, attend_online<3, 4>},
-    {attend_online<4, 1>, attend_online<4, 2>, attend_online<4, 3>, attend_online<4, 4>},
-};
+template <int NG>
+constexpr AttendOnline BY_NB[8] = {attend_online<NG, 1>, attend_online<NG, 2>, attend_online<NG, 3>,
+                                   attend_online<NG, 4>, attend_online<NG, 5>, attend_online<NG, 6>,
+                                   attend_online<NG, 7>, attend_online<NG, 8>};
+const AttendOnline* const ATTEND_ONLINE[4] = {BY_NB<1>, BY_NB<2>, BY_NB<3>, BY_NB<4>};
+
+// Query heads a pass: each pass keeps NG x NB fp32 sums and as many int32 ones in the 32 vector registers, about;
+// more heads than that take another pass over the span (its keys and values then mostly from the L2 cache).
+constexpr int64_t heads_a_pass(int64_t NB) { return NB <= 4 ? 4 : 2; }
 
 // A KV head's values [S, D] and scales [S] inside an int8 cache's block of head h.
 struct HeadBlock {
@@ -169,8 +172,7 @@ torch::Tensor decode_attention_i8(const torch::Tensor& qkv, int64_t H, int64_t H
                                   const std::vector<int64_t>& start, const c10::optional<torch::Tensor>& cos,
                                   const c10::optional<torch::Tensor>& sin) {
   const int64_t R = qkv.size(0), D = k_caches[0].size(-1) - 4, G = H / Hkv;
-  TORCH_CHECK(D > 0 && D % 16 == 0 && D <= 64 && G <= 4,
-              "int8 caches: head_dim a multiple of 16 up to 64, and up to 4 query heads a KV head");
+  TORCH_CHECK(D > 0 && D % 16 == 0 && D <= 128, "int8 caches: head_dim a multiple of 16 up to 128");
   for (const auto* caches : {&k_caches, &v_caches}) {
     for (const auto& c : *caches) TORCH_CHECK(c.size(2) % KB == 0, "int8 caches: positions a multiple of 16");
   }
@@ -196,15 +198,19 @@ torch::Tensor decode_attention_i8(const torch::Tensor& qkv, int64_t H, int64_t H
         q = roped.data();
       }
       const int64_t t = pos[r];
-      alignas(64) int8_t k8[64], v8[64];
+      alignas(64) int8_t k8[128], v8[128];  // D <= 128
       quantize(k_new, D, k8, k.scales + t);
       quantize(row + (H + Hkv) * D + h * D, D, v8, v.scales + t);
       int8_t* k_tile = k.values + t / KB * KB * D + t % KB * 4;  // key tile row i at + 64 i
       for (int64_t i = 0; i < D / 4; ++i) std::memcpy(k_tile + 64 * i, k8 + 4 * i, 4);
       int8_t* v_pair = v.values + t / 2 * 2 * D + t % 2;  // feature d at + 2 d
       for (int64_t d = 0; d < D; ++d) v_pair[2 * d] = v8[d];
-      ATTEND_ONLINE[G - 1][D / 16 - 1](q, k.values, k.scales, v.values, v.scales, start[r], pos[r] + 1, scale,
-                                       out_p + (r * H + h * G) * D);
+      const int64_t NB = D / 16, per_pass = heads_a_pass(NB);
+      for (int64_t g = 0; g < G; g += per_pass) {
+        const int64_t ng = std::min(per_pass, G - g);
+        ATTEND_ONLINE[ng - 1][NB - 1](q + g * D, k.values, k.scales, v.values, v.scales, start[r], pos[r] + 1, scale,
+                                      out_p + (r * H + h * G + g) * D);
+      }
     }
   });
   return out;

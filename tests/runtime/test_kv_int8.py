@@ -97,9 +97,9 @@ def _joined(q, k_new, v_new):
 def test_the_kernel_writes_the_bits_quantize_writes_and_attends_as_sdpa_over_the_dequantized_caches():
     torch.manual_seed(0)
     ext = cpu_kernels.extension()
-    # Head dims of one to four blocks of 16; one to four query heads a KV head; spans shorter than a block of 16
-    # keys, ending within one, and a sliding window.
-    for d, h, h_kv in ((16, 4, 2), (64, 9, 3), (48, 1, 1), (32, 8, 2)):
+    # Head dims of one to eight blocks of 16; one to eight query heads a KV head (past one pass's 4, or 2 where
+    # D > 64: another pass over the span); spans shorter than a block of 16 keys, ending within one, and a window.
+    for d, h, h_kv in ((16, 4, 2), (64, 9, 3), (48, 1, 1), (32, 8, 2), (64, 14, 2), (128, 8, 1), (80, 6, 2)):
         lengths = [1, 5, 17, 40, 300]
         q = torch.randn(len(lengths), h, d).to(torch.bfloat16)
         k_new, v_new = (torch.randn(len(lengths), h_kv, d).to(torch.bfloat16) for _ in range(2))
@@ -154,9 +154,9 @@ def test_the_int8_kernel_gives_the_same_bits_on_one_thread_or_two_and_refuses_wh
     with pytest.raises(RuntimeError, match="every one alike"):  # an int8 key cache beside a bf16 value cache
         ext.decode_attention(qkv, h, h_kv, [c.k_cache for c in cs], [c.v_cache[..., :d].bfloat16() for c in cs],
                              pos, start)
-    wide = [KVCache(1, n, 1, d, torch.bfloat16, "cpu", is_int8=True) for n in lengths]  # 9 query heads on one
-    with pytest.raises(RuntimeError, match="up to 4 query heads"):
-        ext.decode_attention(torch.randn(3, (h + 2) * d).bfloat16(), h, 1, [c.k_cache for c in wide],
+    wide = [KVCache(1, n, 1, 144, torch.bfloat16, "cpu", is_int8=True) for n in lengths]  # heads past 128 features
+    with pytest.raises(RuntimeError, match="up to 128"):
+        ext.decode_attention(torch.randn(3, (h + 2) * 144).bfloat16(), h, 1, [c.k_cache for c in wide],
                              [c.v_cache for c in wide], pos, start)
 
 
@@ -174,9 +174,9 @@ def _step_logits(model, is_int8: bool, lengths=(1, 5, 17, 40, 9)) -> torch.Tenso
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_caches_no_kernel_reads_go_through_sdpa_close_to_the_models_own_caches(tmp_path, dtype):
-    # fp32 rows (no int8 kernel for them), and bf16 rows of a model the kernel does not serve (5 query heads on one
-    # KV head): the spans dequantized to the model's dtype, through SDPA.
-    model, _ = _model(tmp_path, "tiny", dtype=dtype, num_attention_heads=5, num_key_value_heads=1, head_dim=16)
+    # fp32 rows (no int8 kernel for them), and bf16 rows of a model the kernel does not serve (heads of 144
+    # features): the spans dequantized to the model's dtype, through SDPA.
+    model, _ = _model(tmp_path, "tiny", dtype=dtype, head_dim=16 if dtype == "float32" else 144)
     pack(model).install()
     quantized, own = _step_logits(model, True), _step_logits(model, False)
     scale = own.abs().max()
