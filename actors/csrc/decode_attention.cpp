@@ -9,12 +9,12 @@
 // Row r attends to positions [start[r], pos[r]]. Scores, softmax and the weighted sum in fp32; out [R, H, D] bf16,
 // rounded once. Built with -mavx512bf16 by actors/cpu_kernels.py; called only where the CPU has it.
 //
-// Each (row, KV head) is one pass over its keys and values where its query heads' sums fit the registers (up to 4
-// query heads a KV head and D up to 64: SmolLM2's and the demo's shapes; `attend_online`), two passes otherwise
-// (all the scores first, then the values; `attend`). One pass streams the keys and the values together while each
-// block computes, where the two passes computed on the keys, then on the values, with the memory idle between:
-// 3.33 ms against 3.72 for 8 rows at 1,024 positions (benchmarks/results/batch.md's attention split as of commits
-// c2a72e4 and 137e319).
+// Each (row, KV head) is one pass over its keys and values for up to 4 of its query heads (2 where D > 64) where
+// D <= 128 (`attend_online`), two passes otherwise (all the scores first, then the values; `attend`). One pass
+// streams the keys and the values together while each block computes, where the two passes computed on the keys,
+// then on the values, with the memory idle between: 3.33 ms against 3.72 for 8 rows at 1,024 positions of the demo's
+// heads (benchmarks/results/batch.md's attention split as of commits c2a72e4 and 137e319); for heads of 128, two
+// query heads a pass took a third of the two passes' time (8 rows, 16 heads on 8 KV heads, by hand).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -202,20 +202,28 @@ void attend_online(const at::BFloat16* q, const at::BFloat16* k, const at::BFloa
 
 using AttendOnline = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, float,
                               at::BFloat16*);
-const AttendOnline ATTEND_ONLINE[4][4] = {
-    {attend_online<1, 1>, attend_online<1, 2>, attend_online<1, 3>, attend_online<1, 4>},
-    {attend_online<2, 1>, attend_online<2, 2>, attend_online<2, 3>, attend_online<2, 4>},
-    {attend_online<3, 1>, attend_online<3, 2>, attend_online<3, 3>, attend_online<3, 4>},
-    {attend_online<4, 1>, attend_online<4, 2>, attend_online<4, 3>, attend_online<4, 4>},
-};
+template <int NG>
+constexpr AttendOnline BY_NB[8] = {attend_online<NG, 1>, attend_online<NG, 2>, attend_online<NG, 3>,
+                                   attend_online<NG, 4>, attend_online<NG, 5>, attend_online<NG, 6>,
+                                   attend_online<NG, 7>, attend_online<NG, 8>};
+const AttendOnline* const ATTEND_ONLINE[4] = {BY_NB<1>, BY_NB<2>, BY_NB<3>, BY_NB<4>};
+
+// Query heads a one-pass call: NG x NB sums and NB value blocks in the 32 vector registers, about (4 x 4 + 4, or
+// 2 x 8 + 8); a KV head with more query heads takes another pass over its span (its keys and values then mostly
+// from the L2 cache).
+constexpr int64_t heads_a_pass(int64_t NB) { return NB <= 4 ? 4 : 2; }
 
 // One KV head of one row: its G query heads [G, D] against keys [t0, t1) of k [S, D], v [S, D] (D % 16 == 0) into
-// out [G, D]: in one pass where attend_online's registers hold it, else all G heads' scores first (scores: scratch,
-// resized to G rows of the span's keys), then the values.
+// out [G, D]: one pass per few heads (attend_online) where D <= 128, else all G heads' scores first (scores:
+// scratch, resized to G rows of the span's keys), then the values.
 void attend(const at::BFloat16* q, int64_t G, const at::BFloat16* k, const at::BFloat16* v, int64_t t0, int64_t t1,
             int64_t D, float scale, at::BFloat16* out, std::vector<float>& scores) {
-  if (G <= 4 && D <= 64) {
-    ATTEND_ONLINE[G - 1][D / 16 - 1](q, k, v, t0, t1, scale, out);
+  if (D <= 128) {
+    const int64_t NB = D / 16, per_pass = heads_a_pass(NB);
+    for (int64_t g = 0; g < G; g += per_pass) {
+      const int64_t ng = std::min(per_pass, G - g);
+      ATTEND_ONLINE[ng - 1][NB - 1](q + g * D, k, v, t0, t1, scale, out + g * D);
+    }
     return;
   }
   const int64_t T = t1 - t0, stride = (T + KB - 1) / KB * KB;

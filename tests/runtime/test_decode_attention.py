@@ -98,8 +98,9 @@ def test_the_kernel_caches_each_rows_new_key_and_attends_within_one_rounding_of_
     torch.manual_seed(0)
     ext = cpu_kernels.extension()
     # Head dims with a last half-pair of 16 features (16, 80) and past one block of 64 (80, 128); query heads per KV
-    # head past one tile of 4 (G = 5); spans shorter than a block of 16 keys, and ending within one.
-    for d, h, h_kv in ((16, 4, 2), (64, 9, 3), (80, 10, 2), (128, 8, 8)):
+    # head past one pass's 4 (G = 5: two passes over the span); past 128 features (144: all the scores, then the
+    # values); spans shorter than a block of 16 keys, and ending within one.
+    for d, h, h_kv in ((16, 4, 2), (64, 9, 3), (80, 10, 2), (128, 8, 8), (144, 4, 2)):
         lengths = [1, 5, 17, 40, 300]
         q = torch.randn(len(lengths), h, d).to(torch.bfloat16)
         k_new, v_new = (torch.randn(len(lengths), h_kv, d).to(torch.bfloat16) for _ in range(2))
@@ -125,13 +126,12 @@ def test_the_kernel_caches_each_rows_new_key_and_attends_within_one_rounding_of_
 
 
 def test_the_one_pass_kernel_rescales_its_sums_where_a_later_block_holds_the_largest_score():
-    # Up to 4 query heads a KV head and D up to 64, one pass keeps a running max: scores rising block by block
-    # rescale everything summed before each block, and one key far above the rest at the end leaves the earlier
-    # blocks' weights ~0. Against the exact softmax, for the one-pass shapes (G 3, D 64; G 1, D 48) and a two-pass one
-    # (G 5, D 64).
+    # One pass keeps a running max: scores rising block by block rescale everything summed before each block, and
+    # one key far above the rest at the end leaves the earlier blocks' weights ~0. Against the exact softmax, for
+    # one pass (G 3, D 64; G 1, D 48), two passes of the heads (G 5, D 64; G 3, D 128) and the scores first (D 144).
     torch.manual_seed(2)
     ext = cpu_kernels.extension()
-    for d, h, h_kv in ((64, 9, 3), (48, 1, 1), (64, 10, 2)):
+    for d, h, h_kv in ((64, 9, 3), (48, 1, 1), (64, 10, 2), (128, 3, 1), (144, 2, 1)):
         n = 100
         q = torch.randn(1, h, d).to(torch.bfloat16)
         k_new, v_new = (torch.randn(1, h_kv, d).to(torch.bfloat16) for _ in range(2))
