@@ -29,8 +29,10 @@
 namespace {
 
 using vec_math::exp16;
+using vec_math::heads_a_pass;
 using vec_math::load16;
 using vec_math::rope;
+using vec_math::softmax_block;
 using vec_math::sum_lanes16;
 
 constexpr int64_t KB = 16;  // keys a block: one vector of their scores
@@ -155,17 +157,7 @@ void attend_online(const at::BFloat16* q, const at::BFloat16* k, const at::BFloa
     for (int g = 0; g < NG; ++g) {
       const __m512 st = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,  // the padding's scores: -inf
                                            _mm512_mul_ps(block_dots(q + g * D, kt, D), _mm512_set1_ps(scale)));
-      const float block_max = _mm512_reduce_max_ps(st);
-      if (block_max > max_s[g]) {  // rescale what was summed against the old max (exp(-inf) = 0 at the start)
-        const __m512 c = _mm512_set1_ps(std::exp(max_s[g] - block_max));
-        for (auto& a : acc[g]) a = _mm512_mul_ps(a, c);
-        sum[g] = _mm512_mul_ps(sum[g], c);
-        max_s[g] = block_max;
-      }
-      // exp16 clamps -inf to ~1e-38, not 0: the padding's weights are zeroed here.
-      const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(st, _mm512_set1_ps(max_s[g]))));
-      sum[g] = _mm512_add_ps(sum[g], e);
-      _mm512_store_ps(p[g], e);
+      _mm512_store_ps(p[g], softmax_block(st, keep, max_s[g], sum[g], acc[g]));
     }
     for (int64_t j = 0; j < n; ++j) {
       const at::BFloat16* vt = v + (t0 + t + j) * D;
@@ -207,11 +199,6 @@ constexpr AttendOnline BY_NB[8] = {attend_online<NG, 1>, attend_online<NG, 2>, a
                                    attend_online<NG, 4>, attend_online<NG, 5>, attend_online<NG, 6>,
                                    attend_online<NG, 7>, attend_online<NG, 8>};
 const AttendOnline* const ATTEND_ONLINE[4] = {BY_NB<1>, BY_NB<2>, BY_NB<3>, BY_NB<4>};
-
-// Query heads a one-pass call: NG x NB sums and NB value blocks in the 32 vector registers, about (4 x 4 + 4, or
-// 2 x 8 + 8); a KV head with more query heads takes another pass over its span (its keys and values then mostly
-// from the L2 cache).
-constexpr int64_t heads_a_pass(int64_t NB) { return NB <= 4 ? 4 : 2; }
 
 // One KV head of one row: its G query heads [G, D] against keys [t0, t1) of k [S, D], v [S, D] (D % 16 == 0) into
 // out [G, D]: one pass per few heads (attend_online) where D <= 128, else all G heads' scores first (scores:

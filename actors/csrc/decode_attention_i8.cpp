@@ -29,9 +29,10 @@
 
 namespace {
 
-using vec_math::exp16;
+using vec_math::heads_a_pass;
 using vec_math::load16;
 using vec_math::rope;
+using vec_math::softmax_block;
 
 constexpr int64_t KB = 16;  // keys a block: one vector of their scores
 
@@ -97,15 +98,7 @@ void attend_online(const at::BFloat16* q, const int8_t* kv, const float* ks, con
       const __m512 st = _mm512_mask_mov_ps(  // positions outside the span: -inf
           _mm512_set1_ps(-INFINITY), keep,
           _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(k_scale, _mm512_set1_ps(q_scale[g] * scale))));
-      const float block_max = _mm512_reduce_max_ps(st);
-      if (block_max > max_s[g]) {  // rescale what was summed against the old max (exp(-inf) = 0 at the start)
-        const __m512 c = _mm512_set1_ps(std::exp(max_s[g] - block_max));
-        for (auto& a : acc[g]) a = _mm512_mul_ps(a, c);
-        sum[g] = _mm512_mul_ps(sum[g], c);
-        max_s[g] = block_max;
-      }
-      const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(st, _mm512_set1_ps(max_s[g]))));
-      sum[g] = _mm512_add_ps(sum[g], e);
+      const __m512 e = softmax_block(st, keep, max_s[g], sum[g], acc[g]);
       const __m512 w = _mm512_mul_ps(e, v_scale);  // each value's weight, its scale folded in; >= 0
       const float w_max = _mm512_reduce_max_ps(w);
       w_scale[g] = w_max / 32767.f;
@@ -146,10 +139,6 @@ constexpr AttendOnline BY_NB[8] = {attend_online<NG, 1>, attend_online<NG, 2>, a
                                    attend_online<NG, 4>, attend_online<NG, 5>, attend_online<NG, 6>,
                                    attend_online<NG, 7>, attend_online<NG, 8>};
 const AttendOnline* const ATTEND_ONLINE[4] = {BY_NB<1>, BY_NB<2>, BY_NB<3>, BY_NB<4>};
-
-// Query heads a pass: each pass keeps NG x NB fp32 sums and as many int32 ones in the 32 vector registers, about;
-// more heads than that take another pass over the span (its keys and values then mostly from the L2 cache).
-constexpr int64_t heads_a_pass(int64_t NB) { return NB <= 4 ? 4 : 2; }
 
 // A KV head's values [S, D] and scales [S] inside an int8 cache's block of head h.
 struct HeadBlock {

@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <cmath>
+
 namespace vec_math {
 
 inline __m512 load16(const at::BFloat16* p) {  // 16 bf16 -> 16 fp32 (exact)
@@ -87,5 +89,28 @@ inline void rope(const at::BFloat16* x, const at::BFloat16* cos, const at::BFloa
     out[d] = at::BFloat16(scaled + (float)x[(d + half) % D] * (float)ssin[d]);
   }
 }
+
+// One block of 16 scores in a query head's running softmax (the one-pass kernels of decode_attention.cpp and
+// decode_attention_i8.cpp): where their max passes the running one, what was summed so far (acc, sum) is rescaled
+// to it; returns exp(st - max) with the lanes not kept 0 (st holds -inf there), added into sum.
+template <int NB>
+inline __m512 softmax_block(__m512 st, __mmask16 keep, float& max_s, __m512& sum, __m512 (&acc)[NB]) {
+  const float block_max = _mm512_reduce_max_ps(st);
+  if (block_max > max_s) {  // exp(-inf) = 0 at the start
+    const __m512 c = _mm512_set1_ps(std::exp(max_s - block_max));
+    for (auto& a : acc) a = _mm512_mul_ps(a, c);
+    sum = _mm512_mul_ps(sum, c);
+    max_s = block_max;
+  }
+  // exp16 clamps -inf to ~1e-38, not 0: the lanes not kept are zeroed here.
+  const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(st, _mm512_set1_ps(max_s))));
+  sum = _mm512_add_ps(sum, e);
+  return e;
+}
+
+// Query heads a one-pass call takes: NG x NB sums (and NB value blocks, or as many int32 sums) in the 32 vector
+// registers, about; a KV head with more query heads takes another pass over its span (its keys and values then
+// mostly from the L2 cache).
+constexpr int64_t heads_a_pass(int64_t NB) { return NB <= 4 ? 4 : 2; }
 
 }  // namespace vec_math

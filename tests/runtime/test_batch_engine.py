@@ -89,15 +89,24 @@ def run_schedule(engine: Engine, joins: dict[int, list[tuple[list[int], Sampling
     return recorders
 
 
-def join_and_leave_tokens(model, tokenizer: Tokenizer, compiled=None) -> list[list[int]]:
+def join_and_leave_tokens(model, tokenizer: Tokenizer, compiled=None, **engine_kw) -> list[list[int]]:
     """Greedy tokens of PROMPTS on `model` in one batch: rows of different prompt lengths join at different steps
     (prompts chunked by 7) and leave at different steps (each runs to its own max_tokens, 32 or more). `compiled`:
-    the engine's compiled step (actors/compiled_step.py), None: eager."""
-    engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7, compiled=compiled)
+    the engine's compiled step (actors/compiled_step.py), None: eager; `engine_kw`: the Engine's other settings."""
+    return alone_and_batched(model, tokenizer, is_alone_run=False, compiled=compiled, **engine_kw)[1]
+
+
+def alone_and_batched(model, tokenizer: Tokenizer, is_alone_run: bool = True,
+                      **engine_kw) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of PROMPTS on one engine: each request alone (where `is_alone_run`, else []), then all of them
+    in join_and_leave_tokens' batch."""
+    engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7, **engine_kw)
     engine.eos_token_ids = frozenset()  # every row runs to max_tokens: the schedule decides who leaves
     requests = [(tokenizer.encode_chat([Message("user", p)]), SamplingParams(max_tokens=n, temperature=0.0))
                 for p, n in zip(PROMPTS, (32, 40, 33, 36), strict=True)]
-    return [r.tokens for r in run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})]
+    alone = [run_schedule(engine, {0: [r]})[0].tokens for r in requests] if is_alone_run else []
+    batched = [r.tokens for r in run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})]
+    return alone, batched
 
 
 @pytest.mark.parametrize("chunk", [256, 5])

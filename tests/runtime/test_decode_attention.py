@@ -12,12 +12,10 @@ import torch
 from actors import cpu_kernels
 from actors.attention import Attention, batch_decode_attention
 from actors.checkpoint import load_hf_checkpoint
-from actors.engine import Engine
 from actors.model import RowInput
 from actors.packed_weights import pack
-from actors.sampling import SamplingParams
-from actors.tokenizer import Message, Tokenizer
-from tests.runtime.test_batch_engine import PROMPTS, run_schedule
+from actors.tokenizer import Tokenizer
+from tests.runtime.test_batch_engine import alone_and_batched
 from weights_tool.synth import preset_config, synthesize
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.is_available(),
@@ -176,11 +174,6 @@ def test_a_bf16_batch_whose_rows_join_and_leave_decodes_each_requests_tokens_alo
     pack(model).install()
     assert cpu_kernels.loaded() is not None  # packing loaded the kernels and switched the batched path on
     assert all(layer.self_attn.is_decode_batched for layer in model.model.layers)
-    engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7)
-    engine.eos_token_ids = frozenset()
-    requests = [(tokenizer.encode_chat([Message("user", p)]), SamplingParams(max_tokens=n, temperature=0.0))
-                for p, n in zip(PROMPTS, (32, 40, 33, 36), strict=True)]
-    alone = [run_schedule(engine, {0: [r]})[0].tokens for r in requests]
-    batched = [r.tokens for r in run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})]
+    alone, batched = alone_and_batched(model, tokenizer)
     assert batched == alone
     assert min(len(t) for t in alone) >= 32 and len({t for row in alone for t in row}) > 4

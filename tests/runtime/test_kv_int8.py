@@ -14,14 +14,12 @@ from actors import attention as attention_module
 from actors import cpu_kernels
 from actors.actor_config import ActorConfig
 from actors.checkpoint import load_hf_checkpoint
-from actors.engine import Engine
 from actors.kv_cache import KVCache, dequantize, kv_cache_bytes, quantize
 from actors.model import RowInput
 from actors.packed_weights import pack
-from actors.sampling import SamplingParams
-from actors.tokenizer import Message, Tokenizer
+from actors.tokenizer import Tokenizer
 from serve_app.memory import ModelNumbers, workspace_bytes
-from tests.runtime.test_batch_engine import PROMPTS, run_schedule
+from tests.runtime.test_batch_engine import alone_and_batched
 from weights_tool.synth import preset_config, synthesize
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.is_available(),
@@ -202,17 +200,10 @@ def test_the_kernel_over_int8_caches_gives_the_logits_of_the_torch_path(tmp_path
 def test_an_int8_batch_whose_rows_join_and_leave_decodes_each_requests_tokens_alone(tmp_path):
     model, tokenizer = _model(tmp_path, "tiny")
     pack(model).install()
-    engine = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7, is_kv_int8=True)
-    engine.eos_token_ids = frozenset()
-    requests = [(tokenizer.encode_chat([Message("user", p)]), SamplingParams(max_tokens=n, temperature=0.0))
-                for p, n in zip(PROMPTS, (32, 40, 33, 36), strict=True)]
-    alone = [run_schedule(engine, {0: [r]})[0].tokens for r in requests]
-    batched = [r.tokens for r in run_schedule(engine, {0: requests[:2], 3: [requests[2]], 11: [requests[3]]})]
+    alone, batched = alone_and_batched(model, tokenizer, is_kv_int8=True)
     assert batched == alone
     assert min(len(t) for t in alone) >= 32 and len({t for row in alone for t in row}) > 4
-    own = Engine(model, tokenizer, max_batch=8, prefill_chunk_tokens=7)
-    own.eos_token_ids = frozenset()
-    in_bf16 = [run_schedule(own, {0: [r]})[0].tokens for r in requests]
+    in_bf16, _ = alone_and_batched(model, tokenizer)
     # 8 bits move a logit by a little: the first tokens agree with the model's own caches (what they change over a
     # longer text is benchmarks/results/kv_int8.md's to measure).
     assert all(a[:2] == b[:2] for a, b in zip(alone, in_bf16, strict=True))
