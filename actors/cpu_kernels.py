@@ -1,7 +1,7 @@
-"""The actors' own CPU kernels (csrc/), built as torch C++ extensions: one for CPUs with AVX512-BF16,
+"""The actors' own CPU kernels (csrc/), built as torch C++ extensions: one for CPUs with AVX512-BF16 (and VNNI),
 
     bf16_linear        a bf16 linear layer reading its weight once, in pairs (bf16_linear.py)
-    decode_attention   every decoding row of a batch attends in one call (attention.py)
+    decode_attention   every decoding row of a batch attends in one call, over bf16 or 8-bit caches (attention.py)
     rms_norm           RMSNorm of bf16 rows in one pass (layers.py)
     argmax_rows        greedy sampling's argmax over every row's fp32 logits in one call (sampling.py)
     silu_mul           the MLP's silu(gate) * up in one pass (layers.py)

@@ -1,7 +1,7 @@
 """8-bit KV caches (`actor.kv_dtype: int8`) against the model's dtype, side by side in one run: what they buy a
 batch's decode step, and what they change in its tokens.
 
-    .venv/bin/python -m benchmarks.bench_kv_int8           # ~6 min; writes benchmarks/results/kv_int8.md
+    .venv/bin/python -m benchmarks.bench_kv_int8           # ~2 min; writes benchmarks/results/kv_int8.md
     .venv/bin/python -m benchmarks.bench_kv_int8 --quick   # a harness check; writes .cache/bench/kv_int8/kv_int8.md
 
 Speed: the demo model (`small`, bf16, as bench_batch), the actors' engine on make serve's threads, one engine per
