@@ -135,6 +135,12 @@ def per_token_stream(config: dict) -> dict:
     return config
 
 
+def kv_int8(config: dict) -> dict:
+    """`make serve`'s config with its KV caches in 8 bits (actors/kv_cache.py)."""
+    config["applications"][0]["args"]["actor"]["kv_dtype"] = "int8"
+    return config
+
+
 def same_config(config: dict) -> dict:
     """`make serve`'s config as it is: a second run of it in the same benchmark, for the run-to-run spread."""
     return config
@@ -175,6 +181,9 @@ VARIANTS = {
                             "each row's tokens streamed as they come (at most one chunk per 20 ms) however many rows "
                             "share its actor, not within the rows' share of 50 chunks a second: "
                             "`actor.max_stream_chunks_per_s: 0` (actors/stream_chunks.py)"),
+    "zeroqueue-kv-int8": (kv_int8,
+                          "its keys and values cached in 8 bits with an fp32 scale a position and head, half the "
+                          "bytes a decoding row reads: `actor.kv_dtype: int8` (actors/kv_cache.py, kv_int8.md)"),
     "zeroqueue-again": (same_config,
                         "nothing at all: it is configs/serve.yaml again, run after it, so its ratios are the spread "
                         "between two runs of one config on this machine, which any other variant's must exceed to "
