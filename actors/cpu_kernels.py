@@ -60,9 +60,10 @@ FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx5
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 
 
+@functools.cache
 def is_cpu_supported() -> bool:
     """This CPU has AVX512-BF16 (VDPBF16PS), the instruction the kernels are built on, and AVX512-VNNI (VPDPBUSD,
-    8-bit caches' keys; every CPU with the first has it)."""
+    8-bit caches' keys; every CPU with the first has it). Asked once: attention asks it each step of 8-bit caches."""
     return torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported()
 
 

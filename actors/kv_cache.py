@@ -65,10 +65,8 @@ class KVCache:
                 f"KVCache sizes must be positive, got batch_size={batch_size}, max_seq_len={max_seq_len}, "
                 f"num_kv_heads={num_kv_heads}, head_dim={head_dim}"
             )
-        width, positions = head_dim, max_seq_len
-        if is_int8:
-            width, positions = head_dim + SCALE_BYTES, -(-max_seq_len // KV_INT8_POSITION_MULTIPLE) * KV_INT8_POSITION_MULTIPLE
-        shape = (batch_size, num_kv_heads, positions, width)
+        width = head_dim + SCALE_BYTES if is_int8 else head_dim
+        shape = (batch_size, num_kv_heads, allocated_positions(max_seq_len, is_int8), width)
         # k_cache, v_cache: [B, H_kv, max_seq_len, D] (or the int8 layout above); zeros so unread slots are harmless.
         self.k_cache = torch.zeros(shape, dtype=torch.int8 if is_int8 else dtype, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -133,8 +131,11 @@ class KVCache:
 def kv_cache_bytes(
     config: ModelConfig, max_seq_len: int, dtype: torch.dtype | str, batch_size: int = 1, is_int8: bool = False
 ) -> int:
-    """Bytes the caches of every layer take for `max_seq_len` positions — exactly what `setup_cache` allocates (an
-    8-bit cache's positions rounded up to a multiple of 16)."""
-    if is_int8:
-        max_seq_len = -(-max_seq_len // KV_INT8_POSITION_MULTIPLE) * KV_INT8_POSITION_MULTIPLE
-    return config.kv_bytes_per_token(model_dtype(dtype), is_int8) * max_seq_len * batch_size
+    """Bytes the caches of every layer take for `max_seq_len` positions — exactly what `setup_cache` allocates."""
+    return config.kv_bytes_per_token(model_dtype(dtype), is_int8) * allocated_positions(max_seq_len, is_int8) * batch_size
+
+
+def allocated_positions(max_seq_len: int, is_int8: bool) -> int:
+    """The positions a cache for `max_seq_len` holds: an 8-bit one's rounded up to its kernel's blocks of keys."""
+    m = KV_INT8_POSITION_MULTIPLE if is_int8 else 1
+    return -(-max_seq_len // m) * m
