@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.is_available(),
                                 reason="no AVX512-BF16 on this CPU, or the kernels could not be built")
 
 
-def _model(tmp_path, preset: str, **overrides):
+def _model(tmp_path, preset: str, dtype: str = "bfloat16", **overrides):
     cfg = preset_config(preset) | overrides
-    path = synthesize(cfg, tmp_path / preset, dtype="bfloat16", seed=3)
+    path = synthesize(cfg, tmp_path / preset, dtype=dtype, seed=3)
     model, config = load_hf_checkpoint(path)
     torch.manual_seed(0)
     model.init_weights(std=0.15)  # wide enough that greedy tokens vary
@@ -36,13 +36,13 @@ def _joined(q, k_new, v_new):
     return torch.cat([t.reshape(t.shape[0], -1) for t in (q, k_new, v_new)], dim=1)
 
 
-def _rows_step(model, lengths: list[int], chunk_rows: dict[int, int]):
+def _rows_step(model, lengths: list[int], chunk_rows: dict[int, int], is_int8: bool = False):
     """One forward_rows step over rows with `lengths` tokens cached (and `chunk_rows[i]` prompt tokens fed for
-    row i instead of one), after filling each cache the same way; logits [R, V]."""
+    row i instead of one), after filling each cache the same way (8-bit caches where `is_int8`); logits [R, V]."""
     torch.manual_seed(1)
     rows, tokens = [], []
     for i, n in enumerate(lengths):
-        caches = model.new_row_cache(n + 16)
+        caches = model.new_row_cache(n + 16, is_int8=is_int8)
         prompt = torch.randint(0, model.config.vocab_size, (n,))
         model.forward_rows(prompt, [RowInput(caches, 0, n, needs_logits=False)])  # fill the cache
         fed = chunk_rows.get(i, 1)

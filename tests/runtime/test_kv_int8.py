@@ -13,26 +13,15 @@ import torch.nn.functional as F
 from actors import attention as attention_module
 from actors import cpu_kernels
 from actors.actor_config import ActorConfig
-from actors.checkpoint import load_hf_checkpoint
 from actors.kv_cache import KVCache, dequantize, kv_cache_bytes, quantize
-from actors.model import RowInput
 from actors.packed_weights import pack
-from actors.tokenizer import Tokenizer
 from serve_app.memory import ModelNumbers, workspace_bytes
 from tests.runtime.test_batch_engine import alone_and_batched
-from weights_tool.synth import preset_config, synthesize
+from tests.runtime.test_decode_attention import _joined, _model, _rows_step
 
+LENGTHS = [1, 5, 17, 40, 9]  # rows' cached tokens in a step (test_decode_attention's)
 needs_kernels = pytest.mark.skipif(not cpu_kernels.is_available(),
                                    reason="no AVX512-BF16/VNNI on this CPU, or the kernels could not be built")
-
-
-def _model(tmp_path, preset: str, dtype: str = "bfloat16", **overrides):
-    cfg = preset_config(preset) | overrides
-    path = synthesize(cfg, tmp_path / preset, dtype=dtype, seed=3)
-    model, config = load_hf_checkpoint(path)
-    torch.manual_seed(0)
-    model.init_weights(std=0.15)  # wide enough that greedy tokens vary
-    return model, Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids)
 
 
 def test_quantize_keeps_each_value_within_half_a_step_of_its_scale_and_zeros_exact():
@@ -85,10 +74,6 @@ def test_the_kv_dtype_setting_is_checked():
         ActorConfig(kv_dtype="fp8")
     with pytest.raises(ValueError, match="compiled step"):
         ActorConfig(kv_dtype="int8", is_compiled=True)
-
-
-def _joined(q, k_new, v_new):
-    return torch.cat([t.reshape(t.shape[0], -1) for t in (q, k_new, v_new)], dim=1)
 
 
 @needs_kernels
@@ -158,25 +143,13 @@ def test_the_int8_kernel_gives_the_same_bits_on_one_thread_or_two_and_refuses_wh
                              [c.v_cache for c in wide], pos, start)
 
 
-def _step_logits(model, is_int8: bool, lengths=(1, 5, 17, 40, 9)) -> torch.Tensor:
-    """Each row's cache filled from its own prompt, then one step of every row decoding a token; logits [R, V]."""
-    torch.manual_seed(1)
-    rows, tokens = [], []
-    for n in lengths:
-        caches = model.new_row_cache(n + 16, is_int8=is_int8)
-        model.forward_rows(torch.randint(0, model.config.vocab_size, (n,)), [RowInput(caches, 0, n, needs_logits=False)])
-        rows.append(RowInput(caches, n, 1))
-        tokens.append(torch.randint(0, model.config.vocab_size, (1,)))
-    return model.forward_rows(torch.cat(tokens), rows)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_caches_no_kernel_reads_go_through_sdpa_close_to_the_models_own_caches(tmp_path, dtype):
     # fp32 rows (no int8 kernel for them), and bf16 rows of a model the kernel does not serve (heads of 144
     # features): the spans dequantized to the model's dtype, through SDPA.
     model, _ = _model(tmp_path, "tiny", dtype=dtype, head_dim=16 if dtype == "float32" else 144)
     pack(model).install()
-    quantized, own = _step_logits(model, True), _step_logits(model, False)
+    quantized, own = _rows_step(model, LENGTHS, {}, is_int8=True), _rows_step(model, LENGTHS, {})
     scale = own.abs().max()
     torch.testing.assert_close(quantized, own, rtol=0.05, atol=0.05 * scale)
     assert (quantized.argmax(-1) == own.argmax(-1)).float().mean() >= 0.8
@@ -187,9 +160,9 @@ def test_the_kernel_over_int8_caches_gives_the_logits_of_the_torch_path(tmp_path
     model, _ = _model(tmp_path, "tiny", head_dim=64)  # RoPE in the kernel, sixteen features at a time
     pack(model).install()
     assert model.decode_layers is not None
-    kernel = _step_logits(model, True)
+    kernel = _rows_step(model, LENGTHS, {}, is_int8=True)
     monkeypatch.setattr(attention_module, "is_int8_served", lambda *a: False)  # every layer through SDPA instead
-    torch_path = _step_logits(model, True)
+    torch_path = _rows_step(model, LENGTHS, {}, is_int8=True)
     assert not torch.equal(kernel, torch_path)  # two paths ran: the kernel quantizes the query, SDPA does not
     scale = torch_path.abs().max()
     torch.testing.assert_close(kernel, torch_path, rtol=0.05, atol=0.05 * scale)
