@@ -5,8 +5,7 @@ CPU node that handling runs on the cores the batch steps on, and token by token 
 decoding row a step (eight rows on 30 ms steps: ~270 a second). So the actor's rows together send at most
 `max_chunks_per_s` chunks a second: with n rows, each row's chunks leave at least n / max_chunks_per_s apart,
 never less than the per-row minimum, never more than `max_interval_s` (a client still sees its text move several
-times a second). One row
-alone streams as before, token by token; a full batch streams in chunks of several tokens. The first token
+times a second). One row alone streams as before, token by token; a full batch streams in chunks of several tokens. The first token
 always leaves at once (time to first token is unchanged), the last ones as the row ends, and a request that asks
 for low latency (`ActorRequest.is_low_latency`) gets every token alone.
 

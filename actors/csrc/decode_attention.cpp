@@ -13,8 +13,10 @@
 // D <= 128 (`attend_online`), two passes otherwise (all the scores first, then the values; `attend`). One pass
 // streams the keys and the values together while each block computes, where the two passes computed on the keys,
 // then on the values, with the memory idle between: 3.33 ms against 3.72 for 8 rows at 1,024 positions of the demo's
-// heads (benchmarks/results/batch.md's attention split as of commits c2a72e4 and 137e319); for heads of 128, two
-// query heads a pass took a third of the two passes' time (8 rows, 16 heads on 8 KV heads, by hand).
+// heads (benchmarks/results/batch.md's attention split as of commits c2a72e4 and 137e319). Passes of a few heads
+// replaced the two passes for heads over 64 features and over 4 query heads a KV head at 0.87x their time for 16
+// heads on 8 of 128 and 0.89x for 14 on 2 of 64, the same for 10 on 2 of 80 (8 rows at 1,024 positions, the old
+// and new source built side by side and timed in turn, by hand).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
