@@ -48,6 +48,7 @@ from actors import bf16_linear, cpu_kernels
 from actors.actor_config import ActorConfig
 from actors.attention import decode_kernel
 from actors.engine import Engine
+from actors.kv_cache import KVCache
 from actors.layer_loader import load_zqs
 from actors.layers import packed_linear, silu_mul
 from actors.packed_weights import pack, packed_kernel_of
@@ -187,22 +188,27 @@ def kernels(model) -> dict[str, float]:
     }
 
 
-def attention_probe(model, batch: int, context: int) -> Callable[[], None] | None:
+def attention_probe(model, batch: int, context: int, is_int8: bool = False) -> Callable[[], None] | None:
     """One step's decode attention for `batch` rows with `context` cached positions each, every layer, through the
-    kernel alone (random caches of the model's shape); None where no kernel attends this dtype here."""
+    kernel alone (random caches of the model's shape, 8-bit ones where `is_int8`); None where no kernel attends
+    this dtype here."""
     if (kernel := decode_kernel(model.dtype)) is None:
         return None
     attn = model.model.layers[0].self_attn
     h, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    # Per layer: the rows' key caches, then their value caches, [1, H_kv, context + 1, D] each.
-    caches = [[torch.randn(1, h_kv, context + 1, d).to(model.dtype) for _ in range(2 * batch)]
-              for _ in model.model.layers]
+    layers = []  # per layer: the rows' key caches and their value caches, [1, H_kv, context + 1, D] each
+    for _ in model.model.layers:
+        rows = [KVCache(1, context + 1, h_kv, d, model.dtype, "cpu", is_int8) for _ in range(batch)]
+        for c in rows:
+            c.update(torch.arange(context + 1), *(torch.randn(1, h_kv, context + 1, d).to(model.dtype)
+                                                  for _ in range(2)))
+        layers.append(([c.k_cache for c in rows], [c.v_cache for c in rows]))
     qkv = torch.randn(batch, (h + 2 * h_kv) * d).to(model.dtype)
     pos, start = [context] * batch, [0] * batch
 
     def step() -> None:
-        for layer in caches:
-            kernel(qkv, h, h_kv, layer[:batch], layer[batch:], pos, start, None, None)
+        for k_caches, v_caches in layers:
+            kernel(qkv, h, h_kv, k_caches, v_caches, pos, start, None, None)
     return step
 
 

@@ -31,12 +31,11 @@ from actors.actor_config import ActorConfig
 from actors.attention import decode_kernel
 from actors.engine import Engine
 from actors.events import TokenEvent
-from actors.kv_cache import KVCache
 from actors.layer_loader import load_zqs
 from actors.model import RowInput
 from actors.sampling import SamplingParams
 from actors.tokenizer import Message
-from benchmarks.bench_batch import raise_errors, step_times
+from benchmarks.bench_batch import attention_probe, raise_errors, step_times
 from benchmarks.common import (
     cores,
     cpu_model,
@@ -66,25 +65,6 @@ def long_prompt(tokens: int) -> str:
     """A real document of about `tokens` tokens to summarise: this project's README, cut."""
     text = Path("README.md").read_text()
     return "Summarise the following text in three sentences.\n\n" + text[: tokens * 4]
-
-
-def attention_probe(model, batch: int, context: int, is_int8: bool):
-    """Every layer's decode attention for `batch` rows of `context` cached positions through the kernel alone."""
-    attn, kernel = model.model.layers[0].self_attn, decode_kernel(model.dtype)
-    h, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    layers = []
-    for _ in model.model.layers:
-        caches = [KVCache(1, context + 1, h_kv, d, model.dtype, "cpu", is_int8) for _ in range(batch)]
-        for c in caches:
-            c.update(torch.arange(context), torch.randn(1, h_kv, context, d).to(model.dtype),
-                     torch.randn(1, h_kv, context, d).to(model.dtype))
-        layers.append(([c.k_cache for c in caches], [c.v_cache for c in caches]))
-    qkv = torch.randn(batch, (h + 2 * h_kv) * d).to(model.dtype)
-
-    def step() -> None:
-        for k, v in layers:
-            kernel(qkv, h, h_kv, k, v, [context] * batch, [0] * batch, None, None)
-    return step
 
 
 def measure_speed(batches: tuple[int, ...], contexts: tuple[int, ...], steps: int, repeats: int) -> dict:
