@@ -163,7 +163,8 @@ def check_feasible(d, features, snap, policy):
     elif isinstance(d, Spawn):
         assert d.slot_id in cold and d.reserve_bytes == features.spawn_bytes
     elif d.reason == "latency_target":  # only a running row's TPOT target can refuse with no target of its own
-        assert joins and not hot and not cold and not usable_warm and not usable_last_resort
+        assert (joins or (evictable and has_targets)) and not hot and not cold and not usable_warm and (
+            not usable_last_resort)
     else:
         assert not hot and not joins and not cold and not usable_warm and not evictable and not usable_last_resort, (
             f"rejected ({d.reason}) with feasible {hot} {joins} {cold} {warm} {evictable} {last_resort}")

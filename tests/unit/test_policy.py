@@ -611,3 +611,17 @@ def test_a_snapshot_pickles_without_its_cached_indexes():
     clone = pickle.loads(pickle.dumps(snap))
     assert clone == snap and "_by_state" not in clone.__dict__
     assert decide(_features(), clone, POLICY) == decide(_features(), snap, POLICY)
+
+
+def test_idle_actors_are_retired_only_for_a_start_predicted_within_the_targets():
+    # The long prompts of the peer benchmark: every slot held idle actors, and a process start predicted at
+    # 2.4-2.9 s against a 1 s TTFT target retired one and was taken (measured 10-18 s).
+    rule = RuleScorer(decode_s_per_token=0.01, prefill_tokens_per_s=1500, actor_start_s=1.6)
+    full = _snap([_slot("a", reserved=9_500, num_actors=1)], [_actor("other-idle", "a", model="other", reserved=9_500)])
+    tight = _features(ttft_target_s=1.0)
+    d = decide(tight, full, POLICY, rule)
+    assert isinstance(d, Reject) and d.reason == "latency_target" and "cold start" in d.message, d
+    assert d.retry_after_s == POLICY.retry_after_s
+    d = decide(dataclasses.replace(tight, ttft_target_s=5.0), full, POLICY, rule)
+    assert isinstance(d, Spawn) and d.evict == ("other-idle",) and d.prediction.ttft_s > 1.0
+    assert decide(_features(), full, POLICY, rule).evict == ("other-idle",)  # no target: as before
