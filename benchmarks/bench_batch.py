@@ -87,15 +87,22 @@ def raise_errors(event) -> None:
         raise event
 
 
-def step_times(engines: dict, context: int, steps: int,
-               probes: dict[str, Callable[[], None]] | None = None) -> tuple[dict, dict[str, float]]:
-    """Median seconds of one decode step for each engine (keyed as given; each holding its `max_batch` rows of
-    `context` prompt tokens), and of one call of each of `probes`. The sizes' steps are interleaved, one of each in turn, the
+def step_time(engine: Engine, batch: int, context: int, steps: int) -> float:
+    """Median seconds of one decode step of `engine` holding `batch` rows (at most its `max_batch`) of `context`
+    prompt tokens each (bench_engine's cells, bench_linear, bench_bf16_linear)."""
+    return step_times({batch: engine}, context, steps, num_rows={batch: batch})[0][batch]
+
+
+def step_times(engines: dict, context: int, steps: int, probes: dict[str, Callable[[], None]] | None = None,
+               num_rows: dict | None = None) -> tuple[dict, dict[str, float]]:
+    """Median seconds of one decode step for each engine (keyed as given; each holding `num_rows[key]` rows, by
+    default its `max_batch`, of `context` prompt tokens), and of one call of each of `probes`. The sizes' steps are interleaved, one of each in turn, the
     probes among them: this host's memory bandwidth drifts with its neighbours over seconds (the per-repeat ratios
     batch.md reports), and a ratio between sizes must not measure the drift."""
     probes = probes or {}
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
-    rows = {b: [e.add(random_prompt(context, i), params, raise_errors) for i in range(e.max_batch)]
+    num_rows = num_rows or {}
+    rows = {b: [e.add(random_prompt(context, i), params, raise_errors) for i in range(num_rows.get(b, e.max_batch))]
             for b, e in engines.items()}
     for b, e in engines.items():
         while any(r.num_prefilled < len(r.prompt) for r in rows[b]) or any(r.num_out == 0 for r in rows[b]):
