@@ -48,7 +48,7 @@ from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, greedy, make_generator, mask_tokens, sample
 from actors.scheduler import RowProgress, max_step_s, paced_due, plan_step, prefill_budget
-from actors.step_cost import RECENT_STEPS, StepCheck, StepCost
+from actors.step_cost import RECENT_STEPS, StepCheck, StepCost, prompt_pairs
 from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
 from weights_tool.dtypes import model_dtype
@@ -283,9 +283,10 @@ class Engine:
         return RowProgress(row.id, len(row.prompt), row.num_prefilled, row.position, row.tpot_target_s, limit,
                            None if planned is None or row.num_prefilled >= len(row.prompt) else planned - now)
 
-    def _rule_step_s(self, num_rows: int, num_extra_prompt_tokens: int, num_kv_tokens: int) -> float:
+    def _rule_step_s(self, num_rows: int, num_extra_prompt_tokens: int, num_kv_tokens: int,
+                     num_attention_pairs: int = 0) -> float:
         return self.step_check.correction * self.step_cost.step_s(num_rows, num_extra_prompt_tokens, num_kv_tokens,
-                                                                  self._kv_bytes_per_token)
+                                                                  self._kv_bytes_per_token, num_attention_pairs)
 
     def _prefill_budget(self, progress: list[RowProgress]) -> int | None:
         token_s = self.step_check.correction * self.step_cost.prefill_token_s(self._kv_bytes_per_token)
@@ -296,7 +297,8 @@ class Engine:
         num_extra = sum(n - 1 for r, (_, n) in zip(progress, plan, strict=True) if r.is_prefilling)
         # Every row reads its cache after this step's positions are written.
         num_kv = sum(r.num_cached + n for r, (_, n) in zip(progress, plan, strict=True))
-        return self._rule_step_s(len(progress), num_extra, num_kv)
+        pairs = sum(prompt_pairs(r.num_cached, n) for r, (_, n) in zip(progress, plan, strict=True) if r.is_prefilling)
+        return self._rule_step_s(len(progress), num_extra, num_kv, pairs)
 
     def _log_check(self) -> None:
         check = self.step_check

@@ -8,11 +8,23 @@ engine's planner and the router's rule scorer (serve_app/scorer.py):
     step_s = decode_s_per_token * (1 + batch_row_cost * (rows - 1))
            + prompt tokens beyond each row's first / prefill_tokens_per_s
            + KV positions read * kv_bytes_per_token / kv_read_bytes_per_s
+           + prompt attention pairs / attention_pairs_per_s
 
 A row counts once whether it decodes a token or prefills a chunk (either way the step reads
 every weight for it and samples from its last position); a prompt of n tokens alone takes
 `prefill_s(n)` = decode_s_per_token + (n - 1) / prefill_tokens_per_s: the weights' pass, then
 the marginal cost of each further token.
+
+A prompt token also attends to every position of its row before it: a chunk of n prompt
+tokens after c cached ones computes n * c + n * (n - 1) / 2 (query, key) pairs in every
+layer and head (`prompt_pairs`). At GuideLLM's ~130 tokens that is a few ms, inside the
+fitted per-token rate; at 1,024 tokens it is a third of the prompt's time (SmolLM2 on 2
+threads: 1.08 s where the per-token rate alone says 0.74, benchmarks/results/
+engine_avx512bf16.md), and a router that prices a long prompt by the short one's rate
+admits it past its TTFT target.
+`attention_pairs_per_s` prices them (benchmarks/bench_engine.py fits it beside
+`prefill_tokens_per_s`, from a 128- and a 1,024-token prompt); its default, infinite,
+leaves them unpriced, as the rule was before it.
 
 The constants are measured per model and machine (benchmarks/bench_engine.py fits them for
 the served model) and set in the app config (`rule_scorer`). A machine unlike the one they
@@ -28,6 +40,7 @@ constants alone would price every burst after a pause at a fraction of what it t
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -41,9 +54,10 @@ class StepCost:
     batch_row_cost: float = 0.05  # a step's extra time per extra row, as a share of a one-row step
     prefill_tokens_per_s: float = 4000.0  # marginal: each prompt token beyond a row's first
     kv_read_bytes_per_s: float = 2.0e10
+    attention_pairs_per_s: float = math.inf  # a prompt token's (query, key) pairs, all layers and heads; inf: free
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "kv_read_bytes_per_s"):
+        for name in ("prefill_tokens_per_s", "kv_read_bytes_per_s", "attention_pairs_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StepCost.{name} must be > 0, got {getattr(self, name)}")
         for name in ("decode_s_per_token", "batch_row_cost"):
@@ -51,20 +65,34 @@ class StepCost:
                 raise ValueError(f"StepCost.{name} must be >= 0, got {getattr(self, name)}")
 
     def step_s(self, num_rows: int, num_extra_prompt_tokens: int, num_kv_tokens: int,
-               kv_bytes_per_token: int) -> float:
+               kv_bytes_per_token: int, num_attention_pairs: int = 0) -> float:
         """Seconds of one step of `num_rows` rows (>= 1), `num_extra_prompt_tokens` prompt tokens beyond each
-        row's one, and `num_kv_tokens` KV positions read by every row's attention, summed."""
+        row's one, `num_kv_tokens` KV positions read by every row's attention, summed, and the prompt chunks'
+        `num_attention_pairs` (`prompt_pairs`, summed over the rows)."""
         rows = self.decode_s_per_token * (1.0 + self.batch_row_cost * (max(1, num_rows) - 1))
         return (rows + num_extra_prompt_tokens / self.prefill_tokens_per_s
-                + num_kv_tokens * kv_bytes_per_token / self.kv_read_bytes_per_s)
+                + num_kv_tokens * kv_bytes_per_token / self.kv_read_bytes_per_s
+                + num_attention_pairs / self.attention_pairs_per_s)
 
     def prefill_s(self, num_prompt_tokens: int) -> float:
-        """One row's prompt in a step of its own (its KV reads aside): the weights' pass, then each further token."""
-        return self.decode_s_per_token + max(0, num_prompt_tokens - 1) / self.prefill_tokens_per_s
+        """One row's prompt in a step of its own (its KV reads aside): the weights' pass, then each further token
+        and its attention to the tokens before it."""
+        return (self.decode_s_per_token + max(0, num_prompt_tokens - 1) / self.prefill_tokens_per_s
+                + self.prompt_attention_s(num_prompt_tokens))
+
+    def prompt_attention_s(self, num_prompt_tokens: int, num_cached: int = 0) -> float:
+        """The attention of `num_prompt_tokens` prompt tokens after `num_cached` positions of their row."""
+        return prompt_pairs(num_cached, num_prompt_tokens) / self.attention_pairs_per_s
 
     def prefill_token_s(self, kv_bytes_per_token: int) -> float:
         """What one more prompt token adds to a step: its compute, and its own position's KV read."""
         return 1.0 / self.prefill_tokens_per_s + kv_bytes_per_token / self.kv_read_bytes_per_s
+
+
+def prompt_pairs(num_cached: int, num_tokens: int) -> int:
+    """(query, key) pairs of a chunk of `num_tokens` prompt tokens after `num_cached` positions: each attends to
+    the cached ones and to the chunk's tokens before it (its own key counts in the KV read term)."""
+    return num_tokens * num_cached + num_tokens * (num_tokens - 1) // 2
 
 
 RECENT_STEPS = 3  # StepCheck's default `recent_steps`: a slower host priced so within two steps

@@ -15,7 +15,9 @@ model predictions are malformed:
                          + tokens * kv_bytes_per_token / kv_read_bytes_per_s
                          (actors/step_cost.py: the engine plans its steps with the same rule)
     prefill_s = decode_s_per_token + (input_tokens - 1) / prefill_tokens_per_s
-                (the weights' pass, then each further prompt token: actors/step_cost.py)
+                + input_tokens * (input_tokens - 1) / 2 / attention_pairs_per_s
+                (the weights' pass, then each further prompt token, then each token's attention to the ones
+                before it: actors/step_cost.py)
     hot:  tpot = step_s(1, request tokens);                 ttft = prefill_s + chunk passes
           (a request with a TPOT target has its prompt run in chunks whose steps stay within twice
           the target, actors/scheduler.py: each chunk past the first one more pass over the weights,
@@ -50,6 +52,13 @@ model predictions are malformed:
     actors computing or starting besides it — the start's share of the host's cores
     (benchmarks/results/busy_start.md: on 2 cores, no slower beside one busy actor, 1.84x beside two,
     where the share says 1.5x: memory and caches are shared too, so this is a lower bound).
+    Steps are slower there too: the constants were fitted on `step_threads` threads (the app's
+    actor.compute_threads), and an actor's thread governor keeps only the cores the others leave
+    it (actors/thread_governor.py), so with `node_cpus` set every step and prompt term is scaled by
+    max(1, step_threads * (others + 1) / node_cpus): on 2 cores and two threads, 2x beside one
+    computing actor (one thread: a 128-token prompt in 191 ms against two threads' 107,
+    benchmarks/results/engine_avx512bf16.md, section 1). A hot or join candidate's own correction measured
+    that slowdown already where it ran beside them: it takes the larger of the two, not both.
     total_s = ttft + max_tokens * tpot
     (every ttft also counts `overhead_s`: arrival at the ingress to the actor's first step — parsing,
     the decision, the hops — measured per deployment; 0 by default)
@@ -93,7 +102,7 @@ class Candidate:
     slot_num_actors: int
     slot_fragmentation: float  # 0..1, from telemetry
     slot_utilization: float  # 0..1 EWMA, from telemetry
-    node_num_busy: int = 0  # actors starting or busy on the slot's node: they share its host
+    node_num_busy: int = 0  # actors computing or starting on the slot's node (num_computing_on_node): they share its host
     batch_rows: int = 0  # rows the actor runs now (join); 0 for an idle or a fresh actor
     batch_tokens: int = 0  # KV positions those rows read per step, at most
     resident_fraction: float = 0.0  # share of the weights already loaded: 1 hot or join, a warm actor's N/L-ish
@@ -137,18 +146,23 @@ class RuleScorer:
     actor_start_s: float = 3.0  # process start, CUDA context, model skeleton
     batch_row_cost: float = StepCost.batch_row_cost  # a step's growth per extra row, a share of a one-row step
     kv_read_bytes_per_s: float = StepCost.kv_read_bytes_per_s
+    attention_pairs_per_s: float = StepCost.attention_pairs_per_s
     overhead_s: float = 0.0  # the control plane's part of every TTFT (module docstring)
     # The cores of a slot's node, which a start shares with the actors busy there (module docstring); 0: a
     # start is predicted as on an idle node; -1: this machine's cores (one node, as `make serve` runs).
     node_cpus: int = 0
+    # The threads a step computes on where the node leaves them free: what the constants were fitted on
+    # (bench_engine fits at actor.compute_threads). Set from the app's actor config (serve_app/config.py).
+    step_threads: int = 1
 
     def __post_init__(self) -> None:
-        if self.node_cpus < -1:
-            raise ValueError(f"RuleScorer.node_cpus must be >= -1, got {self.node_cpus}")
+        if self.node_cpus < -1 or self.step_threads < 1:
+            raise ValueError(f"RuleScorer needs node_cpus >= -1 and step_threads >= 1, got {self.node_cpus} and "
+                             f"{self.step_threads}")
         if self.node_cpus == -1:  # the cores this process may run on (its affinity), not the host's
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
             object.__setattr__(self, "node_cpus", cores or 1)
-        for name in ("prefill_tokens_per_s", "load_bytes_per_s", "kv_read_bytes_per_s"):
+        for name in ("prefill_tokens_per_s", "load_bytes_per_s", "kv_read_bytes_per_s", "attention_pairs_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RuleScorer.{name} must be > 0, got {getattr(self, name)}")
         for name in ("decode_s_per_token", "actor_start_s", "batch_row_cost", "overhead_s"):
@@ -159,7 +173,7 @@ class RuleScorer:
     def _cost(self) -> StepCost:
         # Built once per scorer, not once per prediction: `predict` runs on every admission.
         return StepCost(self.decode_s_per_token, self.batch_row_cost, self.prefill_tokens_per_s,
-                        self.kv_read_bytes_per_s)
+                        self.kv_read_bytes_per_s, self.attention_pairs_per_s)
 
     def step_cost(self) -> StepCost:
         """The constants a step's cost needs, for the engine's planner (ActorConfig.step_cost)."""
@@ -173,23 +187,26 @@ class RuleScorer:
         """A fresh actor's start to its weights resident: its process, then every byte loaded."""
         return self.actor_start_s + weight_bytes / self.load_bytes_per_s
 
-    def contention(self, candidate: Candidate) -> float:
-        """How many times longer a start (or a warm actor's remaining load) takes on the candidate's node now."""
+    def contention(self, candidate: Candidate, threads: int = 1) -> float:
+        """How many times longer work on `threads` threads takes on the candidate's node now than alone: a start
+        or a warm actor's remaining load (one thread), or a step (`step_threads`)."""
         if not self.node_cpus:
             return 1.0
-        # A warming actor bound as a fresh one counts among its node's busy actors itself.
-        others = candidate.node_num_busy - (candidate.kind == "cold" and candidate.actor_name is not None)
-        return max(1.0, (max(0, others) + 1) / self.node_cpus)
+        # A warming actor bound as a fresh one, and a batch joined, count among their node's busy actors themselves.
+        is_counted = (candidate.kind == "cold" and candidate.actor_name is not None) or candidate.kind == "join"
+        others = max(0, candidate.node_num_busy - is_counted)
+        return max(1.0, min(threads, self.node_cpus) * (others + 1) / self.node_cpus)
 
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
         compute_s = self._cost.prefill_s(features.input_tokens)
-        prefill_s = self.overhead_s + compute_s
         own_tokens, per_token = features.input_tokens + features.max_tokens, features.kv_bytes_per_token
         alone = self.step_s(1, own_tokens, per_token)
         start_s = self.start_s(features.weight_bytes)
         out = []
         for c in candidates:
-            k = c.step_correction  # a known actor's steps run k times the rule's (1 for a warm or cold one)
+            # A known actor's steps run k times the rule's (1 for a warm or cold one); the node's other busy
+            # actors leave a step fewer cores (module doc): a known actor's k may have measured that already.
+            k = max(c.step_correction, self.contention(c, self.step_threads))
             if c.kind == "join":
                 tpot = k * self.step_s(c.batch_rows + 1, c.batch_tokens + own_tokens, per_token)
                 # The step it waits for (a whole-prompt step's prompts too), then the prompts' tokens and its own.
@@ -204,12 +221,13 @@ class RuleScorer:
             elif c.kind == "warm":
                 to_load = max(0.0, 1.0 - c.resident_fraction) * features.weight_bytes
                 # Holding every layer, it plans its steps as a hot actor does; holding fewer, it runs the prompt whole.
-                chunks_s = self._chunk_passes_s(features, 1.0) if to_load == 0 else 0.0
-                tpot, ttft = alone, self.contention(c) * to_load / self.load_bytes_per_s + prefill_s + chunks_s
+                chunks_s = self._chunk_passes_s(features, k) if to_load == 0 else 0.0
+                tpot = k * alone
+                ttft = self.contention(c) * to_load / self.load_bytes_per_s + self.overhead_s + k * compute_s + chunks_s
             elif c.kind == "hot":
                 tpot, ttft = k * alone, self.overhead_s + k * compute_s + self._chunk_passes_s(features, k)
             else:
-                tpot, ttft = alone, self.contention(c) * start_s + prefill_s
+                tpot, ttft = k * alone, self.contention(c) * start_s + self.overhead_s + k * compute_s
             out.append(Prediction(ttft, ttft + features.max_tokens * tpot, tpot))
         return out
 
@@ -235,7 +253,8 @@ class RuleScorer:
         chunk = max(1, int((target_s - tpot) / token_s))
         tokens = pending_tokens + max(0, input_tokens - 1)
         steps = -(-tokens // chunk)
-        return self.overhead_s + tpot * max(1, steps) + correction * tokens / self.prefill_tokens_per_s
+        return (self.overhead_s + tpot * max(1, steps)
+                + correction * (tokens / self.prefill_tokens_per_s + self._cost.prompt_attention_s(input_tokens)))
 
 
 RULE_SCORER = RuleScorer()

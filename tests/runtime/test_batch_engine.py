@@ -7,6 +7,7 @@ re-drawn at a larger std so that greedy choices are far from ties.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from actors.checkpoint import load_hf_checkpoint
 from actors.engine import Engine
 from actors.events import BatchFullError, FinishEvent, StartEvent, TokenEvent
 from actors.sampling import SamplingParams
+from actors.scheduler import RowProgress
 from actors.step_cost import StepCost
 from actors.tokenizer import Message, Tokenizer
 from weights_tool.synth import synthesize
@@ -259,6 +261,20 @@ def test_each_row_sums_the_threads_its_steps_computed_on(parts):
         torch.set_num_threads(1)  # this module's tests compute on one thread (conftest)
     done = rec.events[-1]
     assert isinstance(done, FinishEvent) and done.num_steps == 4 and done.num_step_threads == sum(threads)
+
+
+def test_a_steps_prediction_counts_its_prompt_chunks_attention_and_the_check_sees_it(parts):
+    # A chunk of 30 prompt tokens after 20 cached ones computes 30 * 20 + 30 * 29 / 2 (query, key) pairs; a row
+    # decoding beside it reads its cache (the KV term) and adds none.
+    cost = StepCost(decode_s_per_token=0.01, batch_row_cost=0.0, prefill_tokens_per_s=1000.0,
+                    kv_read_bytes_per_s=1e15, attention_pairs_per_s=1e5)
+    engine = Engine(*parts, max_batch=4, prefill_chunk_tokens=256, step_cost=cost)
+    prefilling, decoding = RowProgress(0, 80, 20, 20), RowProgress(1, 5, 5, 12)
+    unpriced = Engine(*parts, max_batch=4, prefill_chunk_tokens=256,
+                      step_cost=dataclasses.replace(cost, attention_pairs_per_s=math.inf))
+    plan = [(0, 30), (1, 1)]
+    extra = engine._predict([prefilling, decoding], plan) - unpriced._predict([prefilling, decoding], plan)
+    assert extra == pytest.approx((30 * 20 + 30 * 29 // 2) / 1e5)
 
 
 def test_a_decoding_rows_tpot_target_chunks_a_joiners_prompt_finer_and_tokens_stay_the_same(parts, monkeypatch):

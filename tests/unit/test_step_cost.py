@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.step_cost import StepCheck, StepCost
+from actors.step_cost import StepCheck, StepCost, prompt_pairs
 from serve_app.scorer import RuleScorer
 
 
@@ -18,13 +18,34 @@ def test_a_step_is_its_decode_work_its_prompt_tokens_and_its_kv_reads():
     assert cost.prefill_token_s(1000) == pytest.approx(1e-3 + 1e-6)
 
 
+def test_a_prompt_tokens_attention_to_the_tokens_before_it_grows_with_the_square_of_the_prompt():
+    assert prompt_pairs(0, 1) == 0 and prompt_pairs(0, 4) == 6  # keys 0, 1, 2, 3 before queries 1, 2, 3
+    assert prompt_pairs(10, 4) == 40 + 6  # a chunk after 10 cached positions: each query reads them all
+    # Chunks of a prompt compute the pairs of the whole prompt at once.
+    assert prompt_pairs(0, 300) + prompt_pairs(300, 700) == prompt_pairs(0, 1000)
+    cost = StepCost(decode_s_per_token=0.02, batch_row_cost=0.1, prefill_tokens_per_s=1000.0, kv_read_bytes_per_s=1e9,
+                    attention_pairs_per_s=1e6)
+    assert cost.prefill_s(1000) == pytest.approx(0.02 + 0.999 + 0.4995)
+    assert cost.prompt_attention_s(4, 10) == pytest.approx(46e-6)
+    assert cost.step_s(1, 999, 0, 1000, prompt_pairs(0, 1000)) == pytest.approx(cost.prefill_s(1000))
+    # Unpriced by default: a short prompt's pairs are within the fitted per-token rate.
+    assert StepCost().prefill_s(1000) == StepCost().decode_s_per_token + 999 / StepCost().prefill_tokens_per_s
+
+
+def test_the_router_prices_a_long_prompt_with_its_attention():
+    rule = RuleScorer(decode_s_per_token=0.01, prefill_tokens_per_s=1500.0, attention_pairs_per_s=2e6)
+    short, long = (rule.step_cost().prefill_s(n) for n in (130, 1030))
+    assert short == pytest.approx(0.01 + 129 / 1500 + 130 * 129 / 2 / 2e6)  # 4 ms of 100
+    assert long - rule.step_cost().decode_s_per_token - 1029 / 1500 == pytest.approx(1030 * 1029 / 2 / 2e6)  # 0.26 s
+
+
 def test_the_router_predicts_decode_steps_with_the_same_rule():
     rule = RuleScorer(decode_s_per_token=0.05, batch_row_cost=0.2, prefill_tokens_per_s=500.0, kv_read_bytes_per_s=4e9)
     assert rule.step_cost() == StepCost(0.05, 0.2, 500.0, 4e9)
     assert rule.step_s(3, 1000, 2048) == rule.step_cost().step_s(3, 0, 1000, 2048)
 
 
-@pytest.mark.parametrize("field", ["prefill_tokens_per_s", "kv_read_bytes_per_s"])
+@pytest.mark.parametrize("field", ["prefill_tokens_per_s", "kv_read_bytes_per_s", "attention_pairs_per_s"])
 def test_rates_must_be_positive(field):
     with pytest.raises(ValueError, match=field):
         StepCost(**{field: 0.0})
