@@ -20,7 +20,8 @@ profile's shapes: 128-token prompts, decode steps at that context.
    served model as an actor computes it (`auto`'s dtype, configs/serve.yaml's
    `actor.compute_threads`): the step at batch 1,
    a step's growth per extra row (the median over the batch sizes), prompt tokens a second
-   beyond a one-row step,
+   beyond a one-row step and the prompt's attention pairs a second (from a 128- and a 1,024-token
+   prompt, actors/step_cost.py),
    and the KV bytes a second the extra reads of a batch at a long context cost.
 4. Why: the weight bytes a second the kernels stream for 1 and 8 rows (60 of the model's MLP
    weights, 212 MB in fp32: beyond any cache, as in a real step) at 1 and 2 threads, beside a
@@ -100,6 +101,15 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     for batch in batches:
         out["step_s"][str(batch)] = step_time(engine, batch, PROMPT_TOKENS, steps)
     if is_long_context:
+        out["long_prefill_s"] = []
+        for attempt in range(2):  # the first grows the buffers to the long prompt's; the second is timed
+            row = engine.add(random_prompt(LONG_CONTEXT, attempt), SamplingParams(max_tokens=1, temperature=0.0),
+                             raise_errors)
+            t0 = time.perf_counter()
+            while engine.has_work:
+                engine.step()
+            if attempt:
+                out["long_prefill_s"].append(time.perf_counter() - t0)
         out["long_step_s"] = step_time(engine, LONG_BATCH, LONG_CONTEXT, steps)
         out["short_step_s"] = step_time(engine, LONG_BATCH, PROMPT_TOKENS, steps)
     return out
@@ -210,10 +220,27 @@ def fit_rule(runs: list[dict], batches: list[int]) -> dict[str, float]:
     prefill = statistics.median(statistics.median(r["prefill_s"]) for r in runs)
     extra_s = statistics.median(r["long_step_s"] - r["short_step_s"] for r in runs)
     extra_bytes = LONG_BATCH * (LONG_CONTEXT - PROMPT_TOKENS) * runs[0]["kv_bytes_per_token"]
-    return {"decode_s_per_token": one, "batch_row_cost": max(0.0, statistics.median(growth)),
+    rule = {"decode_s_per_token": one, "batch_row_cost": max(0.0, statistics.median(growth)),
             # Marginal: the prompt's step less a one-row step (its weights' pass), per further token.
             "prefill_tokens_per_s": (PROMPT_TOKENS - 1) / (prefill - one),
             "kv_read_bytes_per_s": extra_bytes / extra_s if extra_s > 0 else float("inf")}
+    if all("long_prefill_s" in r for r in runs):  # runs before it was measured price no attention
+        long = statistics.median(statistics.median(r["long_prefill_s"]) for r in runs)
+        rule |= prefill_rates(((PROMPT_TOKENS, prefill - one), (LONG_CONTEXT, long - one)))
+    return rule
+
+
+def prefill_rates(points: tuple[tuple[int, float], tuple[int, float]]) -> dict[str, float]:
+    """`prefill_tokens_per_s` and `attention_pairs_per_s` (actors/step_cost.py) from two prompts' seconds beyond a
+    one-row step: n tokens take (n - 1) / tokens_per_s + n (n - 1) / 2 / pairs_per_s. Pairs that cost nothing
+    measurable (the long prompt no slower per token than the short one) are left unpriced (inf)."""
+    (n1, y1), (n2, y2) = points
+    a1, p1, a2, p2 = n1 - 1, n1 * (n1 - 1) / 2, n2 - 1, n2 * (n2 - 1) / 2
+    det = a1 * p2 - a2 * p1
+    per_token, per_pair = (y1 * p2 - y2 * p1) / det, (a1 * y2 - a2 * y1) / det
+    if per_pair <= 0 or per_token <= 0:  # no quadratic part: the per-token rate of both prompts together
+        return {"prefill_tokens_per_s": (a1 + a2) / (y1 + y2), "attention_pairs_per_s": float("inf")}
+    return {"prefill_tokens_per_s": 1 / per_token, "attention_pairs_per_s": 1 / per_pair}
 
 
 def rule_constants(data: dict) -> list[str]:
@@ -234,7 +261,12 @@ def rule_constants(data: dict) -> list[str]:
         f"  batch_row_cost: {rule['batch_row_cost']:.3f}   # per extra row, a share of that step (median over "
         f"batches {', '.join(str(b) for b in batches if b > 1)})",
         f"  prefill_tokens_per_s: {rule['prefill_tokens_per_s']:.0f}   # a {PROMPT_TOKENS}-token prompt's step less "
-        f"a one-row step, per further token",
+        f"a one-row step, per further token" + (", beside its attention (below)" if "attention_pairs_per_s" in rule
+                                                else ""),
+        *([f"  attention_pairs_per_s: {rule['attention_pairs_per_s']:.3g}   # and a {LONG_CONTEXT}-token prompt's: "
+           f"{statistics.median(statistics.median(r['long_prefill_s']) for r in runs) * 1e3:.0f} ms against "
+           f"{statistics.median(statistics.median(r['prefill_s']) for r in runs) * 1e3:.0f}"]
+          if "attention_pairs_per_s" in rule else []),
         f"  kv_read_bytes_per_s: {rule['kv_read_bytes_per_s']:.3g}   # {LONG_BATCH} rows at {LONG_CONTEXT} tokens "
         f"against {PROMPT_TOKENS}: "
         + " / ".join(f"{statistics.median(r[k] for r in runs) * 1e3:.1f}" for k in ("long_step_s", "short_step_s"))
