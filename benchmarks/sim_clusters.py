@@ -25,7 +25,7 @@ forgotten after its last row, a hot one goes idle). sim_model.py drives them in 
     with room and fewer than `max_actors_per_slot` actors; the restricted snapshot holds
     exactly those (any other slot it holds either has no room or comes later in the order,
     after the walk has stopped);
-  * `hot_count(model, lane)` and `num_busy_on_node(node)` count every hot (busy) actor, not
+  * `hot_count(model, lane)` and `num_busy_on_node(node)` (= `num_computing_on_node`) count every hot (busy) actor, not
     just the listed ones, so the snapshot is a `ClusterSnapshot` subclass that answers them
     from the incremental counts;
   * with no candidate at all it holds the largest slot, so `too_large` vs `no_capacity`
@@ -133,6 +133,10 @@ class RestrictedSnapshot(ClusterSnapshot):
             if node == node_id:
                 return count
         return 0
+
+    def num_computing_on_node(self, node_id: str) -> int:
+        # A simulated busy actor always computes (its rows are requests, never leased free rows).
+        return self.num_busy_on_node(node_id)
 
 
 class _Actor:

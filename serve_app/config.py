@@ -169,6 +169,13 @@ class AppArgs(_Strict):
             value = value | {"resources": tuple(sorted(value["resources"].items()))}
         return value
 
+    @field_validator("rule_scorer", mode="before")
+    @classmethod
+    def _rule_scorer_fields(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "step_threads" in value:
+            raise ValueError("rule_scorer.step_threads is set from actor.compute_threads; set it there, once")
+        return value
+
     @field_validator("registry", mode="before")
     @classmethod
     def _registry_fields(cls, value: Any) -> Any:
@@ -276,7 +283,7 @@ class IngressConfig:
 
 
 # The fields built below rather than copied as they are.
-_BUILT = frozenset({"models", "actor", "registry", "capacity", "api_key", "traces"})
+_BUILT = frozenset({"models", "actor", "registry", "capacity", "api_key", "traces", "rule_scorer"})
 
 
 def ingress_config(args: AppArgs) -> IngressConfig:
@@ -298,6 +305,8 @@ def ingress_config(args: AppArgs) -> IngressConfig:
                                   step_cost=args.rule_scorer.step_cost()),
         # The registry lives in the deployment's namespace and watches its request actors there.
         registry=dataclasses.replace(args.registry, namespace=args.namespace, actor_namespace=args.namespace),
+        # The constants were fitted on the threads an actor's steps compute on (benchmarks/bench_engine.py).
+        rule_scorer=dataclasses.replace(args.rule_scorer, step_threads=args.actor.compute_threads),
         capacity=dataclasses.replace(args.capacity, slot_bundle=slot_bundle(args.slots, args.actor)),
         api_key=api_key,
         traces=TraceConfig(args.traces.path, args.traces.max_bytes) if args.traces.enabled else None,

@@ -278,7 +278,7 @@ def candidate(kind: str, snapshot: ClusterSnapshot, slot, actor: ActorView | Non
               num_prompt_tokens: int = 0) -> Candidate:
     """The scorer's view of placing a request of `num_prompt_tokens` on `actor` (None: a fresh one) on `slot`."""
     return Candidate(kind, slot.slot_id, actor.name if actor else None, slot.free_bytes, slot.num_actors,
-                     slot.fragmentation, slot.utilization, snapshot.num_busy_on_node(slot.node_id),
+                     slot.fragmentation, slot.utilization, snapshot.num_computing_on_node(slot.node_id),
                      actor.num_rows if actor else 0, actor.batch_tokens if actor else 0,
                      actor.resident_fraction if actor else 0.0,
                      actor.min_tpot_target_s if actor is not None and kind == "join" else None,

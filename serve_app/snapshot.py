@@ -198,9 +198,7 @@ class ClusterSnapshot:
     def num_computing_on_node(self, node_id: str) -> int:
         """Actors using a node's CPU now: starting or warming (a process start, a load), or running a request
         (a hot actor holding only free leased rows is "busy" for the books, but computes nothing)."""
-        slots = {s.slot_id for s in self.slots if s.node_id == node_id}
-        return sum(1 for a in self.actors if a.slot_id in slots and not a.is_start_lease and (
-            a.state in ("starting", "warming") or any(r.num_tokens > 0 for r in a.rows)))
+        return self._computing_by_node.get(node_id, 0)
 
     def num_starting_on_node(self, node_id: str) -> int:
         """Actors loading for a request on a node (spawned or bound, before their first token)."""
@@ -244,6 +242,16 @@ class ClusterSnapshot:
             if slot is not None and not a.is_start_lease:
                 by_state = counts.setdefault(slot.node_id, {})
                 by_state[a.state] = by_state.get(a.state, 0) + 1
+        return counts
+
+    @cached_property
+    def _computing_by_node(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for a in self.actors:
+            slot = self._slots_by_id.get(a.slot_id)
+            if slot is not None and not a.is_start_lease and (
+                    a.state in ("starting", "warming") or any(r.num_tokens > 0 for r in a.rows)):
+                counts[slot.node_id] = counts.get(slot.node_id, 0) + 1
         return counts
 
     def __getstate__(self) -> dict[str, Any]:

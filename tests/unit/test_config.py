@@ -28,6 +28,8 @@ BASE = {"models": [{"id": "m", "zqs_path": "m.zqs"}], "namespace": "ns"}
     ("registry", {"spawn_grace": 1}, "registry.spawn_grace"),
     ("telemetry", {"ewma_alpha": 2}, "ewma_alpha"),
     ("rule_scorer", {"decode_s_per_tokens": 0.1}, "rule_scorer.decode_s_per_tokens"),
+    ("rule_scorer", {"step_threads": 2}, "rule_scorer.step_threads is set from actor.compute_threads"),
+    ("rule_scorer", {"attention_pairs_per_s": 0}, "attention_pairs_per_s must be > 0"),
 ])
 def test_a_bad_section_field_fails_the_build_naming_it(section, fields, naming):
     with pytest.raises(ValidationError, match=naming.replace(".", r"\.")):
@@ -37,7 +39,7 @@ def test_a_bad_section_field_fails_the_build_naming_it(section, fields, naming):
 def test_sections_from_yaml_reach_the_components_frozen_with_the_derived_fields_set_once():
     args = AppArgs.model_validate(BASE | {
         "policy": {"max_batch": 4, "hot_overrides": [["m", 2, 0]]},
-        "actor": {"num_cpus": 1, "resources": {"zq_slot": 1}},
+        "actor": {"num_cpus": 1, "resources": {"zq_slot": 1}, "compute_threads": 2},
         "registry": {"adopt_grace_s": 7.0},
         "telemetry": {"poll_interval_s": 0.5},
         "rule_scorer": {"actor_start_s": 2.0},
@@ -49,6 +51,7 @@ def test_sections_from_yaml_reach_the_components_frozen_with_the_derived_fields_
     assert (config.registry.adopt_grace_s, config.registry.namespace, config.registry.actor_namespace) == (7.0, "ns",
                                                                                                              "ns")
     assert config.telemetry.poll_interval_s == 0.5 and config.rule_scorer.actor_start_s == 2.0
+    assert config.rule_scorer.step_threads == 2  # the threads the actors step on, which the constants were fitted on
     with pytest.raises(AttributeError):
         config.policy.max_batch = 1  # frozen
 

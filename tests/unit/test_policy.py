@@ -375,17 +375,48 @@ def test_a_start_on_a_busy_node_is_predicted_by_its_share_of_the_nodes_cores():
 
     base = idle.predict(f, [cold(3)])[0].ttft_s  # node_cpus 0: every start as on an idle node
     got = [p.ttft_s for p in rule.predict(f, [cold(0), cold(1), cold(2), cold(3)])]
+    compute_s = 0.1 + 39 / 1000  # its prompt, on one thread (step_threads 1), as slowed as its start
     assert got[0] == pytest.approx(base) and got[1] == pytest.approx(base)  # one busy actor: a core is free
-    assert got[2] - base == pytest.approx(0.5 * start_s)  # three processes on two cores: 1.5x
-    assert got[3] - base == pytest.approx(1.0 * start_s)
+    assert got[2] - base == pytest.approx(0.5 * (start_s + compute_s))  # three processes on two cores: 1.5x
+    assert got[3] - base == pytest.approx(1.0 * (start_s + compute_s))
     # A warming actor bound as a fresh one is among its node's busy actors itself.
     assert rule.predict(f, [cold(2, actor="warming")])[0].ttft_s == pytest.approx(base)
-    # A warm actor's remaining load (half the weights: 1 s idle) takes twice as long beside three busy actors.
+    # A warm actor's remaining load (half the weights: 1 s idle) and its prompt take twice as long beside three
+    # busy actors.
     w0, w3 = (p.ttft_s for p in rule.predict(f, [
         Candidate("warm", "a", "w", 1, 1, 0, 0, node_num_busy=busy, resident_fraction=0.5) for busy in (0, 3)]))
-    assert w3 - w0 == pytest.approx(1.0)
+    assert w3 - w0 == pytest.approx(1.0 + compute_s)
     with pytest.raises(ValueError):
         RuleScorer(node_cpus=-2)
+
+
+def test_a_step_beside_computing_actors_is_predicted_on_the_cores_they_leave_it():
+    # Fitted on two threads of a 2-core node: beside one computing actor the governor leaves a step one thread.
+    f = _features(input_tokens=1000, max_tokens=10, ttft_target_s=1.0)
+    rule = RuleScorer(prefill_tokens_per_s=1500, decode_s_per_token=0.01, node_cpus=2, step_threads=2)
+
+    def hot(busy, correction=1.0):
+        return Candidate("hot", "a", "h", 1, 1, 0, 0, node_num_busy=busy, step_correction=correction)
+
+    alone, beside, beside3 = rule.predict(f, [hot(0), hot(1), hot(3)])
+    assert beside.ttft_s == pytest.approx(2 * alone.ttft_s) and beside.tpot_s == pytest.approx(2 * alone.tpot_s)
+    assert beside3.ttft_s == pytest.approx(4 * alone.ttft_s)  # four processes' threads time-share two cores
+    # An actor whose own steps measured the slowdown already: the larger of the two, not their product.
+    assert rule.predict(f, [hot(1, correction=2.5)])[0].ttft_s == pytest.approx(2.5 * alone.ttft_s)
+    # A batch joined counts among its node's computing actors itself.
+    join = Candidate("join", "a", "j", 1, 1, 0, 0, node_num_busy=1, batch_rows=1, batch_tokens=10)
+    assert rule.predict(f, [join])[0].tpot_s == pytest.approx(rule.step_s(2, 10 + 1010, f.kv_bytes_per_token))
+    # Over HTTP's decision: a 1,000-token prompt within its 1 s target alone (0.68 s), refused beside a computing
+    # actor (1.35 s) rather than admitted into seconds of waiting.
+    idle = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1)],
+                 [_actor("h", "a", lane="long"), _actor("w", "b", state="warm", is_hot=False, rows=0)])
+    assert isinstance(decide(f, idle, POLICY, rule), Dispatch)
+    busy = _snap([_slot("a", reserved=1000, num_actors=1), _slot("b", reserved=1000, num_actors=1)],
+                 [_actor("h", "a", lane="long"), _actor("other", "b", state="busy", rows=1)])
+    d = decide(f, busy, POLICY, rule)
+    assert isinstance(d, Reject) and d.reason == "latency_target", d
+    with pytest.raises(ValueError, match="step_threads"):
+        RuleScorer(step_threads=0)
 
 
 def test_under_a_ttft_target_a_spawn_on_a_saturated_node_is_refused_where_an_idle_node_takes_it():

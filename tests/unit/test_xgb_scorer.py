@@ -324,7 +324,8 @@ def test_candidates_carry_the_load_of_their_node():
     slots = [SlotView(f"n{i // 2}/s{i}", f"n{i // 2}", 10_000, 0, 0) for i in range(4)]
     busy = [SlotView("n0/s0", "n0", 10_000, 1000, 1), SlotView("n1/s2", "n1", 10_000, 1000, 1)]
     slots[0], slots[2] = busy
-    snap = ClusterSnapshot(tuple(slots), (ActorView("b", "m", "n0/s0", "busy", "short", True, 1000),
+    snap = ClusterSnapshot(tuple(slots), (ActorView("b", "m", "n0/s0", "busy", "short", True, 1000,
+                                                    (RowView(100, 20, None, 0.0),)),
                                           ActorView("i", "m", "n1/s2", "idle", "short", True, 1000)), 1)
     seen = []
 
