@@ -141,6 +141,20 @@ def kv_int8(config: dict) -> dict:
     return config
 
 
+def flat_prompt(config: dict) -> dict:
+    """`make serve`'s config with a prompt priced by its tokens alone, not also by each token's attention to the ones
+    before it (actors/step_cost.py, `attention_pairs_per_s`): the rule before that term."""
+    config["applications"][0]["args"]["rule_scorer"].pop("attention_pairs_per_s")
+    return config
+
+
+def idle_node(config: dict) -> dict:
+    """`make serve`'s config with the node's cores not counted (`rule_scorer.node_cpus: 0`): every start and step
+    predicted as on an idle node, and warm pools refilled however many actors compute."""
+    config["applications"][0]["args"]["rule_scorer"]["node_cpus"] = 0
+    return config
+
+
 def same_config(config: dict) -> dict:
     """`make serve`'s config as it is: a second run of it in the same benchmark, for the run-to-run spread."""
     return config
@@ -184,6 +198,13 @@ VARIANTS = {
     "zeroqueue-kv-int8": (kv_int8,
                           "its keys and values cached in 8 bits with an fp32 scale a position and head, half the "
                           "bytes a decoding row reads: `actor.kv_dtype: int8` (actors/kv_cache.py, kv_int8.md)"),
+    "zeroqueue-flat-prompt": (flat_prompt,
+                              "a prompt priced by its tokens alone, not also by its attention to its earlier tokens: "
+                              "`rule_scorer.attention_pairs_per_s` unset (actors/step_cost.py)"),
+    "zeroqueue-idle-node": (idle_node,
+                            "the node's cores not counted: `rule_scorer.node_cpus: 0`, so every start and step is "
+                            "predicted as on an idle node (serve_app/scorer.py) and warm pools refill however many "
+                            "actors compute (serve_app/warm_pool.py)"),
     "zeroqueue-again": (same_config,
                         "nothing at all: it is configs/serve.yaml again, run after it, so its ratios are the spread "
                         "between two runs of one config on this machine, which any other variant's must exceed to "

@@ -99,3 +99,25 @@ def test_the_report_says_how_guidellm_and_the_server_shared_the_cores(tmp_path):
     assert "split them evenly whatever their nice" in bench_peer.cpu_sharing(True)
     assert bench_peer.cpu_sharing(False).endswith("so it takes its CPU from both alike.")
     assert "did not record" in bench_peer.cpu_sharing(None)  # a run from before the setting was kept
+
+
+def test_the_rule_variants_change_only_their_constant_and_stay_valid_configs():
+    from pathlib import Path
+
+    import yaml
+
+    from benchmarks import bench_peer
+    from serve_app.config import AppArgs
+
+    def load() -> dict:
+        return yaml.safe_load(Path("configs/serve.yaml").read_text())
+
+    base = load()["applications"][0]["args"]
+    for name, changed in (("zeroqueue-flat-prompt", {"attention_pairs_per_s": None}),
+                          ("zeroqueue-idle-node", {"node_cpus": 0})):
+        args = bench_peer.VARIANTS[name][0](load())["applications"][0]["args"]
+        assert {k: v for k, v in args.items() if k != "rule_scorer"} == {k: v for k, v in base.items()
+                                                                          if k != "rule_scorer"}
+        expected = {k: v for k, v in {**base["rule_scorer"], **changed}.items() if v is not None}
+        assert args["rule_scorer"] == expected, name
+        AppArgs.model_validate(args)
