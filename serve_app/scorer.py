@@ -59,6 +59,14 @@ model predictions are malformed:
     computing actor (one thread: a 128-token prompt in 191 ms against two threads' 107,
     benchmarks/results/engine_avx512bf16.md, section 1). A hot or join candidate's own correction measured
     that slowdown already where it ran beside them: it takes the larger of the two, not both.
+    What the others use is the node's computing actors (a core each), or, where more, its CPU as the
+    telemetry measured it (`slot_utilization` × node_cpus, on a CPU node: every process, a load
+    generator beside the server too), for any candidate but a join, whose own steps are in that
+    figure. In cores, `others`: the governor keeps k = threads_for(node_cpus, others) threads
+    (actors/thread_governor.py), and the step takes (threads / k) * max(1, (others + k) / node_cpus)
+    of its time alone; with whole actors that is the share above. GuideLLM beside the server took
+    34-38% of the 2 cores, and idle actors, predicted as on an idle node, served 1,000-token prompts
+    in 3.0-3.7x their prediction at one thread (benchmarks/results/peer_long_prompt.md).
     total_s = ttft + max_tokens * tpot
     (every ttft also counts `overhead_s`: arrival at the ingress to the actor's first step — parsing,
     the decision, the hops — measured per deployment; 0 by default)
@@ -84,6 +92,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from actors.scheduler import RowProgress, idle_step_limit_s, prefill_budget
 from actors.step_cost import StepCost
+from actors.thread_governor import threads_for
 
 if TYPE_CHECKING:
     from serve_app.snapshot import RequestFeatures
@@ -189,13 +198,19 @@ class RuleScorer:
 
     def contention(self, candidate: Candidate, threads: int = 1) -> float:
         """How many times longer work on `threads` threads takes on the candidate's node now than alone: a start
-        or a warm actor's remaining load (one thread), or a step (`step_threads`)."""
+        or a warm actor's remaining load (one thread), or a step (`step_threads`). Module doc: the cores the
+        others use are the node's computing actors, or its measured CPU use where more."""
         if not self.node_cpus:
             return 1.0
         # A warming actor bound as a fresh one, and a batch joined, count among their node's busy actors themselves.
         is_counted = (candidate.kind == "cold" and candidate.actor_name is not None) or candidate.kind == "join"
-        others = max(0, candidate.node_num_busy - is_counted)
-        return max(1.0, min(threads, self.node_cpus) * (others + 1) / self.node_cpus)
+        others = float(max(0, candidate.node_num_busy - is_counted))
+        if candidate.kind != "join":  # a batch's own steps are in its node's use: its correction measured them
+            others = max(others, candidate.slot_utilization * self.node_cpus - is_counted)
+        wanted = min(threads, self.node_cpus)
+        # The threads its governor keeps beside them (at least one), each sharing the cores with them.
+        kept = threads_for(self.node_cpus, others, wanted, 1, wanted)
+        return (wanted / kept) * max(1.0, (others + kept) / self.node_cpus)
 
     def predict(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> list[Prediction]:
         compute_s = self._cost.prefill_s(features.input_tokens)

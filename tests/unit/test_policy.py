@@ -656,3 +656,23 @@ def test_idle_actors_are_retired_only_for_a_start_predicted_within_the_targets()
     d = decide(dataclasses.replace(tight, ttft_target_s=5.0), full, POLICY, rule)
     assert isinstance(d, Spawn) and d.evict == ("other-idle",) and d.prediction.ttft_s > 1.0
     assert decide(_features(), full, POLICY, rule).evict == ("other-idle",)  # no target: as before
+
+
+def test_the_nodes_measured_cpu_use_counts_where_more_than_its_computing_actors():
+    # GuideLLM beside the server took 34-38% of 2 cores: no actor computed, yet the governor kept one thread.
+    rule = RuleScorer(prefill_tokens_per_s=1500, decode_s_per_token=0.01, node_cpus=2, step_threads=2)
+    f = _features(input_tokens=1000, max_tokens=10)
+
+    def hot(utilization, busy=0, kind="hot"):
+        return Candidate(kind, "a", "h", 1, 1, 0, utilization, node_num_busy=busy, batch_rows=kind == "join")
+
+    quiet, light, loaded, full = rule.predict(f, [hot(0.0), hot(0.1), hot(0.38), hot(1.0)])
+    assert light.ttft_s == pytest.approx(1.1 * quiet.ttft_s)  # a fifth of a core: two threads, sharing a little
+    assert loaded.ttft_s == pytest.approx(2 * quiet.ttft_s, rel=0.01)  # 0.76 of a core: one thread, a core free
+    assert full.ttft_s == pytest.approx(2 * 1.5 * quiet.ttft_s, rel=0.01)  # one thread on a core shared with them
+    # Whole actors counted as before where they are more; a batch's own steps are in the figure: not counted.
+    assert rule.predict(f, [hot(0.0, busy=3)])[0].ttft_s == pytest.approx(4 * quiet.ttft_s, rel=0.01)
+    join_quiet, join_loaded = rule.predict(f, [hot(0.0, busy=1, kind="join"), hot(1.0, busy=1, kind="join")])
+    assert join_loaded == join_quiet
+    # A start is one thread: its share of the cores alone.
+    assert rule.contention(Candidate("cold", "a", None, 1, 0, 0, 1.0)) == pytest.approx(1.5)
