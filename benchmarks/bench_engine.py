@@ -71,8 +71,7 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     from actors.actor_config import ActorConfig
     from actors.engine import Engine
     from actors.layer_loader import load_zqs
-    from actors.sampling import SamplingParams
-    from benchmarks.bench_batch import raise_errors, random_prompt, step_time
+    from benchmarks.bench_batch import step_time
     from weights_tool.dtypes import model_dtype
 
     torch.set_num_threads(threads)
@@ -87,32 +86,35 @@ def _measure(zqs: str, dtype: str, threads: int, batches: list[int], steps: int,
     dtype_name = model_dtype(model.dtype)
     out: dict = {"dtype": dtype_name, "prefill_s": [], "step_s": {},
                  "kv_bytes_per_token": model.config.kv_bytes_per_token(dtype_name)}
-    for attempt in range(3):  # the first touches every buffer; the later two are timed
-        row = engine.add(random_prompt(PROMPT_TOKENS, attempt), SamplingParams(max_tokens=1, temperature=0.0),
-                         raise_errors)
-        t0 = time.perf_counter()
-        while engine.has_work:
-            engine.step()
-        if attempt:
-            out["prefill_s"].append(time.perf_counter() - t0)
-        assert row.num_out == 1
+    out["prefill_s"] = _prefill_times(engine, PROMPT_TOKENS, 3)
     if barrier is not None:
         barrier.wait()  # both slots start stepping together
     for batch in batches:
         out["step_s"][str(batch)] = step_time(engine, batch, PROMPT_TOKENS, steps)
     if is_long_context:
-        out["long_prefill_s"] = []
-        for attempt in range(2):  # the first grows the buffers to the long prompt's; the second is timed
-            row = engine.add(random_prompt(LONG_CONTEXT, attempt), SamplingParams(max_tokens=1, temperature=0.0),
-                             raise_errors)
-            t0 = time.perf_counter()
-            while engine.has_work:
-                engine.step()
-            if attempt:
-                out["long_prefill_s"].append(time.perf_counter() - t0)
+        out["long_prefill_s"] = _prefill_times(engine, LONG_CONTEXT, 2)
         out["long_step_s"] = step_time(engine, LONG_BATCH, LONG_CONTEXT, steps)
         out["short_step_s"] = step_time(engine, LONG_BATCH, PROMPT_TOKENS, steps)
     return out
+
+
+def _prefill_times(engine, num_tokens: int, attempts: int) -> list[float]:
+    """Seconds of a `num_tokens`-token prompt's prefill to its first token, timed in all attempts but the first (which
+    touches every buffer at that length)."""
+    from actors.sampling import SamplingParams
+    from benchmarks.bench_batch import raise_errors, random_prompt
+
+    times = []
+    for attempt in range(attempts):
+        row = engine.add(random_prompt(num_tokens, attempt), SamplingParams(max_tokens=1, temperature=0.0),
+                         raise_errors)
+        t0 = time.perf_counter()
+        while engine.has_work:
+            engine.step()
+        if attempt:
+            times.append(time.perf_counter() - t0)
+        assert row.num_out == 1
+    return times
 
 
 def _kernels(threads: int, barrier=None) -> dict:
