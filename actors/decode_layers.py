@@ -3,7 +3,7 @@
 A step in which every row decodes one token (the common step of a running batch) is, per layer, ~12 kernel
 and ATen calls on a few rows. From Python each paid the interpreter's and nn.Module's overhead: SmolLM2's
 one-row step took 11.4 ms through the layers one by one, 9.3 ms in one call, in one rotation on a 2-core
-AVX512-BF16 CPU (benchmarks/results/engine_avx512bf16.md). `DecodeLayers` (csrc/decode_layers.h) makes the same calls in the same order from
+AVX512-BF16 CPU (benchmarks/results/engine_avx512bf16.md as of commit f55a7a1; 15.2 against 11.8 ms on a busier day). `DecodeLayers` (csrc/decode_layers.h) makes the same calls in the same order from
 C++ (the same kernels, the same ATen ops, the same bits as the layers' own forward), so only the embedding, the
 final norm, the head and sampling stay in Python.
 
