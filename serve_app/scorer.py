@@ -65,8 +65,8 @@ model predictions are malformed:
     figure. In cores, `others`: the governor keeps k = threads_for(node_cpus, others) threads
     (actors/thread_governor.py), and the step takes (threads / k) * max(1, (others + k) / node_cpus)
     of its time alone; with whole actors that is the share above. GuideLLM beside the server took
-    34-38% of the 2 cores, and idle actors, predicted as on an idle node, served 1,000-token prompts
-    in 3.0-3.7x their prediction at one thread (benchmarks/results/peer_long_prompt.md).
+    47-54% of the 2 cores sending 1,000-token prompts, and idle actors, predicted as on an idle node,
+    served them in 3.0-3.7x their prediction at one thread (benchmarks/results/peer_long_prompt.md).
     total_s = ttft + max_tokens * tpot
     (every ttft also counts `overhead_s`: arrival at the ingress to the actor's first step — parsing,
     the decision, the hops — measured per deployment; 0 by default)
