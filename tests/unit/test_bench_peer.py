@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 
+def _serve_yaml() -> dict:
+    """configs/serve.yaml as `make serve` reads it, a fresh copy each call (the variants change it in place)."""
+    from pathlib import Path
+
+    import yaml
+
+    return yaml.safe_load(Path("configs/serve.yaml").read_text())
+
+
 def test_bench_peer_gives_every_rate_prompts_no_other_run_sends():
     """GuideLLM seeds its n-th prompt with seed + n: runs whose seeds lie closer than the prompts they send share
     prompts, which a server's prompt cache then computes for free."""
@@ -31,14 +40,12 @@ def test_bench_peer_reports_each_rates_cpu_as_a_share_of_the_cores_and_per_serve
 def test_the_same_config_again_is_reported_as_the_run_to_run_spread():
     """`zeroqueue-again` serves configs/serve.yaml unchanged, and the report sets it against the first run as any
     variant: ratios of one config's two runs."""
-    from pathlib import Path
 
-    import yaml
 
     from benchmarks import bench_peer
 
-    config = yaml.safe_load(Path("configs/serve.yaml").read_text())
-    assert bench_peer.VARIANTS["zeroqueue-again"][0](yaml.safe_load(Path("configs/serve.yaml").read_text())) == config
+    config = _serve_yaml()
+    assert bench_peer.VARIANTS["zeroqueue-again"][0](_serve_yaml()) == config
     row = {"served": 10, "ttft_p50_s": 0.2, "ttft_p99_s": 0.8, "itl_p50_s": 0.02, "output_tokens_per_s": 16.0,
            "goodput_per_s": 1.0}
     again = row | {"served": 8, "ttft_p99_s": 1.0}
@@ -63,24 +70,19 @@ def test_a_reports_cpu_shares_are_of_the_cores_the_run_measured_on(monkeypatch):
 def test_each_layout_variant_changes_make_serves_config_only_where_it_says():
     """`zeroqueue-1x2` is make serve's config on one slot of both cores, and `zeroqueue-2slots-governed` (the
     layout it was measured as before it became make serve's) leaves make serve's config as it is."""
-    from pathlib import Path
 
-    import yaml
 
     from actors.actor_config import ActorConfig
     from benchmarks import bench_peer
 
-    def load() -> dict:
-        return yaml.safe_load(Path("configs/serve.yaml").read_text())
-
-    base = load()["applications"][0]["args"]
-    one = bench_peer.VARIANTS["zeroqueue-1x2"][0](load())["applications"][0]["args"]
+    base = _serve_yaml()["applications"][0]["args"]
+    one = bench_peer.VARIANTS["zeroqueue-1x2"][0](_serve_yaml())["applications"][0]["args"]
     assert (one["slots"]["num_cpu_slots"], one["policy"]["max_hot_short_actors"]) == (1, 1)
     assert (one["actor"]["num_cpus"], one["actor"]["compute_threads"], one["actor"]["min_compute_threads"]) == (2, 2, 1)
     assert {k: v for k, v in one.items() if k not in ("slots", "actor", "policy")} == {
         k: v for k, v in base.items() if k not in ("slots", "actor", "policy")}
     ActorConfig(**one["actor"])  # a valid actor config
-    assert bench_peer.VARIANTS["zeroqueue-2slots-governed"][0](load())["applications"][0]["args"] == base
+    assert bench_peer.VARIANTS["zeroqueue-2slots-governed"][0](_serve_yaml())["applications"][0]["args"] == base
     assert (base["slots"]["num_cpu_slots"], base["actor"]["num_cpus"], base["actor"]["compute_threads"],
             base["actor"]["min_compute_threads"]) == (2, 1, 2, 1)
 
@@ -102,20 +104,15 @@ def test_the_report_says_how_guidellm_and_the_server_shared_the_cores(tmp_path):
 
 
 def test_the_rule_variants_change_only_their_constant_and_stay_valid_configs():
-    from pathlib import Path
 
-    import yaml
 
     from benchmarks import bench_peer
     from serve_app.config import AppArgs
 
-    def load() -> dict:
-        return yaml.safe_load(Path("configs/serve.yaml").read_text())
-
-    base = load()["applications"][0]["args"]
+    base = _serve_yaml()["applications"][0]["args"]
     for name, changed in (("zeroqueue-flat-prompt", {"attention_pairs_per_s": None}),
                           ("zeroqueue-idle-node", {"node_cpus": 0})):
-        args = bench_peer.VARIANTS[name][0](load())["applications"][0]["args"]
+        args = bench_peer.VARIANTS[name][0](_serve_yaml())["applications"][0]["args"]
         assert {k: v for k, v in args.items() if k != "rule_scorer"} == {k: v for k, v in base.items()
                                                                           if k != "rule_scorer"}
         expected = {k: v for k, v in {**base["rule_scorer"], **changed}.items() if v is not None}

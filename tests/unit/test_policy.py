@@ -390,19 +390,22 @@ def test_a_start_on_a_busy_node_is_predicted_by_its_share_of_the_nodes_cores():
         RuleScorer(node_cpus=-2)
 
 
+def _on_node(busy: int = 0, utilization: float = 0.0, correction: float = 1.0, kind: str = "hot") -> Candidate:
+    """A hot (or join) candidate whose node has `busy` actors computing and `utilization` of its CPU measured."""
+    return Candidate(kind, "a", "h", 1, 1, 0, utilization, node_num_busy=busy, batch_rows=int(kind == "join"),
+                     step_correction=correction)
+
+
 def test_a_step_beside_computing_actors_is_predicted_on_the_cores_they_leave_it():
     # Fitted on two threads of a 2-core node: beside one computing actor the governor leaves a step one thread.
     f = _features(input_tokens=1000, max_tokens=10, ttft_target_s=1.0)
     rule = RuleScorer(prefill_tokens_per_s=1500, decode_s_per_token=0.01, node_cpus=2, step_threads=2)
 
-    def hot(busy, correction=1.0):
-        return Candidate("hot", "a", "h", 1, 1, 0, 0, node_num_busy=busy, step_correction=correction)
-
-    alone, beside, beside3 = rule.predict(f, [hot(0), hot(1), hot(3)])
+    alone, beside, beside3 = rule.predict(f, [_on_node(busy=b) for b in (0, 1, 3)])
     assert beside.ttft_s == pytest.approx(2 * alone.ttft_s) and beside.tpot_s == pytest.approx(2 * alone.tpot_s)
     assert beside3.ttft_s == pytest.approx(4 * alone.ttft_s)  # four processes' threads time-share two cores
     # An actor whose own steps measured the slowdown already: the larger of the two, not their product.
-    assert rule.predict(f, [hot(1, correction=2.5)])[0].ttft_s == pytest.approx(2.5 * alone.ttft_s)
+    assert rule.predict(f, [_on_node(busy=1, correction=2.5)])[0].ttft_s == pytest.approx(2.5 * alone.ttft_s)
     # A batch joined counts among its node's computing actors itself.
     join = Candidate("join", "a", "j", 1, 1, 0, 0, node_num_busy=1, batch_rows=1, batch_tokens=10)
     assert rule.predict(f, [join])[0].tpot_s == pytest.approx(rule.step_s(2, 10 + 1010, f.kv_bytes_per_token))
@@ -417,6 +420,24 @@ def test_a_step_beside_computing_actors_is_predicted_on_the_cores_they_leave_it(
     assert isinstance(d, Reject) and d.reason == "latency_target", d
     with pytest.raises(ValueError, match="step_threads"):
         RuleScorer(step_threads=0)
+
+
+def test_the_nodes_measured_cpu_use_counts_where_more_than_its_computing_actors():
+    # GuideLLM beside the server took 34-38% of 2 cores: no actor computed, yet the governor kept one thread.
+    rule = RuleScorer(prefill_tokens_per_s=1500, decode_s_per_token=0.01, node_cpus=2, step_threads=2)
+    f = _features(input_tokens=1000, max_tokens=10)
+
+    quiet, light, loaded, full = rule.predict(f, [_on_node(utilization=u) for u in (0.0, 0.1, 0.38, 1.0)])
+    assert light.ttft_s == pytest.approx(1.1 * quiet.ttft_s)  # a fifth of a core: two threads, sharing a little
+    assert loaded.ttft_s == pytest.approx(2 * quiet.ttft_s, rel=0.01)  # 0.76 of a core: one thread, a core free
+    assert full.ttft_s == pytest.approx(2 * 1.5 * quiet.ttft_s, rel=0.01)  # one thread on a core shared with them
+    # Whole actors counted as before where they are more; a batch's own steps are in the figure: not counted.
+    assert rule.predict(f, [_on_node(busy=3)])[0].ttft_s == pytest.approx(4 * quiet.ttft_s, rel=0.01)
+    join_quiet, join_loaded = rule.predict(f, [_on_node(busy=1, kind="join"),
+                                                   _on_node(busy=1, utilization=1.0, kind="join")])
+    assert join_loaded == join_quiet
+    # A start is one thread: its share of the cores alone.
+    assert rule.contention(Candidate("cold", "a", None, 1, 0, 0, 1.0)) == pytest.approx(1.5)
 
 
 def test_under_a_ttft_target_a_spawn_on_a_saturated_node_is_refused_where_an_idle_node_takes_it():
@@ -657,22 +678,3 @@ def test_idle_actors_are_retired_only_for_a_start_predicted_within_the_targets()
     assert isinstance(d, Spawn) and d.evict == ("other-idle",) and d.prediction.ttft_s > 1.0
     assert decide(_features(), full, POLICY, rule).evict == ("other-idle",)  # no target: as before
 
-
-def test_the_nodes_measured_cpu_use_counts_where_more_than_its_computing_actors():
-    # GuideLLM beside the server took 34-38% of 2 cores: no actor computed, yet the governor kept one thread.
-    rule = RuleScorer(prefill_tokens_per_s=1500, decode_s_per_token=0.01, node_cpus=2, step_threads=2)
-    f = _features(input_tokens=1000, max_tokens=10)
-
-    def hot(utilization, busy=0, kind="hot"):
-        return Candidate(kind, "a", "h", 1, 1, 0, utilization, node_num_busy=busy, batch_rows=kind == "join")
-
-    quiet, light, loaded, full = rule.predict(f, [hot(0.0), hot(0.1), hot(0.38), hot(1.0)])
-    assert light.ttft_s == pytest.approx(1.1 * quiet.ttft_s)  # a fifth of a core: two threads, sharing a little
-    assert loaded.ttft_s == pytest.approx(2 * quiet.ttft_s, rel=0.01)  # 0.76 of a core: one thread, a core free
-    assert full.ttft_s == pytest.approx(2 * 1.5 * quiet.ttft_s, rel=0.01)  # one thread on a core shared with them
-    # Whole actors counted as before where they are more; a batch's own steps are in the figure: not counted.
-    assert rule.predict(f, [hot(0.0, busy=3)])[0].ttft_s == pytest.approx(4 * quiet.ttft_s, rel=0.01)
-    join_quiet, join_loaded = rule.predict(f, [hot(0.0, busy=1, kind="join"), hot(1.0, busy=1, kind="join")])
-    assert join_loaded == join_quiet
-    # A start is one thread: its share of the cores alone.
-    assert rule.contention(Candidate("cold", "a", None, 1, 0, 0, 1.0)) == pytest.approx(1.5)
