@@ -47,8 +47,8 @@ from actors.events import BatchFullError, Emit, Event, FinishEvent, StartEvent, 
 from actors.kv_cache import KVCache
 from actors.model import RowInput, WaitLayer
 from actors.sampling import SamplingParams, greedy, make_generator, mask_tokens, sample
-from actors.scheduler import RowProgress, max_step_s, paced_due, plan_step, prefill_budget
-from actors.step_cost import RECENT_STEPS, StepCheck, StepCost, prompt_pairs
+from actors.scheduler import RowProgress, max_step_s, paced_due, plan_step, prefill_budget, step_terms
+from actors.step_cost import RECENT_STEPS, StepCheck, StepCost
 from actors.stop_sequences import StopSequenceFilter
 from actors.tokenizer import StreamDecoder, Tokenizer
 from weights_tool.dtypes import model_dtype
@@ -289,16 +289,14 @@ class Engine:
                                                                   self._kv_bytes_per_token, num_attention_pairs)
 
     def _prefill_budget(self, progress: list[RowProgress]) -> int | None:
-        token_s = self.step_check.correction * self.step_cost.prefill_token_s(self._kv_bytes_per_token)
-        return prefill_budget(progress, self.prefill_chunk_tokens, self._rule_step_s, token_s)
+        k = self.step_check.correction
+        return prefill_budget(progress, self.prefill_chunk_tokens, self._rule_step_s,
+                              k * self.step_cost.prefill_token_s(self._kv_bytes_per_token),
+                              k / self.step_cost.attention_pairs_per_s)
 
     def _predict(self, progress: list[RowProgress], plan: list[tuple[int, int]]) -> float:
         """The planned step's predicted seconds, the correction included."""
-        num_extra = sum(n - 1 for r, (_, n) in zip(progress, plan, strict=True) if r.is_prefilling)
-        # Every row reads its cache after this step's positions are written.
-        num_kv = sum(r.num_cached + n for r, (_, n) in zip(progress, plan, strict=True))
-        pairs = sum(prompt_pairs(r.num_cached, n) for r, (_, n) in zip(progress, plan, strict=True) if r.is_prefilling)
-        return self._rule_step_s(len(progress), num_extra, num_kv, pairs)
+        return self._rule_step_s(*step_terms(progress, plan))
 
     def _log_check(self) -> None:
         check = self.step_check

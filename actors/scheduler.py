@@ -24,7 +24,10 @@ advances by a chunk of it. The rule:
   long prompt is chunked over several steps instead of stalling the rows already running.
 - The budget is derived (`prefill_budget`): the most prompt tokens for which the step's
   predicted time (actors/step_cost.py) stays within what every decoding row with a TPOT
-  target accepts, at most the configured cap (`prefill_chunk_tokens`); the cap alone where
+  target accepts, the chunks' attention to the positions before them included (so a long
+  prompt's later chunks are smaller than its first: the flat per-token price alone let a
+  chunk after 3,000 cached positions run twice the step it was planned as), at most the
+  configured cap (`prefill_chunk_tokens`); the cap alone where
   no decoding row states a target. A step can never be shorter than its decode work and
   one token per prefilling row: a target that this breaks was broken at admission.
 - What a decoding row accepts (`max_step_s`): its TPOT target is the mean time per output
@@ -66,8 +69,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-# (rows, prompt tokens beyond each row's first, KV positions read) -> predicted seconds of the step
-PredictStep = Callable[[int, int, int], float]
+from actors.step_cost import prompt_pairs
+
+# (rows, prompt tokens beyond each row's first, KV positions read, prompt attention pairs) -> predicted seconds of
+# the step: StepCost.step_s's terms (`step_terms`)
+PredictStep = Callable[[int, int, int, int], float]
 
 MAX_STEP_STRETCH = 2.0  # no step planned past twice a row's TPOT target, whatever slack it has
 SLACK_SHARE = 0.9  # of a row's slack, what one step may spend (the rest covers the host's time between steps)
@@ -156,11 +162,12 @@ def plan_step(rows: Sequence[RowProgress], prefill_budget: int | None) -> list[t
 
 
 def prefill_budget(rows: Sequence[RowProgress], max_chunk_tokens: int, predict_step_s: PredictStep,
-                   prefill_token_s: float) -> int | None:
+                   prefill_token_s: float, pair_s: float = 0.0) -> int | None:
     """Prompt tokens the next step may carry (module docstring); None: the prompts whole (no row decodes
     and none states a target).
 
-    `predict_step_s` prices a step, `prefill_token_s` what one more prompt token adds to it.
+    `predict_step_s` prices a step, `prefill_token_s` what one more prompt token adds to it besides its
+    attention, `pair_s` each of its attention's (query, key) pairs (0: unpriced, as the rule's default).
     Never below one token per prefilling row (every row advances), never above the cap.
     """
     if max_chunk_tokens < 1 or not prefill_token_s > 0:
@@ -178,9 +185,42 @@ def prefill_budget(rows: Sequence[RowProgress], max_chunk_tokens: int, predict_s
     num_prefilling = len(rows) - len(decoding)
     # The shortest step: every row one token (a decoding row's, a prefilling row's next prompt token),
     # each reading its cache and that position; what is left of the target buys further prompt tokens.
-    base_s = predict_step_s(len(rows), 0, sum(r.num_cached + 1 for r in rows))
+    base_s = predict_step_s(*step_terms(rows, [(r.row_id, 1) for r in rows]))
     fits = num_prefilling + int((min(targets) - base_s) / prefill_token_s)
-    return max(num_prefilling, 1, min(max_chunk_tokens, max(fits, tokens_due(rows, base_s, prefill_token_s))))
+    floor = max(num_prefilling, 1, min(max_chunk_tokens, tokens_due(rows, base_s, prefill_token_s, pair_s)))
+    return _largest_within(rows, floor, max(floor, min(max_chunk_tokens, fits)), min(targets), predict_step_s)
+
+
+def _largest_within(rows: Sequence[RowProgress], floor: int, budget: int, limit_s: float,
+                    predict_step_s: PredictStep) -> int:
+    """The largest budget from `floor` to `budget` whose planned step is predicted within `limit_s`; `floor` where
+    none is (it is owed: one token a prompt, and the tokens due). `budget` came from the flat price per token,
+    which leaves out what each chunk's tokens attend to: the (query, key) pairs grow with the prompt's cached part,
+    so at 1,000 tokens a chunk the flat price allows costs a third more than it says (actors/step_cost.py). A larger
+    budget never gives a prompt fewer tokens (`plan_step`), so the predicted step grows with it: bisected."""
+    def is_within(budget: int) -> bool:
+        return predict_step_s(*step_terms(rows, plan_step(rows, budget))) <= limit_s
+
+    if budget <= floor or is_within(budget):
+        return budget
+    lo, hi = floor, budget  # lo is owed or within; hi is not within
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if is_within(mid) else (lo, mid)
+    return lo
+
+
+def step_terms(rows: Sequence[RowProgress], plan: Sequence[tuple[int, int]]) -> tuple[int, int, int, int]:
+    """A planned step as `PredictStep` prices it: rows, prompt tokens beyond each prefilling row's first, KV
+    positions read (every row reads its cache once this step's positions are written), and the prompt chunks'
+    attention pairs."""
+    num_extra = num_kv = num_pairs = 0
+    for r, (_, n) in zip(rows, plan, strict=True):
+        num_kv += r.num_cached + n
+        if r.is_prefilling:
+            num_extra += n - 1
+            num_pairs += prompt_pairs(r.num_cached, n)
+    return len(rows), num_extra, num_kv, num_pairs
 
 
 def paced_due(joined_at: float, first_token_due: float) -> float:
@@ -189,9 +229,10 @@ def paced_due(joined_at: float, first_token_due: float) -> float:
     return joined_at + PACE_SHARE * max(0.0, first_token_due - joined_at)
 
 
-def tokens_due(rows: Sequence[RowProgress], base_s: float, prefill_token_s: float) -> int:
+def tokens_due(rows: Sequence[RowProgress], base_s: float, prefill_token_s: float, pair_s: float = 0.0) -> int:
     """The fewest prompt tokens this step must carry for every prompt with a due first token to stay on time, at
-    this step's pace: `base_s` a step (every row one token), `prefill_token_s` each further prompt token.
+    this step's pace: `base_s` a step (every row one token), `prefill_token_s` each further prompt token, `pair_s`
+    each (query, key) pair of their attention (a prompt's pairs are the same however it is chunked).
 
     Earliest due first, each prompt's remaining tokens and those of prompts due before it (`ahead`) spread evenly
     over the steps that fit in its time left once they are paid for; all of them now where fewer than two steps fit
@@ -202,8 +243,10 @@ def tokens_due(rows: Sequence[RowProgress], base_s: float, prefill_token_s: floa
     due = sorted((r for r in rows if r.is_prefilling and r.first_token_in_s is not None),
                  key=lambda r: r.first_token_in_s)
     needed = ahead = 0
+    ahead_s = 0.0
     for r in due:
         ahead += r.num_remaining
-        num_steps = int((r.first_token_in_s - ahead * prefill_token_s) / base_s) if base_s > 0 else 1
+        ahead_s += r.num_remaining * prefill_token_s + prompt_pairs(r.num_cached, r.num_remaining) * pair_s
+        num_steps = int((r.first_token_in_s - ahead_s) / base_s) if base_s > 0 else 1
         needed = max(needed, ahead if num_steps < 2 else -(-ahead // num_steps))
     return needed

@@ -33,7 +33,8 @@ model predictions are malformed:
           rows' mean time per token within it (actors/scheduler.py),
           predicted as no more than the target each step: chunk = (target - tpot) / prefill token's cost,
           at least 1, and ttft = overhead + tpot * (1 + prompt steps) + (input - 1) / prefill_tokens_per_s
-          with prompt steps = ceil((pending + input - 1) / chunk). `pending`: of the prompt tokens the
+          with prompt steps = ceil((pending + input - 1) / chunk), or where more, the prompt's work with its
+          attention over what a step leaves for it, (target - tpot). `pending`: of the prompt tokens the
           batch's rows have still to compute (where the replica knows), at most `input` of each row's:
           the engine shares each step's prompt tokens among the prompts, the shortest first
           (actors/scheduler.py), so a joiner waits for none of a longer prompt beyond its own length. A
@@ -84,13 +85,14 @@ is faster than a cold one, and faster than a join when most of its weights are i
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from actors.scheduler import RowProgress, idle_step_limit_s, prefill_budget
+from actors.scheduler import idle_step_limit_s
 from actors.step_cost import StepCost
 from actors.thread_governor import threads_for
 
@@ -248,16 +250,20 @@ class RuleScorer:
 
     def _chunk_passes_s(self, features: RequestFeatures, correction: float) -> float:
         """A prompt alone on an actor with every layer resident runs in chunks whose steps stay within the idle step
-        limit of its TPOT target: the engine's own budget (actors/scheduler.py, the actor's cap aside, which the
-        router does not know). Each chunk beyond the first reads the weights once more. 0 without a target (the
-        engine runs it whole)."""
-        n, per_token = features.input_tokens, features.kv_bytes_per_token
-        chunk = prefill_budget([RowProgress(0, n, 0, 0, features.tpot_target_s)], max(1, n),
-                               lambda rows, extra, kv: correction * self._cost.step_s(rows, extra, kv, per_token),
-                               correction * self._cost.prefill_token_s(per_token))
-        if chunk is None:
+        limit of its TPOT target (the engine's budget, actors/scheduler.py; the actor's cap aside, which the router
+        does not know). Each chunk beyond the first reads the weights once more. The chunks fill their steps, so
+        they are about the prompt's work beyond a one-token step (its tokens and their attention, which grows with
+        what each chunk follows) over what a step leaves for it: the engine's budgets step by step cost the router
+        milliseconds for a long prompt under a tight target. 0 without a target (the engine runs it whole)."""
+        if features.tpot_target_s is None:
             return 0.0
-        return correction * self._cost.decode_s_per_token * (-(-n // chunk) - 1)  # a one-row step: the weights' pass
+        n = features.input_tokens
+        one_token_s = self._cost.step_s(1, 0, 1, features.kv_bytes_per_token)
+        room_s = idle_step_limit_s(features.tpot_target_s) / correction - one_token_s
+        work_s = ((n - 1) * self._cost.prefill_token_s(features.kv_bytes_per_token)
+                  + self._cost.prompt_attention_s(n))
+        num_chunks = n if room_s <= 0 else min(n, max(1, math.ceil(work_s / room_s)))
+        return correction * self._cost.decode_s_per_token * (num_chunks - 1)  # a one-row step: the weights' pass
 
     def _chunked_prefill_s(self, input_tokens: int, pending_tokens: int, tpot: float, target_s: float,
                            kv_bytes_per_token: int, correction: float = 1.0) -> float:
@@ -265,11 +271,15 @@ class RuleScorer:
         `pending_tokens` of earlier joiners, on an actor whose steps run `correction` times the rule's
         (module doc)."""
         token_s = correction * self._cost.prefill_token_s(kv_bytes_per_token)
-        chunk = max(1, int((target_s - tpot) / token_s))
+        attention_s = correction * self._cost.prompt_attention_s(input_tokens)
         tokens = pending_tokens + max(0, input_tokens - 1)
-        steps = -(-tokens // chunk)
+        # Each step fits (target - tpot) of prompt work: whole tokens of it, flat, and the joiner's attention, which
+        # grows with what each chunk follows (the earlier joiners' own is not known here).
+        steps = -(-tokens // max(1, int((target_s - tpot) / token_s)))
+        if attention_s > 0 and target_s > tpot:
+            steps = min(max(tokens, 1), max(steps, math.ceil((tokens * token_s + attention_s) / (target_s - tpot))))
         return (self.overhead_s + tpot * max(1, steps)
-                + correction * (tokens / self.prefill_tokens_per_s + self._cost.prompt_attention_s(input_tokens)))
+                + correction * tokens / self.prefill_tokens_per_s + attention_s)
 
 
 RULE_SCORER = RuleScorer()

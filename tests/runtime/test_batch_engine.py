@@ -18,7 +18,7 @@ from actors.checkpoint import load_hf_checkpoint
 from actors.engine import Engine
 from actors.events import BatchFullError, FinishEvent, StartEvent, TokenEvent
 from actors.sampling import SamplingParams
-from actors.scheduler import RowProgress
+from actors.scheduler import RowProgress, plan_step
 from actors.step_cost import StepCost
 from actors.tokenizer import Message, Tokenizer
 from weights_tool.synth import synthesize
@@ -275,6 +275,24 @@ def test_a_steps_prediction_counts_its_prompt_chunks_attention_and_the_check_see
     plan = [(0, 30), (1, 1)]
     extra = engine._predict([prefilling, decoding], plan) - unpriced._predict([prefilling, decoding], plan)
     assert extra == pytest.approx((30 * 20 + 30 * 29 // 2) / 1e5)
+
+
+def test_a_decoding_rows_target_buys_a_late_chunk_fewer_tokens_once_its_attention_is_priced(parts):
+    # The decoding row accepts 0.1 s steps; a step costs 10 ms, 1 ms a prompt token and 10 us per (query, key)
+    # pair. Unpriced, the budget is ~90 tokens wherever the prompt stands; priced, a chunk after 20 cached positions
+    # gets ~61 (its tokens and 0.2 ms of pairs each, a fifth of its cost), one after 400 only ~16.
+    cost = StepCost(decode_s_per_token=0.01, batch_row_cost=0.0, prefill_tokens_per_s=1000.0,
+                    kv_read_bytes_per_s=1e15, attention_pairs_per_s=1e5)
+    priced = Engine(*parts, max_batch=4, prefill_chunk_tokens=256, step_cost=cost)
+    unpriced = Engine(*parts, max_batch=4, prefill_chunk_tokens=256,
+                      step_cost=dataclasses.replace(cost, attention_pairs_per_s=math.inf))
+    decoding = RowProgress(1, 5, 5, 12, tpot_target_s=0.1, max_step_s=0.1)
+    early, late = ([RowProgress(0, 800, n, n), decoding] for n in (20, 400))
+    assert unpriced._prefill_budget(early) == unpriced._prefill_budget(late) == 90
+    assert 16 <= priced._prefill_budget(late) < priced._prefill_budget(early) < 90
+    for rows in (early, late):  # and the largest within the limit
+        budget = priced._prefill_budget(rows)
+        assert priced._predict(rows, plan_step(rows, budget)) <= 0.1 < priced._predict(rows, plan_step(rows, budget + 1))
 
 
 def test_a_decoding_rows_tpot_target_chunks_a_joiners_prompt_finer_and_tokens_stay_the_same(parts, monkeypatch):

@@ -17,6 +17,7 @@ from actors.scheduler import (
     paced_due,
     plan_step,
     prefill_budget,
+    step_terms,
 )
 from actors.step_cost import StepCost
 
@@ -134,21 +135,22 @@ targeted_rows = st.lists(
     min_size=1, max_size=16,
 ).map(lambda rs: [RowProgress(i, n, min(n, done), min(n, done) + (out if done >= n else 0), target)
                   for i, (n, done, out, target) in enumerate(rs)])
+# Prompt attention unpriced (the rule's default) or priced from a tenth to ten times SmolLM2's measured rate.
 costs = st.builds(StepCost, decode_s_per_token=st.floats(0.001, 0.1), batch_row_cost=st.floats(0.0, 0.5),
-                  prefill_tokens_per_s=st.floats(100.0, 20_000.0), kv_read_bytes_per_s=st.floats(1e8, 1e11))
+                  prefill_tokens_per_s=st.floats(100.0, 20_000.0), kv_read_bytes_per_s=st.floats(1e8, 1e11),
+                  attention_pairs_per_s=st.one_of(st.just(float("inf")), st.floats(1.5e5, 1.5e7)))
 KV_BYTES_PER_TOKEN = 4096
 
 
 def _planned_s(rows, plan, cost):
-    extra = sum(n - 1 for r, (_, n) in zip(rows, plan, strict=True) if r.is_prefilling)
-    kv = sum(r.num_cached + n for r, (_, n) in zip(rows, plan, strict=True))
-    return cost.step_s(len(rows), extra, kv, KV_BYTES_PER_TOKEN)
+    return cost.step_s(*step_terms(rows, plan)[:3], KV_BYTES_PER_TOKEN, step_terms(rows, plan)[3])
 
 
 def _budget(rows, cap, cost):
-    def predict(num_rows, extra, kv):
-        return cost.step_s(num_rows, extra, kv, KV_BYTES_PER_TOKEN)
-    return prefill_budget(rows, cap, predict, cost.prefill_token_s(KV_BYTES_PER_TOKEN))
+    def predict(num_rows, extra, kv, pairs):
+        return cost.step_s(num_rows, extra, kv, KV_BYTES_PER_TOKEN, pairs)
+    return prefill_budget(rows, cap, predict, cost.prefill_token_s(KV_BYTES_PER_TOKEN),
+                          1.0 / cost.attention_pairs_per_s)
 
 
 @settings(max_examples=500, deadline=None)
@@ -219,6 +221,23 @@ def test_with_targets_every_prompt_still_finishes(rows, cap, cost):
             state[row_id] = RowProgress(r.row_id, r.num_prompt_tokens, min(r.num_prompt_tokens, r.num_prefilled + n),
                                         r.num_cached + n, r.tpot_target_s)
     raise AssertionError("a prompt never finished")
+
+
+def test_a_long_prompts_later_chunks_shrink_as_what_they_attend_to_grows():
+    # SmolLM2's fit on 2 threads (configs/serve.yaml): a 1,024-token prompt's attention is a third of its time.
+    cost = StepCost(decode_s_per_token=0.0118, batch_row_cost=0.046, prefill_tokens_per_s=1408.0,
+                    kv_read_bytes_per_s=1.86e10, attention_pairs_per_s=1.53e6)
+    flat = dataclasses.replace(cost, attention_pairs_per_s=float("inf"))
+    decoding = RowProgress(0, 100, 100, 150, tpot_target_s=0.1, max_step_s=0.2)
+    first, late = RowProgress(1, 4000, 0, 0), RowProgress(1, 4000, 3000, 3000)
+    # The flat price gives any chunk of the prompt the same ~260 tokens; priced, a chunk after 3,000 cached
+    # positions computes ~3,000 pairs a token more than the first and gets about a quarter of the first's tokens.
+    assert abs(_budget([decoding, first], 1024, flat) - _budget([decoding, late], 1024, flat)) <= 1  # KV reads
+    first_budget, late_budget = _budget([decoding, first], 1024, cost), _budget([decoding, late], 1024, cost)
+    assert late_budget < first_budget / 2
+    for rows, budget in (([decoding, first], first_budget), ([decoding, late], late_budget)):
+        assert _planned_s(rows, plan_step(rows, budget), cost) <= 0.2  # within the decoding row's limit
+        assert _planned_s(rows, plan_step(rows, budget + 1), cost) > 0.2  # and the largest that is
 
 
 def test_a_tight_target_shrinks_the_chunk_and_no_target_leaves_the_cap():

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 from actors.step_cost import StepCheck, StepCost, prompt_pairs
 from serve_app.scorer import RuleScorer
+from serve_app.snapshot import RequestFeatures
 
 
 def test_a_step_is_its_decode_work_its_prompt_tokens_and_its_kv_reads():
@@ -37,6 +41,20 @@ def test_the_router_prices_a_long_prompt_with_its_attention():
     short, long = (rule.step_cost().prefill_s(n) for n in (130, 1030))
     assert short == pytest.approx(0.01 + 129 / 1500 + 130 * 129 / 2 / 2e6)  # 4 ms of 100
     assert long - rule.step_cost().decode_s_per_token - 1029 / 1500 == pytest.approx(1030 * 1029 / 2 / 2e6)  # 0.26 s
+
+
+def test_the_router_counts_a_long_prompts_chunks_with_their_attention():
+    # Alone on an actor, a prompt with a TPOT target runs in chunks whose steps stay within twice it, each chunk
+    # past the first one more pass over the weights. A chunk's attention grows with the prompt before it: 4,000
+    # tokens under a 0.3 s target take 14 chunks priced (the engine's budgets step by step) against 5 flat.
+    rule = RuleScorer(decode_s_per_token=0.0118, batch_row_cost=0.046, prefill_tokens_per_s=1408.0,
+                      kv_read_bytes_per_s=1.86e10, attention_pairs_per_s=1.53e6)
+    flat = dataclasses.replace(rule, attention_pairs_per_s=math.inf)
+    long = RequestFeatures("m", 4000, 16, 10**8, 27_648, 0, tpot_target_s=0.3)
+    assert flat._chunk_passes_s(long, 1.0) == pytest.approx(4 * 0.0118)
+    assert rule._chunk_passes_s(long, 1.0) == pytest.approx(13 * 0.0118)
+    assert rule._chunk_passes_s(dataclasses.replace(long, tpot_target_s=None), 1.0) == 0.0  # whole: one pass
+    assert rule._chunk_passes_s(dataclasses.replace(long, input_tokens=130), 1.0) == 0.0  # one chunk
 
 
 def test_the_router_predicts_decode_steps_with_the_same_rule():
