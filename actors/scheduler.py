@@ -26,7 +26,7 @@ advances by a chunk of it. The rule:
   predicted time (actors/step_cost.py) stays within what every decoding row with a TPOT
   target accepts, the chunks' attention to the positions before them included (so a long
   prompt's later chunks are smaller than its first: the flat per-token price alone let a
-  chunk after 3,000 cached positions run twice the step it was planned as), at most the
+  chunk after 3,000 cached positions run several times the step it was planned as), at most the
   configured cap (`prefill_chunk_tokens`); the cap alone where
   no decoding row states a target. A step can never be shorter than its decode work and
   one token per prefilling row: a target that this breaks was broken at admission.

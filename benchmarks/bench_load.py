@@ -111,8 +111,7 @@ def measure(plan: Plan, command: str) -> dict[str, Any]:
                             "bounded_queue": load_apps.bounded_queue(args), "app_args": args,
                             "scorer": scorer_used(args)}
     log.info("zeroqueue decides with %s", data["scorer"])
-    actor = args.get("actor", {})
-    calibration = calibrate(zqs_path, prompts, int(actor.get("compute_threads", 1)), plan.calibration_repeats)
+    calibration = calibrate(zqs_path, prompts, args, plan.calibration_repeats)
     data |= {"calibration": calibration, "lanes": lanes(args, calibration)}
     if len(set(data["lanes"].values())) > 1:
         log.warning("the classes take different zeroqueue lanes (%s): rows are split by lane", data["lanes"])

@@ -205,8 +205,9 @@ def _setup(data: dict[str, Any]) -> list[str]:
         f"- SLO for goodput: {slo.describe()}; goodput and throughput are per second of the offered window",
         "- percentiles are over completed requests; refusals and failures are counted beside them. P99.9 of "
         "fewer than 1000 requests is interpolated near the maximum; read it as such", "",
-        "Each class's hot service time alone (batch 1, the in-process engine before Ray starts, one torch thread, "
-        f"median of {plan['calibration_repeats']}) sets its end-to-end SLO; nothing else:", "",
+        "Each class's hot service time alone (batch 1, the in-process engine before Ray starts, computing as the "
+        f"actors do: their threads, compute dtype and packed weights; median of {plan['calibration_repeats']}) sets its "
+        "end-to-end SLO; nothing else:", "",
         "| class | mix share | prompt tokens | output tokens | hot service s (batch 1) | SLO e2e s | zeroqueue lane |",
         "|---|--:|--:|--:|--:|--:|---|",
         *[f"| {c} | {dict(MIXED).get(c, 0):.0%} | "

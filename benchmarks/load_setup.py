@@ -71,9 +71,11 @@ def scorer_used(args: dict[str, Any]) -> str:
     return f"the XGBoost scorer {config.scorer_path}"
 
 
-def calibrate(zqs_path: str, prompts: dict[str, str], threads: int, repeats: int) -> dict[str, dict[str, float]]:
-    """Each class's service time alone on a hot model (batch 1): prompt in, last token out, the actors'
-    thread count. It sets each class's end-to-end SLO; capacity is measured live, not from this."""
+def calibrate(zqs_path: str, prompts: dict[str, str], args: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]:
+    """Each class's service time alone on a hot model (batch 1): prompt in, last token out, computed as the app's
+    actors compute it (their threads, compute dtype and packed weights: `args` are the app's). It sets each class's
+    end-to-end SLO; capacity is measured live, not from this. (Until this run's commit the weights were not packed:
+    every class took 2-2.5x what an actor takes, and the SLOs were that much looser than 3x a hot service time.)"""
     import torch
 
     from actors.chat import GenerationRequest
@@ -81,9 +83,12 @@ def calibrate(zqs_path: str, prompts: dict[str, str], threads: int, repeats: int
     from actors.layer_loader import load_zqs
     from actors.sampling import SamplingParams
     from actors.tokenizer import Message
+    from serve_app.config import AppArgs
 
-    torch.set_num_threads(threads)
-    model, tokenizer = load_zqs(zqs_path, num_threads=1)
+    actor = AppArgs.model_validate(args).actor
+    torch.set_num_threads(actor.compute_threads)
+    model, tokenizer = load_zqs(zqs_path, num_threads=1, compute_dtype=actor.compute_dtype,
+                                is_weight_packed=actor.packs_weights_on("cpu"))
     engine = Engine(model, tokenizer)
     out = {}
     for name, cls in CLASSES.items():
