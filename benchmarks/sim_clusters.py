@@ -241,7 +241,8 @@ class IncrementalCluster:
             return decision, None
         end = _predicted_end(decision, now)
         if isinstance(decision, Spawn):
-            return decision, self._spawn(decision, int(decision.slot_id[1:]), request, features.num_tokens, end).name
+            return decision, self._spawn(decision, int(decision.slot_id[1:]), request, features.num_tokens, end,
+                                         features.tpot_target_s).name
         a = self.actors[decision.actor_name]
         if isinstance(decision, Dispatch):
             if a.state != "idle":
@@ -259,12 +260,14 @@ class IncrementalCluster:
         self._changed(a)
         return decision, a.name
 
-    def _spawn(self, decision: Spawn, slot: int, request: int, num_tokens: int, end: float) -> _Actor:
+    def _spawn(self, decision: Spawn, slot: int, request: int, num_tokens: int, end: float,
+               tpot_target_s: float | None = None) -> _Actor:
         if (self.total[slot] - self.reserved[slot] < decision.reserve_bytes
                 or self.num_actors[slot] >= self.policy.max_actors_per_slot):
             raise RuntimeError(f"{decision} does not fit slot {slot}")
         a = _Actor(self._next_seq, slot, decision.lane, decision.keep_hot, decision.resident_bytes)
-        a.rows[request] = RowView(decision.reserve_bytes - decision.resident_bytes, num_tokens, None, end)
+        # Its TPOT target as the registry keeps it: a later join must keep this row within it too.
+        a.rows[request] = RowView(decision.reserve_bytes - decision.resident_bytes, num_tokens, tpot_target_s, end)
         self._next_seq += 1
         self.actors[a.name], self.by_seq[a.seq] = a, a
         self._reserve(slot, decision.reserve_bytes)
