@@ -20,6 +20,7 @@ from benchmarks.sim_calibration import (
     mean_hot_service_s,
     short_lane_share,
 )
+from benchmarks.sim_scorer import rows_within
 from serve_app.policy import PolicyConfig
 
 DEFAULT_LOADS = tuple(round(0.3 + 0.1 * i, 1) for i in range(13))
@@ -31,7 +32,7 @@ class SimConfig:
     mix: tuple[RequestClass, ...] = MIXED_LENGTH
     num_slots: int = 200
     slots_per_node: int = 8  # nodes only matter to a scorer that reads node_num_busy
-    max_batch: int = 8  # rows an actor or replica runs at once, in every system
+    max_batch: int = 8  # rows an actor or replica runs at once, in every system (zero-queue's fixed places)
     loads: tuple[float, ...] = DEFAULT_LOADS  # offered load, x capacity
     processes: tuple[ArrivalKind, ...] = ("poisson", "bursty")
     burst: Burst = field(default_factory=Burst)
@@ -49,6 +50,13 @@ class SimConfig:
     # slack leaves the back of the queue right at the limit, and half of it misses). The other
     # baselines are unbounded, Ray Serve's default (max_queued_requests=-1).
     queue_bound: int | None = None
+    # Places by prediction: a TPOT target every simulated request states, and the sweep runs zero-queue a second
+    # time with it, its joins admitted by the scorer's predicted TPOT (serve_app/policy.py) and its batches capped
+    # at `zq_max_batch` rows only for safety; the queued baselines keep `max_batch`. None: no such run. Capacity,
+    # loads and the Erlang-B floors stay defined by `max_batch`, so every figure compares with the fixed run.
+    tpot_target_s: float | None = None
+    zq_max_batch: int = 32
+    target_loads: tuple[float, ...] | None = None  # the loads of that run; None: every load
     seed: int = 0
 
     def base_policy(self) -> PolicyConfig:
@@ -63,9 +71,31 @@ class SimConfig:
         short = round(total * short_lane_share(self.calibration, self.mix, self.base_policy()))
         return short, total - short
 
-    def policy(self) -> PolicyConfig:
+    def policy(self, by_prediction: bool = False) -> PolicyConfig:
+        """Zero-queue's policy: `max_batch` places per actor, or (`by_prediction`) as many as the TPOT
+        target allows, up to the safety cap. The lanes' hot actors are split by full batches of `max_batch`
+        either way: the two runs differ in their admission only."""
         short, long = self.num_hot
-        return replace(self.base_policy(), max_hot_short_actors=short, max_hot_long_actors=long)
+        cap = self.zq_max_batch if by_prediction else self.max_batch
+        return replace(self.base_policy(), max_hot_short_actors=short, max_hot_long_actors=long, max_batch=cap)
+
+    @property
+    def measured_target_loads(self) -> tuple[float, ...]:
+        """The loads of the places-by-prediction run (none without a target)."""
+        if self.tpot_target_s is None:
+            return ()
+        return self.loads if self.target_loads is None else tuple(x for x in self.loads if x in self.target_loads)
+
+    @property
+    def target_rows(self) -> int:
+        """Rows per actor the TPOT target allows: slowdown(rows) x one-row step <= target, at most the cap."""
+        if self.tpot_target_s is None:
+            raise ValueError("no TPOT target set")
+        return rows_within(self.calibration, self.tpot_target_s, self.zq_max_batch)
+
+    def erlang_target_floor(self, load: float) -> float:
+        """B(c, A) with c = slots x the rows the target allows: the floor of the places by prediction."""
+        return refusal_floor(self.num_slots * self.target_rows, load * self.capacity_per_s, self.mean_service_s)
 
     @property
     def mean_service_s(self) -> float:

@@ -28,7 +28,10 @@ asks the cluster (sim_clusters.py: the real `RegistryState`, or the same books k
 incrementally) to decide with `serve_app.policy.decide` and commit, and runs the request as
 decided: Dispatch -> alone on the idle hot actor; Join -> one more row of that actor's batch;
 Spawn -> alone on a fresh actor, which may be joined from its first token on (`started`);
-Reject -> answered at once. Each row's end releases just that row (`finish`).
+Reject -> answered at once. Each row's end releases just that row (`finish`). Where every
+request states a TPOT target (`tpot_target_s`), `decide` admits a join only where its scorer
+predicts the batch's step with the newcomer within every row's target: with the scorer priced
+by the calibration (sim_scorer.py) that is the step this model then runs.
 
 Queued baseline. One long-lived replica per slot, weights always resident (every request
 prefills at its hot TTFT), a FIFO queue in front (unbounded unless `max_queued`), and Ray
@@ -76,11 +79,19 @@ class Outcome:
     is_joined: np.ndarray  # it joined a batch that was already running
     slot: np.ndarray  # the slot (replica) index that served it, -1 if rejected
     reject_reason: np.ndarray  # index into REJECT_REASONS, -1 if admitted
+    # Over the workload's measured window, summed over every actor or replica: seconds it held at least one row,
+    # and rows x seconds. Their ratio is the mean rows per busy actor.
+    busy_s: float = 0.0
+    row_s: float = 0.0
 
     @classmethod
     def empty(cls, n: int) -> Outcome:
         return cls(np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool),
                    np.full(n, -1, np.int32), np.full(n, -1, np.int8))
+
+    @property
+    def rows_per_busy_actor(self) -> float:
+        return self.row_s / self.busy_s if self.busy_s > 0 else math.nan
 
 
 class Cluster(Protocol):
@@ -115,8 +126,10 @@ class _Rows:
     """Every running row, by batch key (an actor name or a replica index), and their events in time order."""
 
     def __init__(self, service: ServiceTimes, arrivals: list[float], out: Outcome,
-                 on_first: Callable[[object, int, float], None], on_end: Callable[[object, int, float], None]) -> None:
+                 on_first: Callable[[object, int, float], None], on_end: Callable[[object, int, float], None],
+                 window: tuple[float, float] = (0.0, math.inf)) -> None:
         self.decode = service.decode_s.tolist()
+        self.window = window  # where out.busy_s and out.row_s are counted
         self.step_s, self.row_cost = service.step_s, service.batch_row_cost
         self.arrivals, self.out = arrivals, out
         self.on_first, self.on_end = on_first, on_end
@@ -169,6 +182,12 @@ class _Rows:
     def _advance(self, batch: _Batch, now: float) -> None:
         if batch.num_rows:
             batch.clock += (now - batch.at) / (1.0 + self.row_cost * (batch.num_rows - 1))
+            # The batch held num_rows rows since `at` (every change of it comes through here): count the
+            # part of that inside the measured window.
+            inside = min(now, self.window[1]) - max(batch.at, self.window[0])
+            if inside > 0:
+                self.out.busy_s += inside
+                self.out.row_s += inside * batch.num_rows
         batch.at = now
 
     def _reschedule(self, key: object, batch: _Batch, now: float) -> None:
@@ -189,7 +208,10 @@ class _Rows:
 # ---------------------------------------------------------------- the engines
 
 
-def run_zero_queue(workload: Workload, service: ServiceTimes, cluster: Cluster, numbers: ModelNumbers) -> Outcome:
+def run_zero_queue(workload: Workload, service: ServiceTimes, cluster: Cluster, numbers: ModelNumbers,
+                   tpot_target_s: float | None = None) -> Outcome:
+    """Every arrival decided by `cluster` and run as decided (module doc). `tpot_target_s`: the TPOT every request
+    states; `decide` then admits a join only where the scorer predicts the batch within every row's target."""
     arrivals, ins, outs = workload.arrival_s.tolist(), workload.input_tokens.tolist(), workload.output_tokens.tolist()
     hot, cold = service.hot_ttft_s.tolist(), service.cold_ttft_s.tolist()
     out = Outcome.empty(len(arrivals))
@@ -203,12 +225,13 @@ def run_zero_queue(workload: Workload, service: ServiceTimes, cluster: Cluster, 
     def on_end(name: object, i: int, now: float) -> None:
         cluster.finish(name, i, now)  # type: ignore[arg-type]
 
-    rows = _Rows(service, arrivals, out, on_first, on_end)
+    rows = _Rows(service, arrivals, out, on_first, on_end, (workload.warmup_s, workload.horizon_s))
     policy = cluster.policy
     for i, now in enumerate(arrivals):
         rows.run_until(now)
-        # The simulated requests ask only for a length: the API's default sampling otherwise.
-        features = request_features(MODEL, numbers, ins[i], SamplingParams(max_tokens=outs[i]), policy)
+        # The simulated requests ask for a length, and a TPOT where given: the API's default sampling otherwise.
+        features = request_features(MODEL, numbers, ins[i], SamplingParams(max_tokens=outs[i]), policy,
+                                    tpot_target_s=tpot_target_s)
         decision, name = cluster.admit(features, now, i)
         if isinstance(decision, Reject):
             out.is_rejected[i] = True
@@ -274,7 +297,7 @@ def run_queued(workload: Workload, service: ServiceTimes, num_replicas: int, max
         while central and room:
             assign(central.popleft(), now)
 
-    rows = _Rows(service, arrivals, out, lambda r, i, now: None, on_end)
+    rows = _Rows(service, arrivals, out, lambda r, i, now: None, on_end, (workload.warmup_s, workload.horizon_s))
     for i, now in enumerate(arrivals):
         rows.run_until(now)
         if room and not central:

@@ -12,8 +12,17 @@ from benchmarks.common import cores, load_text, python_version
 from benchmarks.sim_calibration import short_lane_probability
 from benchmarks.sim_config import SimConfig
 from benchmarks.sim_format import num, pct, ratio
+from benchmarks.sim_report_target import target_section
 from benchmarks.sim_report_text import goals_text, model_text, not_modelled_text, serve_words
-from benchmarks.sim_results import SYSTEM_NAMES, ClassMetrics, DecisionCost, PointResult, point
+from benchmarks.sim_results import (
+    SYSTEM_NAMES,
+    ZQ_BY_PREDICTION,
+    ClassMetrics,
+    DecisionCost,
+    PointResult,
+    ScorerCheck,
+    point,
+)
 
 
 def _class_table(results: list[PointResult], process: str, loads: tuple[float, ...], systems: tuple[str, ...],
@@ -23,7 +32,10 @@ def _class_table(results: list[PointResult], process: str, loads: tuple[float, .
              "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for load in loads:
         for system in systems:
-            m = point(results, process, load, system).metrics[name]
+            found = [r for r in results if r.process == process and r.load == load and r.system == system]
+            if not found:  # places by prediction may run fewer loads
+                continue
+            m = found[0].metrics[name]
             lines.append(f"| {load:.1f} | {system} | {m.num_arrivals} | {pct(m.reject_rate)} | {pct(m.cold_rate)} "
                          f"| {pct(m.join_rate)} | {' | '.join(num(x) for x in m.ttft_s)} "
                          f"| {' | '.join(num(x, 1) for x in m.e2e_s)} | {num(m.e2e_ratio)} | {num(m.slowdown_p99)} "
@@ -71,11 +83,14 @@ def plot(results: list[PointResult], cfg: SimConfig, process: str, path: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(SYSTEM_NAMES, ("tab:blue", "tab:red", "tab:purple", "tab:orange"), strict=True))
+    colors = dict(zip((*SYSTEM_NAMES, ZQ_BY_PREDICTION), ("tab:blue", "tab:red", "tab:purple", "tab:orange",
+                                                          "tab:green"), strict=True))
     styles = {"short": "-", "medium": "--", "long": ":"}
-    loads = list(cfg.loads)
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     for system, color in colors.items():
+        # Places by prediction may run fewer loads, or none.
+        loads = [x for x in cfg.loads if any(r.process == process and r.load == x and r.system == system
+                                             for r in results)]
         rows = [point(results, process, load, system).metrics for load in loads]
         for c in cfg.mix:
             axes[0, 0].plot(loads, [m[c.name].e2e_s[1] for m in rows], styles[c.name], color=color, marker=".",
@@ -84,6 +99,7 @@ def plot(results: list[PointResult], cfg: SimConfig, process: str, path: Path) -
         axes[1, 0].plot(loads, [100 * m["all"].reject_rate for m in rows], "-", color=color, marker=".", label=system)
         axes[1, 0].plot(loads, [100 * m["long"].reject_rate for m in rows], ":", color=color)
         axes[1, 1].plot(loads, [m["all"].goodput_per_s for m in rows], "-", color=color, marker=".", label=system)
+    loads = list(cfg.loads)
     # Drawn over the measured curves: zero-queue's can lie right on them.
     axes[1, 0].plot(loads, [100 * cfg.erlang_floor(x) for x in loads], "--", color="black", lw=1.0, zorder=5,
                     label="Erlang-B floor")
@@ -114,8 +130,11 @@ def plot(results: list[PointResult], cfg: SimConfig, process: str, path: Path) -
 # ---------------------------------------------------------------- the report
 
 
-def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: DecisionCost,
-                 floor: dict[str, ClassMetrics], wall_s: float, command: str) -> None:
+def write_report(path: Path, cfg: SimConfig, results: list[PointResult], costs: list[DecisionCost],
+                 checks: list[ScorerCheck], floor: dict[str, ClassMetrics], wall_s: float, command: str) -> None:
+    """`costs`: the decision cost of the fixed run, then of places by prediction where it ran; `checks`: the fixed
+    run decided by the placeholder rule scorer against the calibrated one."""
+    cost = costs[0]
     path.parent.mkdir(parents=True, exist_ok=True)
     pngs = {}
     for process in cfg.processes:
@@ -182,6 +201,7 @@ def write_report(path: Path, cfg: SimConfig, results: list[PointResult], cost: D
                   "the window and ended in it can push it a little past 100.", "",
                   *_headline_table(results, process, loads), "",
                   f"![{process}]({pngs[process]})", ""]
+    lines += target_section(cfg, results, costs, checks)
     systems = tuple(dict.fromkeys(r.system for r in results))
     for process in cfg.processes:
         for c in cfg.mix:

@@ -44,7 +44,8 @@ def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability:
         f"- **zero-queue**: every slot{'' if num_free == 0 else ' but ' + str(num_free)} holds a prewarmed hot "
         f"actor: **{num_short} of the short lane and {num_long} of the long lane**, split by each lane's share "
         "of the slot-time the mix needs in full batches. Every arrival builds its `RequestFeatures` and a "
-        "`ClusterSnapshot` and calls the real `serve_app.policy.decide` (rule scorer), which commits as "
+        "`ClusterSnapshot` and calls the real `serve_app.policy.decide` (the rule scorer priced with this "
+        "calibration, benchmarks/sim_scorer.py), which commits as "
         "`RegistryState` does: Dispatch → an idle hot actor runs it alone; Join → it becomes one more row of a "
         "busy hot actor of its own lane (the rule scorer picks, among the "
         f"{policy.max_candidates} least loaded such actors, the batch with the fewest rows and KV positions); "
@@ -57,6 +58,10 @@ def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability:
         f"{policy.max_candidates} per kind; one actor per slot; max_batch {policy.max_batch}) with "
         f"max_hot_short_actors = {num_short} and max_hot_long_actors = {num_long}, never retired. Nothing is "
         "ever queued.",
+        *([f"- **zero-queue, places by prediction**: the same cluster on the same arrivals, every request stating a "
+           f"TPOT target of {1000 * cfg.tpot_target_s:.1f} ms: a join is admitted only where the scorer predicts the "
+           f"batch within every row's target, up to a safety cap of {cfg.zq_max_batch} rows (the target allows "
+           f"{cfg.target_rows}); its own section below."] if cfg.measured_target_loads else []),
         "- **queued FIFO**: one long-lived replica per slot, weights always resident, batching exactly as the "
         "zero-queue actors do; one central FIFO queue in front, unbounded: a request is sent to a replica as "
         "soon as one has a free row (power of two choices among those, the one with fewer rows), else it waits "
@@ -304,7 +309,9 @@ def not_modelled_text(cfg: SimConfig) -> list[str]:
         "grow with its context here, though batch.md measures that it does (1,024-token rows made a batch of 8 "
         "2.2x slower than one row, against 1.4x at 128 tokens), a joining row's prefill runs at its hot speed and is not charged to the "
         "running rows (the engine chunks it into their steps), and the wait for a step boundary is charged as a "
-        "whole step. The rule scorer that ranks joins has its own constants (serve_app/scorer.py), not these.",
+        "whole step. The rule scorer that ranks joins and predicts their TPOT is priced with these figures "
+        "(benchmarks/sim_scorer.py), so its predicted steps are the simulated ones; a real engine's are not "
+        "(serve_app/ttft_check.py and the actors' step corrections exist for that).",
         _memory_text(cfg),
         "- **Measured on a CPU.** Every measured figure of the default calibration is from this project's 2-core "
         "CPU runs of a 100M-parameter model; what matters for the comparison is the ratio of cold start to "

@@ -25,7 +25,11 @@ from benchmarks.sim_calibration import (
 from benchmarks.sim_clusters import IncrementalCluster, RegistryCluster
 from benchmarks.sim_model import run_queued, run_zero_queue
 from benchmarks.sim_report import FLOOR_HEADER
+from benchmarks.sim_report_target import TARGET_FLOOR_HEADER, TARGET_SECTION
+from benchmarks.sim_results import ZQ_BY_PREDICTION, class_metrics
+from benchmarks.sim_scorer import rows_within, sim_scorer
 from benchmarks.simulate import SimConfig, main, run_system, workload_for, zero_queue_cluster
+from serve_app.decisions import Join
 from serve_app.policy import PolicyConfig
 from serve_app.scorer import Prediction
 
@@ -95,6 +99,9 @@ def test_a_hot_actor_takes_a_second_row_and_both_slow_down(backend):
     assert out.is_joined.tolist() == [False, True, False, True] and not out.is_cold.any()
     np.testing.assert_allclose(out.ttft_s, [0.5, 0.65, np.nan, 0.65])
     np.testing.assert_allclose(out.e2e_s, [7.0, 8.15 - 1.0, np.nan, 0.65 + 4.5])
+    # The measured window is [0, 8.5): busy throughout; 1 row until 1.0, 2 until 7.0, 1 until 7.5, 2 until 8.15.
+    assert out.busy_s == pytest.approx(8.5)
+    assert out.rows_per_busy_actor == pytest.approx((1.0 + 2 * 6.0 + 0.5 + 2 * 0.65 + 0.35) / 8.5)
 
 
 def test_a_replica_batches_exactly_as_an_actor_and_queues_the_rest():
@@ -309,7 +316,7 @@ def test_cli_writes_the_report_and_plots(tmp_path):
 def test_the_report_prints_the_erlang_floor_beside_the_refusal_rate(tmp_path):
     out = tmp_path / "simulation.md"
     main(["--slots", "4", "--max-batch", "4", "--loads", "0.6,1.4", "--duration-services", "4",
-          "--processes", "poisson", "--out", str(out)])
+          "--processes", "poisson", "--tpot-target", "none", "--out", str(out)])
     cfg = SimConfig(num_slots=4, max_batch=4)
     header, rows = None, []
     for line in out.read_text().splitlines():
@@ -320,9 +327,149 @@ def test_the_report_prints_the_erlang_floor_beside_the_refusal_rate(tmp_path):
             rows.append(dict(zip(header, cells, strict=True)))
         elif header is not None and not line.startswith("|"):
             break
+    assert TARGET_SECTION not in out.read_text()  # --tpot-target none: no places-by-prediction run
     assert [r["load"] for r in rows] == ["0.6", "1.4"]
     for row in rows:
         load = float(row["load"])
         floor = erlang_b(16, load * cfg.capacity_per_s * mean_hot_service_s(cfg.calibration, cfg.mix))
         assert row[FLOOR_HEADER] == f"{100 * floor:.1f}" and float(row["rejected %: zq all"]) >= 0
     assert float(rows[1][FLOOR_HEADER]) > 1.0  # 16 places at 1.4x: a floor, not a formality
+
+
+# ---------------------------------------------------------------- places by prediction
+
+STEP, ROW_COST = CPU_MEASURED.decode_s_per_token, CPU_MEASURED.batch_row_cost
+
+
+def test_the_rows_a_target_allows_and_the_scorer_prices_the_simulated_step():
+    assert rows_within(CPU_MEASURED, 2 * STEP, 32) == 18  # slowdown(18) = 1.95, slowdown(19) = 2.01
+    assert rows_within(CPU_MEASURED, 2 * STEP, 12) == 12  # the safety cap
+    assert rows_within(CPU_MEASURED, STEP * (1 + ROW_COST / 2), 32) == 1
+    assert rows_within(CPU_MEASURED, 0.9 * STEP, 32) == 0
+    scorer = sim_scorer(CPU_MEASURED)
+    for rows in (1, 8, 18):  # a step of any batch, KV reads left out as the fluid model does
+        assert scorer.step_s(rows, 4000, NUMBERS.kv_bytes_per_token) == pytest.approx(STEP * CPU_MEASURED.slowdown(rows))
+
+
+def _recording(backend):
+    """The backend, recording the rows of each actor after every join, and each join's prediction."""
+
+    class Recording(backend):
+        joins: list[tuple[float, int]]
+
+        def admit(self, features, now, request):
+            decision, name = super().admit(features, now, request)
+            if isinstance(decision, Join):
+                rows = (len(self.actors[name].rows) if hasattr(self, "actors")
+                        else self.state.snapshot().actor(name).num_rows)
+                self.__dict__.setdefault("joins", []).append((decision.prediction.tpot_s, rows))
+            return decision, name
+
+    return Recording
+
+
+TARGETED = SimConfig(num_slots=6, duration_services=12.0, tpot_target_s=2 * STEP)
+
+
+def _targeted_run(cfg: SimConfig, load: float, backend=IncrementalCluster):
+    workload = workload_for(cfg, "poisson", load, 5)
+    short, long = cfg.num_hot
+    policy = cfg.policy(by_prediction=True)
+    cluster = _recording(backend)([cfg.calibration.slot_bytes] * cfg.num_slots, policy, _resident(policy), short,
+                                  sim_scorer(cfg.calibration), cfg.slots_per_node, long)
+    service = ServiceTimes.of(cfg.calibration, workload)
+    return workload, cluster, run_zero_queue(workload, service, cluster, NUMBERS, cfg.tpot_target_s)
+
+
+def test_places_by_prediction_run_more_rows_than_eight_and_no_join_past_a_target():
+    workload, cluster, out = _targeted_run(TARGETED, 1.5)
+    allowed = rows_within(CPU_MEASURED, TARGETED.tpot_target_s, TARGETED.zq_max_batch)
+    predicted, rows = np.array(cluster.joins).T
+    assert rows.max() > TARGETED.max_batch  # the target, not a count of 8, bounds the batch
+    assert rows.max() <= allowed  # and no join past it: every row states the same target
+    assert np.all(predicted <= TARGETED.tpot_target_s)
+    # The scorer's step is the simulated one: no admitted request decodes slower than its target.
+    admitted = ~out.is_rejected
+    tpot = ((out.e2e_s - out.ttft_s) / (workload.output_tokens - 1))[admitted]
+    assert np.all(tpot <= TARGETED.tpot_target_s * (1 + 1e-9))
+    # The same arrivals with 8 fixed places refuse more.
+    fixed = run_zero_queue(workload, ServiceTimes.of(CPU_MEASURED, workload),
+                           zero_queue_cluster(TARGETED, scorer=sim_scorer(CPU_MEASURED)), NUMBERS)
+    assert fixed.is_rejected.sum() > out.is_rejected.sum()
+
+
+def test_a_target_only_one_row_keeps_means_no_joins():
+    cfg = replace(TARGETED, tpot_target_s=STEP * (1 + ROW_COST / 2))
+    _, cluster, out = _targeted_run(cfg, 0.6)
+    assert not out.is_joined.any() and not cluster.__dict__.get("joins")
+    assert out.is_rejected.any()  # one request per actor: 0.6 of 8-row capacity does not fit 6 places
+
+
+class PricedRecording:
+    """The priced rule scorer, recording what it was shown since the last `calls.clear()`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.rule = sim_scorer(CPU_MEASURED)
+
+    def predict(self, features, candidates):
+        self.calls.append(tuple(candidates))
+        return self.rule.predict(features, candidates)
+
+
+def _first_calls(backend):
+    """The backend, keeping per admission the candidates of decide's first `predict` call: with targets the
+    registry asks the scorer again for a refusal's retry-after, which the incremental books do not compute."""
+
+    class FirstCalls(backend):
+        def admit(self, features, now, request):
+            self.scorer.calls.clear()
+            out = super().admit(features, now, request)
+            self.__dict__.setdefault("seen", []).append(self.scorer.calls[:1])
+            return out
+
+    return FirstCalls
+
+
+def test_both_backends_decide_alike_with_targets_and_hot_spawns():
+    # A hot pool larger than the prewarmed actors: spawned actors stay hot and are joined, so their first row's
+    # target counts too. A tight target (5 rows) makes rows bind.
+    policy = _policy(max_hot_short_actors=4, max_hot_long_actors=2, max_batch=32)
+    target = STEP * CPU_MEASURED.slowdown(5)
+    workload = make_workload(MIXED_LENGTH, 4.0, 400.0, 0.0, np.random.default_rng(3))
+    service = ServiceTimes.of(CPU_MEASURED, workload)
+    runs = []
+    for backend in (RegistryCluster, IncrementalCluster):
+        cluster = _first_calls(backend)([2 * GiB] * 8, policy, _resident(policy), 1, PricedRecording(), 4, 1)
+        runs.append((run_zero_queue(workload, service, cluster, NUMBERS, target), cluster.seen))
+    (a, seen_a), (b, seen_b) = runs
+    assert a.is_cold.any() and a.is_joined.any() and a.is_rejected.any()
+    # Every candidate alike, a batch's tightest target (`batch_tpot_target_s`) included.
+    assert seen_a == seen_b
+    assert np.array_equal(a.slot, b.slot) and np.array_equal(a.is_joined, b.is_joined)
+    np.testing.assert_array_equal(a.e2e_s, b.e2e_s)
+
+
+def test_tpot_is_measured_against_the_target():
+    workload = _workload([0.0, 10.0])
+    service = _service(2)
+    out = run_zero_queue(workload, service, IncrementalCluster([2 * GiB], _policy(max_hot_short_actors=1), _resident(
+        _policy()), num_prewarmed=1), NUMBERS)
+    tpot = 4.5 / 49  # alone: 4.5 s of decode over 49 tokens after the first
+    for target, over in ((tpot, 0.0), (0.9 * tpot, 1.0)):
+        m = class_metrics(workload, service, out, MIXED_LENGTH[:1], 5.0, 1.0, target)["all"]
+        assert m.tpot_s[0] == pytest.approx(tpot) and m.tpot_over_target == over
+
+
+def test_the_report_compares_places_by_prediction(tmp_path):
+    out = tmp_path / "simulation.md"
+    main(["--slots", "6", "--loads", "0.6,1.5", "--target-loads", "1.5", "--duration-services", "4",
+          "--processes", "poisson", "--out", str(out)])
+    text = out.read_text()
+    section = text[text.index(TARGET_SECTION):text.index("### poisson arrivals, short requests")]
+    assert "T = 82.3 ms" in section and "**18 rows**" in section and "loads 1.5" in section
+    assert TARGET_FLOOR_HEADER in section and "outcomes identical: **yes**" in section
+    rows = [line for line in section.splitlines() if line.startswith("| 1.5 |")]
+    assert len(rows) == 3 and all("–" not in row for row in rows)  # every system ran at 1.5
+    assert any(line.startswith("| 0.6 |") and "| – |" in line for line in section.splitlines())
+    assert f"| 1.5 | {ZQ_BY_PREDICTION} |" in text  # beside the others in the per-class tables
