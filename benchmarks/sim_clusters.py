@@ -17,10 +17,13 @@ forgotten after its last row, a hot one goes idle). sim_model.py drives them in 
     (spawn order: the registry's dict order) and keeps the first `max_candidates` whose slot
     has room; the restricted snapshot holds, per lane, the first `max_candidates` idle actors
     with room, in spawn order, so the walk finds the same ones in the same order;
-  * join candidates: `decide` takes the `max_candidates` least loaded of the busy hot actors
-    of the request's lane with a free row and room, so the restricted snapshot holds all of
-    those (the others `decide` skips), each with its rows, so a candidate's `batch_rows` and
-    `batch_tokens` are the registry's;
+  * join candidates: `decide` takes the `max_candidates` least loaded (fewest rows, then KV
+    positions, then spawn order) of the busy hot actors of the request's lane with a free row
+    and room; the books keep those actors sorted so, and the restricted snapshot holds the
+    first `max_candidates` of them with room, in that order, each with its rows, so a
+    candidate's `batch_rows` and `batch_tokens` are the registry's and `decide` picks the same
+    ones in the same order (listing every such actor gave the same decisions, at a cost that
+    grows with the cluster once batches are seldom full: places by prediction);
   * cold candidates: `decide` walks the slots in order and keeps the first `max_candidates`
     with room and fewer than `max_actors_per_slot` actors; the restricted snapshot holds
     exactly those (any other slot it holds either has no room or comes later in the order,
@@ -141,14 +144,15 @@ class RestrictedSnapshot(ClusterSnapshot):
 
 class _Actor:
     __slots__ = ("seq", "name", "slot", "lane", "state", "is_hot", "resident", "rows", "view", "is_idle_listed",
-                 "is_join_listed")
+                 "join_key")
 
     def __init__(self, seq: int, slot: int, lane: Lane, is_hot: bool, resident: int) -> None:
         self.seq, self.name, self.slot, self.lane = seq, actor_name(seq), slot, lane
         self.state, self.is_hot, self.resident = "starting", is_hot, resident
         self.rows: dict[int, RowView] = {}  # request -> its row, in admission order
         self.view: ActorView | None = None  # rebuilt only when the actor changes
-        self.is_idle_listed = self.is_join_listed = False
+        self.is_idle_listed = False
+        self.join_key: tuple[int, int, int] | None = None  # (rows, KV positions, seq) where listed as joinable
 
 
 class IncrementalCluster:
@@ -171,7 +175,8 @@ class IncrementalCluster:
         self.by_seq: dict[int, _Actor] = {}
         # Seqs, ascending = spawn order = the registry's snapshot order.
         self.idle: dict[str, list[int]] = {"short": [], "long": []}
-        self.joinable: dict[str, list[int]] = {"short": [], "long": []}  # busy, hot, a row free
+        # Busy, hot, a row free: their join keys, ascending = decide's order of preference among joins.
+        self.joinable: dict[str, list[tuple[int, int, int]]] = {"short": [], "long": []}
         self.hot = {"short": 0, "long": 0}
         self._next_seq = 0
         for slot, lane in prewarm_plan(num_prewarmed, num_prewarmed_long):
@@ -202,11 +207,12 @@ class IncrementalCluster:
         need = features.dispatch_bytes
         # decide() keeps the first `limit` idle actors with room, short lane first for a short request,
         # then the least loaded `limit` of the busy hot actors of the request's lane with a free row and
-        # room: every one of those is listed, so it finds the same ones. A long request that nothing else can take
-        # looks at the first `limit` idle short-lane actors with room too.
+        # room: the first `limit` of those with room in that order are listed, so it finds the same ones. A long
+        # request that nothing else can take looks at the first `limit` idle short-lane actors with room too.
         lists = [self.idle["short"], self.idle["long"]] if lane == "short" else [self.idle["long"]]
+        joins = [key[2] for key in self.joinable[lane]]  # seqs, least loaded first
         groups = [(lists, limit), *([([self.idle["short"]], limit)] if lane == "long" else []),
-                  ([self.joinable[lane]] if policy.max_batch > 1 else [], math.inf)]
+                  ([joins] if policy.max_batch > 1 else [], limit)]
         for group, cap in groups:
             found = 0
             for seqs in group:
@@ -315,14 +321,21 @@ class IncrementalCluster:
     def _sync_lists(self, a: _Actor) -> None:
         """Keep `idle` and `joinable` to exactly the actors the registry's snapshot would list there."""
         is_idle = a.state == "idle"
+        seqs = self.idle[a.lane]
+        if a.is_idle_listed and not is_idle:
+            seqs.pop(bisect.bisect_left(seqs, a.seq))
+        elif is_idle and not a.is_idle_listed:
+            bisect.insort(seqs, a.seq)
+        a.is_idle_listed = is_idle
         is_joinable = a.state == "busy" and a.is_hot and len(a.rows) < self.policy.max_batch
-        for listed, should, seqs in ((a.is_idle_listed, is_idle, self.idle[a.lane]),
-                                     (a.is_join_listed, is_joinable, self.joinable[a.lane])):
-            if listed and not should:
-                seqs.pop(bisect.bisect_left(seqs, a.seq))
-            elif should and not listed:
-                bisect.insort(seqs, a.seq)
-        a.is_idle_listed, a.is_join_listed = is_idle, is_joinable
+        key = (len(a.rows), sum(r.num_tokens for r in a.rows.values()), a.seq) if is_joinable else None
+        if key != a.join_key:
+            keys = self.joinable[a.lane]
+            if a.join_key is not None:
+                keys.pop(bisect.bisect_left(keys, a.join_key))
+            if key is not None:
+                bisect.insort(keys, key)
+            a.join_key = key
 
     def _reserve(self, i: int, delta: int) -> None:
         self.reserved[i] += delta
@@ -346,5 +359,6 @@ class IncrementalCluster:
         for lane in ("short", "long"):
             lane_actors = sorted((a for a in self.actors.values() if a.lane == lane), key=lambda a: a.seq)
             assert self.idle[lane] == [a.seq for a in lane_actors if a.state == "idle"]
-            assert self.joinable[lane] == [a.seq for a in lane_actors if a.state == "busy" and a.is_hot
-                                           and len(a.rows) < self.policy.max_batch]
+            assert self.joinable[lane] == sorted(
+                (len(a.rows), sum(r.num_tokens for r in a.rows.values()), a.seq) for a in lane_actors
+                if a.state == "busy" and a.is_hot and len(a.rows) < self.policy.max_batch)
