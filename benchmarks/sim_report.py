@@ -105,6 +105,9 @@ def plot(results: list[PointResult], cfg: SimConfig, process: str, path: Path) -
                     label="Erlang-B floor")
     axes[1, 0].plot(loads, [100 * cfg.erlang_full_batch(x) for x in loads], "--", color="grey", lw=1.2, zorder=5,
                     label="Erlang-B, full batches")
+    if cfg.measured_target_loads:
+        axes[1, 0].plot(loads, [100 * cfg.erlang_target_floor(x) for x in loads], ":", color="black", lw=1.0,
+                        zorder=5, label="Erlang-B floor, the target's places")
     axes[1, 1].plot(loads, [cfg.capacity_per_s * x for x in loads], color="grey", lw=0.8, label="offered")
     axes[1, 1].axhline(cfg.capacity_per_s, color="grey", ls="--", lw=0.8, label="capacity")
     titles = ("P99 end-to-end latency (s), per class", "P99 TTFT (s), per class",
