@@ -35,7 +35,8 @@ def model_text(cfg: SimConfig, floor: dict[str, ClassMetrics], lane_probability:
     lines = [
         "## What is simulated", "",
         f"- **Cluster**: {cfg.num_slots} accelerator slots ({cfg.slots_per_node} per node), one actor or replica "
-        f"per slot, each running up to **{cfg.max_batch} requests at once as one batch** in every system. A "
+        f"per slot, each running up to **{cfg.max_batch} requests at once as one batch** in every system"
+        f"{' (places by prediction aside: below)' if cfg.measured_target_loads else ''}. A "
         f"decode step of b rows takes 1 + {cal.batch_row_cost:g} × (b − 1) one-row steps ({num(full)}× for a full "
         f"batch of {cfg.max_batch}; the per-row figure is benchmarks/results/batch.md's, at context 128). A "
         "request that joins a running batch waits for its next step boundary (one step of the batch with it in "
