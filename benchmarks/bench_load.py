@@ -78,6 +78,7 @@ class Plan:
     slo: Slo
     impairment: Impairment
     queue_ongoing: tuple[int, ...] = load_apps.QUEUE_ONGOING  # the unbounded queue's other batches tried
+    tpot_target_s: float | None = None  # overrides every served model's TPOT target in the config (None: keep it)
     reject_bound_s: float = REJECT_BOUND_S
     max_retry_wait_s: float = MAX_RETRY_WAIT_S
 
@@ -93,16 +94,20 @@ def make_plan(args: argparse.Namespace) -> Plan:
         budget = Budget(total_s=60 * (args.budget_min or 4), target_n=40, min_s=4, max_s=6, floor_s=3)
         return Plan(True, LOADS, extras, budget, timeout_s=8.0, capacity_warmup_s=3, capacity_window_s=6,
                     per_point_s=4, calibration_repeats=1, max_in_flight=1000, seed=args.seed, port=args.port,
-                    config_path=args.config, slo=Slo(), impairment=Impairment(), queue_ongoing=ongoing)
+                    config_path=args.config, slo=Slo(), impairment=Impairment(), queue_ongoing=ongoing,
+                    tpot_target_s=args.tpot_target_s)
     budget = Budget(total_s=60 * (args.budget_min or 25))
     return Plan(False, LOADS, extras, budget, timeout_s=30.0, capacity_warmup_s=15, capacity_window_s=45,
                 per_point_s=6, calibration_repeats=3, max_in_flight=1000, seed=args.seed, port=args.port,
-                config_path=args.config, slo=Slo(), impairment=Impairment(), queue_ongoing=ongoing)
+                config_path=args.config, slo=Slo(), impairment=Impairment(), queue_ongoing=ongoing,
+                    tpot_target_s=args.tpot_target_s)
 
 
 def measure(plan: Plan, command: str) -> dict[str, Any]:
     started = time.time()
     args = app_args(plan.config_path)
+    if plan.tpot_target_s is not None:  # the steps' bound (actors/scheduler.py) against tails and throughput
+        args["models"] = [{**m, "tpot_target_s": plan.tpot_target_s} for m in args["models"]]
     model_id, zqs_path, model, tokenizer = model_facts(args)
     prompts = {c: prompt_of(tokenizer, cls.input_tokens) for c, cls in CLASSES.items()}
     slots = int(args.get("slots", {}).get("num_cpu_slots", 2))  # CPU slots: every system gets the same
@@ -306,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queue-ongoing", default=",".join(map(str, load_apps.QUEUE_ONGOING)),
                         help="the unbounded queue's other max_ongoing_requests (batches) to run, comma-separated "
                              "(default %(default)s; empty: none); the report names the best queue by its goodput")
+    parser.add_argument("--tpot-target-s", type=float, help="every served model's TPOT target, in place of the "
+                                                               "config's (zeroqueue's steps are bounded by it)")
     parser.add_argument("--budget-min", type=float, help="minutes the run should take (default 25; 4 with --quick)")
     parser.add_argument("--port", type=int, default=8790, help="Serve's HTTP port, on 127.0.0.1")
     parser.add_argument("--seed", type=int, default=7, help="draws the arrival schedules and closed-loop classes")

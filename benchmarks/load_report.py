@@ -182,7 +182,7 @@ def _setup(data: dict[str, Any]) -> list[str]:
         f"priority: c = {data['places']} requests can run at once in each system",
         f"- **{ZEROQUEUE}**: `serve_app.app:build_app`, policy {policy}: a request joins a hot actor's batch, takes "
         "an idle hot actor, or starts a fresh actor on a free slot (*started cold*), else 503 at once. "
-        f"Router: {data['scorer']}",
+        f"Latency targets every request gets: {_targets(data['app_args'])}. Router: {data['scorer']}",
         f"- **{UNBOUNDED}** (`benchmarks/baseline/`): one long-lived replica per slot behind Serve's proxy, "
         "`max_ongoing_requests = max_batch`, `max_queued_requests = -1` (Serve's default: no bound); Serve's "
         "default router (power of two choices; a queued request re-polls with backoff)",
@@ -301,3 +301,9 @@ def warm_section(data: dict[str, Any], points: Summaries, extras: Summaries) -> 
                      f"10× from the first second of a fresh deployment; {fresh.cold} started cold, {fresh.warm} "
                      f"bound warm): {answered} ({'met' if slow == 0 else 'missed'})")
     return lines
+
+
+def _targets(args: dict) -> str:
+    """The served models' default TTFT and TPOT targets, as the app args state them."""
+    return "; ".join(f"`{m['id']}` TTFT {m.get('ttft_target_s', 'none')} s, TPOT {m.get('tpot_target_s', 'none')} s"
+                     for m in args.get("models", []))
