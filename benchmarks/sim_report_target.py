@@ -110,10 +110,11 @@ def _scorer_text(cfg: SimConfig, checks: Sequence[ScorerCheck]) -> str:
         per_row = RULE_SCORER.decode_s_per_token * RULE_SCORER.batch_row_cost / kv_s
         text += (f" The placeholder ranks joins by rows and KV positions together (one row weighs as much as "
                  f"{per_row:,.0f} positions of this model), the priced rule by rows alone (the candidates come "
-                 "ordered by rows, then positions): the two differ in which batch a request joins")
+                 "ordered by rows, then positions): the two differ in which batch a request joins, and one request placed "
+                 "elsewhere moves every later placement, so the share on the same slot says little")
         gap = max(abs(c.reject_default - c.reject_calibrated) for c in checks)
-        text += (f", and by at most {num(100 * gap)} points in what is refused." if gap < 0.001 else
-                 f", and so in what is refused (by up to {num(100 * gap)} points).")
+        text += (f"; what is refused differs by at most {num(100 * gap)} points." if gap < 0.001 else
+                 f"; what is refused differs by up to {num(100 * gap)} points.")
     return text
 
 
@@ -140,7 +141,8 @@ def _headline(cfg: SimConfig, results: list[PointResult], process: str) -> str:
             f"{ratio(_all(b).goodput_per_s, _all(f).goodput_per_s)} the fixed run's; TPOT P99 "
             f"{num(_all(b).tpot_s[1] / target)}× the target against {num(_all(f).tpot_s[1] / target)}×, "
             f"{pct(_all(b).tpot_over_target)}% of its requests over it")
-    return f"**{process}**: " + "; ".join(parts) + "."
+    caveat = " (both floors are Poisson references)" if process == "bursty" else ""
+    return f"**{process}**{caveat}: " + "; ".join(parts) + "."
 
 
 def target_section(cfg: SimConfig, results: list[PointResult], costs: Sequence[DecisionCost],
