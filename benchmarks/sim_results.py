@@ -128,7 +128,7 @@ class ScorerCheck:
     num_arrivals: int
     is_identical: bool  # every request the same slot, kind and latency
     same_place: float  # share of the arrivals both refused, or both placed on the same slot
-    reject_default: float  # over every arrival of the point
+    reject_default: float  # over the arrivals in the measured window
     reject_calibrated: float
 
 

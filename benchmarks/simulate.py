@@ -152,9 +152,11 @@ def scorer_check(cfg: SimConfig, load: float, process: ArrivalKind = "poisson") 
     service = ServiceTimes.of(cfg.calibration, workload)
     default, calibrated = (run_system(cfg, "zero-queue", workload, service, s)
                            for s in (RULE_SCORER, sim_scorer(cfg.calibration)))
+    # Refusals over the measured window, as the sweep's tables count them.
+    window = (workload.arrival_s >= workload.warmup_s) & (workload.arrival_s < workload.horizon_s)
     return ScorerCheck(process, load, len(workload.arrival_s), _identical(default, calibrated),
-                       float(np.mean(default.slot == calibrated.slot)), float(default.is_rejected.mean()),
-                       float(calibrated.is_rejected.mean()))
+                       float(np.mean(default.slot == calibrated.slot)), float(default.is_rejected[window].mean()),
+                       float(calibrated.is_rejected[window].mean()))
 
 
 def unloaded_metrics(cfg: SimConfig) -> dict[str, ClassMetrics]:
