@@ -18,7 +18,7 @@ profile's shapes: 128-token prompts, decode steps at that context.
    decode tokens/s and per-row TPOT.
 3. The rule's constants (actors/step_cost.py, the app config's `rule_scorer`) fitted for the
    served model as an actor computes it (`auto`'s dtype, configs/serve.yaml's
-   `actor.compute_threads`): the step at batch 1,
+   `actor.compute_threads`, or `--fit-threads`): the step at batch 1,
    a step's growth per extra row (the median over the batch sizes), prompt tokens a second
    beyond a one-row step and the prompt's attention pairs a second (from a 128- and a 1,024-token
    prompt, actors/step_cost.py),
@@ -179,12 +179,11 @@ def _run(pool_args: list[tuple]) -> list[dict]:
         return pool.map(measure_in_process, [(*a, barrier) for a in pool_args])
 
 
-def measure(zqs: str, batches: list[int], steps: int, repeats: int) -> dict:
+def measure(zqs: str, batches: list[int], steps: int, repeats: int, fit_threads: int) -> dict:
     from actors.compute_dtype import compute_dtype_for
     from actors.cpu_kernels import is_avx2_supported
 
     auto = compute_dtype_for("auto", "bfloat16", "cpu")
-    fit_threads = served_threads()
     cells: dict[str, list] = {}
     slots: dict[str, list] = {}
     dtypes = (*DTYPES, PLAIN_FP32) if is_avx2_supported() else DTYPES
@@ -252,7 +251,7 @@ def rule_constants(data: dict) -> list[str]:
     rule = fit_rule(runs, batches)
     return [
         f"## 3. The rule's constants for this model and machine ({auto}, {threads} thread{'s' if threads > 1 else ''}: "
-        "as configs/serve.yaml's actors compute)",
+        "as the actors of the config they are for compute)",
         "",
         "For the app config's `rule_scorer` (the router's predictions and the engine's step planner, "
         "actors/step_cost.py):",
@@ -392,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zqs", default=".cache/models/smollm2-135m-instruct.zqs",
                         help="the served model (`make serve` packs it there)")
     parser.add_argument("--out", help="default benchmarks/results/engine.md (.cache/bench/engine/ with --quick)")
+    parser.add_argument("--fit-threads", type=int, choices=(1, 2), default=None,
+                        help="the threads section 3 fits the rule's constants at (default: configs/serve.yaml's "
+                             "actor.compute_threads; benchmarks/load.yaml's actors compute on 1)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from the run's JSON beside --out, measuring nothing")
     args = parser.parse_args(argv)
@@ -415,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([".venv/bin/python", "-m", "benchmarks.bench_engine", *(argv or sys.argv[1:])])
     load_start = load_average()[0]
     t0 = time.monotonic()
-    data = measure(args.zqs, batches, steps, repeats)
+    data = measure(args.zqs, batches, steps, repeats, args.fit_threads or served_threads())
     text = report(data, batches, steps, repeats, command, time.monotonic() - t0, (load_start, load_average()[0]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
