@@ -25,9 +25,9 @@ advances by a chunk of it. The rule:
 - The budget is derived (`prefill_budget`): the most prompt tokens for which the step's
   predicted time (actors/step_cost.py) stays within what every decoding row with a TPOT
   target accepts, the chunks' attention to the positions before them included (so a long
-  prompt's later chunks are smaller than its first: the flat per-token price alone let a
-  chunk after 3,000 cached positions run several times the step it was planned as), at most the
-  configured cap (`prefill_chunk_tokens`); the cap alone where
+  prompt's later chunks are smaller than its first: by SmolLM2's constants in configs/serve.yaml,
+  the ~260 tokens a flat per-token price buys in a 0.2 s step cost ~0.5 s more of attention
+  after 3,000 cached positions), at most the configured cap (`prefill_chunk_tokens`); the cap alone where
   no decoding row states a target. A step can never be shorter than its decode work and
   one token per prefilling row: a target that this breaks was broken at admission.
 - What a decoding row accepts (`max_step_s`): its TPOT target is the mean time per output
@@ -195,9 +195,9 @@ def _largest_within(rows: Sequence[RowProgress], floor: int, budget: int, limit_
                     predict_step_s: PredictStep) -> int:
     """The largest budget from `floor` to `budget` whose planned step is predicted within `limit_s`; `floor` where
     none is (it is owed: one token a prompt, and the tokens due). `budget` came from the flat price per token,
-    which leaves out what each chunk's tokens attend to: the (query, key) pairs grow with the prompt's cached part,
-    so at 1,000 tokens a chunk the flat price allows costs a third more than it says (actors/step_cost.py). A larger
-    budget never gives a prompt fewer tokens (`plan_step`), so the predicted step grows with it: bisected."""
+    which leaves out what each chunk's tokens attend to: the (query, key) pairs grow with the prompt's cached part
+    (module docstring). A larger budget never gives a prompt fewer tokens (`plan_step`), so the predicted step grows
+    with it: bisected."""
     def is_within(budget: int) -> bool:
         return predict_step_s(*step_terms(rows, plan_step(rows, budget))) <= limit_s
 

@@ -251,18 +251,14 @@ class RuleScorer:
     def _chunk_passes_s(self, features: RequestFeatures, correction: float) -> float:
         """A prompt alone on an actor with every layer resident runs in chunks whose steps stay within the idle step
         limit of its TPOT target (the engine's budget, actors/scheduler.py; the actor's cap aside, which the router
-        does not know). Each chunk beyond the first reads the weights once more. The chunks fill their steps, so
-        they are about the prompt's work beyond a one-token step (its tokens and their attention, which grows with
-        what each chunk follows) over what a step leaves for it: the engine's budgets step by step cost the router
-        milliseconds for a long prompt under a tight target. 0 without a target (the engine runs it whole)."""
+        does not know): `prompt_steps`. Each chunk beyond the first reads the weights once more. 0 without a target
+        (the engine runs it whole)."""
         if features.tpot_target_s is None:
             return 0.0
-        n = features.input_tokens
-        one_token_s = self._cost.step_s(1, 0, 1, features.kv_bytes_per_token)
-        room_s = idle_step_limit_s(features.tpot_target_s) / correction - one_token_s
-        work_s = ((n - 1) * self._cost.prefill_token_s(features.kv_bytes_per_token)
-                  + self._cost.prompt_attention_s(n))
-        num_chunks = n if room_s <= 0 else min(n, max(1, math.ceil(work_s / room_s)))
+        n, per_token = features.input_tokens, features.kv_bytes_per_token
+        room_s = idle_step_limit_s(features.tpot_target_s) / correction - self._cost.step_s(1, 0, 1, per_token)
+        num_chunks = max(1, prompt_steps(n - 1, self._cost.prefill_token_s(per_token),
+                                         self._cost.prompt_attention_s(n), room_s))
         return correction * self._cost.decode_s_per_token * (num_chunks - 1)  # a one-row step: the weights' pass
 
     def _chunked_prefill_s(self, input_tokens: int, pending_tokens: int, tpot: float, target_s: float,
@@ -273,13 +269,22 @@ class RuleScorer:
         token_s = correction * self._cost.prefill_token_s(kv_bytes_per_token)
         attention_s = correction * self._cost.prompt_attention_s(input_tokens)
         tokens = pending_tokens + max(0, input_tokens - 1)
-        # Each step fits (target - tpot) of prompt work: whole tokens of it, flat, and the joiner's attention, which
-        # grows with what each chunk follows (the earlier joiners' own is not known here).
-        steps = -(-tokens // max(1, int((target_s - tpot) / token_s)))
-        if attention_s > 0 and target_s > tpot:
-            steps = min(max(tokens, 1), max(steps, math.ceil((tokens * token_s + attention_s) / (target_s - tpot))))
+        # Each step fits (target - tpot) of prompt work; the earlier joiners' attention is not known here.
+        steps = prompt_steps(tokens, token_s, attention_s, target_s - tpot)
         return (self.overhead_s + tpot * max(1, steps)
                 + correction * tokens / self.prefill_tokens_per_s + attention_s)
+
+
+def prompt_steps(num_tokens: int, token_s: float, attention_s: float, room_s: float) -> int:
+    """Steps that `num_tokens` prompt tokens take where each step has `room_s` for them (a step's time beyond its
+    rows' one token each): whole tokens at `token_s` each, at least one a step, and where more, all of their work
+    with its attention (`attention_s`, the same however the tokens are chunked) over the room, at most a token a
+    step. An estimate of the engine's budgets (actors/scheduler.py): stepping them one by one would cost the router
+    milliseconds for a long prompt under a tight target, this microseconds."""
+    steps = -(-num_tokens // max(1, int(room_s / token_s)))
+    if attention_s > 0 and room_s > 0:
+        steps = min(max(num_tokens, 1), max(steps, math.ceil((num_tokens * token_s + attention_s) / room_s)))
+    return steps
 
 
 RULE_SCORER = RuleScorer()
