@@ -74,8 +74,9 @@ def scorer_used(args: dict[str, Any]) -> str:
 def calibrate(zqs_path: str, prompts: dict[str, str], args: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]:
     """Each class's service time alone on a hot model (batch 1): prompt in, last token out, computed as the app's
     actors compute it (their threads, compute dtype and packed weights: `args` are the app's). It sets each class's
-    end-to-end SLO; capacity is measured live, not from this. (Until this run's commit the weights were not packed:
-    every class took 2-2.5x what an actor takes, and the SLOs were that much looser than 3x a hot service time.)"""
+    end-to-end SLO; capacity is measured live, not from this. (The weights were left plain until commit aa776a8:
+    results/load.md of 2026-12-06 against 2026-12-08 has short 0.142 against 0.074 s, medium 0.526 against 0.206,
+    long 3.32 against 1.34, so the SLOs were 2-2.5x looser than 3x an actor's hot service time.)"""
     import torch
 
     from actors.chat import GenerationRequest
